@@ -1,0 +1,10 @@
+"""ferrule-testkit: deterministic tiny tokenizers and language models for tests, benchmarks and examples.
+
+Development only; not a dependency of any published package. Importing it is cheap: torch,
+tokenizers and transformers load when a model is first built.
+"""
+
+from ferrule_testkit.corpus import synthetic_corpus
+from ferrule_testkit.models import SPECS, cache_root, tiny_model, tiny_tokenizer
+
+__all__ = ["SPECS", "cache_root", "synthetic_corpus", "tiny_model", "tiny_tokenizer"]

@@ -1,0 +1,141 @@
+"""Tiny causal language models and their tokenizer, built locally and cached on disk.
+
+    from ferrule_testkit import tiny_model
+    path = tiny_model("qwen2")          # a directory for AutoModelForCausalLM / vllm.LLM
+
+No model hub is reachable from our machines, so every test, benchmark and example model is made
+here: a byte-level BPE tokenizer trained on `corpus.synthetic_corpus`, and a randomly initialised
+Qwen2- or Llama-style model, saved with `save_pretrained`. The same seed gives the same bytes.
+Builds take a few seconds and are cached under $FERRULE_CACHE (default ~/.cache/ferrule), keyed
+by every input that changes the result, so tests in several processes share one build.
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ferrule_testkit.corpus import synthetic_corpus
+
+# Shapes are tiny but valid for vLLM's CPU backend: head size 64 (it rejects 16).
+SPECS = {
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
+_KIT_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FERRULE_CACHE", Path.home() / ".cache" / "ferrule"))
+
+
+def _cached(kind: str, key: dict, build) -> Path:
+    """Return the cached directory for `key`, building it once under a file lock."""
+    import tokenizers
+    import torch
+    import transformers
+
+    key = dict(
+        key,
+        kit=_KIT_VERSION,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        tokenizers=tokenizers.__version__,
+    )
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    target = cache_root() / "testkit" / f"{kind}-{digest}"
+    if (target / "DONE").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "DONE").exists():
+            work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+            build(work)
+            (work / "key.json").write_text(json.dumps(key, indent=2, sort_keys=True))
+            (work / "DONE").write_text("")
+            shutil.rmtree(target, ignore_errors=True)
+            work.rename(target)
+    return target
+
+
+def tiny_tokenizer(seed: int = 0, vocab_size: int = 512) -> Path:
+    """A directory holding a byte-level BPE `PreTrainedTokenizerFast` trained on synthetic text."""
+
+    def build(out: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator(synthetic_corpus(seed), trainer=trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token="<|endoftext|>",
+            pad_token="<|pad|>",
+            model_max_length=SPECS["qwen2"]["max_position_embeddings"],
+        )
+        fast.save_pretrained(out)
+
+    return _cached("tokenizer", {"seed": seed, "vocab_size": vocab_size}, build)
+
+
+def tiny_model(arch: str = "qwen2", seed: int = 0, **overrides) -> Path:
+    """A directory with a randomly initialised tiny `arch` model, its config and tokenizer.
+
+    `overrides` change config fields (for example `num_hidden_layers=4`); they are part of the
+    cache key.
+    """
+    if arch not in SPECS:
+        raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {sorted(SPECS)}")
+    spec = dict(SPECS[arch], **overrides)
+    tokenizer_dir = tiny_tokenizer(seed)
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = AutoConfig.for_model(
+            **spec,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _cached(f"{arch}", {"seed": seed, "spec": spec, "tokenizer": tokenizer_dir.name}, build)
