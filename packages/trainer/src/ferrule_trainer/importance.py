@@ -1,0 +1,80 @@
+"""Correct for the gap between the rollout engine's and the trainer's log-probabilities.
+
+    w = truncated_is_weights(old_logprobs, rollout_logprobs, mask, cap=2.0)     # or icepop_weights
+    pg = policy_loss(logprobs, old_logprobs, advantages, mask, is_weights=w.weights)
+
+vLLM and the trainer compute different probabilities for the same tokens with the same weights
+(other kernels, other precision, MoE routing), so a batch that looks on-policy is slightly
+off-policy. Both corrections weight each token's loss by the ratio pi_trainer / pi_rollout of
+the sampled token, computed before the update (old_logprobs); they differ in what they do with
+extreme ratios. The weights are constants: no gradient flows through them.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from ferrule_trainer._checks import check_per_token, valid_tokens
+from ferrule_trainer.aggregation import masked_mean
+
+
+class ImportanceWeights(NamedTuple):
+    weights: torch.Tensor  # (batch, response_len), detached, 0 on padding
+    fraction: torch.Tensor  # valid tokens whose ratio was truncated (TIS) or masked (ICEPOP)
+
+
+def truncated_is_weights(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+) -> ImportanceWeights:
+    """Truncated importance sampling, TIS (Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"):
+
+        w_t = min(pi_trainer(a_t) / pi_rollout(a_t), cap)
+
+    Truncating only from above bounds the variance and keeps every token in the gradient;
+    the paper uses cap = 2. `fraction` is the share of valid tokens with a ratio above cap.
+    """
+    ratio, valid = _ratio(trainer_logprobs, rollout_logprobs, mask)
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    weights = torch.where(valid, ratio.clamp(max=cap), 0.0)
+    return ImportanceWeights(weights, masked_mean((ratio > cap).float(), valid))
+
+
+def icepop_weights(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> ImportanceWeights:
+    """IcePop (Ant Group Ling/Ring team 2025, blog "Small Leak Can Sink a Great Ship: Boost RL
+    Training on MoE with IcePop!", used for Ring-1T): double-sided masking of the ratio.
+
+        w_t = k_t if low <= k_t <= high else 0,    k_t = pi_trainer(a_t) / pi_rollout(a_t)
+
+    Tokens where the two engines disagree badly are dropped from the gradient instead of being
+    truncated, since their gradient is mostly noise from the mismatch; the others get the plain
+    IS weight. The defaults [0.5, 5] are the blog's. `fraction` is the share of valid tokens
+    masked out.
+    """
+    ratio, valid = _ratio(trainer_logprobs, rollout_logprobs, mask)
+    if not 0 <= low < high:
+        raise ValueError(f"icepop_weights needs 0 <= low < high, got low={low}, high={high}")
+    kept = (ratio >= low) & (ratio <= high)
+    weights = torch.where(valid & kept, ratio, 0.0)
+    return ImportanceWeights(weights, masked_mean((~kept).float(), valid))
+
+
+def _ratio(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_per_token(mask, trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs)
+    valid = valid_tokens(mask)
+    log_ratio = trainer_logprobs.detach().float() - rollout_logprobs.detach().float()
+    return torch.exp(torch.where(valid, log_ratio, 0.0)), valid

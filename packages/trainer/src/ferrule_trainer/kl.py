@@ -1,0 +1,85 @@
+"""Per-token estimators of KL(policy || reference): k1, k2 and k3, as a reward penalty or a loss.
+
+    kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind="k1")      # reward penalty, see
+    rewards = reward_shaping.token_rewards(scores, mask, kl=kl, kl_coef=0.05)   # reward_shaping
+    loss = pg.loss + 0.001 * kl_loss(logprobs, ref_logprobs, mask, kind="k2")   # loss term
+
+Source for all three: J. Schulman, "Approximating KL Divergence" (2020),
+http://joschu.net/blog/kl-approx.html. With x = log pi(a) - log pi_ref(a) for a token a sampled
+from pi, and r = pi_ref(a) / pi(a) = exp(-x):
+
+    k1 = x                  unbiased, high variance, can be negative
+    k2 = x^2 / 2            biased (tiny when pi is close to pi_ref), low variance, >= 0
+    k3 = (r - 1) - log r    unbiased, low variance, >= 0
+
+As a loss term the gradient matters, not the value (Tang & Munos 2025, "On a few pitfalls in KL
+divergence gradient estimation for RL"): on-policy, grad E[k2] is the gradient of KL(pi || pi_ref),
+grad E[k3] is the gradient of the forward KL(pi_ref || pi) (GRPO's choice), and grad E[k1] is zero
+in expectation, so k1 belongs in the reward, not in the loss.
+"""
+
+import torch
+
+from ferrule_trainer._checks import check_per_token, valid_tokens
+from ferrule_trainer.aggregation import aggregate_loss
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: str,
+    max_abs_log_ratio: float | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref), (batch, response_len), 0 on padding.
+
+    logprobs:          log pi of the sampled tokens (the policy the samples came from).
+    ref_logprobs:      log pi_ref of the same tokens.
+    kind:              "k1", "k2" or "k3" (formulas in the module docstring, after Schulman 2020).
+    max_abs_log_ratio: clamp x = logprobs - ref_logprobs to [-c, c] first. k3 grows like exp(-x)
+                       where the policy gives a token far less mass than the reference does, and
+                       one such token can dominate a batch; OpenRLHF clamps at 10. None: no clamp.
+    """
+    check_per_token(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {KL_ESTIMATORS}, got {kind!r}")
+    valid = valid_tokens(mask)
+    # Zero the padding before any arithmetic: pad tokens may carry -inf log-probabilities, and
+    # exp(inf) would put NaN into the gradient even where the result is masked out afterwards.
+    log_ratio = torch.where(valid, logprobs.float() - ref_logprobs.float(), 0.0)
+    if max_abs_log_ratio is not None:
+        log_ratio = log_ratio.clamp(-max_abs_log_ratio, max_abs_log_ratio)
+    if kind == "k1":
+        estimate = log_ratio
+    elif kind == "k2":
+        estimate = 0.5 * log_ratio.square()
+    else:  # (r - 1) - log r with r = exp(-x); expm1 keeps precision when pi is close to pi_ref
+        estimate = torch.expm1(-log_ratio) + log_ratio
+    return torch.where(valid, estimate, 0.0)
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: str,
+    max_abs_log_ratio: float | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_sequences: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KL(pi || pi_ref) as a loss term: `kl_estimate` reduced by `aggregation.aggregate_loss`.
+
+    GRPO (Shao et al. 2024) adds beta * mean k3 to the loss instead of penalising the reward;
+    the caller multiplies by its coefficient. `logprobs` must carry the gradient.
+    """
+    per_token = kl_estimate(
+        logprobs, ref_logprobs, mask, kind=kind, max_abs_log_ratio=max_abs_log_ratio
+    )
+    return aggregate_loss(
+        per_token, mask, mode=agg_mode, num_tokens=num_tokens, num_sequences=num_sequences
+    )

@@ -1,0 +1,103 @@
+"""From sequence scores to the rewards the estimators use: normalise, clip, spread over tokens.
+
+    moments = update_moments(moments, scores)                # running statistics, a NamedTuple
+    scores = clip_rewards(normalize_rewards(scores, moments=moments), low=-5.0, high=5.0)
+    rewards = token_rewards(scores, mask, kl=kl, kl_coef=0.05)   # per token, for GAE/REINFORCE++
+
+Pure functions: the running statistics are a value that the caller keeps (and checkpoints; its
+fields are plain floats), never state hidden in here.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from ferrule_trainer._checks import check_per_token, check_sequence_scores, valid_tokens
+
+
+class RunningMoments(NamedTuple):
+    """Count, mean and population variance of every score seen so far."""
+
+    count: int = 0
+    mean: float = 0.0
+    var: float = 0.0
+
+
+def update_moments(moments: RunningMoments, scores: torch.Tensor) -> RunningMoments:
+    """`moments` merged with a new batch of scores.
+
+    Chan, Golub & LeVeque (1979) parallel update: with delta = mean_b - mean_a and n = n_a + n_b,
+    mean = mean_a + delta n_b / n and M2 = M2_a + M2_b + delta^2 n_a n_b / n (M2 = var * count).
+    Exact for any split of the data into batches, and stable where sum(x^2) - n mean^2 is not.
+    """
+    scores = scores.detach().double().flatten()
+    n_b = scores.numel()
+    if n_b == 0:
+        return moments
+    mean_b = scores.mean().item()
+    m2_b = (scores - mean_b).square().sum().item()
+    n = moments.count + n_b
+    delta = mean_b - moments.mean
+    mean = moments.mean + delta * n_b / n
+    m2 = moments.var * moments.count + m2_b + delta**2 * moments.count * n_b / n
+    return RunningMoments(n, mean, m2 / n)
+
+
+def normalize_rewards(
+    scores: torch.Tensor, *, moments: RunningMoments | None = None, eps: float = 1e-8
+) -> torch.Tensor:
+    """(s - mean) / (std + eps), with mean and (population) std from `moments`, or from this
+    batch when None.
+
+    Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences") shift and scale
+    the reward model to mean 0, std 1; running moments do the same as the policy moves, as
+    OpenRLHF's reward normalisation does. A fixed scale keeps the KL coefficient and the value
+    loss meaningful across reward models.
+    """
+    if moments is None:
+        mean, std = scores.float().mean(), scores.float().std(correction=0)
+    elif moments.count == 0:
+        raise ValueError("moments has count 0: call update_moments(moments, scores) first")
+    else:
+        mean, std = moments.mean, moments.var**0.5
+    return (scores.float() - mean) / (std + eps)
+
+
+def clip_rewards(scores: torch.Tensor, *, low: float, high: float) -> torch.Tensor:
+    """Scores clamped to [low, high]: one outlier of a reward model (or a bug in a reward
+    function) must not dominate the batch's advantages or blow up the critic's targets."""
+    if not low < high:
+        raise ValueError(f"clip_rewards needs low < high, got low={low}, high={high}")
+    return scores.clamp(low, high)
+
+
+def token_rewards(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards: the sequence score on the last valid token, and the KL penalty
+    -kl_coef * kl_t on every valid token; (batch, response_len), 0 on padding.
+
+        r_t = -kl_coef kl_t + [t is the last valid token] s
+
+    The KL-penalised reward of Ziegler et al. 2019 and InstructGPT (Ouyang et al. 2022), used
+    by PPO (with `advantages.gae`) and REINFORCE++. kl: per-token estimates from
+    `kl.kl_estimate` (k1 is the usual choice here); None or kl_coef = 0 for no penalty.
+    """
+    check_sequence_scores(scores, mask)
+    check_per_token(mask, kl=kl)
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    valid = valid_tokens(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(valid, positions, -1).amax(-1)
+    if (last < 0).any():  # a score with no token to sit on would be lost without a trace
+        empty = torch.nonzero(last < 0).flatten().tolist()
+        raise ValueError(f"mask has rows without a valid token: {empty}; drop those samples")
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
+    if kl is not None and kl_coef:
+        rewards = torch.where(valid, -kl_coef * kl.float(), 0.0)
+    return rewards.scatter_add(1, last[:, None], scores.float()[:, None])

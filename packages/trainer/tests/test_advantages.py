@@ -1,0 +1,203 @@
+"""Advantage estimators against values worked out by hand, plus the properties they must keep."""
+
+import math
+
+import pytest
+import torch
+
+from ferrule_trainer.advantages import (
+    discounted_returns,
+    dr_grpo,
+    gae,
+    grpo,
+    normalize_advantages,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    rloo,
+)
+
+NAN = float("nan")
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype))
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    gamma, lam = 0.9, 0.8
+    # backwards from the last token, where V_{t+1} = 0:
+    d2 = 1.0 + gamma * 0.0 - 0.7  # 0.3
+    d1 = 0.0 + gamma * 0.7 - 0.6  # 0.03
+    d0 = 0.0 + gamma * 0.6 - 0.5  # 0.04
+    a2 = d2  # 0.3
+    a1 = d1 + gamma * lam * a2  # 0.03 + 0.72 * 0.3 = 0.246
+    a0 = d0 + gamma * lam * a1  # 0.04 + 0.72 * 0.246 = 0.21712
+    out = gae(rewards, values, torch.ones(1, 3), gamma=gamma, lam=lam)
+    close(out.advantages, [[a0, a1, a2]])
+    close(out.advantages, [[0.21712, 0.246, 0.3]])
+    close(out.returns, [[a0 + 0.5, a1 + 0.6, a2 + 0.7]])
+
+
+def test_gae_lambda_one_gamma_one_is_reward_to_go_minus_value():
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randn(4, 6, generator=generator)
+    values = torch.randn(4, 6, generator=generator)
+    mask = torch.ones(4, 6)
+    out = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    reward_to_go = rewards.flip(1).cumsum(1).flip(1)
+    torch.testing.assert_close(out.advantages, reward_to_go - values)
+    torch.testing.assert_close(out.returns, reward_to_go)
+
+
+def test_gae_lambda_zero_is_one_step_td_error():
+    rewards = torch.tensor([[1.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, -1.0, 2.0]])
+    out = gae(rewards, values, torch.ones(1, 3), gamma=0.5, lam=0.0)
+    close(out.advantages, [[1.0 + 0.5 * -1.0 - 0.5, 2.0 + 0.5 * 2.0 + 1.0, 3.0 - 2.0]])
+
+
+def test_gae_padding_never_affects_results():
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.2, 0.4, 0.0], [0.1, 0.3, 0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    clean = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    garbage = gae(
+        torch.where(mask.bool(), rewards, NAN),
+        torch.where(mask.bool(), values, 1e30),
+        mask,
+        gamma=0.9,
+        lam=0.8,
+    )
+    for a, b in zip(clean, garbage, strict=True):
+        torch.testing.assert_close(a, b)
+    # the padded row is the 2-token episode computed on its own
+    alone = gae(rewards[:1, :2], values[:1, :2], torch.ones(1, 2), gamma=0.9, lam=0.8)
+    torch.testing.assert_close(clean.advantages[:1, :2], alone.advantages)
+    assert clean.advantages[0, 2] == 0 and clean.returns[0, 2] == 0
+
+
+def test_gae_skips_holes_in_the_mask():
+    # token 1 is tool output: the recursion steps from token 2 straight to token 0
+    rewards = torch.tensor([[0.5, 7.0, 1.0]])
+    values = torch.tensor([[0.2, 9.0, 0.6]])
+    out = gae(rewards, values, torch.tensor([[1, 0, 1]]), gamma=0.9, lam=0.8)
+    a2 = 1.0 - 0.6  # 0.4
+    a0 = (0.5 + 0.9 * 0.6 - 0.2) + 0.9 * 0.8 * a2  # 0.84 + 0.288 = 1.128
+    close(out.advantages, [[a0, 0.0, a2]])
+
+
+def test_discounted_returns_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    # G2 = 2, G1 = 0 + 0.5 * 2 = 1, G0 = 1 + 0.5 * 1 = 1.5; the padded 5 is not a reward
+    close(discounted_returns(rewards, mask, gamma=0.5), [[1.5, 1.0, 2.0, 0.0]])
+
+
+def test_normalize_advantages_by_hand():
+    advantages = torch.tensor([[1.0, 3.0], [5.0, 100.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    # mean 3, population std sqrt((4 + 0 + 4) / 3)
+    std = math.sqrt(8 / 3)
+    close(normalize_advantages(advantages, mask, eps=0.0), [[-2 / std, 0.0], [2 / std, 0.0]])
+
+
+def test_reinforce_plus_plus_by_hand():
+    scores = torch.tensor([1.0, 0.0])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    # the score sits on the last valid token; returns with gamma = 1: [[1, 1], [0, -]]
+    # mean 2/3; population std sqrt((1/9 + 1/9 + 4/9) / 3) = sqrt(2) / 3
+    s = math.sqrt(2)
+    expected = [[1 / s, 1 / s], [-s, 0.0]]
+    torch.testing.assert_close(reinforce_plus_plus(scores, mask), torch.tensor(expected))
+
+
+def test_reinforce_plus_plus_kl_penalty_and_discount():
+    scores = torch.tensor([1.0, 0.0])
+    mask = torch.ones(2, 2)
+    kl = torch.tensor([[0.2, 0.4], [0.0, 1.0]])
+    out = reinforce_plus_plus(scores, mask, kl=kl, kl_coef=0.5, gamma=0.5)
+    # token rewards [[-0.1, 1 - 0.2], [0, -0.5]]; returns [[-0.1 + 0.4, 0.8], [-0.25, -0.5]]
+    returns = torch.tensor([[0.3, 0.8], [-0.25, -0.5]])
+    mean = returns.mean()  # 0.0875
+    std = (returns - mean).square().mean().sqrt()
+    torch.testing.assert_close(out, (returns - mean) / std)
+
+
+def test_reinforce_plus_plus_baseline_by_hand():
+    scores = torch.tensor([1.0, 0.0, 3.0, 2.0])
+    mask = torch.ones(4, 1)
+    # group means 0.5 and 2.5 -> [0.5, -0.5, 0.5, -0.5]; batch mean 0, std 0.5
+    out = reinforce_plus_plus_baseline(scores, mask, group_size=2)
+    close(out, [[1.0], [-1.0], [1.0], [-1.0]])
+    # a batch-wide mean (3/2) would have ranked the second group above the first
+    assert not torch.allclose(reinforce_plus_plus(scores, mask), out)
+
+
+def test_grpo_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [0, 1]])
+    # group 1: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    hi, lo = (2 / 3) / std, (-1 / 3) / std  # 1.1547, -0.5774
+    expected = [[hi, hi], [lo, 0.0], [lo, lo], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    out = grpo(scores, mask, group_size=3, eps=0.0)
+    torch.testing.assert_close(out[:3], torch.tensor(expected[:3]))
+    # group 2 has equal scores: with the default eps its advantage is 0, not 0 / 0
+    torch.testing.assert_close(grpo(scores, mask, group_size=3)[3:], torch.tensor(expected[3:]))
+
+
+def test_dr_grpo_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 4.0, 2.0, 0.0])
+    mask = torch.ones(6, 1)
+    # group means 1/3 and 2; no division by the std
+    close(dr_grpo(scores, mask, group_size=3), [[2 / 3], [-1 / 3], [-1 / 3], [2.0], [0.0], [-2.0]])
+
+
+def test_rloo_by_hand():
+    scores = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
+    mask = torch.ones(6, 1)
+    # each sample's baseline is the mean of the *other* samples of its group
+    expected = [
+        1.0 - (0.0 + 0.0) / 2,  # 1
+        0.0 - (1.0 + 0.0) / 2,  # -0.5
+        0.0 - (1.0 + 0.0) / 2,  # -0.5
+        3.0 - (1.0 + 2.0) / 2,  # 1.5
+        1.0 - (3.0 + 2.0) / 2,  # -1.5
+        2.0 - (3.0 + 1.0) / 2,  # 0
+    ]
+    close(rloo(scores, mask, group_size=3), [[a] for a in expected])
+
+
+def test_rloo_sums_to_zero_per_group_and_scales_the_centered_score():
+    scores = torch.randn(20, generator=torch.Generator().manual_seed(1))
+    n = 5
+    advantages = rloo(scores, torch.ones(20, 1), group_size=n)[:, 0]
+    torch.testing.assert_close(advantages.view(-1, n).sum(-1), torch.zeros(4))
+    centered = dr_grpo(scores, torch.ones(20, 1), group_size=n)[:, 0]
+    torch.testing.assert_close(advantages, centered * n / (n - 1))
+
+
+@pytest.mark.parametrize("estimator", [grpo, dr_grpo, rloo, reinforce_plus_plus_baseline])
+def test_group_estimators_ignore_padding_and_need_whole_groups(estimator):
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    out = estimator(scores, mask, group_size=2)
+    assert out.shape == (4, 3)
+    assert (out[~mask.bool()] == 0).all()
+    assert out[mask.bool()].abs().sum() > 0
+
+    with pytest.raises(ValueError, match=r"group_size 2.*\(5,\)|\(5,\).*group_size 2"):
+        estimator(torch.ones(5), torch.ones(5, 3), group_size=2)
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        estimator(scores, mask, group_size=1)
+    with pytest.raises(ValueError, match=r"scores must be \(batch,\).*\(4, 3\).*\(3,\)"):
+        estimator(scores[:3], mask, group_size=2)
+
+
+def test_shape_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"values has shape \(2, 4\) but mask has shape \(2, 3\)"):
+        gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"mask must be \(batch, response_len\)"):
+        reinforce_plus_plus(torch.zeros(3), torch.ones(3))

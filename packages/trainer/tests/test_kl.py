@@ -1,0 +1,124 @@
+"""KL estimators k1, k2, k3 by hand; their expectations and gradients over a whole distribution."""
+
+import math
+
+import pytest
+import torch
+
+from ferrule_trainer.kl import kl_estimate, kl_loss
+
+
+def test_k1_k2_k3_by_hand():
+    # pi(a) = 0.5, pi_ref(a) = 0.25: x = log 2, r = pi_ref / pi = 0.5
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    ref_logprobs = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    mask = torch.ones(1, 2)
+    ln2 = math.log(2)
+    expected = {
+        "k1": [ln2, -ln2],
+        "k2": [ln2**2 / 2, ln2**2 / 2],  # 0.2402
+        "k3": [(0.5 - 1) + ln2, (2 - 1) - ln2],  # 0.1931, 0.3069
+    }
+    for kind, values in expected.items():
+        out = kl_estimate(logprobs, ref_logprobs, mask, kind=kind)
+        torch.testing.assert_close(out, torch.tensor([values]), msg=kind)
+
+
+def _two_distributions():
+    pi = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    ref = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    return pi, ref
+
+
+def _expectation_under_pi(kind, pi, ref):
+    """E_{a ~ pi}[k(a)], exactly: every token of the vocabulary, weighted by pi."""
+    values = kl_estimate(pi.log()[None], ref.log()[None], torch.ones(1, 4), kind=kind)[0]
+    return (pi * values.double()).sum()
+
+
+def test_k1_and_k3_are_unbiased_and_k2_is_not():
+    pi, ref = _two_distributions()
+    true_kl = (pi * (pi / ref).log()).sum()  # 0.2322
+    for kind in ("k1", "k3"):
+        expectation = _expectation_under_pi(kind, pi, ref)
+        torch.testing.assert_close(expectation, true_kl, rtol=1e-6, atol=0, msg=kind)
+    assert abs(_expectation_under_pi("k2", pi, ref) - true_kl) > 1e-3
+
+
+def test_k2_and_k3_are_never_negative_where_k1_is():
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(8, 16, generator=generator) * 5
+    ref_logprobs = -torch.rand(8, 16, generator=generator) * 5
+    mask = torch.ones(8, 16)
+    assert (kl_estimate(logprobs, ref_logprobs, mask, kind="k1") < 0).any()
+    for kind in ("k2", "k3"):
+        assert (kl_estimate(logprobs, ref_logprobs, mask, kind=kind) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    ("kind", "direction"),
+    [("k1", None), ("k2", "reverse"), ("k3", "forward")],
+)
+def test_loss_gradients_match_the_module_docstring(kind, direction):
+    """On-policy, grad E[k2] = grad KL(pi || ref), grad E[k3] = grad KL(ref || pi), grad E[k1] = 0."""
+    _, ref = _two_distributions()
+    logits = torch.tensor([1.0, 0.5, -0.2, -1.0], dtype=torch.float64, requires_grad=True)
+    logprobs = logits.log_softmax(-1)
+    pi = logprobs.exp().detach()  # the sampling distribution carries no gradient
+    per_token = kl_estimate(logprobs[None], ref.log()[None], torch.ones(1, 4), kind=kind)[0]
+    (estimator_grad,) = torch.autograd.grad((pi * per_token.double()).sum(), logits)
+
+    if direction is None:
+        torch.testing.assert_close(estimator_grad, torch.zeros(4, dtype=torch.float64))
+        return
+    logprobs = logits.log_softmax(-1)
+    probs = logprobs.exp()
+    if direction == "reverse":
+        true_kl = (probs * (logprobs - ref.log())).sum()
+    else:
+        true_kl = (ref * (ref.log() - logprobs)).sum()
+    (true_grad,) = torch.autograd.grad(true_kl, logits)
+    # the estimates are computed in float32
+    torch.testing.assert_close(estimator_grad, true_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_is_zero_and_never_leaks_into_the_gradient():
+    logprobs = torch.tensor([[-1.0, -float("inf")]], requires_grad=True)
+    ref_logprobs = torch.tensor([[-2.0, -float("inf")]])
+    mask = torch.tensor([[True, False]])
+    for kind in ("k1", "k2", "k3"):
+        out = kl_estimate(logprobs, ref_logprobs, mask, kind=kind)
+        assert out[0, 1] == 0
+        (grad,) = torch.autograd.grad(out.sum(), logprobs)
+        assert torch.isfinite(grad).all() and grad[0, 1] == 0, kind
+
+
+def test_max_abs_log_ratio_clamps_k3():
+    logprobs = torch.tensor([[-30.0]])  # the policy all but forbids a token the reference likes
+    ref_logprobs = torch.tensor([[-0.1]])
+    mask = torch.ones(1, 1)
+    # x = -29.9 clamped to -10: k3 = exp(10) - 1 - 10
+    clamped = kl_estimate(logprobs, ref_logprobs, mask, kind="k3", max_abs_log_ratio=10.0)
+    torch.testing.assert_close(clamped, torch.tensor([[math.exp(10) - 11]]))
+    assert kl_estimate(logprobs, ref_logprobs, mask, kind="k3") > 1e12
+
+
+def test_kl_loss_is_the_aggregated_estimate():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.5)], [math.log(0.25), 0.0]])
+    ref_logprobs = torch.tensor([[math.log(0.25), math.log(0.5)], [math.log(0.5), 5.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    ln2 = math.log(2)
+    k3 = [(0.5 - 1) + ln2, 0.0, (2 - 1) - ln2]  # the valid tokens
+    torch.testing.assert_close(
+        kl_loss(logprobs, ref_logprobs, mask, kind="k3"), torch.tensor(sum(k3) / 3)
+    )
+    torch.testing.assert_close(
+        kl_loss(logprobs, ref_logprobs, mask, kind="k3", num_tokens=6), torch.tensor(sum(k3) / 6)
+    )
+
+
+def test_bad_kind_and_shapes_are_errors():
+    with pytest.raises(ValueError, match=r"kind must be one of \('k1', 'k2', 'k3'\), got 'k4'"):
+        kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), kind="k4")
+    with pytest.raises(ValueError, match=r"ref_logprobs has shape \(1, 3\)"):
+        kl_estimate(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2), kind="k1")

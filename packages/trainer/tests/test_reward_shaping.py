@@ -1,0 +1,81 @@
+"""Reward normalisation, clipping and per-token rewards (the KL penalty) by hand."""
+
+import math
+
+import pytest
+import torch
+
+from ferrule_trainer.reward_shaping import (
+    RunningMoments,
+    clip_rewards,
+    normalize_rewards,
+    token_rewards,
+    update_moments,
+)
+
+
+def test_token_rewards_place_the_score_and_the_kl_penalty():
+    scores = torch.tensor([1.0, 2.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    kl = torch.tensor([[0.1, 0.2, float("nan")], [0.3, 0.0, 0.1]])
+    expected = [
+        [-0.5 * 0.1, 1.0 - 0.5 * 0.2, 0.0],
+        [-0.5 * 0.3, 0.0, 2.0 - 0.5 * 0.1],
+    ]
+    out = token_rewards(scores, mask, kl=kl, kl_coef=0.5)
+    torch.testing.assert_close(out, torch.tensor(expected))
+    # without a penalty only the score remains
+    torch.testing.assert_close(
+        token_rewards(scores, mask), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    )
+
+
+def test_token_rewards_use_the_last_valid_token_even_with_holes():
+    out = token_rewards(torch.tensor([3.0]), torch.tensor([[1, 1, 0, 1, 0, 0]]))
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0, 0.0, 3.0, 0.0, 0.0]]))
+
+
+def test_token_rewards_errors():
+    with pytest.raises(ValueError, match=r"rows without a valid token: \[1\]"):
+        token_rewards(torch.ones(2), torch.tensor([[1, 0], [0, 0]]))
+    with pytest.raises(ValueError, match=r"kl has shape \(2, 3\) but mask has shape \(2, 2\)"):
+        token_rewards(torch.ones(2), torch.ones(2, 2), kl=torch.zeros(2, 3), kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        token_rewards(torch.ones(2), torch.ones(2, 2), kl=torch.zeros(2, 2), kl_coef=-0.1)
+
+
+def test_running_moments_by_hand_and_for_any_split():
+    moments = update_moments(RunningMoments(), torch.tensor([1.0, 2.0, 3.0]))
+    assert moments == pytest.approx(RunningMoments(3, 2.0, 2 / 3))
+    moments = update_moments(moments, torch.tensor([4.0, 5.0]))
+    # 1..5: mean 3, population variance (4 + 1 + 0 + 1 + 4) / 5 = 2
+    assert moments == pytest.approx(RunningMoments(5, 3.0, 2.0))
+
+    data = torch.randn(100, generator=torch.Generator().manual_seed(0)) * 3 + 7
+    split = RunningMoments()
+    for chunk in data.split([1, 30, 0, 69]):
+        split = update_moments(split, chunk)
+    whole = update_moments(RunningMoments(), data)
+    assert split == pytest.approx(whole)
+    assert whole == pytest.approx((100, data.mean().item(), data.var(correction=0).item()))
+
+
+def test_normalize_rewards_by_hand():
+    scores = torch.tensor([1.0, 2.0, 3.0])
+    std = math.sqrt(2 / 3)  # population std of the batch
+    torch.testing.assert_close(normalize_rewards(scores), torch.tensor([-1 / std, 0.0, 1 / std]))
+    moments = RunningMoments(count=10, mean=2.0, var=4.0)
+    torch.testing.assert_close(
+        normalize_rewards(scores, moments=moments), torch.tensor([-0.5, 0.0, 0.5])
+    )
+    with pytest.raises(ValueError, match="count 0"):
+        normalize_rewards(scores, moments=RunningMoments())
+
+
+def test_clip_rewards():
+    scores = torch.tensor([-7.0, 0.5, 12.0])
+    torch.testing.assert_close(
+        clip_rewards(scores, low=-5.0, high=10.0), torch.tensor([-5.0, 0.5, 10.0])
+    )
+    with pytest.raises(ValueError, match="low < high"):
+        clip_rewards(scores, low=1.0, high=1.0)
