@@ -1,5 +1,51 @@
-"""ferrule-weightsync: Move model weights from a trainer to inference engines: bucketed NCCL, CUDA IPC, gloo and shared-memory transports. Depends on torch only."""
+"""ferrule-weightsync: move model weights from a trainer process to inference engines.
+
+    from ferrule_weightsync import create_sender, create_receiver
+
+Two transports with the same verbs (`send`, `receive`, `close`): "broadcast" (NCCL on GPUs, gloo
+on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, shared memory on
+CPU; colocated processes). Depends on torch only. See README.md for a complete example.
+"""
 
 from importlib.metadata import version as _version
 
+from ferrule_weightsync.broadcast import BroadcastReceiver, BroadcastSender
+from ferrule_weightsync.errors import MismatchError, PeerTimeoutError, WeightSyncError
+from ferrule_weightsync.ipc import IpcReceiver, IpcSender
+from ferrule_weightsync.packing import TensorSpec
+from ferrule_weightsync.update import Update
+
 __version__ = _version("ferrule-weightsync")
+TRANSPORTS = ("broadcast", "ipc")
+
+
+def create_sender(transport: str, host: str, port: int, num_receivers: int, **options):
+    """The trainer's end: `BroadcastSender` or `IpcSender` (same arguments, same `send`)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
+    cls = BroadcastSender if transport == "broadcast" else IpcSender
+    return cls(host, port, num_receivers, **options)
+
+
+def create_receiver(transport: str, host: str, port: int, rank: int, num_receivers: int, **options):
+    """An inference worker's end: `BroadcastReceiver` or `IpcReceiver` (same `receive`)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
+    cls = BroadcastReceiver if transport == "broadcast" else IpcReceiver
+    return cls(host, port, rank, num_receivers, **options)
+
+
+__all__ = [
+    "TRANSPORTS",
+    "BroadcastReceiver",
+    "BroadcastSender",
+    "IpcReceiver",
+    "IpcSender",
+    "MismatchError",
+    "PeerTimeoutError",
+    "TensorSpec",
+    "Update",
+    "WeightSyncError",
+    "create_receiver",
+    "create_sender",
+]

@@ -1,0 +1,105 @@
+"""Flat byte buckets: the layout both sides compute from the same specs, packing and unpacking.
+
+Moving one large flat buffer is what makes weight sync fast (one collective or one IPC handle per
+bucket, not per tensor). Any dtype is packed as its raw bytes, `tensor.view(torch.uint8)`, and
+viewed back on arrival, so bf16, bool and 0-dim tensors need no special cases.
+
+The sender and every receiver call `plan_buckets` on the same specs and bucket size, so the layout
+itself never travels: only the specs do.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+# Offsets are aligned so that every tensor's bytes can be viewed as its dtype (the widest, complex128,
+# needs 16) and so that copies start on cache-line-friendly boundaries.
+ALIGNMENT = 64
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a receiver needs to know about one tensor before its bytes arrive."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A run of tensors packed back to back (aligned) into one flat buffer of `nbytes`."""
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Greedy layout in the given order. A tensor larger than `bucket_bytes` gets a bucket of its
+    own, so no tensor is ever split across buckets."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    current: list[TensorSpec] = []
+    offsets: list[int] = []
+    used = 0
+
+    def close() -> None:
+        nonlocal current, offsets, used
+        if current:
+            buckets.append(Bucket(len(buckets), tuple(current), tuple(offsets), _align(used)))
+        current, offsets, used = [], [], 0
+
+    for spec in specs:
+        start = _align(used)
+        if current and start + spec.nbytes > bucket_bytes:
+            close()
+            start = 0
+        current.append(spec)
+        offsets.append(start)
+        used = start + spec.nbytes
+    close()
+    return buckets
+
+
+def pack(buffer: torch.Tensor, bucket: Bucket, tensors: list[torch.Tensor]) -> None:
+    """Copy `tensors` (matching `bucket.specs`) into the uint8 `buffer`. Non-contiguous tensors are
+    copied through a strided view: no temporary contiguous copy."""
+    for spec, offset, tensor in zip(bucket.specs, bucket.offsets, tensors, strict=True):
+        if spec.nbytes:
+            _view(buffer, spec, offset).copy_(tensor)
+
+
+def unpack(buffer: torch.Tensor, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` views into `buffer`: no copy; valid until the buffer is reused."""
+    for spec, offset in zip(bucket.specs, bucket.offsets, strict=True):
+        yield spec.name, _view(buffer, spec, offset)
+
+
+def _view(buffer: torch.Tensor, spec: TensorSpec, offset: int) -> torch.Tensor:
+    return buffer[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+def checksum(buffer: torch.Tensor) -> tuple[int, int]:
+    """Two sums over the bucket's 32-bit words, computed where the buffer lives (no host copy):
+    the plain sum catches corrupted bytes, the sum over even words also catches most swaps."""
+    words = buffer.view(torch.int32)
+    return int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))

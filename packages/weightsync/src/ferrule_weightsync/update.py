@@ -1,0 +1,224 @@
+"""What every transport does the same way around its data plane: announce, check, stream, finish.
+
+A transport (broadcast.py, ipc.py) supplies two generators: on the sender, one that moves each
+packed bucket; on the receiver, one that yields each arrived bucket and frees it when the consumer
+moves on. Everything else (versions, checks against the receiver's expectations, casting,
+checksums, telling the sender who failed) lives here, once.
+"""
+
+import pickle
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import islice
+
+import torch
+
+from ferrule_weightsync.control import Control, Manifest
+from ferrule_weightsync.errors import MismatchError, WeightSyncError
+from ferrule_weightsync.packing import Bucket, TensorSpec, checksum, plan_buckets, unpack
+
+# A transport's sender side: move (bucket, tensors) pairs for update `seq`.
+SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], None]
+# A transport's receiver side: yield (bucket, buffer) for update `seq`, freeing each on resume.
+ReceiveBuckets = Callable[[int, list[Bucket], Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
+MAX_LISTED = 5  # problems listed in one error message
+
+
+class UpdateSender:
+    """The sender's side of the update protocol, shared by every transport."""
+
+    def __init__(self, control: Control, bucket_bytes: int, checksums: bool):
+        self.control, self.bucket_bytes, self.checksums = control, bucket_bytes, checksums
+        self.seq = 0
+        self.version = 0
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        send_buckets: SendBuckets,
+        version: int | None,
+        specs: list[TensorSpec] | None,
+        extra: dict | None = None,
+    ) -> int:
+        if specs is None:
+            if not hasattr(named_tensors, "__len__"):
+                named_tensors = list(named_tensors)  # holds references only, no copies
+            specs = [TensorSpec.of(name, tensor) for name, tensor in named_tensors]
+        if not specs:
+            raise ValueError("nothing to send: the update has no tensors")
+        duplicates = sorted(n for n, c in Counter(s.name for s in specs).items() if c > 1)
+        if duplicates:
+            raise ValueError(f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}")
+        version = self.version + 1 if version is None else int(version)
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        manifest = Manifest(version, specs, self.bucket_bytes, self.checksums, extra or {})
+        seq = self.seq
+        self.control.publish_manifest(seq, manifest, len(buckets))
+        rejected = self.control.collect(seq, "ack")
+        self.control.decide(seq, rejected)
+        self.seq += 1
+        if rejected:
+            raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
+        send_buckets(seq, _bucketed(iter(named_tensors), buckets))
+        failed = self.control.collect(seq, "done")
+        if failed:
+            raise WeightSyncError(f"update to version {version} failed:\n  " + "\n  ".join(failed))
+        self.version = version
+        return version
+
+    def packed(self, seq: int, bucket: Bucket, buffer: torch.Tensor) -> None:
+        """Transports call this once a bucket is packed: publishes its checksum when enabled."""
+        if self.checksums:
+            self.control.signal(seq, bucket.index, "checksum", pickle.dumps(checksum(buffer)))
+
+
+def _bucketed(named_tensors: Iterator, buckets: list[Bucket]):
+    """Group the stream into buckets, checking each tensor against the spec announced for it."""
+    for bucket in buckets:
+        chunk = list(islice(named_tensors, len(bucket.specs)))
+        if len(chunk) < len(bucket.specs):
+            raise MismatchError(f"the tensor stream ended before {bucket.specs[len(chunk)].name!r}")
+        for spec, (name, tensor) in zip(bucket.specs, chunk, strict=True):
+            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
+                raise MismatchError(
+                    f"stream tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} does not match "
+                    f"the announced spec {spec.name!r} {spec.shape} {spec.dtype}"
+                )
+        yield bucket, [tensor for _, tensor in chunk]
+
+
+def expected_specs(expected: Mapping | None) -> dict[str, TensorSpec] | None:
+    """Accept a state dict (name -> tensor) or name -> TensorSpec."""
+    if expected is None:
+        return None
+    return {
+        name: value if isinstance(value, TensorSpec) else TensorSpec.of(name, value)
+        for name, value in expected.items()
+    }
+
+
+def check_manifest(
+    manifest: Manifest, expected: dict[str, TensorSpec] | None, cast: bool | torch.dtype
+) -> list[str]:
+    """Every way the announced tensors differ from what this receiver can load."""
+    if expected is None:
+        return []
+    problems = []
+    for spec in manifest.specs:
+        want = expected.get(spec.name)
+        if want is None:
+            problems.append(f"tensor {spec.name!r} is not expected by this receiver")
+        elif want.shape != spec.shape:
+            problems.append(
+                f"tensor {spec.name!r}: sender shape {spec.shape}, receiver expects {want.shape}"
+            )
+        elif want.dtype != spec.dtype and cast is not True:
+            problems.append(
+                f"tensor {spec.name!r}: sender dtype {spec.dtype}, receiver expects {want.dtype} "
+                f"(receive with cast=True to convert)"
+            )
+    if len(problems) > MAX_LISTED:
+        problems = [*problems[:MAX_LISTED], f"... and {len(problems) - MAX_LISTED} more"]
+    return problems
+
+
+class Update:
+    """One incoming update: `version` and `specs` are known before any data arrives; iterating
+    yields `(name, tensor)` as each bucket lands.
+
+    Tensors are views into a transport buffer that is reused two buckets later: load or copy each
+    one before advancing (`dict(update)` would keep stale views; use `update.to_state_dict()`).
+    Leaving the loop early, or raising inside it, still drains the update so the group stays in
+    step, and tells the sender that this receiver failed.
+    """
+
+    def __init__(self, control, seq, manifest, buckets, receive_buckets, expected, cast):
+        self.control, self.seq, self.manifest = control, seq, manifest
+        self.version, self.specs = manifest.version, manifest.specs
+        self._buckets, self._receive, self._expected, self._cast = (
+            buckets,
+            receive_buckets,
+            expected,
+            cast,
+        )
+        self._started = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._started:
+            raise WeightSyncError(f"update to version {self.version} was already consumed")
+        self._started = True
+        error = ""
+        arrivals = self._receive(self.seq, self._buckets, self.manifest)
+        try:
+            for bucket, buffer in arrivals:
+                if self.manifest.checksums:
+                    self._verify(bucket, buffer)
+                for name, tensor in unpack(buffer, bucket):
+                    yield name, self._converted(name, tensor)
+        except GeneratorExit:
+            error = "the consumer stopped before the end of the update"
+            raise
+        except BaseException as err:
+            error = f"{type(err).__name__}: {err}"
+            raise
+        finally:
+            try:
+                for _ in arrivals:  # keep the group in step even when the consumer stopped
+                    pass
+            except WeightSyncError as drain_error:
+                error = error or str(drain_error)
+            try:
+                self.control.report(self.seq, "done", error)
+            except WeightSyncError:
+                if not error:  # nothing else went wrong: losing the sender now is the error
+                    raise
+
+    def to_state_dict(self) -> dict[str, torch.Tensor]:
+        """Receive everything into fresh tensors (safe to keep)."""
+        return {name: tensor.clone() for name, tensor in self}
+
+    def _verify(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        sent = pickle.loads(
+            self.control.await_signal(self.seq, bucket.index, "checksum", "the sender")
+        )
+        if checksum(buffer) != sent:
+            names = [spec.name for spec in bucket.specs]
+            raise WeightSyncError(
+                f"checksum mismatch in bucket {bucket.index} of version {self.version} "
+                f"(tensors {names[:MAX_LISTED]}{' ...' if len(names) > MAX_LISTED else ''})"
+            )
+
+    def _converted(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self._cast is True and self._expected is not None:
+            return tensor.to(self._expected[name].dtype)
+        if isinstance(self._cast, torch.dtype) and tensor.is_floating_point():
+            return tensor.to(self._cast)
+        return tensor
+
+
+def open_update(
+    control: Control,
+    seq: int,
+    receive_buckets: ReceiveBuckets,
+    expected: Mapping | None,
+    cast: bool | torch.dtype,
+    timeout: float | None,
+) -> Update:
+    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed."""
+    if cast is True and expected is None:
+        raise ValueError("cast=True converts to the expected dtypes: pass expected= as well")
+    manifest = control.read_manifest(seq, timeout)
+    wanted = expected_specs(expected)
+    problems = check_manifest(manifest, wanted, cast)
+    control.report(seq, "ack", "\n  ".join(problems))
+    refusals = control.await_decision(seq)
+    if problems:
+        raise MismatchError(
+            f"update to version {manifest.version} refused:\n  " + "\n  ".join(problems)
+        )
+    if refusals:
+        raise MismatchError(
+            f"update to version {manifest.version} refused by other receivers:\n  {refusals}"
+        )
+    buckets = plan_buckets(manifest.specs, manifest.bucket_bytes)
+    return Update(control, seq, manifest, buckets, receive_buckets, wanted, cast)

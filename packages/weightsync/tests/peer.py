@@ -1,0 +1,119 @@
+"""A weight-sync peer in its own process, driven by the tests: `python peer.py --role receiver ...`.
+
+Receivers save what they received (or the error they raised) with torch.save to --out. Options
+inject the failures the tests need: corrupt a bucket, stall inside a bucket (to be killed), stop
+consuming early; a sender can stall after its first bucket.
+"""
+
+import argparse
+import time
+import traceback
+
+import torch
+
+from ferrule_weightsync import TensorSpec, create_receiver, create_sender
+
+
+def realistic_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Mixed dtypes, odd shapes, 0-dim, empty and non-contiguous tensors, and one large tensor."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, 48, generator=g)
+    return {
+        "embed.weight": torch.randn(97, 32, generator=g).to(torch.bfloat16),
+        "layers.0.attn.qkv.weight": torch.randn(96, 32, generator=g),
+        "layers.0.attn.qkv.bias": torch.randn(96, generator=g).half(),
+        "layers.0.mlp.up.weight.T": base.t(),  # non-contiguous: transposed
+        "layers.0.mlp.strided": base[::2, 1::3],  # non-contiguous: strided slices
+        "layers.0.norm.eps": torch.tensor(1e-6, dtype=torch.float64),  # 0-dim
+        "layers.0.empty": torch.empty(0, 5),
+        "layers.0.odd": torch.randn(7, 13, 3, generator=g),
+        "layers.0.mask": torch.rand(11, generator=g) > 0.5,
+        "step": torch.tensor(12345, dtype=torch.int64),
+        "lm_head.weight": torch.randn(512, 300, generator=g).to(torch.bfloat16),  # > small buckets
+    }
+
+
+def scaled(state: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    return {k: (v * factor).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def run_receiver(args) -> None:
+    results = []
+    try:
+        receiver = create_receiver(
+            args.transport,
+            "127.0.0.1",
+            args.port,
+            args.rank,
+            args.num_receivers,
+            timeout=args.timeout,
+        )
+        expected = realistic_state_dict() if args.expect else None
+        if expected is not None and args.expect == "float32":
+            expected = {k: v.float() if v.is_floating_point() else v for k, v in expected.items()}
+        if expected is not None and args.expect == "wrong-shape":
+            expected["layers.0.odd"] = torch.zeros(7, 13)
+        for _ in range(args.updates):
+            update = receiver.receive(expected=expected, cast=_cast(args.cast))
+            received = {}
+            for i, (name, tensor) in enumerate(update):
+                if args.stall_at is not None and i == args.stall_at:
+                    time.sleep(3600)  # the test kills us here, mid-transfer
+                if args.stop_after is not None and i == args.stop_after:
+                    break
+                received[name] = tensor.clone()
+            results.append(
+                {
+                    "version": update.version,
+                    "state": received,
+                    "handles_opened": getattr(receiver, "handles_opened", None),
+                }
+            )
+        receiver.close()
+    except Exception as err:
+        results.append({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
+    torch.save(results, args.out)
+
+
+def _cast(value):
+    return {"": False, "true": True, "float16": torch.float16}[value or ""]
+
+
+def run_sender(args) -> None:
+    sender = create_sender(
+        args.transport,
+        "127.0.0.1",
+        args.port,
+        args.num_receivers,
+        bucket_bytes=args.bucket_bytes,
+        timeout=args.timeout,
+    )
+    state = realistic_state_dict()
+    specs = [TensorSpec.of(name, t) for name, t in state.items()]
+
+    def stalling_stream():
+        for i, item in enumerate(state.items()):
+            if i == args.stall_at:
+                time.sleep(3600)  # killed here, after the first buckets went out
+            yield item
+
+    sender.send(stalling_stream(), specs=specs)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=["sender", "receiver"], default="receiver")
+    parser.add_argument("--transport", default="broadcast")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--num-receivers", type=int, default=1)
+    parser.add_argument("--updates", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--bucket-bytes", type=int, default=4096)
+    parser.add_argument("--expect", default="")
+    parser.add_argument("--cast", default="")
+    parser.add_argument("--stall-at", type=int)
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    run_sender(args) if args.role == "sender" else run_receiver(args)

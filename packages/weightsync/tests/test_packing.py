@@ -1,0 +1,73 @@
+"""Bucket layout, byte packing of every dtype, and the checksum."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_weightsync.packing import ALIGNMENT, TensorSpec, checksum, pack, plan_buckets, unpack
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer import realistic_state_dict
+
+
+def specs_of(state):
+    return [TensorSpec.of(name, t) for name, t in state.items()]
+
+
+def test_layout_keeps_order_aligns_and_never_splits_a_tensor():
+    specs = [
+        TensorSpec("a", (10,), torch.float32),
+        TensorSpec("b", (3,), torch.bfloat16),
+        TensorSpec("c", (100,), torch.float32),
+        TensorSpec("d", (1,), torch.int64),
+    ]
+    buckets = plan_buckets(specs, bucket_bytes=256)
+    assert [[s.name for s in b.specs] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert buckets[0].offsets == (0, 64)  # "a" is 40 bytes; "b" starts at the next 64
+    assert buckets[1].nbytes == 448  # "c" alone is 400 > 256: its own bucket, padded
+    assert all(o % ALIGNMENT == 0 for b in buckets for o in b.offsets)
+    assert [b.index for b in buckets] == [0, 1, 2]
+
+
+def test_bad_bucket_size_is_an_error():
+    with pytest.raises(ValueError, match="bucket_bytes must be positive, got 0"):
+        plan_buckets([TensorSpec("a", (1,), torch.float32)], 0)
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 4096, 1 << 30])
+def test_pack_unpack_round_trips_every_dtype_and_layout(bucket_bytes):
+    state = realistic_state_dict()
+    received = {}
+    for bucket in plan_buckets(specs_of(state), bucket_bytes):
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        pack(buffer, bucket, [state[s.name] for s in bucket.specs])
+        received.update((name, t.clone()) for name, t in unpack(buffer, bucket))
+    assert list(received) == list(state)
+    for name, tensor in state.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def test_unpack_gives_views_not_copies():
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    [bucket] = plan_buckets(specs_of(state), 1024)
+    buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack(buffer, bucket, [state["w"]])
+    [(name, view)] = list(unpack(buffer, bucket))
+    buffer.zero_()
+    assert name == "w" and torch.equal(view, torch.zeros(2, 3))
+
+
+def test_checksum_sees_a_flipped_bit_and_a_swap():
+    buffer = torch.randint(0, 255, (1024,), dtype=torch.uint8)
+    reference = checksum(buffer)
+    flipped = buffer.clone()
+    flipped[100] ^= 4
+    assert checksum(flipped) != reference
+    words = buffer.view(torch.int32).clone()
+    words[0], words[1] = 7, 9
+    before = checksum(words.view(torch.uint8))
+    words[0], words[1] = 9, 7  # swap two adjacent words: the plain sum alone cannot see it
+    assert checksum(words.view(torch.uint8)) != before
+    assert checksum(buffer.clone()) == reference
