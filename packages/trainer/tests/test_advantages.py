@@ -201,3 +201,13 @@ def test_shape_errors_name_the_argument():
         gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"mask must be \(batch, response_len\)"):
         reinforce_plus_plus(torch.zeros(3), torch.ones(3))
+
+
+def test_advantages_never_carry_a_gradient():
+    values = torch.tensor([[0.5, 0.2]], requires_grad=True)  # straight from the critic
+    scores = torch.tensor([1.0, 0.0], requires_grad=True)
+    mask = torch.ones(2, 2)
+    assert not gae(torch.ones(1, 2), values, torch.ones(1, 2)).advantages.requires_grad
+    for estimator in (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline):
+        assert not estimator(scores, mask, group_size=2).requires_grad, estimator.__name__
+    assert not reinforce_plus_plus(scores, mask).requires_grad

@@ -11,7 +11,7 @@ Every estimator returns (batch, response_len) advantages, 0 on padding, ready fo
 - Groups are contiguous: rows [k*n, (k+1)*n) are the n = group_size samples of prompt k, the
   order in which rollout returns n samples per prompt.
 Compute advantages over the whole rollout batch at once: the group and batch statistics are
-wrong if computed per micro-batch. Nothing here needs gradients; pass detached tensors.
+wrong if computed per micro-batch. Inputs are detached: advantages never carry a gradient.
 """
 
 from typing import NamedTuple
@@ -54,8 +54,8 @@ def gae(
     """
     check_per_token(mask, rewards=rewards, values=values)
     valid = valid_tokens(mask)
-    rewards = torch.where(valid, rewards.float(), 0.0)
-    values = torch.where(valid, values.float(), 0.0)
+    rewards = torch.where(valid, rewards.detach().float(), 0.0)
+    values = torch.where(valid, values.detach().float(), 0.0)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     advantages = []
@@ -86,7 +86,7 @@ def normalize_advantages(
     """(A - mean) / (std + eps) over every valid token of the batch (population std), 0 on
     padding: the advantage normalisation of PPO implementations and of REINFORCE++."""
     check_per_token(mask, advantages=advantages)
-    advantages = advantages.float()
+    advantages = advantages.detach().float()
     mean = masked_mean(advantages, mask)
     std = masked_mean((advantages - mean).square(), mask).sqrt()
     return torch.where(valid_tokens(mask), (advantages - mean) / (std + eps), 0.0)
@@ -132,7 +132,8 @@ def reinforce_plus_plus_baseline(
     wrong.
     """
     check_sequence_scores(scores, mask)
-    centered = scores.float() - _group_mean(scores.float(), group_size)
+    scores = scores.detach().float()
+    centered = scores - _group_mean(scores, group_size)
     return reinforce_plus_plus(centered, mask, kl=kl, kl_coef=kl_coef, gamma=gamma)
 
 
@@ -147,7 +148,7 @@ def grpo(
     """
     check_sequence_scores(scores, mask)
     check_groups(scores, group_size)
-    grouped = scores.float().reshape(-1, group_size)
+    grouped = scores.detach().float().reshape(-1, group_size)
     normalized = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + eps)
     return _broadcast_to_tokens(normalized.view(-1), mask)
 
@@ -159,7 +160,8 @@ def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> tor
     response length, is the loss aggregation: "token-mean" or "seq-mean-token-sum".
     """
     check_sequence_scores(scores, mask)
-    return _broadcast_to_tokens(scores.float() - _group_mean(scores.float(), group_size), mask)
+    scores = scores.detach().float()
+    return _broadcast_to_tokens(scores - _group_mean(scores, group_size), mask)
 
 
 def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -173,7 +175,7 @@ def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.
     """
     check_sequence_scores(scores, mask)
     check_groups(scores, group_size)
-    grouped = scores.float().reshape(-1, group_size)
+    grouped = scores.detach().float().reshape(-1, group_size)
     others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
     return _broadcast_to_tokens((grouped - others_mean).view(-1), mask)
 

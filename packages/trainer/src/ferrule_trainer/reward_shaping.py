@@ -99,5 +99,5 @@ def token_rewards(
         raise ValueError(f"mask has rows without a valid token: {empty}; drop those samples")
     rewards = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
     if kl is not None and kl_coef:
-        rewards = torch.where(valid, -kl_coef * kl.float(), 0.0)
-    return rewards.scatter_add(1, last[:, None], scores.float()[:, None])
+        rewards = torch.where(valid, -kl_coef * kl.detach().float(), 0.0)
+    return rewards.scatter_add(1, last[:, None], scores.detach().float()[:, None])
