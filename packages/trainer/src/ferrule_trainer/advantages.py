@@ -129,7 +129,7 @@ def reinforce_plus_plus_baseline(
 
     The group mean removes the prompt's difficulty. The batch-wide normalisation replaces
     GRPO's per-group std, which Hu argues over-weighs groups that are almost all right or all
-    wrong.
+    wrong. The KL may go into the reward (kl, kl_coef) or into the loss (`kl.kl_loss`).
     """
     check_sequence_scores(scores, mask)
     scores = scores.detach().float()
