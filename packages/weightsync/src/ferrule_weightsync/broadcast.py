@@ -66,19 +66,31 @@ class _Group:
         return self.pg.broadcast(buffer, 0)
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for `work` on the CPU, with a deadline: a dead peer must not hang us. (NCCL's own
-        timeout would tear the process down, so we poll and abort the group instead.)"""
+        """Wait for `work` on the CPU, with a deadline: a dead peer must not hang us."""
+        try:
+            if self.device.type == "cuda":
+                self._poll(work)
+            else:  # gloo honours a timeout in wait() and raises when a peer's connection closes
+                work.wait(timedelta(seconds=self.timeout))
+        except TimeoutError as err:
+            self.abort(f"{what} did not complete within {self.timeout:g}s")
+            raise PeerTimeoutError(f"{self.control.where}: {self.broken}") from err
+        except RuntimeError as err:
+            self.abort(f"{what} failed: {err}")
+            kind = PeerTimeoutError if "timed out" in str(err).lower() else WeightSyncError
+            raise kind(f"{self.control.where}: {self.broken}") from err
+
+    def _poll(self, work: dist.Work) -> None:
+        """NCCL: its own timeout would tear the whole process down, so poll with a deadline
+        and abort the group ourselves."""
         deadline = time.monotonic() + self.timeout
+        pause = 0.00001
         while not work.is_completed():
             if time.monotonic() > deadline:
-                self.abort(f"{what} did not complete within {self.timeout:g}s")
-                raise PeerTimeoutError(f"{self.control.where}: {self.broken}")
-            time.sleep(0.0001)
-        try:
-            work.wait()
-        except RuntimeError as err:  # gloo reports a closed peer connection here
-            self.abort(f"{what} failed: {err}")
-            raise WeightSyncError(f"{self.control.where}: {self.broken}") from err
+                raise TimeoutError
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+        work.wait()
 
     def check_usable(self) -> None:
         if self.broken:

@@ -157,18 +157,16 @@ class Control:
                 )
 
     def _wait_all(self, prefix: str, what: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        missing = list(range(1, self.world_size))
-        while missing:
-            missing = [r for r in missing if not self.store.check([f"{prefix}/{r}"])]
-            if not missing:
-                return
-            if time.monotonic() >= deadline:
-                raise PeerTimeoutError(
-                    f"receivers {missing} did not {what} within {self.timeout:g}s "
-                    f"on the {self.where}"
-                )
-            time.sleep(0.0002)
+        """Block (in the store, not by polling: CPU is scarce while data moves) until every
+        receiver has set `prefix/<rank>`; on timeout, name the ranks still missing."""
+        keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except dist.DistError as err:
+            missing = [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
+            raise PeerTimeoutError(
+                f"receivers {missing} did not {what} within {self.timeout:g}s on the {self.where}"
+            ) from err
 
     def _forget(self, seq: int) -> None:
         """Drop the previous update's keys so the store does not grow with every step."""
