@@ -1,0 +1,195 @@
+"""The policy being trained (actor) and the frozen reference policy, as DeepSpeed engines.
+
+    actor = Actor(model_path, zero_stage=2, dtype="bf16", learning_rate=1e-6, lora_rank=0)
+    reference = Actor(model_path, train=False, zero_stage=3)
+    batch["ref_logprobs"] = reference.logprobs(batch)          # layout: sequences.py
+    metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
+    sender.send(actor.export_weights(dtype=torch.bfloat16), specs=actor.weight_specs(torch.bfloat16))
+    actor.save_hf("out/policy"); actor.save_state("out/state", step=10, data_position=640)
+
+Every rank of the data-parallel group calls every method with its own share of the batch (the
+exports and checkpoints gather under ZeRO-3, so all ranks take part; only rank 0 writes files).
+"""
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ferrule_trainer import checkpoint, engine, export
+from ferrule_trainer.kl import kl_loss
+from ferrule_trainer.losses import entropy_bonus, policy_loss
+from ferrule_trainer.sequences import check_batch, response_logits, response_tokens, token_logprobs
+
+
+class Actor:
+    """A causal LM under DeepSpeed: PPO-family train steps, log-probs, weight export, checkpoints.
+
+    train=False builds the reference policy: no optimizer, ZeRO-3 sharding if zero_stage is 3,
+    a full copy per rank otherwise. temperature is the rollout's sampling temperature: log-probs
+    are computed under softmax(logits / temperature), as the sampler drew the tokens.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        train: bool = True,
+        zero_stage: int = 2,
+        dtype: str = "bf16",
+        learning_rate: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        max_grad_norm: float = 1.0,
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_targets: Sequence[str] = engine.DEFAULT_LORA_TARGETS,
+        temperature: float = 1.0,
+        attn_implementation: str | None = None,
+        seed: int = 0,
+    ):
+        engine.init_distributed()
+        torch.manual_seed(seed)  # LoRA initialisation is random: the same on every rank
+        self.model_path = str(model_path)
+        self.temperature = temperature
+        self.train = train
+        stage = zero_stage if train or zero_stage == 3 else 0
+        ds_config = engine.deepspeed_config(
+            zero_stage=stage,
+            dtype=dtype,
+            train=train,
+            offload_optimizer=offload_optimizer and train,
+            offload_params=offload_params,
+            max_grad_norm=max_grad_norm,
+        )
+        model = engine.load_model(
+            model_path,
+            dtype=dtype,
+            ds_config=ds_config,
+            gradient_checkpointing=gradient_checkpointing and train,
+            lora_rank=lora_rank if train else 0,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            attn_implementation=attn_implementation,
+        )
+        self.engine = engine.build_engine(
+            model,
+            train=train,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            ds_config=ds_config,
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model inside the engine (a peft model when LoRA is on)."""
+        return self.engine.module
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, R) log-probabilities of the response tokens (the reference's or the old policy's)."""
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            logits = response_logits(self.engine, batch)
+            return token_logprobs(logits, response_tokens(batch), self.temperature)
+        finally:
+            self.engine.train(was_training)
+
+    def train_step(
+        self,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        *,
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        dual_clip: float | None = 3.0,
+        agg_mode: str = "token-mean",
+        kl_coef: float = 0.0,
+        kl_kind: str = "k3",
+        entropy_coef: float = 0.0,
+    ) -> dict[str, float]:
+        """One optimizer step of the PPO clipped loss over this rank's micro-batches.
+
+        Each micro-batch holds the layout of sequences.py plus (B, R) "old_logprobs" and
+        "advantages", "ref_logprobs" when kl_coef > 0, and optionally "is_weights" (rollout /
+        trainer importance weights). The loss is aggregated over the valid tokens (or sequences)
+        of the whole step on all ranks, so the split into micro-batches and ranks does not change
+        the gradient.
+        """
+        if not self.train:
+            raise RuntimeError("train_step on a frozen Actor (train=False, e.g. the reference)")
+        required = ["old_logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
+        for micro_batch in micro_batches:
+            check_batch(micro_batch, *required)
+        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+        sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
+        counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)
+
+        def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            mask = micro_batch["response_mask"]
+            logits = response_logits(self.engine, micro_batch)
+            logprobs = token_logprobs(logits, response_tokens(micro_batch), self.temperature)
+            pg = policy_loss(
+                logprobs,
+                micro_batch["old_logprobs"],
+                micro_batch["advantages"],
+                mask,
+                clip_low=clip_low,
+                clip_high=clip_high,
+                dual_clip=dual_clip,
+                is_weights=micro_batch.get("is_weights"),
+                **counts,
+            )
+            loss = pg.loss
+            metrics = {"clip_fraction": pg.clip_fraction, "approx_kl": pg.approx_kl}
+            if kl_coef:
+                kl = kl_loss(logprobs, micro_batch["ref_logprobs"], mask, kind=kl_kind, **counts)
+                loss = loss + kl_coef * kl
+            if entropy_coef:
+                entropy = entropy_bonus(logits / self.temperature, mask, **counts)
+                loss = loss - entropy_coef * entropy
+            return loss, metrics
+
+        metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        metrics["tokens"] = float(tokens)
+        return metrics
+
+    def weight_specs(self, dtype: torch.dtype | None = None):
+        """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""
+        return export.weight_specs(self.module, dtype=dtype)
+
+    def export_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
+        return export.export_weights(self.module, dtype=dtype, bucket_bytes=bucket_bytes)
+
+    def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """The policy as a Hugging Face model directory (LoRA merged), with the tokenizer."""
+        checkpoint.save_hf(self.module, path, dtype=dtype, tokenizer_from=self.model_path)
+
+    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
+        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position)."""
+        return checkpoint.save_state(self.engine, directory, step=step, **client_state)
+
+    def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+        """Restores what save_state saved; returns its client state (step, data position, ...)."""
+        return checkpoint.load_state(self.engine, directory, tag=tag)
+
+    def offload(self) -> None:
+        """Frees accelerator memory for the rollout engines; see offload.py."""
+        from ferrule_trainer.offload import offload_states
+
+        offload_states(self.engine)
+
+    def reload(self) -> None:
+        from ferrule_trainer.offload import reload_states
+
+        reload_states(self.engine)

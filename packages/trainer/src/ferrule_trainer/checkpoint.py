@@ -1,0 +1,151 @@
+"""Checkpoints: the final model in Hugging Face format, and resumable training state.
+
+    save_hf(engine.module, "out/policy", tokenizer_from=model_path)   # transformers / vLLM load it
+    save_state(engine, "out/state", step=10, data_position=640)       # everything to resume
+    client_state = load_state(engine, "out/state")                    # latest tag by default
+
+Both are collective under ZeRO-3: every rank calls them. `save_hf` streams the exported weights
+(export.py: HF names, LoRA merged) into safetensors shards on rank 0, so no rank holds more than
+a shard. `save_state` is DeepSpeed's own checkpoint (sharded weights, optimizer, scheduler) plus
+each rank's RNG states and the caller's step and data position.
+"""
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ferrule_trainer.export import base_model, export_weights
+
+MAX_SHARD_BYTES = 2 * 1024**3
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def save_hf(
+    module: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Writes config.json, generation_config.json, model*.safetensors (+ index when sharded) and
+    the tokenizer files found in `tokenizer_from`. `dtype` defaults to the training dtype."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    rank = _rank()
+    model = base_model(module)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    out_dtype = None
+    for name, tensor in export_weights(module, dtype=dtype):
+        out_dtype = tensor.dtype
+        if rank != 0:
+            continue  # the other ranks only take part in the gathers
+        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        # safetensors refuses tensors that share storage; own copies on the CPU never do
+        shards[-1][name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard_bytes += tensor.nbytes
+    if rank == 0:
+        _write_shards(path, shards, save_file)
+        config = model.config
+        if out_dtype is not None:
+            config.dtype = out_dtype
+        config.save_pretrained(path)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(path)
+        if tokenizer_from is not None:
+            for filename in _TOKENIZER_FILES:
+                if (Path(tokenizer_from) / filename).exists():
+                    shutil.copy(Path(tokenizer_from) / filename, path / filename)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _write_shards(path: Path, shards: list[dict[str, torch.Tensor]], save_file) -> None:
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata=metadata)
+        return
+    weight_map = {}
+    total = 0
+    for index, shard in enumerate(shards, 1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / filename, metadata=metadata)
+        for name, tensor in shard.items():
+            weight_map[name] = filename
+            total += tensor.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _rng_file(directory: Path, tag: str) -> Path:
+    return directory / tag / f"rng_state_rank{_rank()}.pt"
+
+
+def save_state(engine, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
+    """Saves everything needed to continue exactly: DeepSpeed's checkpoint (weights, optimizer,
+    lr scheduler) under the tag `step{step}`, this rank's RNG states, and `client_state` (for
+    example data_position: how many samples or batches the data loader has handed out).
+    Returns the tag; `latest` in the directory names it."""
+    directory = Path(directory)
+    tag = f"step{step}"
+    # under one key: DeepSpeed returns its own entries beside ours on load
+    state = {"ferrule": dict(client_state, step=step)}
+    engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+    rng = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    torch.save(rng, _rng_file(directory, tag))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return tag
+
+
+def load_state(engine, directory: str | os.PathLike, *, tag: str | None = None) -> dict[str, Any]:
+    """Restores a `save_state` checkpoint into `engine` (built with the same model and settings)
+    and this rank's RNG; returns the client state (step, data position, ...)."""
+    directory = Path(directory)
+    if tag is None:
+        latest = directory / "latest"
+        if not latest.exists():
+            raise FileNotFoundError(f"{directory}: no 'latest' file; is this a save_state directory?")
+        tag = latest.read_text().strip()
+    if not (directory / tag).is_dir():
+        raise FileNotFoundError(f"{directory}: no checkpoint with tag {tag!r}")
+    load_path, client_state = engine.load_checkpoint(str(directory), tag=tag)
+    if load_path is None:
+        raise RuntimeError(f"{directory / tag}: DeepSpeed could not load this checkpoint")
+    rng_file = _rng_file(directory, tag)
+    if not rng_file.exists():
+        raise FileNotFoundError(f"{rng_file} is missing: saved with a different number of ranks?")
+    rng = torch.load(rng_file, weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return client_state["ferrule"]

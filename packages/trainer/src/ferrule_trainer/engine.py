@@ -1,0 +1,301 @@
+"""DeepSpeed engines from flat arguments: process group, config, model loading, one optimizer step.
+
+    init_distributed()
+    model = load_model(path, dtype="fp32", zero_stage=3, lora_rank=8)
+    engine = build_engine(model, zero_stage=3, dtype="fp32", learning_rate=1e-5)
+    metrics = optimizer_step(engine, micro_batches, loss_fn)
+
+The same code runs on CPU (DeepSpeed's CPU accelerator over gloo, torch AdamW) and on GPUs
+(NCCL, fused Adam). The actor, critic, reference and reward model (actor.py, critic.py) are built
+from these functions; nothing here knows about losses.
+"""
+
+import contextlib
+import math
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# OpenRLHF's LoRA default: every linear layer of the decoder.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def on_cpu() -> bool:
+    """True when DeepSpeed will use its CPU accelerator (no CUDA device, or DS_ACCELERATOR=cpu)."""
+    return os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
+
+
+def init_distributed() -> None:
+    """Start torch.distributed for DeepSpeed once per process: gloo on CPU, NCCL on GPUs.
+
+    Under a launcher (torchrun, deepspeed, Ray actors that set RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT) this joins that group; without one it starts a group of one on a free port.
+    """
+    if on_cpu():
+        # Must be set before deepspeed is imported: the accelerator is chosen at import time.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in dict(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        ).items():
+            os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+    if not on_cpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def device() -> torch.device:
+    if on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def check_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def deepspeed_config(
+    *,
+    zero_stage: int,
+    dtype: str,
+    train: bool = True,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    max_grad_norm: float = 1.0,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for one engine. Micro-batching is ours (see `optimizer_step`),
+    so DeepSpeed sees one micro-batch per step and we mark the accumulation boundary ourselves."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    check_dtype(dtype)
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"offload_params needs zero_stage 3 (got {zero_stage}): only ZeRO-3 shards parameters")
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3: ZeRO-0 has no optimizer offload")
+    if (offload_optimizer or offload_params) and on_cpu():
+        raise ValueError(
+            "offload_optimizer / offload_params need a GPU: on the CPU accelerator the states "
+            "already live in host memory"
+        )
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if zero_stage == 3:
+        # Gather a whole layer's parameters at once instead of many small collectives.
+        zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000)
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        config["gradient_clipping"] = max_grad_norm
+    return config
+
+
+@contextlib.contextmanager
+def _partitioned_load(ds_config: dict[str, Any] | None):
+    """Under ZeRO-3, transformers partitions the weights while loading (deepspeed.zero.Init), so
+    no rank ever holds the full model. The global it sets must not leak into later loads."""
+    if ds_config is None or ds_config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    keep_alive = HfDeepSpeedConfig(ds_config)  # transformers holds only a weakref to it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del keep_alive
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "bf16",
+    ds_config: dict[str, Any] | None = None,
+    kind: str = "causal-lm",
+    gradient_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_alpha: int = 16,
+    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """A Hugging Face model from `path`, ready for `build_engine`.
+
+    kind: "causal-lm" (actor, reference), "value" (critic: one value per token, a linear head on
+    the last hidden state, `AutoModelForTokenClassification` with one label) or "reward" (one
+    score per sequence, `AutoModelForSequenceClassification` with one label).
+    lora_rank > 0 wraps the model with peft LoRA adapters on `lora_targets`; only they train.
+    """
+    import transformers
+
+    torch_dtype = check_dtype(dtype)
+    classes = {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "value": transformers.AutoModelForTokenClassification,
+        "reward": transformers.AutoModelForSequenceClassification,
+    }
+    if kind not in classes:
+        raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
+    extra: dict[str, Any] = {} if kind == "causal-lm" else {"num_labels": 1}
+    if kind == "value":
+        extra["classifier_dropout"] = 0.0  # a value head with dropout gives noisy PPO targets
+    if attn_implementation:
+        extra["attn_implementation"] = attn_implementation
+    with _partitioned_load(ds_config):
+        model = classes[kind].from_pretrained(path, dtype=torch_dtype, **extra)
+    if kind != "causal-lm" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        task = {"causal-lm": "CAUSAL_LM", "value": "TOKEN_CLS", "reward": "SEQ_CLS"}[kind]
+        lora = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha,
+            target_modules=list(lora_targets),
+            lora_dropout=0.0,
+            task_type=task,
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: float = 0.1):
+    """lr multiplier: linear warm-up, then cosine decay to `min_lr_ratio` (constant if total_steps
+    is None). A plain function of the step, so LambdaLR's state is just its step count."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_engine(
+    model: torch.nn.Module,
+    *,
+    zero_stage: int = 2,
+    dtype: str = "bf16",
+    train: bool = True,
+    learning_rate: float = 1e-6,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    max_grad_norm: float = 1.0,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    ds_config: dict[str, Any] | None = None,
+):
+    """A DeepSpeed engine around `model`: trained (AdamW + warm-up/cosine schedule) or frozen.
+
+    A frozen engine (reference, reward model) has no optimizer; under ZeRO-3 its parameters stay
+    sharded, other stages keep a full copy per rank. `ds_config` overrides the config that the
+    flat arguments give (pass the one used for `load_model` under ZeRO-3).
+    """
+    import deepspeed
+
+    init_distributed()
+    if ds_config is None:
+        ds_config = deepspeed_config(
+            zero_stage=zero_stage if train or zero_stage == 3 else 0,
+            dtype=dtype,
+            train=train,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            max_grad_norm=max_grad_norm,
+        )
+    if not train:
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        engine.eval()
+        return engine
+    # torch's AdamW on the CPU accelerator needs no compiled op; on GPUs DeepSpeed picks its fused
+    # Adam (or the CPU Adam for offloaded states).
+    adam: dict[str, Any] = {"lr": learning_rate, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
+    if on_cpu():
+        adam["torch_adam"] = True
+    ds_config = dict(ds_config, optimizer={"type": "AdamW", "params": adam})
+    schedule = warmup_cosine(warmup_steps, total_steps)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+    )
+    return engine
+
+
+def global_sum(value: float | int | torch.Tensor) -> torch.Tensor:
+    """Sum over all data-parallel ranks (a float64 tensor on this rank's device)."""
+    total = torch.as_tensor(value, dtype=torch.float64, device=device()).clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    return total
+
+
+def optimizer_step(
+    engine,
+    micro_batches: Sequence[Any],
+    loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
+) -> dict[str, float]:
+    """One optimizer step over any number of micro-batches.
+
+    `loss_fn(micro_batch)` returns (loss, metrics): the micro-batch's share of the step's loss,
+    already divided by the step's global count (see aggregation.aggregate_loss), so that the sum
+    over micro-batches and ranks is the step's loss. DeepSpeed averages gradients over ranks,
+    so the share is multiplied by the world size before backward; no accumulation-step scaling,
+    since we mark the accumulation boundary ourselves. Returns the step's loss (summed over
+    ranks), the mean of each metric over micro-batches, the gradient norm and the learning rate.
+    """
+    if not micro_batches:
+        raise ValueError("optimizer_step needs at least one micro-batch")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    engine.train()
+    total = 0.0
+    sums: dict[str, float] = {}
+    for index, micro_batch in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
+        loss, metrics = loss_fn(micro_batch)
+        engine.backward(loss * world, scale_wrt_gas=False)
+        total += float(loss.detach())
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    lr = engine.get_lr()[0]
+    engine.step()
+    result = {key: value / len(micro_batches) for key, value in sums.items()}
+    result["loss"] = float(global_sum(total))
+    grad_norm = engine.get_global_grad_norm()
+    result["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    result["lr"] = lr
+    return result
