@@ -167,7 +167,9 @@ class Actor:
         """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""
         return export.weight_specs(self.module, dtype=dtype)
 
-    def export_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(
+        self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
         return export.export_weights(self.module, dtype=dtype, bucket_bytes=bucket_bytes)
 

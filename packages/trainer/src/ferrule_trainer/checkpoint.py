@@ -133,7 +133,9 @@ def load_state(engine, directory: str | os.PathLike, *, tag: str | None = None) 
     if tag is None:
         latest = directory / "latest"
         if not latest.exists():
-            raise FileNotFoundError(f"{directory}: no 'latest' file; is this a save_state directory?")
+            raise FileNotFoundError(
+                f"{directory}: no 'latest' file; is this a save_state directory?"
+            )
         tag = latest.read_text().strip()
     if not (directory / tag).is_dir():
         raise FileNotFoundError(f"{directory}: no checkpoint with tag {tag!r}")

@@ -82,9 +82,13 @@ def deepspeed_config(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     check_dtype(dtype)
     if offload_params and zero_stage != 3:
-        raise ValueError(f"offload_params needs zero_stage 3 (got {zero_stage}): only ZeRO-3 shards parameters")
+        raise ValueError(
+            f"offload_params needs zero_stage 3 (got {zero_stage}): only ZeRO-3 shards parameters"
+        )
     if offload_optimizer and zero_stage == 0:
-        raise ValueError("offload_optimizer needs zero_stage 1, 2 or 3: ZeRO-0 has no optimizer offload")
+        raise ValueError(
+            "offload_optimizer needs zero_stage 1, 2 or 3: ZeRO-0 has no optimizer offload"
+        )
     if (offload_optimizer or offload_params) and on_cpu():
         raise ValueError(
             "offload_optimizer / offload_params need a GPU: on the CPU accelerator the states "
@@ -93,7 +97,9 @@ def deepspeed_config(
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage == 3:
         # Gather a whole layer's parameters at once instead of many small collectives.
-        zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000)
+        zero.update(
+            stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000
+        )
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -242,7 +248,12 @@ def build_engine(
         return engine
     # torch's AdamW on the CPU accelerator needs no compiled op; on GPUs DeepSpeed picks its fused
     # Adam (or the CPU Adam for offloaded states).
-    adam: dict[str, Any] = {"lr": learning_rate, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
+    adam: dict[str, Any] = {
+        "lr": learning_rate,
+        "betas": list(betas),
+        "eps": eps,
+        "weight_decay": weight_decay,
+    }
     if on_cpu():
         adam["torch_adam"] = True
     ds_config = dict(ds_config, optimizer={"type": "AdamW", "params": adam})

@@ -40,9 +40,7 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
 
 
 def _nbytes(item: _Item) -> int:
-    return sum(
-        int(torch.Size(_full_shape(p)).numel()) * p.dtype.itemsize for p in item.params
-    )
+    return sum(int(torch.Size(_full_shape(p)).numel()) * p.dtype.itemsize for p in item.params)
 
 
 def base_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -57,7 +55,9 @@ def _lora_item(name: str, layer, dtype: torch.dtype | None) -> _Item:
     adapters = [a for a in layer.active_adapters if a in layer.lora_A]
     for adapter in adapters:
         if layer.use_dora.get(adapter):
-            raise NotImplementedError(f"{name}: exporting DoRA adapters is not supported, only LoRA")
+            raise NotImplementedError(
+                f"{name}: exporting DoRA adapters is not supported, only LoRA"
+            )
 
     def compute() -> torch.Tensor:
         merged = weight.detach().clone()
@@ -67,7 +67,13 @@ def _lora_item(name: str, layer, dtype: torch.dtype | None) -> _Item:
                 merged += layer.get_delta_weight(adapter).to(merged.dtype)
         return merged
 
-    return _Item(f"{name}.weight", list(layer.parameters()), _full_shape(weight), dtype or weight.dtype, compute)
+    return _Item(
+        f"{name}.weight",
+        list(layer.parameters()),
+        _full_shape(weight),
+        dtype or weight.dtype,
+        compute,
+    )
 
 
 def _items(module: torch.nn.Module, dtype: torch.dtype | None) -> list[_Item]:

@@ -32,7 +32,11 @@ def check_batch(batch: dict[str, torch.Tensor], *required: str) -> int:
             f"input_ids and attention_mask must be (batch, seq_len) of one shape, got "
             f"{tuple(ids.shape)} and {tuple(batch['attention_mask'].shape)}"
         )
-    if response_mask.dim() != 2 or response_mask.shape[0] != ids.shape[0] or response_mask.shape[1] >= ids.shape[1]:
+    if (
+        response_mask.dim() != 2
+        or response_mask.shape[0] != ids.shape[0]
+        or response_mask.shape[1] >= ids.shape[1]
+    ):
         raise ValueError(
             f"response_mask must be (batch, response_len) with response_len < seq_len "
             f"{ids.shape[1]}, got {tuple(response_mask.shape)}"
@@ -61,7 +65,9 @@ def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return output.logits[:, :-1]
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """log p(token) under softmax(logits / temperature), in float32; (B, R, V), (B, R) -> (B, R).
     Cross-entropy avoids materialising a second (B, R, V) tensor of log-probabilities."""
     if temperature <= 0:

@@ -1,0 +1,255 @@
+"""Supervised fine-tuning on JSONL prompt/response pairs: `rlhf-train sft config.toml`.
+
+    [model]
+    path = "models/base"            # a Hugging Face model directory with its tokenizer
+    [data]
+    path = "data/train.jsonl"       # {"prompt": "...", "response": "..."} per line
+    [train]
+    batch_size = 32
+    [output]
+    dir = "out/sft"                 # out/sft/model: the result; out/sft/state: resumable state
+
+The loss is the cross-entropy of the response tokens (and the end-of-sequence token that
+closes them) averaged over all response tokens of the optimizer step on all ranks. Each epoch
+shuffles with seed + epoch; a restart with `resume = true` continues from the last saved state
+(weights, optimizer, scheduler, RNG and data position) and gives the same losses as a run that
+was never interrupted. Run it on more processes with any launcher that sets RANK / WORLD_SIZE.
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ferrule_trainer import engine
+from ferrule_trainer.aggregation import aggregate_loss
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    """Hugging Face model directory (config, weights, tokenizer)."""
+    dtype: str = "bf16"
+    """"bf16" or "fp32" (use fp32 on CPUs without bf16 instructions)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage 0-3."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, about a third more compute."""
+    lora_rank: int = 0
+    """> 0 trains LoRA adapters of this rank instead of all weights (merged into the saved model)."""
+    lora_alpha: int = 16
+    """LoRA scale numerator: the update is B A * lora_alpha / lora_rank."""
+
+    def __post_init__(self):
+        if self.dtype not in engine.DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(engine.DTYPES)}, got {self.dtype!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+
+@dataclass
+class DataConfig:
+    path: str
+    """JSONL file, one object per line with a prompt and a response string."""
+    prompt_key: str = "prompt"
+    """Key of the prompt in each line."""
+    response_key: str = "response"
+    """Key of the response in each line."""
+    max_length: int = 512
+    """Sequences (prompt + response + end token) are cut to this many tokens."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    """Passes over the data; the last partial batch of an epoch is dropped."""
+    batch_size: int = 32
+    """Sequences per optimizer step over all ranks."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    learning_rate: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then cosine decay to a tenth of the peak."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in all (0: train every epoch to the end)."""
+    seed: int = 0
+    """Shuffling and initialisation seed."""
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class OutputConfig:
+    dir: str
+    """Where the model (dir/model) and the resumable state (dir/state) go."""
+    save_every: int = 0
+    """Save resumable state every this many steps (0: only at the end)."""
+    resume: bool = True
+    """Continue from dir/state when it holds a saved state."""
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=lambda: OutputConfig(dir="out/sft"))
+
+
+def load_examples(path: str | Path, prompt_key: str, response_key: str) -> list[tuple[str, str]]:
+    """(prompt, response) pairs; an error names the line that lacks a key or is not JSON."""
+    examples = []
+    with open(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON: {error}") from None
+            for key in (prompt_key, response_key):
+                if not isinstance(record.get(key), str):
+                    raise ValueError(
+                        f"{path}:{number}: needs a string {key!r}, got {record!r:.200}"
+                    )
+            examples.append((record[prompt_key], record[response_key]))
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def tokenize(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + response + eos and the loss mask (1 on response and eos)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    response_ids = [*response_ids, tokenizer.eos_token_id]
+    ids = (prompt_ids + response_ids)[:max_length]
+    mask = ([0] * len(prompt_ids) + [1] * len(response_ids))[:max_length]
+    return ids, mask
+
+
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and loss_mask, (B, T) each."""
+    length = max(len(ids) for ids, _ in examples)
+    batch = {
+        key: torch.zeros(len(examples), length, dtype=torch.long)
+        for key in ("input_ids", "attention_mask", "loss_mask")
+    }
+    batch["input_ids"].fill_(pad_id)
+    for row, (ids, mask) in enumerate(examples):
+        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][row, : len(ids)] = 1
+        batch["loss_mask"][row, : len(ids)] = torch.tensor(mask)
+    return batch
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(num_examples, generator=generator).tolist()
+
+
+def sft_loss(model, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the step's token-mean cross-entropy."""
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits
+    targets = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:]
+    per_token = F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none"
+    )
+    return aggregate_loss(per_token.view(targets.shape), mask, num_tokens=num_tokens)
+
+
+def train(config: SFTConfig, log=print) -> list[float]:
+    """Runs SFT as configured; returns the loss of every step this run took."""
+    from transformers import AutoTokenizer
+
+    from ferrule_trainer.actor import Actor
+
+    engine.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg_t, out = config.train, Path(config.output.dir)
+    if cfg_t.batch_size % (cfg_t.micro_batch_size * world):
+        raise ValueError(
+            f"[train] batch_size {cfg_t.batch_size} must be a multiple of micro_batch_size "
+            f"{cfg_t.micro_batch_size} x {world} ranks"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    examples = load_examples(config.data.path, config.data.prompt_key, config.data.response_key)
+    steps_per_epoch = len(examples) // cfg_t.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"{config.data.path}: {len(examples)} examples < batch_size {cfg_t.batch_size}"
+        )
+    total_steps = steps_per_epoch * cfg_t.epochs
+    if cfg_t.max_steps:
+        total_steps = min(total_steps, cfg_t.max_steps)
+    actor = Actor(
+        config.model.path,
+        zero_stage=config.model.zero_stage,
+        dtype=config.model.dtype,
+        learning_rate=cfg_t.learning_rate,
+        weight_decay=cfg_t.weight_decay,
+        max_grad_norm=cfg_t.max_grad_norm,
+        warmup_steps=cfg_t.warmup_steps,
+        total_steps=total_steps,
+        gradient_checkpointing=config.model.gradient_checkpointing,
+        lora_rank=config.model.lora_rank,
+        lora_alpha=config.model.lora_alpha,
+        seed=cfg_t.seed,
+    )
+    step = 0
+    if config.output.resume and (out / "state" / "latest").exists():
+        step = actor.load_state(out / "state")["step"]
+        log(f"resumed from {out / 'state'} at step {step}")
+    device = engine.device()
+    losses = []
+    while step < total_steps:
+        epoch, index = divmod(step, steps_per_epoch)  # the data position follows from the step
+        order = epoch_order(len(examples), cfg_t.seed, epoch)
+        chosen = order[index * cfg_t.batch_size : (index + 1) * cfg_t.batch_size][rank::world]
+        tokenized = [tokenize(tokenizer, *examples[i], config.data.max_length) for i in chosen]
+        micro_batches = [
+            {
+                k: v.to(device)
+                for k, v in collate(tokenized[i : i + cfg_t.micro_batch_size], pad_id).items()
+            }
+            for i in range(0, len(tokenized), cfg_t.micro_batch_size)
+        ]
+        tokens = engine.global_sum(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in micro_batches))
+        start = time.perf_counter()
+        metrics = engine.optimizer_step(
+            actor.engine,
+            micro_batches,
+            lambda mb, tokens=tokens: (sft_loss(actor.engine, mb, tokens), {}),
+        )
+        step += 1
+        losses.append(metrics["loss"])
+        if rank == 0:
+            speed = float(tokens) / (time.perf_counter() - start)
+            log(
+                f"step {step}/{total_steps} epoch {epoch} loss {metrics['loss']:.4f} "
+                f"lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} tokens/s {speed:.0f}"
+            )
+        if config.output.save_every and step % config.output.save_every == 0 and step < total_steps:
+            actor.save_state(out / "state", step=step, data_position=step * cfg_t.batch_size)
+    actor.save_state(out / "state", step=step, data_position=step * cfg_t.batch_size)
+    actor.save_hf(out / "model")
+    if rank == 0:
+        log(f"saved {out / 'model'}")
+    return losses
