@@ -47,6 +47,7 @@ def run_receiver(args) -> None:
             args.rank,
             args.num_receivers,
             timeout=args.timeout,
+            **({"device": args.device} if args.transport == "broadcast" else {}),
         )
         expected = realistic_state_dict() if args.expect else None
         if expected is not None and args.expect == "float32":
@@ -61,7 +62,7 @@ def run_receiver(args) -> None:
                     time.sleep(3600)  # the test kills us here, mid-transfer
                 if args.stop_after is not None and i == args.stop_after:
                     break
-                received[name] = tensor.clone()
+                received[name] = tensor.to("cpu", copy=True)
             results.append(
                 {
                     "version": update.version,
@@ -114,6 +115,7 @@ if __name__ == "__main__":
     parser.add_argument("--cast", default="")
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--out")
     args = parser.parse_args()
     run_sender(args) if args.role == "sender" else run_receiver(args)

@@ -6,7 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_weightsync.packing import ALIGNMENT, TensorSpec, checksum, pack, plan_buckets, unpack
+from ferrule_weightsync.packing import (
+    ALIGNMENT,
+    BucketViews,
+    TensorSpec,
+    checksum,
+    pack,
+    plan_buckets,
+    unpack,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer import realistic_state_dict
@@ -40,10 +48,11 @@ def test_bad_bucket_size_is_an_error():
 def test_pack_unpack_round_trips_every_dtype_and_layout(bucket_bytes):
     state = realistic_state_dict()
     received = {}
+    views = BucketViews()
     for bucket in plan_buckets(specs_of(state), bucket_bytes):
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
-        pack(buffer, bucket, [state[s.name] for s in bucket.specs])
-        received.update((name, t.clone()) for name, t in unpack(buffer, bucket))
+        pack(views(buffer, bucket), [state[s.name] for s in bucket.specs])
+        received.update((name, t.clone()) for name, t in unpack(views(buffer, bucket), bucket))
     assert list(received) == list(state)
     for name, tensor in state.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
@@ -53,10 +62,14 @@ def test_unpack_gives_views_not_copies():
     state = {"w": torch.arange(6.0).reshape(2, 3)}
     [bucket] = plan_buckets(specs_of(state), 1024)
     buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
-    pack(buffer, bucket, [state["w"]])
-    [(name, view)] = list(unpack(buffer, bucket))
+    views = BucketViews()
+    pack(views(buffer, bucket), [state["w"]])
+    [(name, view)] = list(unpack(views(buffer, bucket), bucket))
     buffer.zero_()
     assert name == "w" and torch.equal(view, torch.zeros(2, 3))
+    assert views(buffer, bucket)[0] is view  # made once, reused by later updates
+    views.clear()
+    assert views(buffer, bucket)[0] is not view
 
 
 def test_checksum_sees_a_flipped_bit_and_a_swap():

@@ -222,7 +222,7 @@ def test_receiver_that_never_joins_times_out_with_its_rank(peers):
     with pytest.raises(
         PeerTimeoutError, match=r"receivers \[2\] did not join the group within 10s"
     ):
-        create_sender("broadcast", "127.0.0.1", port, 2, timeout=10)
+        create_sender("broadcast", "127.0.0.1", port, 2, connect_timeout=10)
     assert time.monotonic() - started < 10 + 3
 
 
@@ -259,7 +259,9 @@ def test_receiver_joining_twice_gets_a_clear_error():
 
 def _try_receiver(port: int, rank: int, receivers: int):
     try:
-        create_receiver("broadcast", "127.0.0.1", port, rank, receivers, timeout=4)
+        create_receiver(
+            "broadcast", "127.0.0.1", port, rank, receivers, timeout=4, connect_timeout=4
+        )
     except WeightSyncError as err:
         return err
     return None
@@ -267,7 +269,7 @@ def _try_receiver(port: int, rank: int, receivers: int):
 
 def _try_sender(port: int, receivers: int):
     try:
-        create_sender("broadcast", "127.0.0.1", port, receivers, timeout=4)
+        create_sender("broadcast", "127.0.0.1", port, receivers, timeout=4, connect_timeout=4)
     except WeightSyncError as err:
         return err
     return None

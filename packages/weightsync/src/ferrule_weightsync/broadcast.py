@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
-from ferrule_weightsync.packing import TensorSpec, pack
-from ferrule_weightsync.update import Update, UpdateSender, open_update
+from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
+from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # measured on 2 x H200: 256 MB buckets reach ~97% of peak
 
@@ -33,17 +33,18 @@ DEFAULT_BUCKET_BYTES = 256 * 2**20  # measured on 2 x H200: 256 MB buckets reach
 class _Group:
     """The private broadcast group and its double buffers, shared by sender and receivers."""
 
-    def __init__(self, host, port, rank, num_receivers, device, timeout):
+    def __init__(self, host, port, rank, num_receivers, device, timeout, connect_timeout):
         self.device = torch.device(device)
         self.timeout = timeout
-        self.control = Control(host, port, rank, num_receivers + 1, timeout)
+        self.control = Control(host, port, rank, num_receivers + 1, timeout, connect_timeout)
         self.control.join()
         store = dist.PrefixStore("broadcast", self.control.store)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timedelta(seconds=timeout)
+                # Later than our own deadline (see _poll): NCCL's watchdog would kill the process.
+                options._timeout = timedelta(seconds=2 * timeout + 60)
                 self.pg = dist.ProcessGroupNCCL(store, rank, num_receivers + 1, options)
             else:
                 size = num_receivers + 1
@@ -53,10 +54,12 @@ class _Group:
                 f"rank {rank}: could not form the broadcast group at {self.control.where}: {err}"
             ) from err
         self.buffers: list[torch.Tensor | None] = [None, None]
+        self.views = BucketViews()
         self.broken = ""
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         if self.buffers[slot] is None or self.buffers[slot].numel() < nbytes:
+            self.views.clear()
             self.buffers[slot] = None  # free the old one first: buckets can be large
             self.buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.buffers[slot][:nbytes]
@@ -65,13 +68,21 @@ class _Group:
         self.check_usable()
         return self.pg.broadcast(buffer, 0)
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for `work` on the CPU, with a deadline: a dead peer must not hang us."""
+    def wait(self, work: dist.Work, what: str, final: bool = False) -> None:
+        """Wait for `work`, with a deadline: a dead peer must not hang us.
+
+        gloo: block with gloo's own timeout (it also raises when a peer's connection closes).
+        NCCL: inside an update, only order the current stream after the broadcast (no CPU
+        stall between buckets); at the end (`final`), block on the CPU with a deadline, which
+        bounds the whole update.
+        """
         try:
-            if self.device.type == "cuda":
-                self._poll(work)
-            else:  # gloo honours a timeout in wait() and raises when a peer's connection closes
+            if self.device.type != "cuda":
                 work.wait(timedelta(seconds=self.timeout))
+            elif final:
+                self._poll(work)
+            else:
+                work.wait()
         except TimeoutError as err:
             self.abort(f"{what} did not complete within {self.timeout:g}s")
             raise PeerTimeoutError(f"{self.control.where}: {self.broken}") from err
@@ -89,7 +100,7 @@ class _Group:
             if time.monotonic() > deadline:
                 raise TimeoutError
             time.sleep(pause)
-            pause = min(pause * 2, 0.001)
+            pause = min(pause * 2, 0.0002)
         work.wait()
 
     def check_usable(self) -> None:
@@ -106,13 +117,19 @@ class _Group:
 
     def close(self) -> None:
         self.buffers = [None, None]
+        self.views.clear()
         if not self.broken:
             self.pg.shutdown()
         self.control.close()
 
 
 class BroadcastSender:
-    """Rank 0 of the group: sends named tensors to every receiver, one bucket per broadcast."""
+    """Rank 0 of the group: sends named tensors to every receiver, one bucket per broadcast.
+
+    `timeout` bounds every step of an update (a dead or stuck peer raises `PeerTimeoutError`);
+    `connect_timeout` bounds the wait for all receivers to join, which may include an inference
+    engine's start-up. `checksums=True` verifies every bucket on every receiver.
+    """
 
     def __init__(
         self,
@@ -122,9 +139,10 @@ class BroadcastSender:
         device: str | torch.device = "cpu",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksums: bool = False,
-        timeout: float = 300.0,
+        timeout: float = 120.0,
+        connect_timeout: float = 900.0,
     ):
-        self._group = _Group(host, port, 0, num_receivers, device, timeout)
+        self._group = _Group(host, port, 0, num_receivers, device, timeout, connect_timeout)
         self._updates = UpdateSender(self._group.control, bucket_bytes, checksums)
 
     @property
@@ -155,12 +173,12 @@ class BroadcastSender:
             if in_flight[slot] is not None:  # the buffer still holds bucket k-2 on the wire
                 self._group.wait(in_flight[slot], f"broadcast of bucket {bucket.index - 2}")
             buffer = self._group.buffer(slot, bucket.nbytes)
-            pack(buffer, bucket, tensors)
+            pack(self._group.views(buffer, bucket), tensors)
             self._updates.packed(seq, bucket, buffer)
             in_flight[slot] = self._group.broadcast(buffer)
         for index, work in enumerate(in_flight):
             if work is not None:
-                self._group.wait(work, f"broadcast of the last buckets (slot {index})")
+                self._group.wait(work, f"broadcast of the last buckets (slot {index})", final=True)
 
     def close(self) -> None:
         self._group.close()
@@ -176,12 +194,13 @@ class BroadcastReceiver:
         rank: int,
         num_receivers: int,
         device: str | torch.device = "cpu",
-        timeout: float = 300.0,
+        timeout: float = 120.0,
+        connect_timeout: float = 900.0,
     ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank must be in [1, {num_receivers}], got {rank}")
-        self._group = _Group(host, port, rank, num_receivers, device, timeout)
-        self._seq = 0
+        self._group = _Group(host, port, rank, num_receivers, device, timeout, connect_timeout)
+        self._state = ReceiverState()
 
     def receive(
         self,
@@ -197,11 +216,8 @@ class BroadcastReceiver:
         tensor.
         """
         self._group.check_usable()
-        update = open_update(
-            self._group.control, self._seq, self._receive_buckets, expected, cast, timeout
-        )
-        self._seq += 1
-        return update
+        control = self._group.control
+        return open_update(control, self._state, self._receive_buckets, expected, cast, timeout)
 
     def _receive_buckets(self, seq, buckets, manifest):
         posted = {}
@@ -213,7 +229,8 @@ class BroadcastReceiver:
         post(0)
         for bucket in buckets:
             buffer, work = posted.pop(bucket.index)
-            self._group.wait(work, f"broadcast of bucket {bucket.index}")
+            last = bucket.index == len(buckets) - 1
+            self._group.wait(work, f"broadcast of bucket {bucket.index}", final=last)
             if bucket.index + 1 < len(buckets):  # its slot held bucket k-1, already consumed
                 post(bucket.index + 1)
             yield bucket, buffer

@@ -8,7 +8,7 @@ that names it, never a hang; a dead sender takes its store with it, which receiv
 One update, as both sides see it:
 
     sender                                  receiver r
-    publish  u{seq}/manifest (version, specs)
+    publish  u{seq}/manifest (version, layout key; the layout itself once per model)
                                             read manifest, check it against expectations
                                             publish  u{seq}/ack/r = "" or an error message
     wait for every ack; publish u{seq}/go = "" (or the errors, and raise)
@@ -25,7 +25,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
-from ferrule_weightsync.packing import TensorSpec
 
 OK = b""
 
@@ -33,8 +32,7 @@ OK = b""
 @dataclass(frozen=True)
 class Manifest:
     version: int
-    specs: list[TensorSpec]
-    bucket_bytes: int
+    layout: str  # key of the pickled `update.Layout` (specs and buckets), published once
     checksums: bool
     extra: dict  # transport-specific (e.g. which shared buffers to map)
 
@@ -42,7 +40,15 @@ class Manifest:
 class Control:
     """One side's handle on the shared store. Rank 0 is the sender; ranks 1..N are receivers."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout: float):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        connect_timeout: float,
+    ):
         if world_size < 2:
             raise ValueError(
                 f"a group needs the sender and at least one receiver, got {world_size}"
@@ -50,6 +56,7 @@ class Control:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.connect_timeout = connect_timeout
         self._buckets: dict[int, int] = {}  # sender: bucket count of each update, for cleanup
         self.where = f"weight-sync group at {host}:{port}"
         try:
@@ -57,7 +64,7 @@ class Control:
                 host,
                 port,
                 is_master=rank == 0,
-                timeout=timedelta(seconds=timeout),
+                timeout=timedelta(seconds=connect_timeout),
                 wait_for_workers=False,
             )
         except (RuntimeError, TimeoutError) as err:  # no sender listening, or port taken
@@ -69,7 +76,7 @@ class Control:
         """Register this rank; fail clearly on a second join or a different world size."""
         if self.rank == 0:
             self.store.set("world_size", str(self.world_size))
-        declared = int(self._get("world_size", "the sender"))
+        declared = int(self._get("world_size", "the sender", self.connect_timeout))
         if declared != self.world_size:
             raise WeightSyncError(
                 f"receiver rank {self.rank} expects {self.world_size - 1} receivers, but the sender "
@@ -78,7 +85,7 @@ class Control:
         if self.store.add(f"joined/{self.rank}", 1) > 1:
             raise WeightSyncError(f"rank {self.rank} has already joined the {self.where}")
         if self.rank == 0:
-            self._wait_all("joined", "join the group")
+            self._wait_all("joined", "join the group", self.connect_timeout)
 
     # -- one update ------------------------------------------------------------------------
 
@@ -86,6 +93,12 @@ class Control:
         self._forget(seq - 1)
         self._buckets[seq] = buckets
         self.store.set(f"u{seq}/manifest", pickle.dumps(manifest))
+
+    def publish_layout(self, key: str, blob: bytes) -> None:
+        self.store.set(f"layouts/{key}", blob)
+
+    def read_layout(self, key: str) -> bytes:
+        return self._get(f"layouts/{key}", "the sender")
 
     def read_manifest(self, seq: int, timeout: float | None) -> Manifest:
         return pickle.loads(self._get(f"u{seq}/manifest", "the sender", timeout))
@@ -156,16 +169,17 @@ class Control:
                     f"on the {self.where}"
                 )
 
-    def _wait_all(self, prefix: str, what: str) -> None:
+    def _wait_all(self, prefix: str, what: str, timeout: float | None = None) -> None:
         """Block (in the store, not by polling: CPU is scarce while data moves) until every
         receiver has set `prefix/<rank>`; on timeout, name the ranks still missing."""
         keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
+        timeout = self.timeout if timeout is None else timeout
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
+            self.store.wait(keys, timedelta(seconds=timeout))
         except dist.DistError as err:
             missing = [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
             raise PeerTimeoutError(
-                f"receivers {missing} did not {what} within {self.timeout:g}s on the {self.where}"
+                f"receivers {missing} did not {what} within {timeout:g}s on the {self.where}"
             ) from err
 
     def _forget(self, seq: int) -> None:

@@ -23,8 +23,8 @@ from multiprocessing import shared_memory
 import torch
 
 from ferrule_weightsync.control import Control
-from ferrule_weightsync.packing import TensorSpec, pack
-from ferrule_weightsync.update import Update, UpdateSender, open_update
+from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
+from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
 DEFAULT_BUCKET_BYTES = 1024 * 2**20  # measured on one H200: 1 GB buckets copy at ~940 GB/s
 
@@ -91,14 +91,16 @@ class IpcSender:
         device: str | torch.device = "cpu",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksums: bool = False,
-        timeout: float = 300.0,
+        timeout: float = 120.0,
+        connect_timeout: float = 900.0,
     ):
         self.device = torch.device(device)
-        self._control = Control(host, port, 0, num_receivers + 1, timeout)
+        self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout)
         self._control.join()
         self._updates = UpdateSender(self._control, bucket_bytes, checksums)
         self._buffers: list[_SharedBuffer] = []
         self._generation = 0  # bumps when the buffers are reallocated (a tensor outgrew them)
+        self._views = BucketViews()
 
     @property
     def version(self) -> int:
@@ -130,6 +132,7 @@ class IpcSender:
             return
         for buffer in self._buffers:
             buffer.close()
+        self._views.clear()
         self._buffers = [_SharedBuffer(needed, self.device) for _ in range(2)]
         self._generation += 1
         handles = [buffer.handle() for buffer in self._buffers]
@@ -140,7 +143,7 @@ class IpcSender:
             if bucket.index >= 2:  # every receiver must be done with bucket k-2 in this slot
                 self._control.await_all_signals(seq, bucket.index - 2, "free")
             buffer = self._buffers[bucket.index % 2].tensor[: bucket.nbytes]
-            pack(buffer, bucket, tensors)
+            pack(self._views(buffer, bucket), tensors)
             if buffer.is_cuda:  # receivers read through their own streams: the bytes must be there
                 torch.cuda.current_stream(buffer.device).synchronize()
             self._updates.packed(seq, bucket, buffer)
@@ -156,14 +159,22 @@ class IpcSender:
 class IpcReceiver:
     """A colocated receiver: maps the sender's buffers once and reads updates from them."""
 
-    def __init__(self, host: str, port: int, rank: int, num_receivers: int, timeout: float = 300.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        num_receivers: int,
+        timeout: float = 120.0,
+        connect_timeout: float = 900.0,
+    ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank must be in [1, {num_receivers}], got {rank}")
-        self._control = Control(host, port, rank, num_receivers + 1, timeout)
+        self._control = Control(host, port, rank, num_receivers + 1, timeout, connect_timeout)
         self._control.join()
         self._mapped: list[_MappedBuffer] = []
         self._generation = 0
-        self._seq = 0
+        self._state = ReceiverState()
         self.handles_opened = 0  # for tests and benchmarks: reuse means this stays at 2
 
     def receive(
@@ -173,11 +184,9 @@ class IpcReceiver:
         timeout: float | None = None,
     ) -> Update:
         """Wait for the next update; same contract as `BroadcastReceiver.receive`."""
-        update = open_update(
-            self._control, self._seq, self._receive_buckets, expected, cast, timeout
+        return open_update(
+            self._control, self._state, self._receive_buckets, expected, cast, timeout
         )
-        self._seq += 1
-        return update
 
     def _map(self, generation: int) -> None:
         if generation == self._generation:
@@ -185,6 +194,7 @@ class IpcReceiver:
         for mapped in self._mapped:
             mapped.close()
         handles = pickle.loads(self._control.store.get(f"ipc/handles/{generation}"))
+        self._state.views.clear()
         self._mapped = [_MappedBuffer(handle) for handle in handles]
         self.handles_opened += len(handles)
         self._generation = generation

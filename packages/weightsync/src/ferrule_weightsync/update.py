@@ -9,19 +9,46 @@ checksums, telling the sender who failed) lives here, once.
 import pickle
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
 
 import torch
 
 from ferrule_weightsync.control import Control, Manifest
 from ferrule_weightsync.errors import MismatchError, WeightSyncError
-from ferrule_weightsync.packing import Bucket, TensorSpec, checksum, plan_buckets, unpack
+from ferrule_weightsync.packing import (
+    Bucket,
+    BucketViews,
+    TensorSpec,
+    checksum,
+    plan_buckets,
+    unpack,
+)
 
 # A transport's sender side: move (bucket, tensors) pairs for update `seq`.
 SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], None]
 # A transport's receiver side: yield (bucket, buffer) for update `seq`, freeing each on resume.
 ReceiveBuckets = Callable[[int, list[Bucket], Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
 MAX_LISTED = 5  # problems listed in one error message
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The specs of one update and their buckets. A model sends the same layout every step, so
+    it travels (pickled) and is planned once, then named by its key in each manifest."""
+
+    key: str
+    specs: tuple[TensorSpec, ...]
+    buckets: tuple[Bucket, ...]
+
+
+class ReceiverState:
+    """What a receiver keeps between updates: the update counter, known layouts, cached views."""
+
+    def __init__(self):
+        self.seq = 0
+        self.layouts: dict[str, Layout] = {}
+        self.views = BucketViews()
 
 
 class UpdateSender:
@@ -31,6 +58,23 @@ class UpdateSender:
         self.control, self.bucket_bytes, self.checksums = control, bucket_bytes, checksums
         self.seq = 0
         self.version = 0
+        self.layouts: dict[tuple[TensorSpec, ...], Layout] = {}
+
+    def layout(self, specs: list[TensorSpec]) -> Layout:
+        """The layout of these specs, published to the store the first time it is used."""
+        specs = tuple(specs)
+        known = self.layouts.get(specs)
+        if known is None:
+            duplicates = sorted(n for n, c in Counter(s.name for s in specs).items() if c > 1)
+            if duplicates:
+                raise ValueError(
+                    f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}"
+                )
+            buckets = tuple(plan_buckets(list(specs), self.bucket_bytes))
+            known = Layout(f"layout{len(self.layouts)}", specs, buckets)
+            self.control.publish_layout(known.key, pickle.dumps(known))
+            self.layouts[specs] = known
+        return known
 
     def send(
         self,
@@ -46,20 +90,17 @@ class UpdateSender:
             specs = [TensorSpec.of(name, tensor) for name, tensor in named_tensors]
         if not specs:
             raise ValueError("nothing to send: the update has no tensors")
-        duplicates = sorted(n for n, c in Counter(s.name for s in specs).items() if c > 1)
-        if duplicates:
-            raise ValueError(f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}")
         version = self.version + 1 if version is None else int(version)
-        buckets = plan_buckets(specs, self.bucket_bytes)
-        manifest = Manifest(version, specs, self.bucket_bytes, self.checksums, extra or {})
+        layout = self.layout(specs)
+        manifest = Manifest(version, layout.key, self.checksums, extra or {})
         seq = self.seq
-        self.control.publish_manifest(seq, manifest, len(buckets))
+        self.control.publish_manifest(seq, manifest, len(layout.buckets))
         rejected = self.control.collect(seq, "ack")
         self.control.decide(seq, rejected)
         self.seq += 1
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
-        send_buckets(seq, _bucketed(iter(named_tensors), buckets))
+        send_buckets(seq, _bucketed(iter(named_tensors), layout.buckets))
         failed = self.control.collect(seq, "done")
         if failed:
             raise WeightSyncError(f"update to version {version} failed:\n  " + "\n  ".join(failed))
@@ -97,14 +138,14 @@ def expected_specs(expected: Mapping | None) -> dict[str, TensorSpec] | None:
     }
 
 
-def check_manifest(
-    manifest: Manifest, expected: dict[str, TensorSpec] | None, cast: bool | torch.dtype
+def check_specs(
+    specs: tuple[TensorSpec, ...], expected: dict[str, TensorSpec] | None, cast: bool | torch.dtype
 ) -> list[str]:
     """Every way the announced tensors differ from what this receiver can load."""
     if expected is None:
         return []
     problems = []
-    for spec in manifest.specs:
+    for spec in specs:
         want = expected.get(spec.name)
         if want is None:
             problems.append(f"tensor {spec.name!r} is not expected by this receiver")
@@ -132,11 +173,11 @@ class Update:
     step, and tells the sender that this receiver failed.
     """
 
-    def __init__(self, control, seq, manifest, buckets, receive_buckets, expected, cast):
-        self.control, self.seq, self.manifest = control, seq, manifest
-        self.version, self.specs = manifest.version, manifest.specs
-        self._buckets, self._receive, self._expected, self._cast = (
-            buckets,
+    def __init__(self, control, seq, manifest, layout, state, receive_buckets, expected, cast):
+        self.control, self.seq, self.manifest, self.layout = control, seq, manifest, layout
+        self.version, self.specs = manifest.version, layout.specs
+        self._state, self._receive, self._expected, self._cast = (
+            state,
             receive_buckets,
             expected,
             cast,
@@ -148,12 +189,12 @@ class Update:
             raise WeightSyncError(f"update to version {self.version} was already consumed")
         self._started = True
         error = ""
-        arrivals = self._receive(self.seq, self._buckets, self.manifest)
+        arrivals = self._receive(self.seq, self.layout.buckets, self.manifest)
         try:
             for bucket, buffer in arrivals:
                 if self.manifest.checksums:
                     self._verify(bucket, buffer)
-                for name, tensor in unpack(buffer, bucket):
+                for name, tensor in unpack(self._state.views(buffer, bucket), bucket):
                     yield name, self._converted(name, tensor)
         except GeneratorExit:
             error = "the consumer stopped before the end of the update"
@@ -198,7 +239,7 @@ class Update:
 
 def open_update(
     control: Control,
-    seq: int,
+    state: ReceiverState,
     receive_buckets: ReceiveBuckets,
     expected: Mapping | None,
     cast: bool | torch.dtype,
@@ -207,9 +248,14 @@ def open_update(
     """Receiver: wait for the next manifest, check it, and agree with the sender to proceed."""
     if cast is True and expected is None:
         raise ValueError("cast=True converts to the expected dtypes: pass expected= as well")
+    seq = state.seq
     manifest = control.read_manifest(seq, timeout)
+    state.seq += 1
+    layout = state.layouts.get(manifest.layout)
+    if layout is None:
+        layout = state.layouts[manifest.layout] = pickle.loads(control.read_layout(manifest.layout))
     wanted = expected_specs(expected)
-    problems = check_manifest(manifest, wanted, cast)
+    problems = check_specs(layout.specs, wanted, cast)
     control.report(seq, "ack", "\n  ".join(problems))
     refusals = control.await_decision(seq)
     if problems:
@@ -220,5 +266,4 @@ def open_update(
         raise MismatchError(
             f"update to version {manifest.version} refused by other receivers:\n  {refusals}"
         )
-    buckets = plan_buckets(manifest.specs, manifest.bucket_bytes)
-    return Update(control, seq, manifest, buckets, receive_buckets, wanted, cast)
+    return Update(control, seq, manifest, layout, state, receive_buckets, wanted, cast)

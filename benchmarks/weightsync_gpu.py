@@ -1,0 +1,214 @@
+"""Weight sync on GPUs: NCCL broadcast against a raw flat broadcast, and repeated CUDA IPC updates.
+
+    python benchmarks/weightsync_gpu.py nccl     # needs 2 GPUs
+    python benchmarks/weightsync_gpu.py ipc      # one GPU, two processes
+
+The state dict has the shapes of a 1.5B Qwen2 (hidden 1536, 28 layers, vocab 151936; bf16),
+about 3.4 GB in 339 tensors.
+  nccl: ours = ferrule_weightsync's broadcast transport from cuda:0 to a receiver on cuda:1
+        (256 MB buckets, double-buffered, the receiver iterating the tensors it gets);
+        baseline = one raw `torch.distributed.broadcast` of a flat buffer of the same bytes.
+        ratio = ours / baseline throughput.
+  ipc:  ours = IpcSender -> IpcReceiver on the same GPU, the receiver copying every tensor into
+        its own preallocated copy of the model (a real load); repeated updates reuse the mapped
+        buffers. baseline = the 10 ms budget (300 GB/s) the project set for a 3 GB update;
+        ratio = budget / ours (higher is better). Also reports the first update, which opens
+        the handles.
+Each figure is the best of --repeats updates, timed on the sender from the start of `send` until
+every receiver has consumed the update. The last line printed is one JSON object.
+"""
+
+import argparse
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ferrule_weightsync import BroadcastReceiver, BroadcastSender, IpcReceiver, IpcSender
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 1536, 8960, 28, 151936, 256
+
+
+def state_dict(device: str) -> dict[str, torch.Tensor]:
+    def w(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device=device).normal_()
+
+    state = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "self_attn.q_proj.weight": w(HIDDEN, HIDDEN),
+            p + "self_attn.k_proj.weight": w(KV, HIDDEN),
+            p + "self_attn.v_proj.weight": w(KV, HIDDEN),
+            p + "self_attn.o_proj.weight": w(HIDDEN, HIDDEN),
+            p + "self_attn.q_proj.bias": w(HIDDEN),
+            p + "self_attn.k_proj.bias": w(KV),
+            p + "self_attn.v_proj.bias": w(KV),
+            p + "mlp.gate_proj.weight": w(INTERMEDIATE, HIDDEN),
+            p + "mlp.up_proj.weight": w(INTERMEDIATE, HIDDEN),
+            p + "mlp.down_proj.weight": w(HIDDEN, INTERMEDIATE),
+            p + "input_layernorm.weight": w(HIDDEN),
+            p + "post_attention_layernorm.weight": w(HIDDEN),
+        }
+    state["model.norm.weight"] = w(HIDDEN)
+    return state
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def nccl_worker(rank, ports, repeats, out):
+    device = f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    state = state_dict(device)
+    if rank == 0:
+        sender = BroadcastSender("127.0.0.1", ports[0], 1, device=device)
+        ours = best_of(lambda: sender.send(state.items()), repeats)
+    else:
+        receiver = BroadcastReceiver("127.0.0.1", ports[0], 1, 1, device=device)
+        for _ in range(repeats + 1):
+            for _name, _tensor in receiver.receive():
+                pass
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{ports[1]}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+        device_id=torch.device(device),
+    )
+    flat = torch.empty(nbytes(state), dtype=torch.uint8, device=device)
+
+    def raw():
+        dist.broadcast(flat, 0)
+        dist.barrier()
+
+    baseline = best_of(raw, repeats)
+    if rank == 0:
+        out.put(
+            {"bytes": nbytes(state), "tensors": len(state), "ours_s": ours, "baseline_s": baseline}
+        )
+        sender.close()
+    else:
+        receiver.close()
+    dist.destroy_process_group()
+
+
+def ipc_worker(rank, ports, repeats, out):
+    torch.cuda.set_device(0)
+    state = state_dict("cuda:0")
+    if rank == 0:
+        sender = IpcSender("127.0.0.1", ports[0], 1, device="cuda:0")
+        started = time.perf_counter()
+        sender.send(state.items())
+        torch.cuda.synchronize()
+        first = time.perf_counter() - started
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            sender.send(state.items())
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        out.put(
+            {
+                "bytes": nbytes(state),
+                "tensors": len(state),
+                "first_s": first,
+                "best_s": min(times),
+                "median_s": sorted(times)[len(times) // 2],
+                "handles_published": sender.handles_published,
+            }
+        )
+        sender.close()
+    else:
+        receiver = IpcReceiver("127.0.0.1", ports[0], 1, 1)
+        model = {name: torch.empty_like(t) for name, t in state.items()}  # the engine's weights
+        for _ in range(repeats + 1):
+            for name, tensor in receiver.receive():
+                model[name].copy_(tensor)
+        out.put({"handles_opened": receiver.handles_opened})
+        receiver.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["nccl", "ipc"])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = (free_port(), free_port())
+    target = nccl_worker if args.mode == "nccl" else ipc_worker
+    procs = [ctx.Process(target=target, args=(r, ports, args.repeats, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(1 if args.mode == "nccl" else 2):
+        results |= out.get(timeout=540)
+    for p in procs:
+        p.join()
+    size = results["bytes"]
+    device = torch.cuda.get_device_name(0)
+    if args.mode == "nccl":
+        ours, baseline = size / results["ours_s"] / 1e9, size / results["baseline_s"] / 1e9
+        line = {
+            "name": "weightsync_gpu_nccl",
+            "device": f"2 x {device}",
+            "unit": "GB/s",
+            "gb": round(size / 1e9, 2),
+            "tensors": results["tensors"],
+            "ours": round(ours, 1),
+            "baseline": round(baseline, 1),
+            "goal": "ratio >= 0.9",
+            "ratio": round(ours / baseline, 3),
+        }
+    else:
+        budget_s = 0.010 * size / 3e9  # 10 ms per 3 GB
+        line = {
+            "name": "weightsync_gpu_ipc",
+            "device": device,
+            "unit": "ms",
+            "gb": round(size / 1e9, 2),
+            "tensors": results["tensors"],
+            "first_update_ms": round(results["first_s"] * 1e3, 2),
+            "median_ms": round(results["median_s"] * 1e3, 2),
+            "gbps": round(size / results["best_s"] / 1e9, 1),
+            "handles_published": results["handles_published"],
+            "handles_opened": results["handles_opened"],
+            "ours": round(results["best_s"] * 1e3, 2),
+            "baseline": round(budget_s * 1e3, 2),
+            "goal": "ratio >= 1 (<= 10 ms per 3 GB, >= 300 GB/s)",
+            "ratio": round(budget_s / results["best_s"], 3),
+        }
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()

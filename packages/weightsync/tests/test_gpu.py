@@ -1,0 +1,89 @@
+"""The GPU transports: NCCL broadcast between two GPUs, CUDA IPC between two processes on one.
+
+Skipped without enough CUDA GPUs (see the root conftest.py); run on the GPU machines, with results
+recorded in benchmarks/RESULTS.md. Same protocol code and checks as the CPU tests.
+"""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_weightsync import create_sender
+
+PEER = Path(__file__).with_name("peer.py")
+sys.path.insert(0, str(PEER.parent))
+from peer import realistic_state_dict, scaled  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_receiver(tmp_path, **options) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "receiver.pt"
+    args = [sys.executable, str(PEER), "--out", str(out), "--updates", "2"]
+    for key, value in options.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out
+
+
+def check_results(proc, out, state) -> list[dict]:
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    results = torch.load(out, weights_only=False)
+    assert "error" not in results[0], results[0].get("trace")
+    assert [r["version"] for r in results] == [1, 2]
+    for result, factor in zip(results, [1.0, 3.0], strict=True):
+        for name, tensor in scaled(state, factor).items():
+            assert torch.equal(result["state"][name], tensor), name
+    return results
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_broadcast_between_two_gpus(tmp_path):
+    port = free_port()
+    proc, out = start_receiver(tmp_path, transport="broadcast", port=port, device="cuda:1")
+    sender = create_sender(
+        "broadcast",
+        "127.0.0.1",
+        port,
+        1,
+        device="cuda:0",
+        bucket_bytes=4096,
+        checksums=True,
+        timeout=60,
+    )
+    state = realistic_state_dict()
+    for factor in (1.0, 3.0):
+        sender.send({k: v.to("cuda:0") for k, v in scaled(state, factor).items()}.items())
+    sender.close()
+    check_results(proc, out, state)
+
+
+@pytest.mark.gpu(count=1)
+def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path):
+    port = free_port()
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port)
+    sender = create_sender(
+        "ipc",
+        "127.0.0.1",
+        port,
+        1,
+        device="cuda:0",
+        bucket_bytes=4096,
+        checksums=True,
+        timeout=60,
+    )
+    state = realistic_state_dict()
+    for factor in (1.0, 3.0):
+        sender.send({k: v.to("cuda:0") for k, v in scaled(state, factor).items()}.items())
+    assert sender.handles_published == 2  # the second update reused both buffers
+    sender.close()
+    results = check_results(proc, out, state)
+    assert results[-1]["handles_opened"] == 2
