@@ -1,0 +1,169 @@
+"""The `rlhf-rewards` command: serve rewards, or score JSON lines against a running server.
+
+    rlhf-rewards serve --function ferrule_rewards.builtin:exact_match       # 127.0.0.1:50051
+    rlhf-rewards serve --model ./my-reward-model --bind 0.0.0.0:50051 --token-file token
+    echo '{"response": "#### 4", "label": "4"}' | rlhf-rewards score 127.0.0.1:50051
+
+`serve` logs `serving ... on HOST:PORT` once it accepts calls, and drains on SIGTERM. Errors in
+the arguments exit with status 2 and say what was wrong, before anything starts.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from ferrule_rewards.client import RewardError
+from ferrule_rewards.security import TOKEN_ENV, read_token
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--function",
+        metavar="MODULE:FUNCTION",
+        help="Python reward function, `module:function` or `path/file.py:function`",
+    )
+    what.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local Hugging Face sequence-classification reward model folder "
+        "(needs ferrule-rewards[model])",
+    )
+    add = parser.add_argument
+    add(
+        "--bind",
+        default="127.0.0.1:50051",
+        help="host:port to listen on; port 0 picks a free one. Anything but loopback needs a "
+        "token or TLS (default: %(default)s)",
+    )
+    add("--token-file", help=f"file holding the bearer token clients must send (or ${TOKEN_ENV})")
+    add("--tls-cert", help="server certificate (PEM); enables TLS, with --tls-key")
+    add("--tls-key", help="server private key (PEM)")
+    add("--tls-client-ca", help="CA (PEM) that signs client certificates: mutual TLS")
+    add(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds a reward function may spend on one sample (on one batch, for per-batch "
+        "functions) (default: %(default)s)",
+    )
+    add("--max-batch", type=int, default=4096, help="most samples per call (default: %(default)s)")
+    add("--max-message-mb", type=float, default=64, help="largest request (default: %(default)s)")
+    add(
+        "--max-concurrency",
+        type=int,
+        default=32,
+        help="calls scored at once; more are refused with RESOURCE_EXHAUSTED "
+        "(default: %(default)s)",
+    )
+    add(
+        "--max-stuck",
+        type=int,
+        default=16,
+        help="threads that may stay stuck in timed-out calls before the server reports "
+        "NOT_SERVING (default: %(default)s)",
+    )
+    add(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds calls in flight get to finish after SIGTERM (default: %(default)s)",
+    )
+    add("--device", default="auto", help="reward model device: auto, cpu, cuda, cuda:1...")
+    add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
+    add("--model-batch-size", type=int, default=32, help="samples per model forward pass")
+    add("--max-length", type=int, help="longest prompt + response the model scores, in tokens")
+
+
+def _score_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("addresses", nargs="+", metavar="ADDRESS", help="host:port of one or more replicas")
+    add("--token-file", help=f"file holding the bearer token (or ${TOKEN_ENV})")
+    add("--tls-ca", help="CA (PEM) to verify the server; enables TLS")
+    add("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    add("--tls-key", help="client private key (PEM), for mutual TLS")
+    add("--timeout", type=float, default=60.0, help="deadline per call in seconds")
+
+
+def _serve(args) -> None:
+    from ferrule_rewards.server import TLS, Limits, serve
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    token = read_token(args.token_file)
+    tls = TLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    limits = Limits(args.max_batch, int(args.max_message_mb * (1 << 20)), args.max_concurrency)
+    if args.function:
+        from ferrule_rewards.functions import FunctionScorer, load_function
+
+        scorer = FunctionScorer(
+            load_function(args.function),
+            timeout=args.timeout,
+            max_stuck=args.max_stuck,
+        )
+    else:
+        try:
+            from ferrule_rewards.model import ModelScorer
+        except ImportError as error:
+            raise ValueError(
+                f"--model needs `pip install ferrule-rewards[model]`: {error}"
+            ) from None
+        scorer = ModelScorer(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            batch_size=args.model_batch_size,
+            max_length=args.max_length,
+        )
+    if token and not tls:
+        logging.getLogger(__name__).warning(
+            "a token without TLS crosses the network in clear text; add --tls-cert/--tls-key"
+        )
+    asyncio.run(serve(scorer, args.bind, grace=args.grace, token=token, tls=tls, limits=limits))
+
+
+def _score(args) -> None:
+    from ferrule_rewards.client import RewardClient
+
+    samples = [json.loads(line) for line in sys.stdin if line.strip()]
+    with RewardClient(
+        args.addresses,
+        token=read_token(args.token_file),
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        timeout=args.timeout,
+    ) as client:
+        for result in client.score(samples):
+            line = {"reward": result.reward if result.ok else None, "status": str(result.status)}
+            if result.error:
+                line["error"] = result.error
+            if result.sub_scores:
+                line["sub_scores"] = result.sub_scores
+            print(json.dumps(line))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlhf-rewards", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _serve_arguments(commands.add_parser("serve", help="run the reward server"))
+    _score_arguments(commands.add_parser("score", help="score JSON lines from stdin"))
+    parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        _serve(args) if args.command == "serve" else _score(args)
+    except (ValueError, TypeError, OSError, RewardError) as error:
+        parser.exit(2, f"rlhf-rewards {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()

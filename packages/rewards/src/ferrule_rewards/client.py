@@ -1,0 +1,217 @@
+"""The Python client for ferrule-rewards servers: deadlines, retries, several addresses.
+
+    with RewardClient(["10.0.0.5:50051", "10.0.0.6:50051"], token=token) as client:
+        results = client.score([{"prompt": p, "response": r, "label": a}, ...])
+        rewards = [result.reward for result in results]    # NaN where not result.ok
+
+A sample is a dict with the wire format's field names (or a `records.Sample`). A call larger
+than `batch_size` is split into chunks that go out concurrently, spread round-robin over the
+addresses. A chunk refused with UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED
+(server busy) moves to the next address at once, and backs off exponentially after every
+address has refused it; when `attempts` run out, RewardServersUnavailable lists what each
+address said. Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that
+timed out may still be running on the server, and retrying it would score its samples twice.
+"""
+
+import itertools
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+import grpc
+
+from ferrule_rewards import rewards_pb2 as pb
+from ferrule_rewards.records import Result, Sample, Status
+from ferrule_rewards.security import TOKEN_ENV, channel_credentials
+
+METHOD = "/{}/Score".format(pb.DESCRIPTOR.services_by_name["RewardService"].full_name)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+STATUS_FROM_WIRE = {pb.SampleStatus.Value(f"SAMPLE_STATUS_{s.name}"): s for s in Status}
+NAN = math.nan
+
+
+class RewardError(Exception):
+    """A Score call failed. `code` is the gRPC status code, `address` the server that said so."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, address: str = ""):
+        super().__init__(message)
+        self.code, self.address = code, address
+
+
+class RewardServersUnavailable(RewardError):
+    """No server could take the call: every attempt was refused or could not connect."""
+
+
+class RewardClient:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        timeout: float = 60.0,
+        attempts: int = 8,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        cooldown: float = 1.0,
+        batch_size: int = 256,
+        max_in_flight: int = 8,
+        max_message_bytes: int = 64 << 20,
+    ):
+        """addresses: one `host:port` or several replicas of the same server.
+        token: sent as `authorization: Bearer <token>`; default $FERRULE_REWARDS_TOKEN.
+        tls, tls_ca, tls_cert, tls_key: TLS (on when any is given); `tls_ca` verifies the
+            server (default: system roots), `tls_cert`/`tls_key` are for mutual TLS.
+        tls_server_name: the name the server certificate must carry, when not the host.
+        timeout: deadline of each attempt, in seconds.
+        attempts: tries per chunk over all addresses before giving up.
+        backoff, max_backoff: first and largest pause after all addresses refused a chunk.
+        cooldown: seconds an address that was unavailable goes to the back of the queue.
+        batch_size: samples per call; larger score() calls are split.
+        max_in_flight: chunks of one score() call sent concurrently.
+        """
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("RewardClient needs at least one server address")
+        self.timeout, self.attempts, self.batch_size = timeout, attempts, batch_size
+        self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
+        token = token or os.environ.get(TOKEN_ENV)
+        self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Reconnect soon after a replica comes back (gRPC's default waits up to 2 min).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 5000),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        secure = tls or any((tls_ca, tls_cert, tls_key))
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key) if secure else None
+        self._channels = {
+            address: grpc.secure_channel(address, credentials, options)
+            if secure
+            else grpc.insecure_channel(address, options)
+            for address in self.addresses
+        }
+        # Requests go out already serialized (once per chunk, however often it is retried).
+        self._calls = {
+            address: channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+            for address, channel in self._channels.items()
+        }
+        self._turn = itertools.count()  # round-robin position; next() is atomic in CPython
+        self._down_until: dict[str, float] = {}
+        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="reward-client")
+        self._lock = threading.Lock()
+
+    def score(self, samples: Iterable[Mapping | Sample]) -> list[Result]:
+        """Score every sample; one Result per sample, in order."""
+        samples = list(samples)
+        chunks = [
+            (offset, _encode(samples[offset : offset + self.batch_size], offset))
+            for offset in range(0, len(samples), self.batch_size)
+        ]
+        sizes = [min(self.batch_size, len(samples) - offset) for offset, _ in chunks]
+        if len(chunks) <= 1:
+            return [
+                r
+                for (_, request), n in zip(chunks, sizes, strict=True)
+                for r in self._call(request, n)
+            ]
+        futures = [
+            self._pool.submit(self._call, request, n)
+            for (_, request), n in zip(chunks, sizes, strict=True)
+        ]
+        try:
+            return [result for future in futures for result in future.result()]
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def _order(self) -> list[str]:
+        """Addresses for the next chunk: round-robin start, recently unavailable ones last."""
+        start = next(self._turn) % len(self.addresses)
+        order = self.addresses[start:] + self.addresses[:start]
+        now = time.monotonic()
+        with self._lock:
+            return sorted(order, key=lambda address: self._down_until.get(address, 0) > now)
+
+    def _call(self, request: bytes, n: int) -> list[Result]:
+        order = self._order()
+        refusals: dict[str, str] = {}
+        for attempt in range(self.attempts):
+            round_, position = divmod(attempt, len(order))
+            if round_ and not position:  # every address refused this chunk: back off
+                pause = min(self.max_backoff, self.backoff * 2 ** (round_ - 1))
+                time.sleep(pause * random.uniform(0.5, 1.0))
+            address = order[position]
+            try:
+                response = self._calls[address](
+                    request, timeout=self.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as error:
+                code, details = error.code(), error.details()
+                if code not in RETRYABLE:
+                    raise RewardError(f"{address}: {code.name}: {details}", code, address) from None
+                refusals[address] = f"{code.name}: {details}"
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    with self._lock:
+                        self._down_until[address] = time.monotonic() + self.cooldown
+                continue
+            return _decode(response, n, address)
+        said = "; ".join(f"{address}: {why}" for address, why in refusals.items())
+        raise RewardServersUnavailable(
+            f"no reward server took a batch of {n} samples in {self.attempts} attempts "
+            f"over {len(order)} address(es): {said}",
+            grpc.StatusCode.UNAVAILABLE,
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels.values():
+            channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _encode(samples: list, offset: int) -> bytes:
+    """Serialize a chunk. Dicts go to protobuf as they are (its C code converts them fastest);
+    a bad sample gets a ValueError that names it."""
+    samples = [asdict(s) if isinstance(s, Sample) else s for s in samples]
+    try:
+        return pb.ScoreRequest(samples=samples).SerializeToString()
+    except (ValueError, TypeError, UnicodeError):
+        for index, sample in enumerate(samples):
+            try:
+                pb.Sample(**sample)
+            except (ValueError, TypeError, UnicodeError) as error:
+                raise ValueError(f"sample {offset + index}: {error}") from None
+        raise
+
+
+def _decode(response: pb.ScoreResponse, n: int, address: str) -> list[Result]:
+    if len(response.results) != n:
+        raise RewardError(f"{address}: returned {len(response.results)} results for {n} samples")
+    results = []
+    for result in response.results:
+        if result.status == 0:  # SAMPLE_STATUS_OK
+            subs = dict(result.sub_scores) if result.sub_scores else {}
+            results.append(Result(result.reward, Status.OK, "", subs))
+        else:
+            status = STATUS_FROM_WIRE.get(result.status, Status.ERROR)
+            error = result.error or f"sample status {result.status}"
+            results.append(Result(NAN, status, error, dict(result.sub_scores)))
+    return results

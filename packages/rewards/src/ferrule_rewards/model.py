@@ -1,0 +1,131 @@
+"""A Hugging Face sequence-classification reward model as a scoring backend (the `model` extra).
+
+    scorer = ModelScorer("path/to/reward-model", device="auto", batch_size=32)
+    scores = await scorer.score([(prompt, response), ...])
+
+The model reads `prompt + response` as one string, exactly as sent (no special tokens are
+added: apply the chat template and end-of-sequence token the model was trained with before
+sending), and the reward is its single output logit (`num_labels=1`). Samples are sorted by
+length and scored in micro-batches of `batch_size` on one worker thread, one batch at a time.
+torch and transformers are imported here only, so the rest of the package runs without them.
+"""
+
+import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ferrule_rewards.records import Scores, Status
+
+
+def _pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"reward model device {device!r}: torch sees no CUDA GPU")
+    return device
+
+
+def _pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":  # bf16 is emulated (slow) on most CPUs
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype
+        ]
+    except KeyError:
+        raise ValueError(
+            f"reward model dtype {dtype!r}: use auto, float32, bfloat16 or float16"
+        ) from None
+
+
+class ModelScorer:
+    fields = ("prompt", "response")
+    healthy = True  # a model forward is not abandoned midway, so no thread ever gets stuck
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        batch_size: int = 32,
+        max_length: int | None = None,
+    ):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"reward model {path}: no config.json there (a local model folder)")
+        self.name = f"model {path}"
+        self.device = _pick_device(device)
+        self.batch_size = batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=_pick_dtype(dtype, self.device)
+        )
+        if self.model.config.num_labels != 1:
+            raise ValueError(
+                f"reward model {path}: has {self.model.config.num_labels} labels; "
+                "a reward model has one output (num_labels=1)"
+            )
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The model finds each sequence's last token through the pad id.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer.padding_side = "right"
+        self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
+        self.model.to(self.device).eval()
+        self._torch = torch
+        # One thread: forwards run one at a time, off the event loop.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
+
+    async def score(self, rows: list[tuple[str, str]]) -> Scores:
+        texts = [prompt + response for prompt, response in rows]
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.score_texts, texts)
+
+    def score_texts(self, texts: list[str]) -> Scores:
+        scores = Scores([0.0] * len(texts))
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        order = []
+        for index, tokens in enumerate(ids):
+            if not tokens:
+                scores.fail(index, Status.INVALID_SAMPLE, "prompt + response is empty")
+            elif self.max_length and len(tokens) > self.max_length:
+                scores.fail(
+                    index,
+                    Status.INVALID_SAMPLE,
+                    f"prompt + response is {len(tokens)} tokens; "
+                    f"the reward model takes at most {self.max_length}",
+                )
+            else:
+                order.append(index)
+        order.sort(key=lambda index: len(ids[index]))  # similar lengths pad less
+        for first in range(0, len(order), self.batch_size):
+            chunk = order[first : first + self.batch_size]
+            try:
+                values = self._forward([ids[index] for index in chunk])
+            except Exception as error:  # e.g. out of memory: fail this chunk, keep serving
+                for index in chunk:
+                    scores.fail(index, Status.ERROR, f"{type(error).__name__}: {error}"[:1000])
+                continue
+            for index, value in zip(chunk, values, strict=True):
+                if math.isfinite(value):
+                    scores.rewards[index] = value
+                else:
+                    scores.fail(index, Status.INVALID_REWARD, f"the model's reward is {value}")
+        return scores
+
+    def _forward(self, ids: list[list[int]]) -> list[float]:
+        batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
+        with self._torch.inference_mode():
+            logits = self.model(**batch).logits
+        return logits[:, 0].float().cpu().tolist()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

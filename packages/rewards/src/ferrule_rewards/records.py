@@ -1,0 +1,84 @@
+"""The plain records of a scoring call, free of protobuf types.
+
+`Sample` is what a per-batch reward function receives, `Scores` is what a backend hands back to
+the server for one batch, and `Result` is what the client returns for each sample. `Status`
+names the per-sample outcomes of the wire format's `SampleStatus`.
+"""
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+# The sample fields, in wire order, as a reward function names them.
+SAMPLE_FIELDS = (
+    "prompt",
+    "response",
+    "prompt_token_ids",
+    "response_token_ids",
+    "label",
+    "metadata",
+)
+
+
+class Status(StrEnum):
+    OK = "ok"
+    ERROR = "error"  # the reward function or model raised on this sample
+    TIMEOUT = "timeout"  # the reward function did not return in time
+    INVALID_REWARD = "invalid_reward"  # NaN, an infinity, or not a number
+    INVALID_SAMPLE = "invalid_sample"  # the sample lacks what scoring needs
+
+
+@dataclass(slots=True)
+class Sample:
+    """One model output, as a per-batch reward function sees it."""
+
+    prompt: str = ""
+    response: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    response_token_ids: list[int] = field(default_factory=list)
+    label: str = ""  # empty when the sample has no label
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Scores:
+    """A backend's answer for one batch: a reward per sample, with the exceptions kept sparse
+    (most batches have no errors and no sub-scores, and building nothing for them is what
+    keeps the server fast)."""
+
+    rewards: list[float]
+    errors: dict[int, tuple[Status, str]] = field(default_factory=dict)  # index -> why
+    sub_scores: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def fail(self, index: int, status: Status, message: str) -> None:
+        self.errors[index] = (status, message)
+        self.sub_scores.pop(index, None)
+
+    def fail_all(self, status: Status, message: str) -> None:
+        for index in range(len(self.rewards)):
+            self.fail(index, status, message)
+
+
+@dataclass(slots=True)
+class Result:
+    """The score of one sample. `reward` is NaN unless `status` is OK, so that a failed sample
+    cannot pass for a real reward of zero; check `ok` (or `error`) before using it."""
+
+    reward: float
+    status: Status = Status.OK
+    error: str = ""
+    sub_scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+
+def check_reward(value: object, what: str = "reward") -> float:
+    """`value` as a finite float, or ValueError / TypeError saying what was wrong with it."""
+    if isinstance(value, str | bytes) or not hasattr(type(value), "__float__"):
+        raise TypeError(f"{what} is {type(value).__name__} {value!r:.80}, expected a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}, expected a finite number")
+    return number

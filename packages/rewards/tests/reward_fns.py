@@ -1,0 +1,80 @@
+"""Reward functions for the tests, loaded by path (`reward_fns.py:name`) in and out of process."""
+
+import asyncio
+import math
+import os
+import time
+
+from ferrule_rewards.records import Sample
+
+
+def length(response: str) -> float:
+    return float(len(response))
+
+
+def misbehaving(response: str) -> float:
+    """Does what the response says: raise, nan, inf, hang (3 s, or hang<seconds>), text...;
+    otherwise returns the response's length."""
+    if response == "raise":
+        raise ValueError("asked to raise")
+    if response == "nan":
+        return math.nan
+    if response == "inf":
+        return math.inf
+    if response.startswith("hang"):
+        time.sleep(float(response[4:] or 3))  # ends after the test, so that processes can exit
+    if response == "text":
+        return "not a number"
+    if response == "no-reward-key":
+        return {"score": 1.0}
+    if response == "nan-sub-score":
+        return {"reward": 1.0, "part": math.nan}
+    return float(len(response))
+
+
+def every_field(prompt, response, prompt_token_ids, response_token_ids, label, metadata):
+    return {
+        "reward": float(len(prompt) + len(response)),
+        "tokens": float(sum(prompt_token_ids) + sum(response_token_ids)),
+        "has_label": float(bool(label)),
+        "metadata_keys": float(len(metadata)),
+    }
+
+
+def keyword_only(*, response: str, label: str = "") -> float:
+    return float(response == label)
+
+
+async def async_length(response: str) -> float:
+    await asyncio.sleep(0.01)
+    if response == "hang":
+        await asyncio.sleep(60)
+    if response == "raise":
+        raise RuntimeError("async raise")
+    return float(len(response))
+
+
+def batch_lengths(samples: list[Sample]) -> list:
+    return [ValueError("bad") if s.response == "raise" else float(len(s.response)) for s in samples]
+
+
+def batch_wrong_length(samples: list[Sample]) -> list[float]:
+    return [1.0]
+
+
+async def async_batch(samples: list[Sample]) -> list[float]:
+    await asyncio.sleep(0.01)
+    return [float(len(s.response)) for s in samples]
+
+
+def slow(response: str) -> float:
+    time.sleep(float(response or 0.5))
+    return 1.0
+
+
+def record_id(response: str, metadata: dict[str, str]) -> float:
+    """Appends the sample's id to $REWARDS_TEST_LOG (one line per scored sample), returns id * 2."""
+    with open(os.environ["REWARDS_TEST_LOG"], "a") as log:
+        log.write(metadata["id"] + "\n")
+    time.sleep(0.0005)  # enough work per sample that a kill lands mid-batch
+    return 2.0 * int(metadata["id"])

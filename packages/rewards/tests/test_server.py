@@ -1,0 +1,281 @@
+"""The server over the wire, in process on loopback: bad input, limits, health, reflection,
+draining, and a hypothesis fuzz of request handling."""
+
+import math
+import threading
+import time
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message_factory
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ferrule_rewards import rewards_pb2 as pb
+from ferrule_rewards.client import METHOD, RewardClient
+from ferrule_rewards.server import Limits
+
+SERVICE = "ferrule.rewards.v1.RewardService"
+
+
+def raw_call(address: str, request: bytes, timeout: float = 10) -> pb.ScoreResponse:
+    """One Score call with the bytes as they are: no client library in between."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        return call(request, timeout=timeout)
+
+
+def status_of(address: str, request: bytes) -> tuple[grpc.StatusCode, str]:
+    try:
+        raw_call(address, request)
+    except grpc.RpcError as error:
+        return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def request(*samples: dict) -> bytes:
+    return pb.ScoreRequest(samples=list(samples)).SerializeToString()
+
+
+def health_of(address: str, service: str = "") -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_scores_come_back_in_order_with_sub_scores(serve):
+    server = serve("every_field")
+    with RewardClient(server.address) as client:
+        results = client.score(
+            [
+                {"prompt": "ab", "response": "c", "prompt_token_ids": [1], "label": "x"},
+                {"response": "", "metadata": {"a": "1", "b": "2"}},
+            ]
+        )
+    assert [r.reward for r in results] == [3.0, 0.0]
+    assert results[0].sub_scores == {"tokens": 1.0, "has_label": 1.0, "metadata_keys": 0.0}
+    assert results[1].sub_scores["metadata_keys"] == 2.0
+    assert all(r.ok for r in results)
+
+
+def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(serve):
+    server = serve(limits=Limits(max_batch=8, max_message_bytes=1 << 16))
+    address = server.address
+    good = request({"response": "abc"})
+    bad_utf8 = good.replace(b"abc", b"a\xffc")
+    cases = {
+        "empty batch": (request(), grpc.StatusCode.INVALID_ARGUMENT, "empty batch"),
+        "over max batch": (
+            request(*[{"response": "x"}] * 9),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "batch of 9 samples is over this server's limit of 8",
+        ),
+        "invalid UTF-8": (bad_utf8, grpc.StatusCode.INVALID_ARGUMENT, "bad UTF-8"),
+        "not protobuf": (b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "ScoreRequest"),
+        "truncated": (good[:-1], grpc.StatusCode.INVALID_ARGUMENT, "ScoreRequest"),
+        "oversized": (
+            request({"response": "x" * (1 << 17)}),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "larger than max",
+        ),
+    }
+    for name, (body, code, message) in cases.items():
+        got, details = status_of(address, body)
+        assert (got, name) == (code, name), details
+        assert message in details, (name, details)
+    assert raw_call(address, good).results[0].reward == 3.0
+    assert health_of(address) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_bad_samples_get_a_status_of_their_own(serve):
+    server = serve("misbehaving", timeout=0.3)
+    responses = ["ok", "raise", "nan", "inf", "hang", "text"]
+    samples = [{"response": r} for r in responses] + [{"prompt": "no response"}]
+    results = raw_call(server.address, request(*samples)).results
+    statuses = [pb.SampleStatus.Name(r.status) for r in results]
+    assert statuses == [
+        "SAMPLE_STATUS_OK",
+        "SAMPLE_STATUS_ERROR",
+        "SAMPLE_STATUS_INVALID_REWARD",
+        "SAMPLE_STATUS_INVALID_REWARD",
+        "SAMPLE_STATUS_TIMEOUT",
+        "SAMPLE_STATUS_INVALID_REWARD",
+        "SAMPLE_STATUS_INVALID_SAMPLE",
+    ]
+    assert results[0].reward == 2.0 and not results[0].error
+    assert "asked to raise" in results[1].error
+    assert "no `response`" in results[6].error
+    assert raw_call(server.address, request({"response": "abc"})).results[0].reward == 3.0
+
+
+def test_a_missing_label_is_a_per_sample_error(serve):
+    from ferrule_rewards.functions import FunctionScorer, load_function
+    from ferrule_rewards.server import BackgroundServer
+
+    scorer = FunctionScorer(load_function("ferrule_rewards.builtin:exact_match"))
+    with BackgroundServer(scorer) as server, RewardClient(server.address) as client:
+        results = client.score([{"response": "#### 4", "label": "4"}, {"response": "#### 4"}])
+    assert results[0].reward == 1.0
+    assert not results[1].ok and math.isnan(results[1].reward)
+    assert "needs the reference answer" in results[1].error
+
+
+def test_concurrency_limit_refuses_at_once_instead_of_queueing(serve):
+    server = serve("slow", limits=Limits(max_concurrency=2))
+    outcomes = []
+
+    def slow_call():
+        outcomes.append(status_of(server.address, request({"response": "1.0"}))[0])
+
+    callers = [threading.Thread(target=slow_call) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    deadline = time.monotonic() + 5
+    while server.server.busy < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    code, details = status_of(server.address, request({"response": "0"}))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "busy: 2 calls in progress" in details
+    assert time.monotonic() - started < 0.5  # refused, not queued behind the slow calls
+    for caller in callers:
+        caller.join()
+    assert outcomes == [grpc.StatusCode.OK] * 2
+
+
+def test_too_many_stuck_threads_turn_the_server_unhealthy(serve):
+    server = serve("misbehaving", timeout=0.2, max_stuck=1)
+    assert raw_call(server.address, request({"response": "hang1"})).results[0].status == (
+        pb.SAMPLE_STATUS_TIMEOUT
+    )
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    code, details = status_of(server.address, request({"response": "x"}))
+    assert code == grpc.StatusCode.UNAVAILABLE and "stuck" in details
+    time.sleep(1.2)  # the stuck call returns (it sleeps 1 s): healthy again
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    assert raw_call(server.address, request({"response": "x"})).results[0].reward == 1.0
+
+
+def test_health_and_reflection_services(serve):
+    server = serve()
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    assert health_of(server.address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(server.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert SERVICE in database.get_services()
+
+
+def test_a_client_built_from_reflection_alone(serve):
+    """A caller with nothing of ours, not even the generated code: it learns the messages from
+    the server's reflection service and builds them from those descriptors."""
+    server = serve()
+    with grpc.insecure_channel(server.address) as channel:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        method = pool.FindServiceByName(SERVICE).FindMethodByName("Score")
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        score = channel.unary_unary(
+            f"/{SERVICE}/Score",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
+        response = score(request_class(samples=[{"response": "four"}, {}]), timeout=10)
+    assert response.results[0].reward == 4.0
+    status = response.results[1].DESCRIPTOR.fields_by_name["status"].enum_type
+    assert status.values_by_number[response.results[1].status].name == (
+        "SAMPLE_STATUS_INVALID_SAMPLE"
+    )
+
+
+def test_stopping_drains_calls_in_flight_and_refuses_new_ones(serve):
+    server = serve("slow")
+    outcome = {}
+
+    def in_flight():
+        outcome["reply"] = raw_call(server.address, request({"response": "1.0"}))
+
+    caller = threading.Thread(target=in_flight)
+    caller.start()
+    while server.server.busy < 1:
+        time.sleep(0.01)
+    stopper = threading.Thread(target=server.stop, kwargs={"grace": 10})
+    stopper.start()
+    while not server.server.draining:
+        time.sleep(0.01)
+    code, _ = status_of(server.address, request({"response": "0"}))
+    assert code == grpc.StatusCode.UNAVAILABLE
+    caller.join()
+    stopper.join()
+    assert outcome["reply"].results[0].reward == 1.0  # the call in flight finished
+
+
+# Text that protobuf can carry (no lone surrogates), from every Unicode plane.
+TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
+SAMPLE = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": TEXT,
+        "response": TEXT,
+        "label": TEXT,
+        "prompt_token_ids": st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5),
+        "response_token_ids": st.lists(st.integers(0, 2**31 - 1), max_size=5),
+        "metadata": st.dictionaries(TEXT, TEXT, max_size=3),
+    },
+)
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@FUZZ
+@given(samples=st.lists(SAMPLE, max_size=12))
+def test_fuzz_well_formed_requests(serve_once, samples):
+    """Any well-formed request gets one result per sample, or INVALID_ARGUMENT when empty."""
+    if not samples:
+        assert status_of(serve_once, request())[0] == grpc.StatusCode.INVALID_ARGUMENT
+        return
+    results = raw_call(serve_once, request(*samples)).results
+    assert len(results) == len(samples)
+    for sample, result in zip(samples, results, strict=True):
+        if "response" in sample:
+            assert result.status == pb.SAMPLE_STATUS_OK
+            assert result.reward == len(sample["response"])
+        else:
+            assert result.status == pb.SAMPLE_STATUS_INVALID_SAMPLE
+
+
+@FUZZ
+@given(body=st.one_of(st.binary(max_size=200), st.lists(SAMPLE, min_size=1, max_size=4).map(
+    lambda samples: _mutate(request(*samples)))))  # fmt: skip
+def test_fuzz_arbitrary_bytes(serve_once, body):
+    """Random or corrupted bytes: OK or INVALID_ARGUMENT, never an internal error, and the
+    server keeps answering."""
+    code, details = status_of(serve_once, body)
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), details
+
+
+def _mutate(body: bytes) -> bytes:
+    """Flip one byte in the middle of a valid request."""
+    if not body:
+        return body
+    middle = len(body) // 2
+    return body[:middle] + bytes([body[middle] ^ 0xA5]) + body[middle + 1 :]
+
+
+@pytest.fixture(scope="module")
+def serve_once():
+    """One server for all fuzz examples (hypothesis runs them in one test call)."""
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.server import BackgroundServer
+
+    def length(response: str) -> float:
+        return float(len(response))
+
+    server = BackgroundServer(FunctionScorer(length))
+    yield server.address
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    server.stop(grace=0)
