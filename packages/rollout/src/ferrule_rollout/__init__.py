@@ -1,5 +1,40 @@
-"""ferrule-rollout: A vLLM rollout engine and gRPC server with in-place weight updates and policy versions."""
+"""ferrule-rollout: a vLLM rollout engine and gRPC server with in-place weight updates.
+
+    from ferrule_rollout import RolloutEngine, SamplingSettings
+    engine = RolloutEngine("path/to/model", dtype="float32")
+    samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
+
+Importing this package is cheap: vLLM and torch load when an engine starts (`engine.py`).
+"""
 
 from importlib.metadata import version as _version
 
+from ferrule_rollout.samples import (
+    BadRequestError,
+    Prompt,
+    RolloutError,
+    Sample,
+    SamplingSettings,
+    VersionSpan,
+)
+
 __version__ = _version("ferrule-rollout")
+
+
+def __getattr__(name: str):
+    if name == "RolloutEngine":  # lazily: it imports vLLM only when an engine starts, but
+        from ferrule_rollout.engine import RolloutEngine  # keep the module itself light too
+
+        return RolloutEngine
+    raise AttributeError(f"module 'ferrule_rollout' has no attribute {name!r}")
+
+
+__all__ = [
+    "BadRequestError",
+    "Prompt",
+    "RolloutEngine",
+    "RolloutError",
+    "Sample",
+    "SamplingSettings",
+    "VersionSpan",
+]

