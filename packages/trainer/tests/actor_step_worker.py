@@ -1,0 +1,77 @@
+"""One rank of test_actor_distributed.py: builds an Actor, takes one PPO step, exports weights.
+
+argv: model_path, out_dir, zero_stage, lora_rank. Every rank of WORLD_SIZE takes rows
+[rank::WORLD_SIZE] of the same 4 sequences, one micro-batch per row pair, so one process with
+two micro-batches and two processes with one each see the same step. Writes the exported
+weights (rank 0), a per-tensor gather of the model for comparison and the number of bucket
+gathers to out_dir.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+from ferrule_trainer.actor import Actor
+
+model_path, out_dir, zero_stage, lora_rank = (
+    sys.argv[1],
+    Path(sys.argv[2]),
+    *map(int, sys.argv[3:5]),
+)
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+actor = Actor(
+    model_path, zero_stage=zero_stage, dtype="fp32", learning_rate=1e-2, lora_rank=lora_rank
+)
+
+generator = torch.Generator().manual_seed(0)
+B, T, R = 4, 20, 8
+ids = torch.randint(0, 500, (B, T), generator=generator)
+attention = torch.ones(B, T, dtype=torch.long)
+attention[0, :5] = 0  # left padding of a short prompt
+attention[3, -3:] = 0  # right padding of a short response
+batch = dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, -R:].clone())
+batch["old_logprobs"] = actor.logprobs(batch) - 0.05 * torch.randn(B, R, generator=generator)
+batch["advantages"] = torch.randn(B, R, generator=generator)
+# rows [rank::world], then micro-batches of 2 / world rows: 1 process x 2 micro-batches of
+# 2 rows, or 2 processes x 1 micro-batch of 2 rows
+mine = {k: v[rank::world] for k, v in batch.items()}
+size = 2
+micro_batches = [{k: v[i : i + size] for k, v in mine.items()} for i in range(0, B // world, size)]
+metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
+
+gathers = 0
+original = deepspeed.zero.GatheredParameters
+
+
+class CountingGather(original):
+    def __enter__(self):
+        global gathers
+        gathers += 1
+        return super().__enter__()
+
+
+deepspeed.zero.GatheredParameters = CountingGather
+exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
+deepspeed.zero.GatheredParameters = original
+specs = actor.weight_specs()
+assert [s.name for s in specs] == list(exported), "specs and export disagree on names/order"
+for spec in specs:
+    assert (
+        tuple(exported[spec.name].shape) == spec.shape and exported[spec.name].dtype == spec.dtype
+    )
+
+reference = {}  # the model's own weights, gathered one by one (LoRA left unmerged)
+for name, param in actor.module.named_parameters():
+    with deepspeed.zero.GatheredParameters([param]):
+        reference[name] = param.detach().clone()
+if rank == 0:
+    torch.save(exported, out_dir / "exported.pt")
+    torch.save(reference, out_dir / "reference.pt")
+    (out_dir / "result.json").write_text(
+        json.dumps({"metrics": metrics, "gathers": gathers, "tensors": len(exported)})
+    )
+torch.save(exported, out_dir / f"exported_rank{rank}.pt")
