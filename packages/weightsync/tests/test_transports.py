@@ -318,3 +318,16 @@ def test_bad_arguments_fail_before_connecting():
         create_receiver("broadcast", "127.0.0.1", 1, 3, 2)
     with pytest.raises(ValueError, match="at least one receiver"):
         create_sender("broadcast", "127.0.0.1", free_port(), 0)
+
+
+def test_lazy_stream_that_breaks_its_announced_specs_is_an_error(peers):
+    port = free_port()
+    peers.start(1, port=port)
+    sender = create_sender("broadcast", "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
+    state = realistic_state_dict()
+    specs = [TensorSpec.of(n, t) for n, t in state.items()]
+    state["layers.0.odd"] = torch.zeros(2, 2)  # the stream no longer matches what was announced
+    with pytest.raises(MismatchError, match=r"stream tensor 'layers.0.odd' \(2, 2\)"):
+        sender.send(iter(state.items()), specs=specs)
+    with pytest.raises(WeightSyncError, match="out of step since update to version 1 failed"):
+        sender.send(realistic_state_dict().items())

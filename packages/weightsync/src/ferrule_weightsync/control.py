@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
 
 OK = b""
+FORGET_EVERY = 32  # updates between sweeps of old control keys out of the store
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,10 @@ class Control:
     # -- one update ------------------------------------------------------------------------
 
     def publish_manifest(self, seq: int, manifest: Manifest, buckets: int) -> None:
-        self._forget(seq - 1)
         self._buckets[seq] = buckets
+        if len(self._buckets) > FORGET_EVERY:  # amortised: ~10 store round trips an update
+            for old in sorted(self._buckets)[:-2]:
+                self._forget(old)
         self.store.set(f"u{seq}/manifest", pickle.dumps(manifest))
 
     def publish_layout(self, key: str, blob: bytes) -> None:
@@ -183,9 +186,7 @@ class Control:
             ) from err
 
     def _forget(self, seq: int) -> None:
-        """Drop the previous update's keys so the store does not grow with every step."""
-        if seq not in self._buckets:
-            return
+        """Drop an old update's keys so the store does not grow with every step."""
         keys = [f"u{seq}/manifest", f"u{seq}/go"]
         for bucket in range(self._buckets.pop(seq)):
             keys += [self._bucket_key(seq, bucket, what) for what in ("ready", "checksum")]

@@ -59,6 +59,7 @@ class UpdateSender:
         self.seq = 0
         self.version = 0
         self.layouts: dict[tuple[TensorSpec, ...], Layout] = {}
+        self.broken = ""  # set when an update fails after data started to move
 
     def layout(self, specs: list[TensorSpec]) -> Layout:
         """The layout of these specs, published to the store the first time it is used."""
@@ -84,12 +85,18 @@ class UpdateSender:
         specs: list[TensorSpec] | None,
         extra: dict | None = None,
     ) -> int:
+        trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
                 named_tensors = list(named_tensors)  # holds references only, no copies
             specs = [TensorSpec.of(name, tensor) for name, tensor in named_tensors]
         if not specs:
             raise ValueError("nothing to send: the update has no tensors")
+        if self.broken:
+            raise WeightSyncError(
+                f"{self.control.where} is out of step since {self.broken}; "
+                "create a new sender and receivers"
+            )
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs)
         manifest = Manifest(version, layout.key, self.checksums, extra or {})
@@ -100,7 +107,12 @@ class UpdateSender:
         self.seq += 1
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
-        send_buckets(seq, _bucketed(iter(named_tensors), layout.buckets))
+        try:
+            send_buckets(seq, _bucketed(iter(named_tensors), layout.buckets, check=not trusted))
+        except BaseException as err:
+            # receivers are now waiting for buckets that will not come (they time out)
+            self.broken = f"update to version {version} failed mid-transfer ({err})"
+            raise
         failed = self.control.collect(seq, "done")
         if failed:
             raise WeightSyncError(f"update to version {version} failed:\n  " + "\n  ".join(failed))
@@ -113,19 +125,25 @@ class UpdateSender:
             self.control.signal(seq, bucket.index, "checksum", pickle.dumps(checksum(buffer)))
 
 
-def _bucketed(named_tensors: Iterator, buckets: list[Bucket]):
-    """Group the stream into buckets, checking each tensor against the spec announced for it."""
+def _bucketed(named_tensors: Iterator, buckets: list[Bucket], check: bool):
+    """Group the stream into buckets, checking each tensor against the spec announced for it
+    when the caller announced the specs separately."""
     for bucket in buckets:
         chunk = list(islice(named_tensors, len(bucket.specs)))
         if len(chunk) < len(bucket.specs):
             raise MismatchError(f"the tensor stream ended before {bucket.specs[len(chunk)].name!r}")
-        for spec, (name, tensor) in zip(bucket.specs, chunk, strict=True):
-            if (name, tuple(tensor.shape), tensor.dtype) != (spec.name, spec.shape, spec.dtype):
-                raise MismatchError(
-                    f"stream tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} does not match "
-                    f"the announced spec {spec.name!r} {spec.shape} {spec.dtype}"
-                )
+        if check:
+            _check_against_specs(chunk, bucket.specs)
         yield bucket, [tensor for _, tensor in chunk]
+
+
+def _check_against_specs(chunk: list, specs: tuple[TensorSpec, ...]) -> None:
+    for spec, (name, tensor) in zip(specs, chunk, strict=True):
+        if (name, tuple(tensor.shape), tensor.dtype) != spec:
+            raise MismatchError(
+                f"stream tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} does not match "
+                f"the announced spec {spec.name!r} {spec.shape} {spec.dtype}"
+            )
 
 
 def expected_specs(expected: Mapping | None) -> dict[str, TensorSpec] | None:
