@@ -1,0 +1,53 @@
+"""Weight export without DeepSpeed: Hugging Face names, tied weights once, LoRA merged."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from ferrule_testkit import tiny_model
+from ferrule_trainer.export import export_weights, weight_specs
+
+
+def test_export_is_the_hf_state_dict():
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    exported = dict(export_weights(model))
+    assert exported.keys() == model.state_dict().keys()  # untied: lm_head.weight included
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_tied_embeddings_export_once_and_cast():
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"))
+    exported = dict(export_weights(model, dtype=torch.bfloat16))
+    assert "lm_head.weight" not in exported and "model.embed_tokens.weight" in exported
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    specs = weight_specs(model, dtype=torch.bfloat16)
+    assert [(s.name, s.shape, s.dtype) for s in specs] == [
+        (n, tuple(t.shape), t.dtype) for n, t in exported.items()
+    ]
+
+
+def test_lora_export_equals_merged_model():
+    path = tiny_model("qwen2")
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), lora)
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make the adapters matter
+            param.data.normal_()
+    exported = dict(export_weights(peft_model))
+    merged = dict(peft_model.merge_and_unload().named_parameters())
+    assert list(exported) == list(merged)  # HF names, in the model's order
+    base = dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    assert not torch.equal(
+        exported["model.layers.0.self_attn.q_proj.weight"],
+        base["model.layers.0.self_attn.q_proj.weight"],
+    )
+    for name, tensor in merged.items():
+        assert torch.equal(exported[name], tensor), name
