@@ -156,6 +156,7 @@ class RolloutEngine:
         self._frozen = False  # running requests do not advance either ("keep" mode)
         self._closed = False
         self._broken = ""  # why the engine cannot generate (a failed step or weight update)
+        self._weight_sync = ""  # the group joined by init_weight_sync, for messages
         self._loop = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
         self._loop.start()
 
@@ -415,7 +416,16 @@ class RolloutEngine:
         )
         with self._engine_lock:
             self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
-            self._engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+            self._weight_sync = ""
+            try:
+                self._engine.collective_rpc(
+                    "init_weight_transfer_engine", kwargs={"init_info": info}
+                )
+            except Exception as err:
+                raise RolloutError(
+                    f"could not join the {transport} weight-sync group at {host}:{port}: {err}"
+                ) from err
+            self._weight_sync = f"{transport} group at {host}:{port}"
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update from the weight-sync group and load it; return its version.
@@ -426,6 +436,8 @@ class RolloutEngine:
         """
         from ferrule_rollout.weights import received_version
 
+        if not self._weight_sync:
+            raise RolloutError("no weight-sync group to receive from: call init_weight_sync first")
         with self._update_lock:
             was_paused = self._paused
             if not was_paused:

@@ -1,0 +1,87 @@
+"""`rlhf-rollout`: run a rollout engine as a standalone gRPC server.
+
+    rlhf-rollout serve --model PATH [--bind 127.0.0.1:50051] [--dtype float32] [--tp 2] ...
+
+Prints one line `rlhf-rollout: serving MODEL on HOST:PORT` once the engine is up (tests and
+launchers wait for it), and shuts down cleanly on SIGINT / SIGTERM. Exit status 2: bad
+arguments or a model that cannot be loaded.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rlhf-rollout", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="start a vLLM engine behind a gRPC server")
+    serve.add_argument("--model", required=True, help="a local Hugging Face model folder")
+    serve.add_argument("--bind", default="127.0.0.1:50051", help="HOST:PORT (port 0: any free)")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    serve.add_argument("--max-model-len", type=int, help="default: the model's own")
+    serve.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="CPU only: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE), unless already set",
+    )
+    serve.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="run vLLM's engine core in its own process (default: in this one)",
+    )
+    serve.add_argument("--enable-sleep-mode", action="store_true", help="GPU only")
+    serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads")
+    return parser.parse_args(argv)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.samples import RolloutError
+    from ferrule_rollout.server import serve as start_server
+
+    if args.kv_cache_gib is not None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
+    try:
+        engine = RolloutEngine(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            tensor_parallel_size=args.tensor_parallel_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            seed=args.seed,
+            in_process=not args.multiprocess,
+            enable_sleep_mode=args.enable_sleep_mode,
+        )
+    except RolloutError as err:
+        print(f"rlhf-rollout: error: {err}", file=sys.stderr)
+        return 2
+    server, port = start_server(engine, args.bind, max_workers=args.max_workers)
+    host = args.bind.rsplit(":", 1)[0]
+    print(f"rlhf-rollout: serving {engine.model} on {host}:{port}", flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("rlhf-rollout: shutting down", flush=True)
+    server.stop(grace=5).wait()
+    engine.close()
+    return 0
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sys.exit(serve(args))
+
+
+if __name__ == "__main__":
+    main()

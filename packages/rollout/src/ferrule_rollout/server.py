@@ -1,0 +1,181 @@
+"""The gRPC front of a RolloutEngine (proto/ferrule/rollout/v1/rollout.proto).
+
+    server = serve(engine, "127.0.0.1:50051")    # returns a started grpc.Server
+    server.wait_for_termination()
+
+`rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
+server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
+input is INVALID_ARGUMENT with the engine's message; the server keeps serving.
+"""
+
+import logging
+from concurrent import futures
+
+import grpc
+
+from ferrule_rollout import rollout_pb2 as pb
+from ferrule_rollout import rollout_pb2_grpc
+from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
+
+logger = logging.getLogger(__name__)
+MAX_MESSAGE_BYTES = 256 * 2**20  # a batch of long samples can exceed gRPC's 4 MB default
+STATUS = {
+    "serving": pb.HealthResponse.SERVING,
+    "paused": pb.HealthResponse.PAUSED,
+    "broken": pb.HealthResponse.BROKEN,
+}
+
+
+def settings_from_proto(message: pb.SamplingSettings) -> SamplingSettings:
+    """Unset optional fields keep SamplingSettings' defaults."""
+    fields = ("n", "temperature", "top_p", "top_k", "max_tokens", "seed")
+    given = {name: getattr(message, name) for name in fields if message.HasField(name)}
+    return SamplingSettings(**given, stop=tuple(message.stop), ignore_eos=message.ignore_eos)
+
+
+def prompts_from_proto(prompts) -> list:
+    result = []
+    for index, prompt in enumerate(prompts):
+        if prompt.text and prompt.token_ids:
+            raise BadRequestError(f"prompt {index}: set text or token_ids, not both")
+        result.append(prompt.text if prompt.text else list(prompt.token_ids))
+    return result
+
+
+def sample_to_proto(sample: Sample) -> pb.Sample:
+    return pb.Sample(
+        prompt_index=sample.prompt_index,
+        sample_index=sample.sample_index,
+        token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        finish_reason=sample.finish_reason,
+        version=sample.version,
+        text=sample.text,
+        versions=[
+            pb.VersionSpan(version=s.version, start=s.start, end=s.end) for s in sample.versions
+        ],
+        prompt_token_ids=sample.prompt_token_ids,
+    )
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, engine):
+        self.engine = engine
+
+    def Generate(self, request, context):
+        with _status(context):
+            samples = self.engine.generate(
+                prompts_from_proto(request.prompts), settings_from_proto(request.sampling)
+            )
+            return pb.GenerateResponse(samples=[sample_to_proto(s) for s in samples])
+
+    def GenerateStream(self, request, context):
+        with _status(context):
+            stream = self.engine.generate_stream(
+                prompts_from_proto(request.prompts), settings_from_proto(request.sampling)
+            )
+            try:
+                for sample in stream:
+                    yield sample_to_proto(sample)
+                    if not context.is_active():  # the client cancelled: abort the rest
+                        break
+            finally:
+                stream.close()
+
+    def InitWeightSync(self, request, context):
+        with _status(context):
+            timeout = _optional(request, "timeout_s")
+            self.engine.init_weight_sync(
+                request.transport,
+                request.host,
+                request.port,
+                rank=request.rank,
+                num_receivers=request.num_receivers,
+                timeout=300.0 if timeout is None else timeout,
+            )
+            return pb.InitWeightSyncResponse()
+
+    def UpdateWeights(self, request, context):
+        with _status(context):
+            version = self.engine.update_weights(
+                mode=request.pause_mode or "wait", timeout=_optional(request, "timeout_s")
+            )
+            return pb.UpdateWeightsResponse(version=version)
+
+    def Pause(self, request, context):
+        with _status(context):
+            self.engine.pause(request.mode or "wait", timeout=_optional(request, "timeout_s"))
+            return pb.PauseResponse()
+
+    def Resume(self, request, context):
+        with _status(context):
+            self.engine.resume()
+            return pb.ResumeResponse()
+
+    def Sleep(self, request, context):
+        with _status(context):
+            self.engine.sleep(request.level or 1)
+            return pb.SleepResponse()
+
+    def WakeUp(self, request, context):
+        with _status(context):
+            self.engine.wake_up()
+            return pb.WakeUpResponse()
+
+    def Health(self, request, context):
+        health = self.engine.health()
+        return pb.HealthResponse(
+            status=STATUS[health["status"]],
+            detail=health["detail"],
+            version=health["version"],
+            model=health["model"],
+            running=health["running"],
+            queued=health["queued"],
+        )
+
+
+class _status:
+    """Turn the engine's exceptions into gRPC status codes (context.abort raises)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None or not isinstance(error, Exception):
+            return False
+        from ferrule_weightsync import PeerTimeoutError
+
+        if isinstance(error, BadRequestError | ValueError):
+            code = grpc.StatusCode.INVALID_ARGUMENT
+        elif isinstance(error, PeerTimeoutError) or isinstance(error.__cause__, PeerTimeoutError):
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+        elif isinstance(error, RolloutError):
+            code = grpc.StatusCode.FAILED_PRECONDITION
+        else:
+            logger.exception("internal error")
+            code = grpc.StatusCode.INTERNAL
+        self.context.abort(code, str(error))
+
+
+def serve(engine, bind: str = "127.0.0.1:50051", max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout-grpc"),
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(engine), server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RolloutError(f"could not bind the rollout server to {bind}")
+    server.start()
+    return server, port

@@ -1,0 +1,165 @@
+"""`rlhf-rollout serve` as a user runs it: the real CLI in its own process, driven over gRPC.
+
+One server for the module (its engine start costs 10-40 s). Weight updates come from a
+shared-memory sender in this process, as a colocated trainer's would.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ferrule_rollout import SamplingSettings
+from ferrule_rollout import rollout_pb2 as pb
+from ferrule_rollout.client import RolloutClient
+from ferrule_testkit import tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["Question: what is 12 + 30? Answer:", [5, 6, 7, 8]]
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def server(vllm_cpu_env):
+    args = [sys.executable, "-m", "ferrule_rollout", "serve", "--model", str(tiny_model("qwen2"))]
+    args += ["--bind", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # the engine logs first; the ready line names the port
+        lines.append(line)
+        if line.startswith("rlhf-rollout: serving"):
+            break
+    else:
+        pytest.fail("the server exited before serving:\n" + "".join(lines[-30:]))
+    address = line.rsplit(" on ", 1)[1].strip()
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain
+    yield address
+    proc.terminate()
+    assert proc.wait(60) == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RolloutClient(server, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32).eval()
+
+
+def check_against(policy, samples):
+    for sample in samples:
+        expected, argmax = hf_logprobs(policy, sample.prompt_token_ids, sample.token_ids)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=LOGPROB_ATOL)
+        assert sample.token_ids == argmax.tolist()
+
+
+def test_generate_over_grpc_matches_transformers(client, policy):
+    samples = client.generate(PROMPTS, GREEDY)
+    assert [(s.prompt_index, len(s.token_ids), s.finish_reason) for s in samples] == [
+        (0, 10, "length"),
+        (1, 10, "length"),
+    ]
+    assert all(s.version == client.health()["version"] for s in samples)
+    check_against(policy, samples)
+
+
+def test_stream_returns_every_sample(client):
+    settings = SamplingSettings(n=3, max_tokens=8, seed=3)
+    samples = list(client.generate_stream(PROMPTS, settings))
+    assert sorted((s.prompt_index, s.sample_index) for s in samples) == [
+        (p, i) for p in range(2) for i in range(3)
+    ]
+
+
+def raw_generate(server, prompts, **sampling):
+    with grpc.insecure_channel(server) as channel:
+        stub = pb_grpc().RolloutServiceStub(channel)
+        request = pb.GenerateRequest(prompts=prompts, sampling=pb.SamplingSettings(**sampling))
+        return stub.Generate(request, timeout=60)
+
+
+def pb_grpc():
+    from ferrule_rollout import rollout_pb2_grpc
+
+    return rollout_pb2_grpc
+
+
+@pytest.mark.parametrize(
+    "prompts, sampling, match",
+    [
+        ([pb.Prompt(text="hi")], {"n": 0}, "n must be >= 1"),
+        ([pb.Prompt(text="hi")], {"n": -2}, "n must be >= 1"),
+        ([pb.Prompt(text="hi")], {"temperature": -1.0}, "temperature must be >= 0"),
+        ([pb.Prompt(text="hi")], {"top_p": 0.0}, "top_p must be in"),
+        ([pb.Prompt(text="hi")], {"top_k": -5}, "top_k must be"),
+        ([pb.Prompt(text="hi")], {"max_tokens": 0}, "max_tokens must be >= 1"),
+        ([pb.Prompt(text="x " * 400)], {}, "maximum length is 256"),
+        ([pb.Prompt(token_ids=[1, 99_999])], {}, "outside the vocabulary"),
+        ([pb.Prompt()], {}, "prompt 0 is empty"),
+        ([pb.Prompt(text="a", token_ids=[1])], {}, "not both"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
+    server, client, prompts, sampling, match
+):
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_generate(server, prompts, **sampling)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in caught.value.details()
+    assert client.health()["status"] == "serving"
+    assert len(client.generate(PROMPTS[:1], GREEDY)) == 1
+
+
+def test_update_without_a_group_is_failed_precondition(client):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.update_weights()
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "init_weight_sync" in caught.value.details()
+    assert client.health()["status"] == "serving"
+
+
+def test_pause_queues_requests_and_resume_serves_them(client):
+    client.pause()
+    assert client.health()["status"] == "paused"
+    generating = in_thread(client.generate, PROMPTS, GREEDY)
+    time.sleep(0.5)
+    assert generating.thread.is_alive() and client.health()["queued"] == 2
+    client.resume()
+    assert len(generating.get()) == 2
+    assert client.health()["status"] == "serving"
+
+
+def test_weight_update_over_grpc(client, policy):
+    from ferrule_weightsync import create_sender
+
+    port = free_port()
+    joining = in_thread(create_sender, "ipc", "127.0.0.1", port, 1, timeout=60)
+    client.init_weight_sync("ipc", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    sender = joining.get()
+    try:
+        version = client.health()["version"]
+        perturb_(policy, seed=5)
+        sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
+        busy = in_thread(client.generate, PROMPTS, SamplingSettings(n=4, max_tokens=32))
+        assert client.update_weights(timeout=60) == version + 1 == sending.get()
+        assert len(busy.get()) == 8  # requests in flight during the update all came back
+    finally:
+        sender.close()
+    samples = client.generate(PROMPTS, GREEDY)
+    assert all(s.version == version + 1 for s in samples)
+    check_against(policy, samples)
+    client.sleep()  # a logged no-op on CPU
+    client.wake_up()
