@@ -75,12 +75,14 @@ def best_of(fn, repeats: int) -> float:
     return min(times)
 
 
-def nccl_worker(rank, ports, repeats, out):
+def nccl_worker(rank, ports, repeats, bucket_mb, out):
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
     state = state_dict(device)
     if rank == 0:
-        sender = BroadcastSender("127.0.0.1", ports[0], 1, device=device)
+        sender = BroadcastSender(
+            "127.0.0.1", ports[0], 1, device=device, bucket_bytes=bucket_mb * 2**20
+        )
         ours = best_of(lambda: sender.send(state.items()), repeats)
     else:
         receiver = BroadcastReceiver("127.0.0.1", ports[0], 1, 1, device=device)
@@ -112,11 +114,13 @@ def nccl_worker(rank, ports, repeats, out):
     dist.destroy_process_group()
 
 
-def ipc_worker(rank, ports, repeats, out):
+def ipc_worker(rank, ports, repeats, bucket_mb, out):
     torch.cuda.set_device(0)
     state = state_dict("cuda:0")
     if rank == 0:
-        sender = IpcSender("127.0.0.1", ports[0], 1, device="cuda:0")
+        sender = IpcSender(
+            "127.0.0.1", ports[0], 1, device="cuda:0", bucket_bytes=bucket_mb * 2**20
+        )
         started = time.perf_counter()
         sender.send(state.items())
         torch.cuda.synchronize()
@@ -159,6 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["nccl", "ipc"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--bucket-mb", type=int, help="default: 256 for nccl, 1024 for ipc")
     args = parser.parse_args()
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
@@ -166,7 +171,10 @@ def main() -> None:
     out = ctx.Queue()
     ports = (free_port(), free_port())
     target = nccl_worker if args.mode == "nccl" else ipc_worker
-    procs = [ctx.Process(target=target, args=(r, ports, args.repeats, out)) for r in range(2)]
+    bucket_mb = args.bucket_mb or (256 if args.mode == "nccl" else 1024)
+    procs = [
+        ctx.Process(target=target, args=(r, ports, args.repeats, bucket_mb, out)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = {}
