@@ -2,6 +2,7 @@
 
     uv run python scripts/gen_protos.py           # rewrite the generated files
     uv run python scripts/gen_protos.py --check   # exit 1 if a committed file is stale (CI)
+    uv run python scripts/gen_protos.py --check proto/ferrule/rewards   # only these protos
 
 `proto/ferrule/<name>/v<N>/<file>.proto` belongs to `packages/<name>/src/ferrule_<name>/`, which
 receives `<file>_pb2.py`, `<file>_pb2.pyi` and `<file>_pb2_grpc.py`. protoc writes imports after
@@ -40,13 +41,14 @@ def fix_imports(text: str) -> str:
     return IMPORT_PLAIN.sub(r"import ferrule_\1.\2 as ", text)
 
 
-def generate() -> dict[Path, str]:
-    """Run protoc on every proto; return {destination path: file text}."""
+def outputs_of(proto: Path) -> list[Path]:
+    return [owning_package(proto) / f"{proto.stem}{suffix}" for suffix in GENERATED_SUFFIXES]
+
+
+def generate(protos: list[Path]) -> dict[Path, str]:
+    """Run protoc on `protos`; return {destination path: file text}."""
     from grpc_tools import protoc  # dev dependency; imported here so --help works without it
 
-    protos = sorted(PROTO_ROOT.rglob("*.proto"))
-    if not protos:
-        raise SystemExit(f"no .proto files under {PROTO_ROOT}")
     # protoc's own include folder (google/protobuf/*.proto) ships inside grpc_tools.
     includes = Path(protoc.__file__).parent / "_proto"
     outputs = {}
@@ -64,21 +66,21 @@ def generate() -> dict[Path, str]:
             raise SystemExit("protoc failed (its error is above)")
         for proto in protos:
             generated = Path(out) / proto.relative_to(PROTO_ROOT).parent
-            for suffix in GENERATED_SUFFIXES:
-                source = generated / f"{proto.stem}{suffix}"
-                outputs[owning_package(proto) / source.name] = fix_imports(source.read_text())
+            for path in outputs_of(proto):
+                outputs[path] = fix_imports((generated / path.name).read_text())
     return outputs
 
 
-def stale_files(outputs: dict[Path, str]) -> list[Path]:
-    """Generated files that differ from what protoc makes now, are missing, or are left over
-    from a proto that no longer exists."""
+def stale_files(outputs: dict[Path, str], expected: set[Path]) -> list[Path]:
+    """Generated files that differ from what protoc makes now or are missing, and, in the
+    same packages, generated files that no proto makes any more (`expected` is every output
+    of every proto)."""
     stale = [
         path for path, text in outputs.items() if not path.exists() or path.read_text() != text
     ]
     for package in {path.parent for path in outputs}:
         for path in package.iterdir():
-            if path.name.endswith(GENERATED_SUFFIXES) and path not in outputs:
+            if path.name.endswith(GENERATED_SUFFIXES) and path not in expected:
                 stale.append(path)
     return sorted(stale)
 
@@ -86,9 +88,15 @@ def stale_files(outputs: dict[Path, str]) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if generated code is stale")
+    parser.add_argument("paths", nargs="*", type=Path, help="protos or folders (default: proto/)")
     args = parser.parse_args()
-    outputs = generate()
-    stale = stale_files(outputs)
+    every = sorted(PROTO_ROOT.rglob("*.proto"))
+    chosen = [p.resolve() for p in args.paths] or [PROTO_ROOT]
+    protos = [p for p in every if any(p == c or c in p.parents for c in chosen)]
+    if not protos:
+        raise SystemExit(f"no .proto files under {', '.join(map(str, chosen))}")
+    outputs = generate(protos)
+    stale = stale_files(outputs, {path for proto in every for path in outputs_of(proto)})
     if args.check:
         if stale:
             names = "\n  ".join(str(path.relative_to(ROOT)) for path in stale)

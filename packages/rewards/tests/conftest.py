@@ -53,10 +53,16 @@ def serve():
         server.stop(grace=0)
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.fixture
+def free_port():
+    """free_port() -> a loopback port that nothing listens on right now."""
+    return _free_port
 
 
 @dataclass
@@ -74,12 +80,15 @@ class ServerProcess:
 @pytest.fixture
 def spawn():
     """spawn(*args, env=None, ready=True) -> ServerProcess running `python -m ferrule_rewards
-    serve ARGS` (the `rlhf-rewards serve` entry point). With ready=True it waits for the
+    serve ARGS` (the `rlhf-rewards serve` entry point), on a free loopback port unless ARGS
+    have --bind. With ready=True it waits for the
     "serving ... on ADDRESS" line; otherwise for the process to exit. Killed at the end."""
     processes = []
 
     def start(*args: str, env: dict | None = None, ready: bool = True, timeout: float = 60):
         command = [sys.executable, "-m", "ferrule_rewards", "serve", *args]
+        if "--bind" not in args:
+            command += ["--bind", "127.0.0.1:0"]
         process = subprocess.Popen(
             command, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )

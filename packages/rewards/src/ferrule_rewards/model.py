@@ -56,12 +56,12 @@ class ModelScorer:
         batch_size: int = 32,
         max_length: int | None = None,
     ):
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"reward model {path}: no config.json there (a local model folder)")
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
         self.name = f"model {path}"
         self.device = _pick_device(device)
         self.batch_size = batch_size

@@ -1,0 +1,160 @@
+"""`rlhf-rewards serve` and `score` as subprocesses: startup errors, SIGTERM draining, and two
+replicas with one killed under load."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from ferrule_rewards.client import RewardClient, RewardError
+
+
+def test_serve_and_score_from_the_command_line(spawn):
+    server = spawn("--function", "ferrule_rewards.builtin:math_reward")
+    lines = [
+        {"response": "<think>2+2</think> The answer is 4", "label": "4"},
+        {"response": "5", "label": "4"},
+        {"response": "#### 4"},
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "ferrule_rewards", "score", server.address],
+        input="\n".join(json.dumps(line) for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert results[0] == {
+        "reward": 1.1,
+        "status": "ok",
+        "sub_scores": {"accuracy": 1.0, "format": 1.0},
+    }
+    assert results[1]["reward"] == 0.0
+    assert results[2]["status"] == "error" and "reference answer" in results[2]["error"]
+    assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bind", "0.0.0.0:0"], "refusing to listen on 0.0.0.0:0"),
+        (["--function", "nowhere:f"], "cannot import 'nowhere'"),
+        (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--model", "/no/such/model"], "no config.json"),
+        (["--bind", "localhost"], "expected host:port"),
+    ],
+)
+def test_bad_arguments_exit_2_and_say_why(spawn, args, message):
+    if "--function" not in args and "--model" not in args:
+        args = ["--function", "ferrule_rewards.builtin:exact_match", *args]
+    server = spawn(*args, env={"FERRULE_REWARDS_TOKEN": ""}, ready=False)
+    assert server.process.returncode == 2
+    assert message in "".join(server.log), server.log
+
+
+def test_a_taken_port_is_an_error_not_a_shared_port(spawn):
+    first = spawn("--function", "ferrule_rewards.builtin:exact_match")
+    second = spawn(
+        "--function", "ferrule_rewards.builtin:exact_match", "--bind", first.address, ready=False
+    )
+    assert second.process.returncode == 2
+    assert f"cannot listen on {first.address}" in "".join(second.log)
+
+
+def test_a_token_lets_it_listen_beyond_loopback(spawn, tmp_path):
+    """Bound to every interface (on a free port), reached here through loopback."""
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    server = spawn(
+        "--function", "ferrule_rewards.builtin:exact_match",
+        "--bind", "0.0.0.0:0", "--token-file", str(token),
+    )  # fmt: skip
+    port = server.address.rsplit(":", 1)[1]
+    assert any("clear text" in line for line in server.log)  # warned: a token without TLS
+    with RewardClient(f"127.0.0.1:{port}", token="t" * 32) as client:
+        assert client.score([{"response": "#### 4", "label": "4"}])[0].reward == 1.0
+    with RewardClient(f"127.0.0.1:{port}", token=None) as client, pytest.raises(RewardError):
+        client.score([{"response": "#### 4", "label": "4"}])
+
+
+def test_sigterm_drains(spawn, fn_spec):
+    server = spawn("--function", fn_spec("slow"), "--grace", "10")
+    outcome = {}
+
+    def in_flight():
+        with RewardClient(server.address) as client:
+            outcome["results"] = client.score([{"response": "1.5"}])
+
+    caller = threading.Thread(target=in_flight)
+    caller.start()
+    time.sleep(0.5)  # the call is being scored
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with RewardClient(server.address, attempts=1) as client, pytest.raises(RewardError) as error:
+        client.score([{"response": "0"}])  # new calls are refused
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    caller.join()
+    assert outcome["results"][0].reward == 1.0  # the call in flight finished
+    assert server.process.wait(10) == 0
+    assert time.monotonic() - started < 5
+    assert any("draining: 1 call(s) in progress" in line for line in server.log)
+
+
+@pytest.mark.slow
+def test_two_replicas_one_killed_under_load(spawn, fn_spec, tmp_path):
+    """The client fails over when a replica dies mid-call: every sample gets exactly one
+    result, with the right value; the survivor never scores a sample twice; the only samples
+    scored twice are ones whose call died with the killed replica."""
+    logs = [tmp_path / "replica0.log", tmp_path / "replica1.log"]
+    replicas = [
+        spawn("--function", fn_spec("record_id"), env={"REWARDS_TEST_LOG": str(log)})
+        for log in logs
+    ]
+    batches, batch_size, in_flight = 40, 256, 4
+    results, errors = [], []
+
+    def load():
+        with RewardClient(
+            [r.address for r in replicas], batch_size=32, max_in_flight=in_flight
+        ) as client:
+            for batch in range(batches):
+                ids = range(batch * batch_size, (batch + 1) * batch_size)
+                try:
+                    scored = client.score(
+                        [{"response": "", "metadata": {"id": str(i)}} for i in ids]
+                    )
+                except RewardError as error:
+                    errors.append(error)
+                    return
+                results.append((list(ids), [r.reward for r in scored]))
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    while len(results) < batches // 4:
+        time.sleep(0.01)
+    replicas[0].process.kill()
+    loader.join(120)
+    assert not errors and len(results) == batches
+    for ids, rewards in results:
+        assert rewards == [2.0 * i for i in ids]  # one result each, in order, the right one
+    survivor = Counter(logs[1].read_text().split())
+    killed = Counter(logs[0].read_text().split())
+    assert max(survivor.values()) == 1  # the survivor scored no sample twice
+    assert max(killed.values()) == 1
+    assert set(survivor) | set(killed) == {str(i) for i in range(batches * batch_size)}
+    twice = set(survivor) & set(killed)
+    # At most the chunks in flight on the killed replica when it died: retried elsewhere.
+    assert len(twice) <= in_flight * 32, len(twice)
+    print(f"{len(twice)} samples were scored by the killed replica and again by the survivor")
+    assert replicas[0].process.wait() == -signal.SIGKILL
+    os.kill(replicas[1].process.pid, signal.SIGTERM)
+    assert replicas[1].process.wait(10) == 0

@@ -1,0 +1,100 @@
+"""The Hugging Face reward-model backend, on a tiny random sequence-classification model."""
+
+import asyncio
+import math
+
+import pytest
+
+from ferrule_rewards.client import RewardClient
+from ferrule_rewards.records import Status
+from ferrule_rewards.server import BackgroundServer
+
+pytestmark = pytest.mark.slow  # torch, transformers and a model build
+
+TEXTS = [
+    "Question: what is 2 + 2?\nAnswer: 4",
+    "hi",
+    "A much longer response that goes on for a while, so that the batch needs padding. " * 3,
+    "Question: what is 2 + 2?\nAnswer: 5",
+]
+
+
+def build(folder, num_labels: int = 1):
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from ferrule_testkit import tiny_model
+
+    source = tiny_model("qwen2")
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(source, num_labels=num_labels)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("reward-model"))
+
+
+def test_rewards_do_not_depend_on_batching(reward_model):
+    from ferrule_rewards.model import ModelScorer
+
+    one_by_one = ModelScorer(reward_model, device="cpu", batch_size=1).score_texts(TEXTS)
+    batched = ModelScorer(reward_model, device="cpu", batch_size=4).score_texts(TEXTS)
+    assert not one_by_one.errors and not batched.errors
+    for alone, padded in zip(one_by_one.rewards, batched.rewards, strict=True):
+        assert math.isfinite(alone) and alone == pytest.approx(padded, abs=1e-4)
+    assert len(set(batched.rewards)) == len(TEXTS)  # a real function of the text
+
+
+def test_samples_the_model_cannot_take_get_a_status(reward_model):
+    from ferrule_rewards.model import ModelScorer
+
+    scorer = ModelScorer(reward_model, device="cpu", max_length=16)
+    scores = asyncio.run(scorer.score([("", ""), ("short", " one"), ("long " * 40, "x")]))
+    assert scores.errors[0] == (Status.INVALID_SAMPLE, "prompt + response is empty")
+    assert scores.errors[2][0] == Status.INVALID_SAMPLE
+    assert "the reward model takes at most 16" in scores.errors[2][1]
+    assert 1 not in scores.errors and math.isfinite(scores.rewards[1])
+
+
+def test_scored_through_the_server(reward_model):
+    from ferrule_rewards.model import ModelScorer
+
+    expected = ModelScorer(reward_model, device="cpu").score_texts(["Q: 1+1? A: 2", "Q: ? A:"])
+    with (
+        BackgroundServer(ModelScorer(reward_model, device="cpu")) as server,
+        RewardClient(server.address) as client,
+    ):
+        results = client.score(
+            [{"prompt": "Q: 1+1?", "response": " A: 2"}, {"prompt": "Q: ?", "response": " A:"}]
+        )
+    assert [r.reward for r in results] == pytest.approx(expected.rewards, abs=1e-5)
+
+
+def test_only_single_output_models(tmp_path):
+    from ferrule_rewards.model import ModelScorer
+
+    with pytest.raises(ValueError, match="has 2 labels; a reward model has one output"):
+        ModelScorer(build(tmp_path, num_labels=2), device="cpu")
+
+
+def test_served_from_the_command_line(spawn, reward_model):
+    server = spawn("--model", str(reward_model), "--device", "cpu", timeout=180)
+    with RewardClient(server.address) as client:
+        result = client.score([{"prompt": "Q: 1+1?", "response": " A: 2"}])[0]
+    assert result.ok and math.isfinite(result.reward)
+    assert server.stop() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu(reward_model):
+    from ferrule_rewards.model import ModelScorer
+
+    cpu = ModelScorer(reward_model, device="cpu").score_texts(TEXTS)
+    gpu = ModelScorer(reward_model, device="cuda", dtype="float32").score_texts(TEXTS)
+    assert gpu.rewards == pytest.approx(cpu.rewards, abs=1e-3)
+    half = ModelScorer(reward_model, device="cuda").score_texts(TEXTS)  # bf16 by default
+    assert half.rewards == pytest.approx(cpu.rewards, abs=0.1)

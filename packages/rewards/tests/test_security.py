@@ -1,0 +1,143 @@
+"""Secure by default: loopback binding, the token on every call, TLS and mutual TLS."""
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from ferrule_rewards.client import RewardClient, RewardError, RewardServersUnavailable
+from ferrule_rewards.security import (
+    InsecureBindError,
+    check_bind,
+    is_loopback,
+    read_token,
+    split_address,
+)
+from ferrule_rewards.server import TLS
+
+TOKEN = "s3cret-token-for-tests-0123456789"
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("192.0.2.7", False),
+        ("no-such-host.invalid", False),
+    ],
+)
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_split_address():
+    assert split_address("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert split_address("[::1]:0") == ("::1", 0)
+    with pytest.raises(ValueError, match="expected host:port"):
+        split_address("localhost")
+
+
+def test_non_loopback_needs_a_token_or_tls():
+    check_bind("127.0.0.1:50051", token=None, tls=False)
+    check_bind("unix:/tmp/rewards.sock", token=None, tls=False)
+    for address in ("0.0.0.0:50051", "[::]:50051", "192.0.2.7:50051"):
+        with pytest.raises(InsecureBindError, match="no authentication is configured"):
+            check_bind(address, token=None, tls=False)
+        check_bind(address, token=TOKEN, tls=False)
+        check_bind(address, token=None, tls=True)
+
+
+def test_tokens_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("FERRULE_REWARDS_TOKEN", raising=False)
+    assert read_token(None) is None
+    monkeypatch.setenv("FERRULE_REWARDS_TOKEN", TOKEN)
+    assert read_token(None) == TOKEN
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    assert read_token(tmp_path / "token") == TOKEN
+    (tmp_path / "short").write_text("hunter2")
+    with pytest.raises(ValueError, match="7 characters; use at least 16"):
+        read_token(tmp_path / "short")
+    with pytest.raises(ValueError, match="cannot read token file"):
+        read_token(tmp_path / "missing")
+
+
+def test_every_call_needs_the_token(serve, monkeypatch):
+    monkeypatch.delenv("FERRULE_REWARDS_TOKEN", raising=False)
+    server = serve(token=TOKEN)
+    samples = [{"response": "abc"}]
+    with RewardClient(server.address, token=TOKEN) as client:
+        assert client.score(samples)[0].reward == 3.0
+    for token, message in ((None, "missing token"), ("x" * 32, "wrong token")):
+        with RewardClient(server.address, token=token) as client, pytest.raises(RewardError) as e:
+            client.score(samples)
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert message in str(e.value)
+    with grpc.insecure_channel(server.address) as channel:
+        # Reflection is guarded too (a streaming method: the refusal must match its shape) ...
+        with pytest.raises(grpc.RpcError) as e:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # ... health checks are not: probes and load balancers cannot send the token.
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_client_reads_the_token_from_the_environment(serve, monkeypatch):
+    server = serve(token=TOKEN)
+    monkeypatch.setenv("FERRULE_REWARDS_TOKEN", TOKEN)
+    with RewardClient(server.address) as client:
+        assert client.score([{"response": "ab"}])[0].reward == 2.0
+
+
+def test_tls(serve, certs):
+    server = serve(tls=TLS(str(certs.server_cert), str(certs.server_key)))
+    with RewardClient(server.address, tls_ca=str(certs.ca)) as client:
+        assert client.score([{"response": "abc"}])[0].reward == 3.0
+    # A plaintext client cannot talk to a TLS server (it retries, then says so).
+    with (
+        RewardClient(server.address, attempts=2, timeout=2) as client,
+        pytest.raises(RewardServersUnavailable, match=server.address),
+    ):
+        client.score([{"response": "abc"}])
+    # Nor can a client that does not trust the server's CA (system roots only here).
+    with (
+        RewardClient(server.address, tls=True, attempts=2, timeout=2) as client,
+        pytest.raises(RewardServersUnavailable),
+    ):
+        client.score([{"response": "abc"}])
+
+
+def test_mutual_tls_with_a_token(serve, certs):
+    tls = TLS(str(certs.server_cert), str(certs.server_key), client_ca=str(certs.ca))
+    server = serve(tls=tls, token=TOKEN)
+    trusted = dict(tls_ca=str(certs.ca), tls_cert=str(certs.client_cert))
+    with RewardClient(
+        server.address, token=TOKEN, tls_key=str(certs.client_key), **trusted
+    ) as client:
+        assert client.score([{"response": "abc"}])[0].reward == 3.0
+    refused = {
+        "no client certificate": dict(tls_ca=str(certs.ca)),
+        "certificate from another CA": dict(
+            tls_ca=str(certs.ca), tls_cert=str(certs.rogue_cert), tls_key=str(certs.rogue_key)
+        ),
+    }
+    for name, options in refused.items():
+        with (
+            RewardClient(server.address, token=TOKEN, attempts=2, timeout=2, **options) as client,
+            pytest.raises(RewardServersUnavailable),
+        ):
+            client.score([{"response": "abc"}])
+            pytest.fail(f"{name}: the server took the call")
+
+
+def test_client_tls_options_must_pair():
+    with pytest.raises(ValueError, match="both a certificate and its key"):
+        RewardClient("127.0.0.1:1", tls_cert="client.pem")
