@@ -104,6 +104,7 @@ class BucketViews:
         self._views.clear()
 
 
+@torch.no_grad()  # trainer parameters require grad; the copy must not join their graph
 def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """Copy `tensors` into their slots (`BucketViews`). Non-contiguous tensors are copied through
     the strided view: no temporary contiguous copy. Same-device pairs go in one fused call."""
