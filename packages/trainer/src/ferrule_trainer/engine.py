@@ -164,13 +164,17 @@ def load_model(
     }
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
-    extra: dict[str, Any] = {} if kind == "causal-lm" else {"num_labels": 1}
-    if kind == "value":
-        extra["classifier_dropout"] = 0.0  # a value head with dropout gives noisy PPO targets
-    if attn_implementation:
-        extra["attn_implementation"] = attn_implementation
+    config = transformers.AutoConfig.from_pretrained(path)
+    if kind != "causal-lm":
+        config.num_labels = 1
+        # a value head with dropout gives noisy PPO targets (transformers defaults to 0.1 when
+        # the config names none)
+        config.classifier_dropout = 0.0
+    extra: dict[str, Any] = (
+        {"attn_implementation": attn_implementation} if attn_implementation else {}
+    )
     with _partitioned_load(ds_config):
-        model = classes[kind].from_pretrained(path, dtype=torch_dtype, **extra)
+        model = classes[kind].from_pretrained(path, config=config, dtype=torch_dtype, **extra)
     if kind != "causal-lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:

@@ -1,0 +1,169 @@
+"""The PPO critic (trained value model) and the in-cluster reward model (frozen), under DeepSpeed.
+
+    critic = Critic(model_path, zero_stage=2, dtype="bf16", learning_rate=5e-6)
+    batch["old_values"] = critic.values(batch)                       # layout: sequences.py
+    metrics = critic.train_step(micro_batches, clip=0.2)              # needs "returns" too
+    rewards = RewardModel(rm_path, zero_stage=3).scores(batch)        # (B,) one score each
+
+The critic is the policy's architecture with a linear value head on the last hidden state
+(`AutoModelForTokenClassification`, one label): started from a causal LM checkpoint the head is
+new, started from a saved critic it is the trained one. The reward model is a Hugging Face
+sequence classifier (one label) read at each sequence's last real token.
+"""
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ferrule_trainer import checkpoint, engine
+from ferrule_trainer.losses import value_loss
+from ferrule_trainer.sequences import check_batch, position_ids, response_values
+
+
+class Critic:
+    """Values per response token and clipped value-loss train steps (see losses.value_loss)."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        zero_stage: int = 2,
+        dtype: str = "bf16",
+        learning_rate: float = 5e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        max_grad_norm: float = 1.0,
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        seed: int = 0,
+    ):
+        engine.init_distributed()
+        torch.manual_seed(seed)  # the new value head starts the same on every rank
+        self.model_path = str(model_path)
+        ds_config = engine.deepspeed_config(
+            zero_stage=zero_stage,
+            dtype=dtype,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            max_grad_norm=max_grad_norm,
+        )
+        model = engine.load_model(
+            model_path,
+            kind="value",
+            dtype=dtype,
+            ds_config=ds_config,
+            gradient_checkpointing=gradient_checkpointing,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+        )
+        self.engine = engine.build_engine(
+            model,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            ds_config=ds_config,
+        )
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B, R) values of the states before each response token."""
+        self.engine.eval()
+        try:
+            return response_values(self.engine, batch)
+        finally:
+            self.engine.train()
+
+    def train_step(
+        self,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        *,
+        clip: float | None = 0.2,
+        agg_mode: str = "token-mean",
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped value loss; micro-batches carry (B, R) "old_values"
+        and "returns" beside the layout of sequences.py."""
+        for micro_batch in micro_batches:
+            check_batch(micro_batch, "old_values", "returns")
+        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+        sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
+
+        def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+            values = response_values(self.engine, micro_batch)
+            result = value_loss(
+                values,
+                micro_batch["old_values"],
+                micro_batch["returns"],
+                micro_batch["response_mask"],
+                clip=clip,
+                agg_mode=agg_mode,
+                num_tokens=tokens,
+                num_sequences=sequences,
+            )
+            return result.loss, {"value_clip_fraction": result.clip_fraction}
+
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+
+    def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
+
+    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
+        return checkpoint.save_state(self.engine, directory, step=step, **client_state)
+
+    def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+        return checkpoint.load_state(self.engine, directory, tag=tag)
+
+    def offload(self) -> None:
+        from ferrule_trainer.offload import offload_states
+
+        offload_states(self.engine)
+
+    def reload(self) -> None:
+        from ferrule_trainer.offload import reload_states
+
+        reload_states(self.engine)
+
+
+class RewardModel:
+    """A frozen sequence-classification reward model: one score per sequence."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        zero_stage: int = 0,
+        dtype: str = "bf16",
+        offload_params: bool = False,
+        seed: int = 0,
+    ):
+        engine.init_distributed()
+        torch.manual_seed(seed)
+        stage = 3 if zero_stage == 3 else 0  # frozen: nothing to shard but the weights
+        ds_config = engine.deepspeed_config(
+            zero_stage=stage, dtype=dtype, train=False, offload_params=offload_params
+        )
+        model = engine.load_model(model_path, kind="reward", dtype=dtype, ds_config=ds_config)
+        self.engine = engine.build_engine(model, train=False, ds_config=ds_config)
+
+    @torch.no_grad()
+    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) the score head at each sequence's last real token (attention_mask decides, not
+        the pad token id, which is often the end-of-sequence token the response ends with)."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        model = self.engine.module
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False
+        ).last_hidden_state
+        columns = torch.arange(ids.shape[1], device=ids.device)
+        last = (columns * (mask != 0)).argmax(-1)
+        picked = hidden[torch.arange(ids.shape[0], device=ids.device), last]
+        return model.score(picked)[:, 0].float()

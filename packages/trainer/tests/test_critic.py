@@ -1,0 +1,52 @@
+"""The critic learns values and saves a reloadable value model; the reward model reads the last
+real token."""
+
+import pytest
+import torch
+
+from ferrule_testkit import tiny_model
+
+pytestmark = pytest.mark.slow
+
+
+def _batch(B=4, T=16, R=6):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (B, T), generator=generator)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[0, :4] = 0
+    attention[2, -2:] = 0
+    return dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, -R:].clone())
+
+
+def test_critic_fits_returns_and_round_trips(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    from ferrule_trainer.critic import Critic
+    from ferrule_trainer.sequences import response_values
+
+    critic = Critic(tiny_model("qwen2"), zero_stage=2, dtype="fp32", learning_rate=2e-3)
+    batch = _batch()
+    batch["returns"] = torch.ones(4, 6)
+    losses = []
+    for _ in range(6):
+        batch["old_values"] = critic.values(batch)
+        losses.append(critic.train_step([batch], clip=None)["loss"])
+    assert losses[-1] < 0.5 * losses[0], losses
+
+    critic.save_hf(tmp_path / "critic")
+    reloaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic")
+    torch.testing.assert_close(response_values(reloaded, batch), critic.values(batch))
+
+
+def test_reward_model_scores_ignore_right_padding():
+    from ferrule_trainer.critic import RewardModel
+
+    model = RewardModel(tiny_model("qwen2"), dtype="fp32")
+    batch = _batch()
+    padded = {k: torch.cat([v, torch.zeros_like(v[:, :3])], 1) for k, v in batch.items()}
+    padded["input_ids"][:, -3:] = 7  # whatever the padding holds
+    scores = model.scores(batch)
+    assert scores.shape == (4,)
+    torch.testing.assert_close(model.scores(padded), scores)
+    shorter = {k: v[:, :-1] for k, v in batch.items()}  # drop a real last token: scores change
+    assert not torch.allclose(model.scores(shorter)[1], scores[1])
