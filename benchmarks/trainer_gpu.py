@@ -26,11 +26,11 @@ from pathlib import Path
 os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "trainer" / "src"))
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
-from ferrule_trainer import engine  # noqa: E402
-from ferrule_trainer.sft import sft_loss  # noqa: E402
+from ferrule_trainer import engine
+from ferrule_trainer.sft import sft_loss
 
 # dense bf16 peak, TFLOP/s, by device name
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -99,11 +99,7 @@ def run_baseline(args, data) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    speed = timed(step, data, args.warmup)
-    del model, optimizer
-    gc.collect()
-    torch.cuda.empty_cache()
-    return speed
+    return timed(step, data, args.warmup)
 
 
 def run_ours(args, data) -> float:
@@ -115,11 +111,7 @@ def run_ours(args, data) -> float:
         count = tokens_of(batch)
         engine.optimizer_step(ds_engine, [batch], lambda mb: (sft_loss(ds_engine, mb, count), {}))
 
-    speed = timed(step, data, args.warmup)
-    del ds_engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return speed
+    return timed(step, data, args.warmup)
 
 
 def main() -> None:
@@ -134,6 +126,8 @@ def main() -> None:
 
     data = batches(args)
     baseline = run_baseline(args, data)
+    gc.collect()  # the baseline's model and optimizer are garbage once it returns
+    torch.cuda.empty_cache()
     ours = run_ours(args, data)
 
     config = qwen2_05b_config()
