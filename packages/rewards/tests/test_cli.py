@@ -99,7 +99,7 @@ def test_sigterm_drains(spawn, fn_spec):
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    with RewardClient(server.address, attempts=1) as client, pytest.raises(RewardError) as error:
+    with RewardClient(server.address, retry_for=0) as client, pytest.raises(RewardError) as error:
         client.score([{"response": "0"}])  # new calls are refused
     assert error.value.code == grpc.StatusCode.UNAVAILABLE
     caller.join()

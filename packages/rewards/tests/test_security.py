@@ -103,13 +103,13 @@ def test_tls(serve, certs):
         assert client.score([{"response": "abc"}])[0].reward == 3.0
     # A plaintext client cannot talk to a TLS server (it retries, then says so).
     with (
-        RewardClient(server.address, attempts=2, timeout=2) as client,
+        RewardClient(server.address, retry_for=0.5, timeout=2) as client,
         pytest.raises(RewardServersUnavailable, match=server.address),
     ):
         client.score([{"response": "abc"}])
     # Nor can a client that does not trust the server's CA (system roots only here).
     with (
-        RewardClient(server.address, tls=True, attempts=2, timeout=2) as client,
+        RewardClient(server.address, tls=True, retry_for=0.5, timeout=2) as client,
         pytest.raises(RewardServersUnavailable),
     ):
         client.score([{"response": "abc"}])
@@ -131,7 +131,9 @@ def test_mutual_tls_with_a_token(serve, certs):
     }
     for name, options in refused.items():
         with (
-            RewardClient(server.address, token=TOKEN, attempts=2, timeout=2, **options) as client,
+            RewardClient(
+                server.address, token=TOKEN, retry_for=0.5, timeout=2, **options
+            ) as client,
             pytest.raises(RewardServersUnavailable),
         ):
             client.score([{"response": "abc"}])

@@ -8,8 +8,8 @@ A sample is a dict with the wire format's field names (or a `records.Sample`). A
 than `batch_size` is split into chunks that go out concurrently, spread round-robin over the
 addresses. A chunk refused with UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED
 (server busy) moves to the next address at once, and backs off exponentially after every
-address has refused it; when `attempts` run out, RewardServersUnavailable lists what each
-address said. Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that
+address has refused it; after `retry_for` seconds of refusals, RewardServersUnavailable lists
+what each address said. Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that
 timed out may still be running on the server, and retrying it would score its samples twice.
 """
 
@@ -59,7 +59,7 @@ class RewardClient:
         tls_key: str | None = None,
         tls_server_name: str | None = None,
         timeout: float = 60.0,
-        attempts: int = 8,
+        retry_for: float = 30.0,
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         cooldown: float = 1.0,
@@ -73,7 +73,7 @@ class RewardClient:
             server (default: system roots), `tls_cert`/`tls_key` are for mutual TLS.
         tls_server_name: the name the server certificate must carry, when not the host.
         timeout: deadline of each attempt, in seconds.
-        attempts: tries per chunk over all addresses before giving up.
+        retry_for: seconds a chunk keeps being retried while every address refuses it.
         backoff, max_backoff: first and largest pause after all addresses refused a chunk.
         cooldown: seconds an address that was unavailable goes to the back of the queue.
         batch_size: samples per call; larger score() calls are split.
@@ -82,7 +82,7 @@ class RewardClient:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("RewardClient needs at least one server address")
-        self.timeout, self.attempts, self.batch_size = timeout, attempts, batch_size
+        self.timeout, self.retry_for, self.batch_size = timeout, retry_for, batch_size
         self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
         token = token or os.environ.get(TOKEN_ENV)
         self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
@@ -148,11 +148,15 @@ class RewardClient:
     def _call(self, request: bytes, n: int) -> list[Result]:
         order = self._order()
         refusals: dict[str, str] = {}
-        for attempt in range(self.attempts):
+        give_up = time.monotonic() + self.retry_for
+        for attempt in itertools.count():
             round_, position = divmod(attempt, len(order))
             if round_ and not position:  # every address refused this chunk: back off
                 pause = min(self.max_backoff, self.backoff * 2 ** (round_ - 1))
-                time.sleep(pause * random.uniform(0.5, 1.0))
+                pause *= random.uniform(0.5, 1.0)  # jitter: clients do not retry in lockstep
+                if time.monotonic() + pause > give_up:
+                    break
+                time.sleep(pause)
             address = order[position]
             try:
                 response = self._calls[address](
@@ -170,8 +174,8 @@ class RewardClient:
             return _decode(response, n, address)
         said = "; ".join(f"{address}: {why}" for address, why in refusals.items())
         raise RewardServersUnavailable(
-            f"no reward server took a batch of {n} samples in {self.attempts} attempts "
-            f"over {len(order)} address(es): {said}",
+            f"no reward server took a batch of {n} samples in {attempt} attempts over "
+            f"{len(order)} address(es) and {self.retry_for:g}s: {said}",
             grpc.StatusCode.UNAVAILABLE,
         )
 
