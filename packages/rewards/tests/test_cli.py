@@ -39,7 +39,12 @@ def test_serve_and_score_from_the_command_line(spawn):
     }
     assert results[1]["reward"] == 0.0
     assert results[2]["status"] == "error" and "reference answer" in results[2]["error"]
+    health = [sys.executable, "-m", "ferrule_rewards", "health", server.address]
+    done = subprocess.run(health, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, json.loads(done.stdout)) == (0, {server.address: "SERVING"})
     assert server.stop() == 0
+    done = subprocess.run([*health, "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "UNREACHABLE" in done.stdout
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
     rlhf-rewards serve --function ferrule_rewards.builtin:exact_match       # 127.0.0.1:50051
     rlhf-rewards serve --model ./my-reward-model --bind 0.0.0.0:50051 --token-file token
     echo '{"response": "#### 4", "label": "4"}' | rlhf-rewards score 127.0.0.1:50051
+    rlhf-rewards health 127.0.0.1:50051       # exit status 0 when every address is SERVING
 
 `serve` logs `serving ... on HOST:PORT` once it accepts calls, and drains on SIGTERM. Errors in
 the arguments exit with status 2 and say what was wrong, before anything starts.
@@ -77,7 +78,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-length", type=int, help="longest prompt + response the model scores, in tokens")
 
 
-def _score_arguments(parser: argparse.ArgumentParser) -> None:
+def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("addresses", nargs="+", metavar="ADDRESS", help="host:port of one or more replicas")
     add("--token-file", help=f"file holding the bearer token (or ${TOKEN_ENV})")
@@ -126,18 +127,30 @@ def _serve(args) -> None:
     asyncio.run(serve(scorer, args.bind, grace=args.grace, token=token, tls=tls, limits=limits))
 
 
-def _score(args) -> None:
+def _client(args):
     from ferrule_rewards.client import RewardClient
 
-    samples = [json.loads(line) for line in sys.stdin if line.strip()]
-    with RewardClient(
+    return RewardClient(
         args.addresses,
         token=read_token(args.token_file),
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         timeout=args.timeout,
-    ) as client:
+    )
+
+
+def _health(args) -> None:
+    with _client(args) as client:
+        answers = client.health(timeout=args.timeout)
+    print(json.dumps(answers))
+    if any(answer != "SERVING" for answer in answers.values()):
+        sys.exit(1)
+
+
+def _score(args) -> None:
+    samples = [json.loads(line) for line in sys.stdin if line.strip()]
+    with _client(args) as client:
         for result in client.score(samples):
             line = {"reward": result.reward if result.ok else None, "status": str(result.status)}
             if result.error:
@@ -151,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlhf-rewards", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_arguments(commands.add_parser("serve", help="run the reward server"))
-    _score_arguments(commands.add_parser("score", help="score JSON lines from stdin"))
+    _client_arguments(commands.add_parser("score", help="score JSON lines from stdin"))
+    _client_arguments(commands.add_parser("health", help="check servers' health"))
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     try:
-        _serve(args) if args.command == "serve" else _score(args)
+        {"serve": _serve, "score": _score, "health": _health}[args.command](args)
     except (ValueError, TypeError, OSError, RewardError) as error:
         parser.exit(2, f"rlhf-rewards {args.command}: error: {error}\n")
 

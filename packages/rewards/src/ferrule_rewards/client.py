@@ -179,6 +179,21 @@ class RewardClient:
             grpc.StatusCode.UNAVAILABLE,
         )
 
+    def health(self, timeout: float = 5.0) -> dict[str, str]:
+        """Each address's answer to the standard gRPC health check: SERVING, NOT_SERVING, or
+        UNREACHABLE and why."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        answers = {}
+        for address, channel in self._channels.items():
+            check = health_pb2_grpc.HealthStub(channel).Check
+            try:
+                status = check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+                answers[address] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as error:
+                answers[address] = f"UNREACHABLE: {error.code().name}: {error.details()}"
+        return answers
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in self._channels.values():
