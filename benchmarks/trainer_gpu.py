@@ -105,7 +105,9 @@ def run_baseline(args, data) -> float:
 def run_ours(args, data) -> float:
     engine.init_distributed()
     model = build_model(torch.bfloat16)
-    ds_engine = engine.build_engine(model, zero_stage=2, dtype="bf16", learning_rate=1e-5)
+    config = engine.deepspeed_config(zero_stage=2, dtype="bf16")
+    config["zero_optimization"].update(args.zero)
+    ds_engine = engine.build_engine(model, learning_rate=1e-5, ds_config=config)
 
     def step(batch):
         count = tokens_of(batch)
@@ -120,6 +122,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument(
+        "--zero",
+        type=json.loads,
+        default={},
+        help="extra zero_optimization settings to try, JSON: '{\"overlap_comm\": true}'",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("trainer_gpu.py needs a CUDA GPU")
@@ -155,6 +163,7 @@ def main() -> None:
         "params": params,
         "batch": [args.batch, args.seq],
         "device": name,
+        "zero_overrides": args.zero,
     }
     print(json.dumps(result))
 

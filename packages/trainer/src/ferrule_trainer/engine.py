@@ -101,6 +101,10 @@ def deepspeed_config(
             stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000
         )
         zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if zero_stage in (1, 2) and not on_cpu():
+        # Reduces gradients on a side stream during backward: +9% tokens/s for a 0.5B Qwen2 on
+        # one H200 (benchmarks/trainer_gpu.py, ratio 0.74 -> 0.81)
+        zero["overlap_comm"] = True
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
@@ -297,18 +301,20 @@ def optimizer_step(
         raise ValueError("optimizer_step needs at least one micro-batch")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     engine.train()
-    total = 0.0
-    sums: dict[str, float] = {}
+    # Losses and metrics stay on the device until the step is done: reading one per micro-batch
+    # would stall the host and leave the GPU idle while Python launches the next forward.
+    total = torch.zeros((), dtype=torch.float64, device=device())
+    sums: dict[str, torch.Tensor] = {}
     for index, micro_batch in enumerate(micro_batches):
         engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
         loss, metrics = loss_fn(micro_batch)
         engine.backward(loss * world, scale_wrt_gas=False)
-        total += float(loss.detach())
+        total += loss.detach()
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+            sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().double()
     lr = engine.get_lr()[0]
     engine.step()
-    result = {key: value / len(micro_batches) for key, value in sums.items()}
+    result = {key: float(value) / len(micro_batches) for key, value in sums.items()}
     result["loss"] = float(global_sum(total))
     grad_norm = engine.get_global_grad_norm()
     result["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
