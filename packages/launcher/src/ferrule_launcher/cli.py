@@ -1,7 +1,12 @@
-"""`rlhf-launch CONFIG.toml`: the command that runs the whole Ferrule RLHF loop.
+"""`rlhf-launch CONFIG.toml`: run Ferrule's RL loop (PPO family) on Ray from one TOML file.
 
-The RL loop itself lands with issue 7; until then the command parses and checks its arguments,
-reads the TOML file, and exits with status 2 and a message that says what is missing.
+    rlhf-launch examples/tiny.toml                    # SFT warm start, then GRPO, on CPU
+    rlhf-launch examples/tiny.toml --dry-run          # check and print the resolved config
+    rlhf-launch examples/tiny.toml --resume           # continue after a crash or kill -9
+    rlhf-launch examples/tiny.toml --set loop.steps=5 --set output.dir=\"runs/short\"
+
+The configuration is checked completely before any process starts; errors name the file, the
+table and the key, and exit with status 2. A failed run exits with status 1, Ctrl-C with 130.
 """
 
 import argparse
@@ -11,34 +16,77 @@ from pathlib import Path
 
 from ferrule_launcher import __version__
 
-NOT_YET = (
-    "rlhf-launch {version}: read {path} ({tables}). The RL loop (rollout -> rewards -> train -> "
-    "weight sync) is not implemented in this version yet; it lands with the launcher issue (#7)."
-)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="rlhf-launch", description="Run Ferrule's RLHF loop from one TOML config file."
+        prog="rlhf-launch",
+        description="Run Ferrule's RLHF loop (rollout -> rewards -> train -> weight sync) on Ray "
+        "from one TOML config file.",
+        epilog="Tables: [model] [task] [sft] [rollout] [rewards] [trainer] [critic] [loop] [ray] "
+        "[output]; see packages/launcher/README.md. Submit to a running cluster with "
+        "`ray job submit --working-dir . -- rlhf-launch config.toml` and [ray] address = \"auto\".",
     )
     parser.add_argument("config", type=Path, help="the run's TOML file, e.g. examples/tiny.toml")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate, print the resolved config and exit"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint in [output] dir (start over if there is none)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="TABLE.KEY=VALUE",
+        help="override one key (VALUE in TOML syntax, e.g. loop.steps=5); repeatable",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser.parse_args(argv)
 
 
+def parse_overrides(items: list[str]) -> dict:
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ValueError(f"--set {item!r}: expected TABLE.KEY=VALUE, e.g. loop.steps=5")
+        try:
+            overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[key.strip()] = value  # a bare string
+    return overrides
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ferrule_launcher.config import ConfigError, describe, load_config
+
     args = parse_args(argv)
-    if not args.config.is_file():
-        print(f"rlhf-launch: config file {args.config} does not exist", file=sys.stderr)
-        return 2
     try:
-        config = tomllib.loads(args.config.read_text())
-    except tomllib.TOMLDecodeError as err:
-        print(f"rlhf-launch: {args.config} is not valid TOML: {err}", file=sys.stderr)
+        config = load_config(args.config, parse_overrides(args.set))
+    except (ConfigError, ValueError) as err:
+        print(f"rlhf-launch: {err}", file=sys.stderr)
         return 2
-    tables = ", ".join(f"[{name}]" for name in config) or "no tables"
-    print(NOT_YET.format(version=__version__, path=args.config, tables=tables), file=sys.stderr)
-    return 2
+    if args.dry_run:
+        print(f"# {args.config}: configuration is valid; resolved values:\n")
+        print(describe(config))
+        return 0
+
+    from ferrule_launcher.run import RunError, run
+
+    try:
+        summary = run(config, resume=args.resume)
+    except KeyboardInterrupt:
+        print("rlhf-launch: interrupted; every process the run started was stopped",
+              file=sys.stderr)
+        return 130
+    except RunError as err:
+        print(f"rlhf-launch: error: {err}", file=sys.stderr)
+        return 1
+    keys = ("accuracy_before", "accuracy_after", "steps", "wall_seconds")
+    print("summary: " + ", ".join(f"{k} = {summary[k]}" for k in keys if k in summary))
+    return 0
 
 
 if __name__ == "__main__":

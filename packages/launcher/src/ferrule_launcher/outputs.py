@@ -1,0 +1,108 @@
+"""What a run writes and shows: progress bar, metrics.jsonl, TensorBoard, reward curve, summary.
+
+    out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True)
+    out.log(step, {"reward": 0.4, "kl": 0.01, "time/generate": 1.2, ...})
+    out.finish(summary)          # reward_curve.png and summary.json
+
+metrics.jsonl holds one JSON object per step. On --resume it is cut back to the checkpoint's
+step first, so every step appears exactly once however often the run was interrupted.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+SHOWN = {"reward": "reward", "kl": "kl", "tokens_per_s": "tok/s"}
+PHASES = ("generate", "score", "train", "sync")
+
+
+class Outputs:
+    def __init__(self, directory: Path, total_steps: int, first_step: int, tensorboard: bool,
+                 progress: bool):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.history = _read_history(self.metrics_path, before=first_step)
+        _write_lines(self.metrics_path, self.history)  # drop steps after the checkpoint
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=first_step)
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True,
+            disable=not progress, file=sys.stderr, desc="rl",
+        )
+        self.quiet = not progress
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **metrics}
+        self.history.append(record)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, int | float):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        postfix = {label: f"{metrics[key]:.3g}" for key, label in SHOWN.items() if key in metrics}
+        phases = [metrics.get(f"time/{p}", 0.0) for p in PHASES]
+        total = sum(phases) or 1.0
+        postfix["gen/score/train/sync"] = "/".join(f"{100 * t / total:.0f}" for t in phases) + "%"
+        if "eval/accuracy" in metrics:
+            postfix["acc"] = f"{metrics['eval/accuracy']:.2f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+        if self.quiet:
+            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in postfix.items()),
+                  file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        self.bar.write(text, file=sys.stderr)
+
+    def finish(self, summary: dict) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        plot_rewards(self.history, self.dir / "reward_curve.png")
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _read_history(path: Path, before: int) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] < before]
+
+
+def _write_lines(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def plot_rewards(history: list[dict], path: Path) -> None:
+    """Mean reward per step, with held-out greedy accuracy where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in history if "reward" in r]
+    axis.plot(steps, [r["reward"] for r in history if "reward" in r], label="mean reward")
+    evals = [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
+    if evals:
+        axis.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
+    axis.set_xlabel("step")
+    axis.set_ylim(-0.02, 1.02)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

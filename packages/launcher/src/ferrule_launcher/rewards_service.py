@@ -1,0 +1,97 @@
+"""The reward service of a run: start `rlhf-rewards serve` (or use given addresses) and score.
+
+    service = RewardService.start(config.rewards, log_path)   # a subprocess on loopback
+    scores = service.score(prompts, responses, labels)        # list[float], retries inside
+    service.stop()
+
+The server is ferrule-rewards' own CLI in a child process that dies with the launcher (Linux
+parent-death signal), so even a `kill -9` of the launcher leaves no reward server behind.
+"""
+
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ferrule_launcher.config import RewardsConfig
+
+SERVING = re.compile(r"serving .* on (\S+:\d+)")
+
+
+class RewardServiceError(RuntimeError):
+    """The reward server could not be started or reached."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class RewardService:
+    def __init__(self, addresses: list[str], process=None, timeout=60.0, attempts=5):
+        from ferrule_rewards.client import RewardClient
+
+        self.addresses, self.process = addresses, process
+        self.client = RewardClient(addresses, timeout=timeout, attempts=attempts, backoff=0.2)
+
+    @classmethod
+    def start(cls, config: RewardsConfig, log_path: Path) -> "RewardService":
+        if config.address:
+            return cls(list(config.address), timeout=config.timeout, attempts=config.attempts)
+        what = ["--function", config.function] if config.function else ["--model", str(config.model)]
+        command = [sys.executable, "-m", "ferrule_rewards", "serve", *what, "--bind",
+                   "127.0.0.1:0", "--grace", "2"]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w")
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path[1:]])},
+        )
+        deadline = time.monotonic() + config.start_timeout
+        while time.monotonic() < deadline:
+            text = log_path.read_text()
+            found = SERVING.search(text)
+            if found:
+                return cls([found.group(1)], process, config.timeout, config.attempts)
+            if process.poll() is not None:
+                raise RewardServiceError(
+                    f"[rewards] the reward server exited with status {process.returncode}: "
+                    f"{text.strip()[-2000:]}"
+                )
+            time.sleep(0.1)
+        process.kill()
+        raise RewardServiceError(
+            f"[rewards] the reward server did not start within {config.start_timeout:g} s "
+            f"(start_timeout); its log: {log_path}"
+        )
+
+    def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> list[float]:
+        """One reward per response. A sample the function failed on scores 0 (and is counted);
+        a server that cannot be reached after every retry raises RewardServiceError."""
+        from ferrule_rewards.client import RewardError
+
+        samples = [
+            {"prompt": p, "response": r, "label": a}
+            for p, r, a in zip(prompts, responses, labels, strict=True)
+        ]
+        try:
+            results = self.client.score(samples)
+        except RewardError as err:
+            raise RewardServiceError(
+                f"reward server {', '.join(self.addresses)} failed after retries: {err}"
+            ) from None
+        self.failed = sum(not r.ok for r in results)
+        return [r.reward if r.ok else 0.0 for r in results]
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()

@@ -1,0 +1,124 @@
+"""Configuration errors name the file, the table and the key, before anything starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ferrule_launcher.config import ESTIMATORS, ConfigError, describe, load_config
+
+EXAMPLE = Path(__file__).parents[3] / "examples" / "tiny.toml"
+REWARDS = '[rewards]\nfunction = "ferrule_launcher.task:exact_answer"\n'
+BASE = '[model]\npath = "model"\n' + REWARDS
+
+
+@pytest.fixture
+def write(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+
+    def write(text: str, base: str = BASE) -> Path:
+        if "[rewards]" in text:  # the test gives its own [rewards] table
+            base = base.replace(REWARDS, "")
+        path = tmp_path / "run.toml"
+        path.write_text(base + text)
+        return path
+
+    return write
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_minimal_config_resolves_paths_near_the_file(write):
+    config = load_config(write(""))
+    assert config.model.path == write("").parent / "model"
+    assert config.trainer.estimator == "grpo"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[rollout]\ntemperature = -1\n", "[rollout] temperature: Input should be greater than 0"),
+        ("[rollout]\nsamples_per_prompt = 'many'\n", "[rollout] samples_per_prompt:"),
+        ("[rollout]\ntemprature = 1.0\n", "[rollout] temprature: unknown key (known: "),
+        ("[rolout]\nn = 1\n", "table [rolout]: unknown table"),
+        ("[trainer]\nestimator = 'ppo2'\n", "[trainer] estimator: Input should be 'grpo'"),
+        ("[loop]\nmode = 'fast'\n", "[loop] mode:"),
+        ("[ray]\nplacement = 'everywhere'\n", "[ray] placement:"),
+    ],
+)
+def test_type_range_and_unknown_key_errors(write, text, expected):
+    message = error_of(write(text))
+    assert message.startswith(f"{write(text)}: ")
+    assert expected in message
+
+
+def test_missing_table_and_missing_model_files(write, tmp_path):
+    assert "table [model]: is required" in error_of(write("", base=""))
+    path = write('[model]\npath = "nowhere"\n[rewards]\nfunction = "a:b"\n', base="")
+    assert "[model] path: no Hugging Face model at" in error_of(path)
+    path = write('[rewards]\nfunction = ""\nmodel = "no_rm"\n', base='[model]\npath = "model"\n')
+    assert "[rewards] model: no reward model folder" in error_of(path)
+    path = write('[rewards]\nfunction = "missing.py:f"\n', base='[model]\npath = "model"\n')
+    assert "[rewards] function: no file" in error_of(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[rewards]\nfunction = 'a:b'\naddress = ['127.0.0.1:1']\n",
+            "[rewards] function: give exactly one of",
+        ),
+        ("[rollout]\nsamples_per_prompt = 1\n", "[rollout] samples_per_prompt: must be >= 2"),
+        ("[trainer]\nestimator = 'gae'\n", "[trainer] estimator: \"gae\" needs a [critic]"),
+        ("[critic]\nlearning_rate = 1e-4\n", "[critic] learning_rate: a [critic] is only used"),
+        ("[trainer]\nkl_coef = 0.1\nkl_kind = 'k1'\n", "[trainer] kl_kind:"),
+        ("[trainer]\nkl_in = 'reward'\n", "[trainer] kl_in:"),
+        ("[rollout]\nmax_tokens = 200\n", "[rollout] max_tokens: must be < max_model_len"),
+        ("[rollout]\nengines = 3\n", "[rollout] engines: must divide prompts_per_step"),
+        ("[trainer]\nmini_batches = 7\n", "[trainer] mini_batches: must divide"),
+        ("[rollout]\ntransport = 'ipc'\n[ray]\nplacement = 'separate'\n", "[rollout] transport:"),
+        ("[loop]\nmax_staleness = 3\n", "[loop] max_staleness: only applies"),
+        ("[ray]\nroles_on_nodes = {rollout = 'w'}\n", "[ray] roles_on_nodes: cannot pin"),
+    ],
+)
+def test_contradictory_settings(write, text, expected):
+    assert expected in error_of(write(text))
+
+
+def test_every_estimator_is_selectable(write):
+    for estimator in ESTIMATORS:
+        critic = "[critic]\n" if estimator == "gae" else ""
+        text = f"[trainer]\nestimator = '{estimator}'\n{critic}"
+        assert load_config(write(text)).trainer.estimator == estimator
+
+
+def test_invalid_toml_names_the_file(write):
+    assert "not valid TOML" in error_of(write("[rollout\n"))
+
+
+def test_every_field_has_a_docstring():
+    from ferrule_launcher import config
+
+    for table in [config.Config, *[f.annotation for f in config.Config.model_fields.values()]]:
+        table = next(a for a in getattr(table, "__args__", (table,)) if a is not type(None))
+        for name, field in table.model_fields.items():
+            assert field.description or table is config.Config, f"{table.__name__}.{name}"
+
+
+def test_example_is_valid_and_dry_run_prints_it():
+    text = describe(load_config(EXAMPLE))
+    assert "[rollout]" in text and "samples_per_prompt" in text
+    out = subprocess.run(
+        [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE), "--dry-run",
+         "--set", "loop.steps=3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "configuration is valid" in out.stdout and "steps = 3" in out.stdout
