@@ -103,7 +103,7 @@ def start_ours() -> tuple[subprocess.Popen, str]:
 def start_baseline(port: int, as_shipped: bool) -> subprocess.Popen:
     command = [sys.executable, str(HERE), "--baseline-server", str(port)]
     command += ["--as-shipped"] if as_shipped else []
-    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
