@@ -104,6 +104,23 @@ def test_a_hanging_sample_times_out_and_the_rest_are_scored(scorer):
     assert not hanging.healthy  # one thread is still stuck in the call, the limit here
 
 
+def test_a_thread_slow_to_start_is_not_taken_for_a_hung_one(scorer, monkeypatch, caplog):
+    """Only a sample that a thread is running can time out, never the wait before it."""
+    import ferrule_rewards.functions as functions
+
+    work = functions._work
+
+    def late_work(*args):
+        time.sleep(0.3)
+        return work(*args)
+
+    monkeypatch.setattr(functions, "_work", late_work)
+    slow_start = scorer("length", timeout=0.1)
+    scores = score(slow_start, [("a",), ("bc",)])
+    assert scores.rewards == [1.0, 2.0] and not scores.errors
+    assert "ran past" not in caplog.text  # no thread was abandoned
+
+
 def test_keyword_only_and_every_field(scorer):
     scores = score(scorer("keyword_only"), [("4", "4"), ("4", "5")])
     assert scores.rewards == [1.0, 0.0]

@@ -238,7 +238,7 @@ class FunctionScorer:
         """Wait for `work`: True when it finished the batch, False when it was abandoned in a
         sample that ran past the timeout. The sample in progress is checked every tenth of the
         timeout, so a sample times out after between 1 and 1.1 timeouts."""
-        seen, seen_at = -1, 0.0
+        seen, seen_at = batch.current, time.monotonic()
         while True:
             done, _ = await asyncio.wait({work}, timeout=self.timeout / 10)
             if done:
@@ -249,6 +249,8 @@ class FunctionScorer:
                 seen, seen_at = batch.current, now
             elif (
                 now - seen_at >= self.timeout
+                and seen >= 0  # a thread that has not claimed a sample yet is only slow to start
+                and seen not in batch.outputs  # decided already: an earlier thread timed out
                 and batch.outputs.setdefault(seen, _TIMED_OUT) is _TIMED_OUT
             ):
                 self._abandon(work)

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ferrule_rewards import rewards_pb2 as pb
-from ferrule_rewards.records import Status
+from ferrule_rewards.records import Scores, Status
 from ferrule_rewards.security import TokenInterceptor, check_bind, server_credentials, split_address
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class RewardServer:
         if missing:  # score the others; these get their own status
             skip = set(missing)
             samples = [sample for i, sample in enumerate(samples) if i not in skip]
-        scores = await self.scorer.score(_rows(samples, self.scorer.fields))
+        rows = _rows(samples, self.scorer.fields)
+        scores = await self.scorer.score(rows) if rows else Scores([])
         results = [{"reward": reward} for reward in scores.rewards]
         for index, (status, message) in scores.errors.items():
             results[index] = {"status": STATUS_TO_WIRE[status], "error": message}
