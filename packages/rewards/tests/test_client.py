@@ -70,6 +70,17 @@ def test_non_retryable_errors_raise_with_their_status(serve):
     assert "over this server's limit of 4" in str(error.value)
 
 
+def test_a_call_too_large_for_the_server_is_not_retried(serve):
+    server = serve(limits=Limits(max_message_bytes=1 << 16))
+    with RewardClient(server.address, retry_for=30) as client:
+        started = time.monotonic()
+        with pytest.raises(RewardError) as error:
+            client.score([{"response": "x" * (1 << 17)}])
+        assert time.monotonic() - started < 5
+    assert error.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in str(error.value)
+
+
 def test_retries_with_backoff_until_the_server_comes_up(serve, free_port):
     port = free_port()
     outcome = {}

@@ -115,21 +115,14 @@ class RewardClient:
 
     def score(self, samples: Iterable[Mapping | Sample]) -> list[Result]:
         """Score every sample; one Result per sample, in order."""
-        samples = list(samples)
-        chunks = [
-            (offset, _encode(samples[offset : offset + self.batch_size], offset))
-            for offset in range(0, len(samples), self.batch_size)
-        ]
-        sizes = [min(self.batch_size, len(samples) - offset) for offset, _ in chunks]
-        if len(chunks) <= 1:
-            return [
-                r
-                for (_, request), n in zip(chunks, sizes, strict=True)
-                for r in self._call(request, n)
-            ]
+        samples, size = list(samples), self.batch_size
+        chunks = [samples[start : start + size] for start in range(0, len(samples), size)]
+        requests = [_encode(chunk, i * size) for i, chunk in enumerate(chunks)]
+        if len(chunks) == 1:
+            return self._call(requests[0], len(chunks[0]))
         futures = [
-            self._pool.submit(self._call, request, n)
-            for (_, request), n in zip(chunks, sizes, strict=True)
+            self._pool.submit(self._call, request, len(chunk))
+            for request, chunk in zip(requests, chunks, strict=True)
         ]
         try:
             return [result for future in futures for result in future.result()]
@@ -163,8 +156,8 @@ class RewardClient:
                     request, timeout=self.timeout, metadata=self._metadata
                 )
             except grpc.RpcError as error:
-                code, details = error.code(), error.details()
-                if code not in RETRYABLE:
+                code, details = error.code(), error.details() or ""
+                if code not in RETRYABLE or "larger than max" in details:  # too big anywhere
                     raise RewardError(f"{address}: {code.name}: {details}", code, address) from None
                 refusals[address] = f"{code.name}: {details}"
                 if code is grpc.StatusCode.UNAVAILABLE:

@@ -122,7 +122,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
-        sent = next((v for k, v in details.invocation_metadata if k == "authorization"), None)
+        metadata = details.invocation_metadata or ()
+        sent = next((value for key, value in metadata if key == "authorization"), None)
         if sent is None:
             return _denied(handler, "missing token: send `authorization: Bearer <token>` metadata")
         sent = sent.encode() if isinstance(sent, str) else sent
