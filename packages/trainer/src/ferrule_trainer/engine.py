@@ -1,8 +1,9 @@
 """DeepSpeed engines from flat arguments: process group, config, model loading, one optimizer step.
 
     init_distributed()
-    model = load_model(path, dtype="fp32", zero_stage=3, lora_rank=8)
-    engine = build_engine(model, zero_stage=3, dtype="fp32", learning_rate=1e-5)
+    config = deepspeed_config(zero_stage=3, dtype="fp32")
+    model = load_model(path, dtype="fp32", ds_config=config, lora_rank=8)
+    engine = build_engine(model, learning_rate=1e-5, ds_config=config)
     metrics = optimizer_step(engine, micro_batches, loss_fn)
 
 The same code runs on CPU (DeepSpeed's CPU accelerator over gloo, torch AdamW) and on GPUs
