@@ -199,3 +199,35 @@ def test_sleep_is_a_logged_no_op_on_cpu(engine, caplog):
         engine.wake_up()
     assert "not supported" in caplog.text
     assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
+
+
+def test_update_in_keep_mode_continues_running_samples_on_the_new_weights(engine, policy):
+    from ferrule_weightsync import create_sender
+
+    port = free_port()
+    joining = in_thread(create_sender, "ipc", "127.0.0.1", port, 1, timeout=60)
+    engine.init_weight_sync("ipc", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    sender = joining.get()
+    start = engine.version
+    long = SamplingSettings(temperature=0.0, max_tokens=200, ignore_eos=True)
+    running = in_thread(engine.generate, PROMPTS, long)
+    assert wait_until(lambda: engine.health()["running"] == 2)
+    time.sleep(0.05)  # some tokens on the old weights
+    perturb_(policy, seed=1234)
+    sending = in_thread(sender.send, list(policy.named_parameters()), version=start + 1)
+    try:
+        assert engine.update_weights(mode="keep", timeout=60) == start + 1 == sending.get()
+    finally:
+        sender.close()
+    samples = running.get()
+    assert all(len(s.token_ids) == 200 for s in samples)
+    for sample in samples:
+        old, new = sample.versions
+        assert (old.version, new.version) == (start, start + 1) and sample.version == start
+        assert old.start == 0 and old.end == new.start and new.end == 200 and new.start > 0
+        # From the update on, tokens and logprobs are the new weights' over the whole context
+        # (the running samples' keys and values were recomputed under them).
+        expected, argmax = hf_logprobs(policy, sample.prompt_token_ids, sample.token_ids)
+        got = torch.tensor(sample.logprobs[new.start :])
+        assert torch.allclose(got, expected[new.start :], atol=LOGPROB_ATOL)
+        assert sample.token_ids[new.start :] == argmax[new.start :].tolist()
