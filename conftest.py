@@ -58,8 +58,8 @@ def imports_in_source(package: str) -> dict[str, set[str]]:
 def undeclared_imports(package: str, imported: dict[str, set[str]]) -> dict[str, list[str]]:
     """Third-party modules the source imports that no declared requirement of its distribution
     provides (a sibling or a library that is only installed by chance)."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, requires
     from importlib.metadata import distribution as find_distribution
-    from importlib.metadata import packages_distributions, requires
 
     from packaging.requirements import Requirement
 
@@ -74,6 +74,11 @@ def undeclared_imports(package: str, imported: dict[str, set[str]]) -> dict[str,
         if name in sys.stdlib_module_names or name in (package, "__future__"):
             continue
         dists = {d.lower().replace("_", "-") for d in providers.get(name, [])}
+        if not dists:  # editable installs (our workspace members) list no top-level modules
+            try:
+                dists = {find_distribution(name.replace("_", "-")).name.lower()}
+            except PackageNotFoundError:
+                dists = set()
         if not dists & declared:
             missing[name] = sorted(files)
     return missing
