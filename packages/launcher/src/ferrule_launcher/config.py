@@ -86,8 +86,9 @@ class RewardsConfig(Table):
     """host:port of running ferrule-rewards servers to use instead of starting one."""
     timeout: float = Field(60.0, gt=0)
     """Deadline per scoring call, seconds."""
-    attempts: int = Field(5, ge=1)
-    """Tries per call over all addresses before the run stops with an error."""
+    retry_for: float = Field(20.0, ge=0)
+    """Seconds a call keeps being retried while no server takes it; then the run stops with an
+    error naming the addresses."""
     start_timeout: float = Field(60.0, gt=0)
     """Seconds the started server may take to accept calls."""
 

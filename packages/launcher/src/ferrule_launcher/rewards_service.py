@@ -32,16 +32,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class RewardService:
-    def __init__(self, addresses: list[str], process=None, timeout=60.0, attempts=5):
+    def __init__(self, addresses: list[str], process=None, timeout=60.0, retry_for=20.0):
         from ferrule_rewards.client import RewardClient
 
         self.addresses, self.process = addresses, process
-        self.client = RewardClient(addresses, timeout=timeout, attempts=attempts, backoff=0.2)
+        self.client = RewardClient(addresses, timeout=timeout, retry_for=retry_for, backoff=0.2)
 
     @classmethod
     def start(cls, config: RewardsConfig, log_path: Path) -> "RewardService":
         if config.address:
-            return cls(list(config.address), timeout=config.timeout, attempts=config.attempts)
+            return cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
         what = ["--function", config.function] if config.function else ["--model", str(config.model)]
         command = [sys.executable, "-m", "ferrule_rewards", "serve", *what, "--bind",
                    "127.0.0.1:0", "--grace", "2"]
@@ -56,7 +56,7 @@ class RewardService:
             text = log_path.read_text()
             found = SERVING.search(text)
             if found:
-                return cls([found.group(1)], process, config.timeout, config.attempts)
+                return cls([found.group(1)], process, config.timeout, config.retry_for)
             if process.poll() is not None:
                 raise RewardServiceError(
                     f"[rewards] the reward server exited with status {process.returncode}: "

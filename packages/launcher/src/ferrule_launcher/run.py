@@ -26,6 +26,9 @@ __all__ = ["RunError", "run"]
 
 
 def run(config: Config, resume: bool = False) -> dict:
+    # Under `uv run`, Ray would pack the working directory and start every worker through uv
+    # again (its uv hook, read when ray is imported); the workers share this interpreter.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
 
     from ferrule_launcher.placement import place_roles, role_env, start_ray
