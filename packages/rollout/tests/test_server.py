@@ -84,6 +84,20 @@ def test_stream_returns_every_sample(client):
     ]
 
 
+def test_cancelling_a_stream_aborts_the_rest(client):
+    stream = client.generate_stream(PROMPTS, SamplingSettings(n=16, max_tokens=240))
+    next(stream)
+    stream.close()  # cancels the call
+    client.pause("keep")  # freeze: only an abort can empty the running set now
+    try:
+        deadline = time.monotonic() + 10
+        while client.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.health()["running"] == 0
+    finally:
+        client.resume()
+
+
 def raw_generate(server, prompts, **sampling):
     with grpc.insecure_channel(server) as channel:
         stub = pb_grpc().RolloutServiceStub(channel)

@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
@@ -80,6 +80,47 @@ class _Request:
     prompt_ids: list[int]
     params: object  # vllm.SamplingParams
     sink: queue.Queue  # receives the Sample, or the exception that ended it
+
+
+class SampleStream:
+    """The samples of one generate call, in the order they finish.
+
+    `cancel()` may be called from any thread (a gRPC cancellation callback does): it aborts the
+    samples still queued or running and ends the iteration.
+    """
+
+    _CANCELLED = object()
+
+    def __init__(self, engine: "RolloutEngine", requests: list[_Request]):
+        self._engine, self._requests = engine, requests
+        self._sink = requests[0].sink if requests else queue.Queue()
+        self._left = len(requests)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Sample:
+        if self._left == 0:
+            raise StopIteration
+        item = self._sink.get()
+        if item is self._CANCELLED:
+            self._left = 0
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.cancel()
+            raise item
+        self._left -= 1
+        return item
+
+    def cancel(self) -> None:
+        if self._left:
+            self._engine._cancel({r.request_id for r in self._requests})
+            self._sink.put(self._CANCELLED)
+
+    close = cancel
+
+    def __del__(self):  # a consumer that stopped iterating without closing
+        self.cancel()
 
 
 class RolloutEngine:
@@ -176,31 +217,17 @@ class RolloutEngine:
 
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
-    ) -> Iterator[Sample]:
-        """Yield samples as they finish. Every prompt is checked before any work starts;
-        leaving the loop early aborts the samples still running."""
+    ) -> "SampleStream":
+        """Start generating; iterate the result for samples as they finish. Every prompt is
+        checked before any work starts. `close()` or `cancel()` aborts what is still running."""
         settings = settings or SamplingSettings()
         requests = self._requests(prompts, settings)  # raises BadRequestError before queuing
-        return self._stream(requests)
-
-    def _stream(self, requests: list[_Request]) -> Iterator[Sample]:
-        sink = requests[0].sink if requests else None
         with self._cv:
             if self._closed or self._broken:
                 raise RolloutError(f"the engine cannot generate: {self._broken or 'closed'}")
             self._queue.extend(requests)
             self._cv.notify_all()
-        done = 0
-        try:
-            while done < len(requests):
-                item = sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done += 1
-                yield item
-        finally:
-            if done < len(requests):
-                self._cancel({r.request_id for r in requests})
+        return SampleStream(self, requests)
 
     def _requests(self, prompts: Sequence[Prompt], settings: SamplingSettings) -> list[_Request]:
         from vllm import SamplingParams

@@ -78,13 +78,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             stream = self.engine.generate_stream(
                 prompts_from_proto(request.prompts), settings_from_proto(request.sampling)
             )
-            try:
-                for sample in stream:
-                    yield sample_to_proto(sample)
-                    if not context.is_active():  # the client cancelled: abort the rest
-                        break
-            finally:
-                stream.close()
+            # Runs when the call ends for any reason; a client that cancels (or whose deadline
+            # passes) aborts the samples still running. A no-op once all were sent.
+            context.add_callback(stream.cancel)
+            for sample in stream:
+                yield sample_to_proto(sample)
 
     def InitWeightSync(self, request, context):
         with _status(context):
