@@ -45,12 +45,10 @@ def check_results(proc, out, state) -> list[dict]:
     return results
 
 
-@pytest.mark.gpu(count=2)
-def test_nccl_broadcast_between_two_gpus(tmp_path):
-    port = free_port()
-    proc, out = start_receiver(tmp_path, transport="broadcast", port=port, device="cuda:1")
+def send_two_updates(transport: str, port: int) -> object:
+    """From cuda:0: the state dict, then the same scaled by 3 (versions 1 and 2)."""
     sender = create_sender(
-        "broadcast",
+        transport,
         "127.0.0.1",
         port,
         1,
@@ -59,31 +57,26 @@ def test_nccl_broadcast_between_two_gpus(tmp_path):
         checksums=True,
         timeout=60,
     )
-    state = realistic_state_dict()
     for factor in (1.0, 3.0):
-        sender.send({k: v.to("cuda:0") for k, v in scaled(state, factor).items()}.items())
+        state = scaled(realistic_state_dict(), factor)
+        sender.send({k: v.to("cuda:0") for k, v in state.items()}.items())
     sender.close()
-    check_results(proc, out, state)
+    return sender
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_broadcast_between_two_gpus(tmp_path):
+    port = free_port()
+    proc, out = start_receiver(tmp_path, transport="broadcast", port=port, device="cuda:1")
+    send_two_updates("broadcast", port)
+    check_results(proc, out, realistic_state_dict())
 
 
 @pytest.mark.gpu(count=1)
 def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path):
     port = free_port()
     proc, out = start_receiver(tmp_path, transport="ipc", port=port)
-    sender = create_sender(
-        "ipc",
-        "127.0.0.1",
-        port,
-        1,
-        device="cuda:0",
-        bucket_bytes=4096,
-        checksums=True,
-        timeout=60,
-    )
-    state = realistic_state_dict()
-    for factor in (1.0, 3.0):
-        sender.send({k: v.to("cuda:0") for k, v in scaled(state, factor).items()}.items())
+    sender = send_two_updates("ipc", port)
     assert sender.handles_published == 2  # the second update reused both buffers
-    sender.close()
-    results = check_results(proc, out, state)
+    results = check_results(proc, out, realistic_state_dict())
     assert results[-1]["handles_opened"] == 2
