@@ -7,6 +7,7 @@ Output directory layout ([output] dir):
     sft/model                 the warm-started model (sft/state: its resumable state)
     checkpoint/launcher.json  the last complete checkpoint (step, accuracy_before, ...)
     checkpoint/policy/stepN   the policy's resumable DeepSpeed state (and checkpoint/critic)
+    roles.json                where each role runs (node, pid), the reward server's address
     policy/                   the final policy in Hugging Face format
 Every process the run starts (Ray actors, the reward server) stops when it ends, fails or is
 interrupted; a role that dies stops the run with an error that names it.
@@ -55,6 +56,7 @@ def run(config: Config, resume: bool = False) -> dict:
             raise RunError(str(err)) from None
         model_path = _warm_start(config, out)
         roles, actors = _start_roles(config, model_path, place_roles, env)
+        _write_roles(out / "roles.json", roles, rewards)
         pad_id = _pad_id(model_path)
         held_out = eval_problems(config.task.name, config.task.length, config.task.eval_prompts,
                                  config.task.seed)
@@ -236,6 +238,29 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
         get(engine.__ray_ready__.remote(), f"rollout engine {i}")
     _open_weight_sync(config, policy, engines)
     return Roles(policy, engines, reference, critic), actors
+
+
+def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
+    import os
+
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address()}
+
+
+def _write_roles(path: Path, roles: Roles, rewards) -> None:
+    """Which node and process each role runs in (for people, and for the placement tests)."""
+    handles = {"policy": roles.policy, "reference": roles.reference, "critic": roles.critic}
+    handles.update({f"rollout-{i}": e for i, e in enumerate(roles.engines)})
+    where = {
+        name: get(handle.__ray_call__.remote(_whereabouts), name)
+        for name, handle in handles.items()
+        if handle is not None
+    }
+    if rewards.process is not None:
+        where["rewards"] = {"pid": rewards.process.pid, "address": rewards.addresses[0]}
+    path.write_text(json.dumps(where, indent=2) + "\n")
 
 
 def _open_weight_sync(config: Config, policy, engines) -> None:

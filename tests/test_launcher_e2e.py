@@ -1,0 +1,165 @@
+"""End to end: the real `rlhf-launch` on the tiny example, shortened (real Ray, vLLM, DeepSpeed,
+reward server and weight sync on CPU). Each run takes about a minute on 2 cores, mostly start-up.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
+# Shortened: 16 steps at a higher learning rate than the example, no evaluation until the end.
+SHORT = ["loop.steps=16", "trainer.learning_rate=5e-4", "loop.eval_every=0",
+         "output.progress=false", "output.tensorboard=true"]
+
+
+def command(out: Path, *overrides: str, resume: bool = False) -> list[str]:
+    args = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
+    for item in [*SHORT, f'output.dir="{out}"', *overrides]:
+        args += ["--set", item]
+    return [*args, "--resume"] if resume else args
+
+
+def launch(out: Path, *overrides: str, resume: bool = False, timeout: float = 420):
+    result = subprocess.run(command(out, *overrides, resume=resume), capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_reward_rises(records: list[dict]) -> None:
+    rewards = [r["reward"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.03, f"reward did not rise: {rewards}"
+
+
+def test_sync_run_learns_and_writes_every_output(tmp_path):
+    out = tmp_path / "sync"
+    result = launch(out)
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 17))
+    assert all(r["staleness"] == 0 for r in records)  # sync: every sample from the last version
+    assert_reward_rises(records)
+    for key in ("time/generate", "time/score", "time/train", "time/sync", "tokens_per_s"):
+        assert records[0][key] > 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
+        assert key in summary and f"{key} = " in result.stdout
+    assert summary["steps"] == 16
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert (out / "policy" / "config.json").exists()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path):
+    out = tmp_path / "async"
+    launch(out, 'loop.mode="async"', "loop.max_staleness=1", 'ray.placement="separate"',
+           "ray.cpus_per_role=0.4")
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 17))
+    assert max(r["staleness"] for r in records) <= 1
+    assert any(r["staleness"] > 0 for r in records)  # generation really ran ahead
+    assert_reward_rises(records)
+    roles = json.loads((out / "roles.json").read_text())
+    assert roles["policy"]["pid"] != roles["rollout-0"]["pid"]
+
+
+def test_colocated_placement_with_reference_and_two_engines(tmp_path):
+    out = tmp_path / "colocate"
+    launch(out, 'ray.placement="colocate"', "rollout.engines=2", "trainer.kl_coef=0.01",
+           "loop.steps=4", "ray.cpus_per_role=0.5")
+    records = metrics(out)
+    assert len(records) == 4 and all("kl" in r for r in records)
+    roles = json.loads((out / "roles.json").read_text())
+    assert {"policy", "reference", "rollout-0", "rollout-1"} <= set(roles)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
+    out = tmp_path / "resume"
+    overrides = ["output.checkpoint_every=4", "loop.steps=12"]
+    process = subprocess.Popen(command(out, *overrides), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoint = out / "checkpoint" / "launcher.json"
+    try:
+        wait_for(lambda: checkpoint.exists() and json.loads(checkpoint.read_text())["step"] >= 4,
+                 300, "the first checkpoint")
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every process it started
+    finally:
+        process.wait(30)
+    saved = json.loads(checkpoint.read_text())["step"]
+    launch(out, *overrides, resume=True)
+    steps = [r["step"] for r in metrics(out)]
+    assert steps == list(range(1, 13)), steps
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == saved and summary["steps"] == 12
+
+
+def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
+    out = tmp_path / "dead"
+    process = subprocess.Popen(command(out, "loop.steps=400"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    roles = out / "roles.json"
+    try:
+        wait_for(roles.exists, 300, "the roles to start")
+        time.sleep(2)
+        os.kill(json.loads(roles.read_text())["rollout-0"]["pid"], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert "rollout engine 0" in stderr, stderr[-3000:]
+
+
+def test_unreachable_reward_server_is_retried_then_a_clear_error(tmp_path):
+    out = tmp_path / "norewards"
+    result = subprocess.run(
+        command(out, 'rewards.function=""', 'rewards.address=["127.0.0.1:9"]',
+                "rewards.retry_for=2"),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1
+    assert "127.0.0.1:9" in result.stderr and "after retries" in result.stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_every_process_the_run_started(tmp_path):
+    out = tmp_path / "interrupt"
+    process = subprocess.Popen(command(out, "loop.steps=400"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    roles = out / "roles.json"
+    try:
+        wait_for(roles.exists, 300, "the roles to start")
+        time.sleep(2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr[-3000:]
+    pids = [role["pid"] for role in json.loads(roles.read_text()).values()]
+    wait_for(lambda: not any(alive(pid) for pid in pids), 30, f"processes {pids} to stop")
