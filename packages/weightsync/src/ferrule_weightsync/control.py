@@ -116,12 +116,9 @@ class Control:
     def collect(self, seq: int, stage: str) -> list[str]:
         """Sender: wait for every receiver's report on `stage`; return their error messages."""
         self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}")
-        errors = []
-        for rank in range(1, self.world_size):
-            message = self.store.get(f"u{seq}/{stage}/{rank}").decode()
-            if message:
-                errors.append(f"receiver {rank}: {message}")
-        return errors
+        keys = [f"u{seq}/{stage}/{rank}" for rank in range(1, self.world_size)]
+        messages = self.store.multi_get(keys)
+        return [f"receiver {r}: {m.decode()}" for r, m in enumerate(messages, 1) if m]
 
     def decide(self, seq: int, errors: list[str]) -> None:
         """Sender: let the receivers go ahead, or abort the update with the collected errors."""
@@ -157,8 +154,8 @@ class Control:
         deadline = None if limit is None else time.monotonic() + limit
         while True:
             step = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
-            try:
-                self.store.wait([key], timedelta(seconds=step))
+            try:  # one round trip: the store's get blocks until the key exists or `step` passes
+                self.store.set_timeout(timedelta(seconds=step))
                 return self.store.get(key)
             except (RuntimeError, TimeoutError, dist.DistStoreError) as err:
                 if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
@@ -166,6 +163,8 @@ class Control:
                         f"rank {self.rank}: lost the {self.where} while waiting for {who} "
                         f"({key}): {err}"
                     ) from err
+            finally:  # the other store calls keep the group's timeout
+                self.store.set_timeout(timedelta(seconds=self.timeout))
             if deadline is not None and time.monotonic() >= deadline:
                 raise PeerTimeoutError(
                     f"rank {self.rank}: {who} did not answer within {limit:g}s ({key}) "
