@@ -231,3 +231,27 @@ def test_update_in_keep_mode_continues_running_samples_on_the_new_weights(engine
         got = torch.tensor(sample.logprobs[new.start :])
         assert torch.allclose(got, expected[new.start :], atol=LOGPROB_ATOL)
         assert sample.token_ids[new.start :] == argmax[new.start :].tolist()
+
+
+def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine, policy):
+    from ferrule_rollout import RolloutError
+    from ferrule_weightsync import PeerTimeoutError, create_sender
+
+    port = free_port()
+    joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)
+    engine.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    sender = joining.get()
+    try:
+        version = engine.version
+        with pytest.raises(RolloutError, match="weight update failed") as caught:
+            engine.update_weights(timeout=1.0)
+        assert isinstance(caught.value.__cause__, PeerTimeoutError)
+        assert engine.health()["status"] == "serving" and engine.version == version
+        assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
+        # The group is still usable: the next update goes through.
+        perturb_(policy, seed=77)
+        sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
+        assert engine.update_weights(timeout=60) == version + 1 == sending.get()
+    finally:
+        sender.close()
+    assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)

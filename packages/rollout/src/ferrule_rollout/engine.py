@@ -458,10 +458,11 @@ class RolloutEngine:
         """Receive one update from the weight-sync group and load it; return its version.
 
         Pauses first (unless already paused) with `mode` and resumes afterwards. Blocks until
-        the trainer sends (up to `timeout` seconds for it to start). After a failed update the
-        weights are partly replaced, so the engine refuses to generate until one succeeds.
+        the trainer sends (up to `timeout` seconds for it to start; then the weights are
+        unchanged and the engine serves on). A failure once data flows leaves the weights partly
+        replaced: the engine then refuses to generate until an update succeeds.
         """
-        from ferrule_rollout.weights import received_version
+        from ferrule_rollout.weights import received_version, weights_touched
 
         if not self._weight_sync:
             raise RolloutError("no weight-sync group to receive from: call init_weight_sync first")
@@ -478,9 +479,11 @@ class RolloutEngine:
                         )
                         self._engine.collective_rpc("finish_weight_update")
                     except Exception as err:
-                        # Partly replaced weights: fail what waits rather than sample from them.
-                        self._fail_all(f"the last weight update failed: {err}")
-                        raise RolloutError(self._broken) from err
+                        message = f"weight update failed: {err}"
+                        if any(self._engine.collective_rpc(weights_touched)):
+                            # Partly replaced weights: fail what waits rather than sample them.
+                            self._fail_all(message)
+                        raise RolloutError(message) from err
                     versions = set(self._engine.collective_rpc(received_version))
                     if len(versions) != 1:
                         self._fail_all(f"workers loaded different versions {sorted(versions)}")

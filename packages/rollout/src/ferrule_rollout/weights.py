@@ -56,6 +56,7 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         super().__init__(config, vllm_config, device, model)
         self.receiver = None
         self.version = 0  # version of the last update loaded into this worker
+        self.touched = False  # the current update has begun to replace weights
 
     def init_transfer_engine(self, init_info: FerruleInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
@@ -86,14 +87,18 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         )
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         if self.receiver is None:
             raise RuntimeError("no weight-sync group: call init_weight_sync first")
-        initialize_layerwise_reload(self.model)
+        self.touched = False
 
     def receive_weights(self, update_info: FerruleUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        # Wait for the sender's announcement before touching the model: a sender that never
+        # comes (a timeout) leaves the weights as they were, and the engine keeps serving.
         update = self.receiver.receive(timeout=update_info.timeout)
+        self.touched = True
+        initialize_layerwise_reload(self.model)
         # Layerwise reload keeps the tensors it is given until their whole layer has arrived
         # (q, k and v fill one fused parameter), while weightsync reuses a bucket's buffer two
         # buckets later: hand it copies, freed as soon as each layer is processed.
@@ -110,8 +115,9 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
-        _refresh_tied_lm_heads(self.model)
+        if self.touched:
+            finalize_layerwise_reload(self.model, self.model_config)
+            _refresh_tied_lm_heads(self.model)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -147,6 +153,11 @@ def _refresh_tied_lm_heads(model: torch.nn.Module) -> None:
 def received_version(worker) -> int:
     """Run in every worker by `collective_rpc`: the version of the last update it loaded."""
     return worker.weight_transfer_engine.version
+
+
+def weights_touched(worker) -> bool:
+    """Run in every worker by `collective_rpc`: did the failed update change any weights?"""
+    return worker.weight_transfer_engine.touched
 
 
 def register() -> None:
