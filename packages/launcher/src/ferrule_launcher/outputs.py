@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-SHOWN = {"reward": "reward", "kl": "kl", "tokens_per_s": "tok/s"}
+SHOWN = {"reward": "reward", "kl": "kl", "approx_kl": "kl_old", "tokens_per_s": "tok/s"}
 PHASES = ("generate", "score", "train", "sync")
 
 

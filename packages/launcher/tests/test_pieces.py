@@ -1,0 +1,100 @@
+"""The launcher's plain pieces, without Ray: tasks and rewards, the batch layout, every
+estimator, which roles share a placement group, and the outputs."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ferrule_launcher.config import ESTIMATORS
+from ferrule_launcher.placement import groups_for
+from ferrule_launcher.task import (
+    char_match,
+    eval_problems,
+    exact_answer,
+    problem,
+    step_problems,
+)
+
+
+def test_tasks_are_deterministic_and_held_out_prompts_never_train():
+    held_out = eval_problems("reversal", 3, 100, seed=0)
+    assert len({p for p, _ in held_out}) == 100
+    assert held_out == eval_problems("reversal", 3, 100, seed=0)
+    step = step_problems("reversal", 3, 64, seed=0, step=5, exclude=held_out)
+    assert step == step_problems("reversal", 3, 64, seed=0, step=5, exclude=held_out)
+    assert not {p for p, _ in step} & {p for p, _ in held_out}
+    prompt, answer = held_out[0]
+    assert answer == " " + prompt.split()[-2].rstrip(".")[::-1]
+    import random
+
+    assert problem("arithmetic", 2, random.Random(1))[0].startswith("Question: what is")
+
+
+def test_rule_rewards():
+    assert exact_answer(" cba", " cba") == 1.0 and exact_answer("cb", " cba") == 0.0
+    assert char_match(" cba", " cba") == 1.0
+    assert char_match("cbx", " cba") == pytest.approx(2 / 3)
+    assert char_match("cbaa", " cba") == pytest.approx(3 / 4)  # too long costs too
+    assert char_match("", " cba") == 0.0
+
+
+def sample(prompt, response):
+    return SimpleNamespace(prompt_token_ids=prompt, token_ids=response)
+
+
+def test_build_batch_left_pads_prompts_and_right_pads_responses():
+    from ferrule_launcher.batch import build_batch, split
+
+    batch = build_batch([sample([5, 6], [7]), sample([4], [8, 9, 0])], pad_id=1)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 1], [1, 4, 8, 9, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert [len(mb["input_ids"]) for mb in split(batch, 1)] == [1, 1]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
+    import torch
+
+    from ferrule_launcher.batch import estimate
+
+    mask = torch.ones(4, 3, dtype=torch.long)
+    batch = {"response_mask": mask}
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    logprobs = torch.full((4, 3), -1.0)
+    advantages, returns = estimate(
+        estimator, scores, batch, group_size=2, old_logprobs=logprobs,
+        ref_logprobs=logprobs - 0.1, values=torch.zeros(4, 3), kl_coef=0.01,
+        kl_in="reward" if estimator in ("gae", "reinforce_plus_plus") else "loss",
+    )
+    assert advantages.shape == (4, 3)
+    assert (advantages[0] > 0).all() and (advantages[1] < 0).all()
+    assert (returns is not None) == (estimator == "gae")
+
+
+def test_placement_groups_for_each_mode():
+    roles = ["policy", "reference", "critic", "rollout-0", "rollout-1"]
+    assert groups_for("colocate_all", roles) == {"all": roles}
+    assert groups_for("colocate", roles) == {
+        "policy": ["policy", "reference"], "critic": ["critic"],
+        "rollout": ["rollout-0", "rollout-1"],
+    }
+    assert len(groups_for("separate", roles)) == 5
+
+
+def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):
+    from ferrule_launcher.outputs import Outputs
+
+    out = Outputs(tmp_path, total_steps=4, first_step=1, tensorboard=False, progress=False)
+    for step in (1, 2, 3):
+        out.log(step, {"reward": 0.1 * step, "time/generate": 1.0})
+    out.close()
+    resumed = Outputs(tmp_path, total_steps=4, first_step=3, tensorboard=False, progress=False)
+    resumed.log(3, {"reward": 0.3, "eval/accuracy": 0.5})
+    resumed.log(4, {"reward": 0.4})
+    resumed.finish({"steps": 4})
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert steps == [1, 2, 3, 4]
+    assert (tmp_path / "reward_curve.png").exists()
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 4}
