@@ -4,6 +4,7 @@
 import json
 import os
 import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,7 +29,9 @@ def two_nodes(tmp_path):
     ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
     port = free_port()
     temp = Path(f"/tmp/rf{os.getpid()}")  # Ray's socket paths must stay short
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Ray 2.60 clusters started by `ray start` require a token from every driver and node.
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
     head = subprocess.Popen(
         [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
@@ -44,7 +47,7 @@ def two_nodes(tmp_path):
     )
     time.sleep(8)
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", env
     finally:
         for process in (worker, head):  # --block: SIGTERM stops the node's processes too
             process.send_signal(signal.SIGTERM)
@@ -57,16 +60,17 @@ def two_nodes(tmp_path):
 
 
 def test_roles_on_different_nodes(tmp_path, two_nodes):
+    address, env = two_nodes
     out = tmp_path / "two"
     overrides = [
         "loop.steps=3", "loop.eval_every=0", "output.progress=false", f'output.dir="{out}"',
-        f'ray.address="{two_nodes}"', 'ray.placement="separate"', "ray.cpus_per_role=0.5",
+        f'ray.address="{address}"', 'ray.placement="separate"', "ray.cpus_per_role=0.5",
         'ray.roles_on_nodes={policy = "head_node", rollout = "worker_node"}',
     ]
     args = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
     for item in overrides:
         args += ["--set", item]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=420)
+    result = subprocess.run(args, capture_output=True, text=True, timeout=420, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     roles = json.loads((out / "roles.json").read_text())
     assert roles["policy"]["node_id"] != roles["rollout-0"]["node_id"]
