@@ -15,8 +15,13 @@ import pytest
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 # Shortened: 16 steps at a higher learning rate than the example, no evaluation until the end.
-SHORT = ["loop.steps=16", "trainer.learning_rate=5e-4", "loop.eval_every=0",
-         "output.progress=false", "output.tensorboard=true"]
+SHORT = [
+    "loop.steps=16",
+    "trainer.learning_rate=5e-4",
+    "loop.eval_every=0",
+    "output.progress=false",
+    "output.tensorboard=true",
+]
 
 
 def command(out: Path, *overrides: str, resume: bool = False) -> list[str]:
@@ -27,8 +32,9 @@ def command(out: Path, *overrides: str, resume: bool = False) -> list[str]:
 
 
 def launch(out: Path, *overrides: str, resume: bool = False, timeout: float = 420):
-    result = subprocess.run(command(out, *overrides, resume=resume), capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        command(out, *overrides, resume=resume), capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
@@ -63,8 +69,13 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
 
 def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path):
     out = tmp_path / "async"
-    launch(out, 'loop.mode="async"', "loop.max_staleness=1", 'ray.placement="separate"',
-           "ray.cpus_per_role=0.4")
+    launch(
+        out,
+        'loop.mode="async"',
+        "loop.max_staleness=1",
+        'ray.placement="separate"',
+        "ray.cpus_per_role=0.4",
+    )
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 17))
     assert max(r["staleness"] for r in records) <= 1
@@ -76,12 +87,38 @@ def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path
 
 def test_colocated_placement_with_reference_and_two_engines(tmp_path):
     out = tmp_path / "colocate"
-    launch(out, 'ray.placement="colocate"', "rollout.engines=2", "trainer.kl_coef=0.01",
-           "loop.steps=4", "ray.cpus_per_role=0.5")
+    launch(
+        out,
+        'ray.placement="colocate"',
+        "rollout.engines=2",
+        "trainer.kl_coef=0.01",
+        "loop.steps=4",
+        "ray.cpus_per_role=0.5",
+    )
     records = metrics(out)
     assert len(records) == 4 and all("kl" in r for r in records)
     roles = json.loads((out / "roles.json").read_text())
     assert {"policy", "reference", "rollout-0", "rollout-1"} <= set(roles)
+
+
+def test_ppo_with_critic_reference_and_an_sft_stage(tmp_path):
+    out = tmp_path / "ppo"
+    launch(
+        out,
+        "sft.steps=4",
+        'trainer.estimator="gae"',
+        "critic.learning_rate=1e-4",
+        "trainer.kl_coef=0.05",
+        'trainer.kl_in="reward"',
+        'trainer.kl_kind="k1"',
+        "trainer.epochs=2",
+        "trainer.mini_batches=2",
+        "loop.steps=3",
+    )
+    records = metrics(out)
+    assert len(records) == 3
+    assert all("critic/loss" in r and "kl" in r for r in records)
+    assert (out / "sft" / "model" / "config.json").exists()
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -96,12 +133,19 @@ def wait_for(predicate, timeout: float, what: str):
 def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
     out = tmp_path / "resume"
     overrides = ["output.checkpoint_every=4", "loop.steps=12"]
-    process = subprocess.Popen(command(out, *overrides), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command(out, *overrides),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     checkpoint = out / "checkpoint" / "launcher.json"
     try:
-        wait_for(lambda: checkpoint.exists() and json.loads(checkpoint.read_text())["step"] >= 4,
-                 300, "the first checkpoint")
+        wait_for(
+            lambda: checkpoint.exists() and json.loads(checkpoint.read_text())["step"] >= 4,
+            300,
+            "the first checkpoint",
+        )
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and every process it started
     finally:
         process.wait(30)
@@ -115,8 +159,9 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
 
 def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
     out = tmp_path / "dead"
-    process = subprocess.Popen(command(out, "loop.steps=400"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command(out, "loop.steps=400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     roles = out / "roles.json"
     try:
         wait_for(roles.exists, 300, "the roles to start")
@@ -132,9 +177,12 @@ def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
 def test_unreachable_reward_server_is_retried_then_a_clear_error(tmp_path):
     out = tmp_path / "norewards"
     result = subprocess.run(
-        command(out, 'rewards.function=""', 'rewards.address=["127.0.0.1:9"]',
-                "rewards.retry_for=2"),
-        capture_output=True, text=True, timeout=300,
+        command(
+            out, 'rewards.function=""', 'rewards.address=["127.0.0.1:9"]', "rewards.retry_for=2"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 1
     assert "127.0.0.1:9" in result.stderr and "after retries" in result.stderr
@@ -150,8 +198,9 @@ def alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_every_process_the_run_started(tmp_path):
     out = tmp_path / "interrupt"
-    process = subprocess.Popen(command(out, "loop.steps=400"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command(out, "loop.steps=400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     roles = out / "roles.json"
     try:
         wait_for(roles.exists, 300, "the roles to start")

@@ -3,8 +3,8 @@
 
 import json
 import os
-import shutil
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,20 +30,45 @@ def two_nodes(tmp_path):
     port = free_port()
     temp = Path(f"/tmp/rf{os.getpid()}")  # Ray's socket paths must stay short
     # Ray 2.60 clusters started by `ray start` require a token from every driver and node.
-    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    }
     common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
     head = subprocess.Popen(
-        [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-         "--include-dashboard=false", f"--temp-dir={temp}", '--resources={"head_node": 1}',
-         *common],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            '--resources={"head_node": 1}',
+            *common,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     time.sleep(8)
     worker = subprocess.Popen(
-        [ray, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-         '--resources={"worker_node": 1}', *common],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            ray,
+            "start",
+            f"--address=127.0.0.1:{port}",
+            "--node-ip-address=127.0.0.1",
+            '--resources={"worker_node": 1}',
+            *common,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     time.sleep(8)
     try:
@@ -63,8 +88,13 @@ def test_roles_on_different_nodes(tmp_path, two_nodes):
     address, env = two_nodes
     out = tmp_path / "two"
     overrides = [
-        "loop.steps=3", "loop.eval_every=0", "output.progress=false", f'output.dir="{out}"',
-        f'ray.address="{address}"', 'ray.placement="separate"', "ray.cpus_per_role=0.5",
+        "loop.steps=3",
+        "loop.eval_every=0",
+        "output.progress=false",
+        f'output.dir="{out}"',
+        f'ray.address="{address}"',
+        'ray.placement="separate"',
+        "ray.cpus_per_role=0.5",
         'ray.roles_on_nodes={policy = "head_node", rollout = "worker_node"}',
     ]
     args = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]

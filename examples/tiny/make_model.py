@@ -35,9 +35,14 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
         x[row, width - len(seq) :], mask[row, width - len(seq) :] = torch.tensor(seq), 1
     model.eval()
     with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=mask, do_sample=False, max_new_tokens=6,
-                             pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids=x,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=6,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     model.train()
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return sum(exact_answer(t, a) for t, (_, a) in zip(texts, problems, strict=True)) / len(texts)
@@ -56,7 +61,7 @@ def main() -> None:
     for step in range(1, 301):
         # Negative steps: prompts the RL stage never sees (it uses steps 1, 2, ...).
         batch = step_problems(TASK, LENGTH, 32, SEED, -1000 - step, held_out)
-        pairs = [(tokenizer.encode(p), tokenizer.encode(a) + [eos]) for p, a in batch]
+        pairs = [(tokenizer.encode(p), [*tokenizer.encode(a), eos]) for p, a in batch]
         width = max(len(p) + len(a) for p, a in pairs)
         x = torch.full((len(pairs), width), tokenizer.pad_token_id)
         attention, loss_mask = torch.zeros_like(x), torch.zeros_like(x)
@@ -72,7 +77,9 @@ def main() -> None:
         optimizer.step()
         if step >= 40 and step % 2 == 0:
             accuracy = greedy_accuracy(model, tokenizer, held_out)
-            print(f"sft step {step}: loss {loss.item():.3f} held-out greedy accuracy {accuracy:.2f}")
+            print(
+                f"sft step {step}: loss {loss.item():.3f} held-out greedy accuracy {accuracy:.2f}"
+            )
             if accuracy >= TARGET:
                 break
     else:

@@ -60,23 +60,25 @@ def test_type_range_and_unknown_key_errors(write, text, expected):
 
 def test_missing_table_and_missing_model_files(write, tmp_path):
     assert "table [model]: is required" in error_of(write("", base=""))
-    path = write('[model]\npath = "nowhere"\n[rewards]\nfunction = "a:b"\n', base="")
+    path = write('[model]\npath = "nowhere"\n[rewards]\nfunction = "json:b"\n', base="")
     assert "[model] path: no Hugging Face model at" in error_of(path)
     path = write('[rewards]\nfunction = ""\nmodel = "no_rm"\n', base='[model]\npath = "model"\n')
     assert "[rewards] model: no reward model folder" in error_of(path)
     path = write('[rewards]\nfunction = "missing.py:f"\n', base='[model]\npath = "model"\n')
     assert "[rewards] function: no file" in error_of(path)
+    path = write('[rewards]\nfunction = "no_such_module:f"\n', base='[model]\npath = "model"\n')
+    assert "[rewards] function: no module 'no_such_module'" in error_of(path)
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         (
-            "[rewards]\nfunction = 'a:b'\naddress = ['127.0.0.1:1']\n",
+            "[rewards]\nfunction = 'json:b'\naddress = ['127.0.0.1:1']\n",
             "[rewards] function: give exactly one of",
         ),
         ("[rollout]\nsamples_per_prompt = 1\n", "[rollout] samples_per_prompt: must be >= 2"),
-        ("[trainer]\nestimator = 'gae'\n", "[trainer] estimator: \"gae\" needs a [critic]"),
+        ("[trainer]\nestimator = 'gae'\n", '[trainer] estimator: "gae" needs a [critic]'),
         ("[critic]\nlearning_rate = 1e-4\n", "[critic] learning_rate: a [critic] is only used"),
         ("[trainer]\nkl_coef = 0.1\nkl_kind = 'k1'\n", "[trainer] kl_kind:"),
         ("[trainer]\nkl_in = 'reward'\n", "[trainer] kl_in:"),
@@ -116,9 +118,18 @@ def test_example_is_valid_and_dry_run_prints_it():
     text = describe(load_config(EXAMPLE))
     assert "[rollout]" in text and "samples_per_prompt" in text
     out = subprocess.run(
-        [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE), "--dry-run",
-         "--set", "loop.steps=3"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "ferrule_launcher.cli",
+            str(EXAMPLE),
+            "--dry-run",
+            "--set",
+            "loop.steps=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert "configuration is valid" in out.stdout and "steps = 3" in out.stdout

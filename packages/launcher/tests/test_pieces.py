@@ -64,8 +64,14 @@ def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
     logprobs = torch.full((4, 3), -1.0)
     advantages, returns = estimate(
-        estimator, scores, batch, group_size=2, old_logprobs=logprobs,
-        ref_logprobs=logprobs - 0.1, values=torch.zeros(4, 3), kl_coef=0.01,
+        estimator,
+        scores,
+        batch,
+        group_size=2,
+        old_logprobs=logprobs,
+        ref_logprobs=logprobs - 0.1,
+        values=torch.zeros(4, 3),
+        kl_coef=0.01,
         kl_in="reward" if estimator in ("gae", "reinforce_plus_plus") else "loss",
     )
     assert advantages.shape == (4, 3)
@@ -77,7 +83,8 @@ def test_placement_groups_for_each_mode():
     roles = ["policy", "reference", "critic", "rollout-0", "rollout-1"]
     assert groups_for("colocate_all", roles) == {"all": roles}
     assert groups_for("colocate", roles) == {
-        "policy": ["policy", "reference"], "critic": ["critic"],
+        "policy": ["policy", "reference"],
+        "critic": ["critic"],
         "rollout": ["rollout-0", "rollout-1"],
     }
     assert len(groups_for("separate", roles)) == 5

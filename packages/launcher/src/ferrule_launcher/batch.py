@@ -29,7 +29,11 @@ def build_batch(samples: Sequence, pad_id: int) -> dict:
             input_ids[row, prompt_len : prompt_len + len(response)] = torch.tensor(response)
             attention_mask[row, prompt_len : prompt_len + len(response)] = 1
             response_mask[row, : len(response)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+    }
 
 
 def split(batch: dict, size: int) -> list[dict]:

@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "from one TOML config file.",
         epilog="Tables: [model] [task] [sft] [rollout] [rewards] [trainer] [critic] [loop] [ray] "
         "[output]; see packages/launcher/README.md. Submit to a running cluster with "
-        "`ray job submit --working-dir . -- rlhf-launch config.toml` and [ray] address = \"auto\".",
+        '`ray job submit --working-dir . -- rlhf-launch config.toml` and [ray] address = "auto".',
     )
     parser.add_argument("config", type=Path, help="the run's TOML file, e.g. examples/tiny.toml")
     parser.add_argument(
@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run(config, resume=args.resume)
     except KeyboardInterrupt:
-        print("rlhf-launch: interrupted; every process the run started was stopped",
-              file=sys.stderr)
+        print(
+            "rlhf-launch: interrupted; every process the run started was stopped", file=sys.stderr
+        )
         return 130
     except RunError as err:
         print(f"rlhf-launch: error: {err}", file=sys.stderr)

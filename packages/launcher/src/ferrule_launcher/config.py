@@ -16,7 +16,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae")
+ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "gae",
+)
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
@@ -203,48 +210,111 @@ class Config(Table):
         """Settings that are each valid but contradict one another: (table, key, message)."""
         t, r, w = self.trainer, self.rollout, self.rewards
         problems = []
-        given = [name for name, v in (("function", w.function), ("model", w.model),
-                                      ("address", w.address)) if v]
+        given = [
+            name
+            for name, v in (("function", w.function), ("model", w.model), ("address", w.address))
+            if v
+        ]
         if len(given) != 1:
-            problems.append(("rewards", "function", "give exactly one of function, model or "
-                             f"address, got {given or 'none'}"))
+            problems.append(
+                (
+                    "rewards",
+                    "function",
+                    f"give exactly one of function, model or address, got {given or 'none'}",
+                )
+            )
         if t.estimator in GROUP_ESTIMATORS and r.samples_per_prompt < 2:
-            problems.append(("rollout", "samples_per_prompt", f"must be >= 2 for estimator "
-                             f"{t.estimator!r} (it compares samples of a prompt), got 1"))
+            problems.append(
+                (
+                    "rollout",
+                    "samples_per_prompt",
+                    f"must be >= 2 for estimator "
+                    f"{t.estimator!r} (it compares samples of a prompt), got 1",
+                )
+            )
         if t.estimator == "gae" and self.critic is None:
             problems.append(("trainer", "estimator", '"gae" needs a [critic] table'))
         if t.estimator != "gae" and self.critic is not None:
-            problems.append(("critic", "learning_rate", f"a [critic] is only used by estimator "
-                             f"\"gae\", not {t.estimator!r}: remove the table"))
+            problems.append(
+                (
+                    "critic",
+                    "learning_rate",
+                    f"a [critic] is only used by estimator "
+                    f'"gae", not {t.estimator!r}: remove the table',
+                )
+            )
         if t.kl_in == "reward" and t.estimator in ("grpo", "dr_grpo", "rloo"):
-            problems.append(("trainer", "kl_in", f'"reward" is not supported by estimator '
-                             f'{t.estimator!r}; use "loss"'))
+            problems.append(
+                (
+                    "trainer",
+                    "kl_in",
+                    f'"reward" is not supported by estimator {t.estimator!r}; use "loss"',
+                )
+            )
         if t.kl_in == "loss" and t.kl_coef > 0 and t.kl_kind == "k1":
-            problems.append(("trainer", "kl_kind", '"k1" has zero gradient in expectation as a '
-                             'loss term; use "k2" or "k3", or kl_in = "reward"'))
+            problems.append(
+                (
+                    "trainer",
+                    "kl_kind",
+                    '"k1" has zero gradient in expectation as a '
+                    'loss term; use "k2" or "k3", or kl_in = "reward"',
+                )
+            )
         if r.max_tokens >= r.max_model_len:
-            problems.append(("rollout", "max_tokens", f"must be < max_model_len "
-                             f"{r.max_model_len}, got {r.max_tokens}"))
+            problems.append(
+                (
+                    "rollout",
+                    "max_tokens",
+                    f"must be < max_model_len {r.max_model_len}, got {r.max_tokens}",
+                )
+            )
         batch = r.prompts_per_step * r.samples_per_prompt
         if batch % t.mini_batches:
-            problems.append(("trainer", "mini_batches", f"must divide the rollout batch "
-                             f"(prompts_per_step x samples_per_prompt = {batch}), got "
-                             f"{t.mini_batches}"))
+            problems.append(
+                (
+                    "trainer",
+                    "mini_batches",
+                    f"must divide the rollout batch "
+                    f"(prompts_per_step x samples_per_prompt = {batch}), got "
+                    f"{t.mini_batches}",
+                )
+            )
         if r.prompts_per_step % r.engines:
-            problems.append(("rollout", "engines", f"must divide prompts_per_step "
-                             f"{r.prompts_per_step}, got {r.engines}"))
+            problems.append(
+                (
+                    "rollout",
+                    "engines",
+                    f"must divide prompts_per_step {r.prompts_per_step}, got {r.engines}",
+                )
+            )
         if r.transport == "ipc" and self.ray.placement != "colocate_all":
-            problems.append(("rollout", "transport", '"ipc" needs placement = "colocate_all" '
-                             "(one host); use \"broadcast\" or \"auto\""))
+            problems.append(
+                (
+                    "rollout",
+                    "transport",
+                    '"ipc" needs placement = "colocate_all" (one host); use "broadcast" or "auto"',
+                )
+            )
         if self.loop.mode == "sync" and self.loop.max_staleness != LoopConfig().max_staleness:
             problems.append(("loop", "max_staleness", 'only applies to mode = "async"'))
         if self.ray.roles_on_nodes and self.ray.placement == "colocate_all":
-            problems.append(("ray", "roles_on_nodes", 'cannot pin roles to nodes with '
-                             'placement = "colocate_all" (one bundle); use "separate"'))
+            problems.append(
+                (
+                    "ray",
+                    "roles_on_nodes",
+                    "cannot pin roles to nodes with "
+                    'placement = "colocate_all" (one bundle); use "separate"',
+                )
+            )
         for role in self.ray.roles_on_nodes:
             if role not in ("policy", "rollout", "critic"):
-                problems.append(("ray", "roles_on_nodes", f"unknown role {role!r}; roles are "
-                                 "policy, rollout, critic"))
+                problems.append(
+                    (
+                        "ray",
+                        "roles_on_nodes",
+                        f"unknown role {role!r}; roles are policy, rollout, critic",
+                    )
+                )
         if problems:
             raise _Contradiction(problems)
         return self
@@ -306,13 +376,20 @@ def _known(table: str) -> list[str]:
     model = Config if not table else Config.model_fields.get(table)
     if model is not Config:
         annotation = model.annotation if model else None
-        model = next((a for a in getattr(annotation, "__args__", (annotation,))
-                      if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = next(
+            (
+                a
+                for a in getattr(annotation, "__args__", (annotation,))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
+            None,
+        )
     return sorted(model.model_fields) if model else []
 
 
 def _resolve(config: Config, base: Path) -> Config:
     """Input paths relative to the TOML file become absolute."""
+
     def near(p: Path) -> Path:
         return p if p.is_absolute() else (base / p).resolve()
 
@@ -330,14 +407,27 @@ def _resolve(config: Config, base: Path) -> Config:
 def _missing_files(config: Config) -> list[tuple[str, str, str]]:
     missing = []
     if not (config.model.path / "config.json").is_file():
-        missing.append(("model", "path", f"no Hugging Face model at {config.model.path} "
-                        "(config.json missing)"))
+        missing.append(
+            ("model", "path", f"no Hugging Face model at {config.model.path} (config.json missing)")
+        )
     if config.rewards.model is not None and not config.rewards.model.is_dir():
         missing.append(("rewards", "model", f"no reward model folder {config.rewards.model}"))
     module = config.rewards.function.rpartition(":")[0]
     if module.endswith(".py") and not Path(module).is_file():
         missing.append(("rewards", "function", f"no file {module}"))
+    elif module and not module.endswith(".py") and not _importable(module):
+        missing.append(("rewards", "function", f"no module {module!r} to import"))
     return missing
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be found without importing it (its parents are imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def describe(config: Config) -> str:

@@ -79,8 +79,11 @@ class Loop:
 
         r = self.config.rollout
         settings = SamplingSettings(
-            n=n, temperature=temperature, top_p=r.top_p if temperature else 1.0,
-            max_tokens=r.max_tokens, seed=None,
+            n=n,
+            temperature=temperature,
+            top_p=r.top_p if temperature else 1.0,
+            max_tokens=r.max_tokens,
+            seed=None,
         )
         engines = self.roles.engines
         size = -(-len(prompts) // len(engines))
@@ -93,11 +96,18 @@ class Loop:
 
     def rollout(self, step: int) -> Rollout:
         c = self.config
-        problems = step_problems(c.task.name, c.task.length, c.rollout.prompts_per_step,
-                                 c.task.seed + c.loop.seed, step, self.held_out)
+        problems = step_problems(
+            c.task.name,
+            c.task.length,
+            c.rollout.prompts_per_step,
+            c.task.seed + c.loop.seed,
+            step,
+            self.held_out,
+        )
         start = time.perf_counter()
-        samples = self.generate([p for p, _ in problems], c.rollout.temperature,
-                                c.rollout.samples_per_prompt)
+        samples = self.generate(
+            [p for p, _ in problems], c.rollout.temperature, c.rollout.samples_per_prompt
+        )
         generated = time.perf_counter()
         n = c.rollout.samples_per_prompt
         scores = self.rewards.score(
@@ -105,8 +115,9 @@ class Loop:
             [s.text for s in samples],
             [problems[i // n][1] for i in range(len(samples))],
         )
-        return Rollout(step, problems, samples, scores, generated - start,
-                       time.perf_counter() - generated)
+        return Rollout(
+            step, problems, samples, scores, generated - start, time.perf_counter() - generated
+        )
 
     def train(self, rollout: Rollout) -> dict:
         """Reference / critic passes, advantages and PPO epochs on one rollout batch."""
@@ -117,7 +128,8 @@ class Loop:
         samples, scores = rollout.samples, rollout.scores
         staleness = [rollout.step - 1 - s.version for s in samples]
         keep_groups = [
-            g for g in range(len(samples) // n)
+            g
+            for g in range(len(samples) // n)
             if max(staleness[g * n : (g + 1) * n]) <= c.loop.max_staleness
         ]
         dropped = len(samples) // n - len(keep_groups)
@@ -136,31 +148,52 @@ class Loop:
         ref = get(refs["ref"], "reference") if "ref" in refs else None
         values = get(refs["values"], "critic") if "values" in refs else None
         advantages, returns = estimate(
-            t.estimator, scores_t, batch, group_size=n, old_logprobs=old, ref_logprobs=ref,
-            values=values, kl_coef=t.kl_coef, kl_kind=t.kl_kind, kl_in=t.kl_in,
-            gamma=t.gamma, lam=t.lam,
+            t.estimator,
+            scores_t,
+            batch,
+            group_size=n,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            values=values,
+            kl_coef=t.kl_coef,
+            kl_kind=t.kl_kind,
+            kl_in=t.kl_in,
+            gamma=t.gamma,
+            lam=t.lam,
         )
         batch.update(old_logprobs=old, advantages=advantages)
         loss_kl = t.kl_coef if (t.kl_in == "loss" and ref is not None) else 0.0
         if loss_kl:
             batch["ref_logprobs"] = ref
         train_ref = roles.policy.train.remote(
-            batch, epochs=t.epochs, mini_batches=t.mini_batches,
-            micro_batch_size=t.micro_batch_size, clip_low=t.clip_low, clip_high=t.clip_high,
-            dual_clip=t.dual_clip, agg_mode=t.agg_mode, kl_coef=loss_kl, kl_kind=t.kl_kind,
+            batch,
+            epochs=t.epochs,
+            mini_batches=t.mini_batches,
+            micro_batch_size=t.micro_batch_size,
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            dual_clip=t.dual_clip,
+            agg_mode=t.agg_mode,
+            kl_coef=loss_kl,
+            kl_kind=t.kl_kind,
             entropy_coef=t.entropy_coef,
         )
         critic_metrics = {}
         if roles.critic is not None:
             critic_batch = dict(batch, old_values=values, returns=returns)
-            critic_batch = {k: critic_batch[k] for k in
-                            ("input_ids", "attention_mask", "response_mask", "old_values",
-                             "returns")}
+            critic_batch = {
+                k: critic_batch[k]
+                for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+            }
             size = max(len(rows) // t.mini_batches, 1)
             for _ in range(t.epochs):
                 for mini in split(critic_batch, size):
-                    critic_metrics = get(roles.critic.train_step.remote(
-                        split(mini, t.micro_batch_size), clip=c.critic.value_clip), "critic")
+                    critic_metrics = get(
+                        roles.critic.train_step.remote(
+                            split(mini, t.micro_batch_size), clip=c.critic.value_clip
+                        ),
+                        "critic",
+                    )
         metrics = get(train_ref, "policy")
         mask = batch["response_mask"].bool()
         result = {f"train/{k}": v for k, v in metrics.items()}
@@ -192,8 +225,9 @@ class Loop:
         samples = self.generate([p for p, _ in self.held_out], 0.0, 1)
         return accuracy([s.text for s in samples], self.held_out)
 
-    def step_metrics(self, rollout: Rollout, trained: dict, seconds_train: float,
-                     seconds_sync: float) -> dict:
+    def step_metrics(
+        self, rollout: Rollout, trained: dict, seconds_train: float, seconds_sync: float
+    ) -> dict:
         tokens = sum(len(s.token_ids) for s in rollout.samples)
         metrics = {
             "reward": sum(rollout.scores) / len(rollout.scores),

@@ -9,6 +9,7 @@ step first, so every step appears exactly once however often the run was interru
 """
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -17,8 +18,9 @@ PHASES = ("generate", "score", "train", "sync")
 
 
 class Outputs:
-    def __init__(self, directory: Path, total_steps: int, first_step: int, tensorboard: bool,
-                 progress: bool):
+    def __init__(
+        self, directory: Path, total_steps: int, first_step: int, tensorboard: bool, progress: bool
+    ):
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -32,19 +34,28 @@ class Outputs:
         from tqdm import tqdm
 
         self.bar = tqdm(
-            total=total_steps, initial=first_step - 1, unit="step", dynamic_ncols=True,
-            disable=not progress, file=sys.stderr, desc="rl",
+            total=total_steps,
+            initial=first_step - 1,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not progress,
+            file=sys.stderr,
+            desc="rl",
         )
         self.quiet = not progress
 
     def log(self, step: int, metrics: dict) -> None:
+        # NaN (e.g. a grad norm DeepSpeed does not compute at ZeRO-0) is not JSON: null instead.
+        metrics = {
+            k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()
+        }
         record = {"step": step, **metrics}
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
-                if isinstance(value, int | float):
+                if isinstance(value, int | float) and not isinstance(value, bool):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
         postfix = {label: f"{metrics[key]:.3g}" for key, label in SHOWN.items() if key in metrics}
@@ -56,8 +67,11 @@ class Outputs:
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
         if self.quiet:
-            print(f"step {step}: " + " ".join(f"{k} {v}" for k, v in postfix.items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {step}: " + " ".join(f"{k} {v}" for k, v in postfix.items()),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def message(self, text: str) -> None:
         self.bar.write(text, file=sys.stderr)

@@ -60,8 +60,13 @@ def groups_for(placement: str, roles: list[str]) -> dict[str, list[str]]:
         return {role: [role] for role in roles}
     groups: dict[str, list[str]] = {}
     for role in roles:
-        name = "policy" if role in ("policy", "reference") else "rollout" if (
-            role.startswith("rollout")) else role
+        name = (
+            "policy"
+            if role in ("policy", "reference")
+            else "rollout"
+            if (role.startswith("rollout"))
+            else role
+        )
         groups.setdefault(name, []).append(role)
     return groups
 

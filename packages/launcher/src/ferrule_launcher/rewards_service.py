@@ -9,7 +9,6 @@ parent-death signal), so even a `kill -9` of the launcher leaves no reward serve
 """
 
 import ctypes
-import os
 import re
 import signal
 import subprocess
@@ -42,15 +41,28 @@ class RewardService:
     def start(cls, config: RewardsConfig, log_path: Path) -> "RewardService":
         if config.address:
             return cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
-        what = ["--function", config.function] if config.function else ["--model", str(config.model)]
-        command = [sys.executable, "-m", "ferrule_rewards", "serve", *what, "--bind",
-                   "127.0.0.1:0", "--grace", "2"]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "w")
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path[1:]])},
+        what = (
+            ["--function", config.function] if config.function else ["--model", str(config.model)]
         )
+        command = [
+            sys.executable,
+            "-m",
+            "ferrule_rewards",
+            "serve",
+            *what,
+            "--bind",
+            "127.0.0.1:0",
+            "--grace",
+            "2",
+        ]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + config.start_timeout
         while time.monotonic() < deadline:
             text = log_path.read_text()

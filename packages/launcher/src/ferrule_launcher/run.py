@@ -58,33 +58,45 @@ def run(config: Config, resume: bool = False) -> dict:
         roles, actors = _start_roles(config, model_path, place_roles, env)
         _write_roles(out / "roles.json", roles, rewards)
         pad_id = _pad_id(model_path)
-        held_out = eval_problems(config.task.name, config.task.length, config.task.eval_prompts,
-                                 config.task.seed)
+        held_out = eval_problems(
+            config.task.name, config.task.length, config.task.eval_prompts, config.task.seed
+        )
         loop = Loop(config, roles, _Scorer(rewards), held_out, pad_id)
         first_step = 1
         if state:
             first_step = state["step"] + 1
-            get(roles.policy.load.remote(str(out / "checkpoint" / "policy"), state["step"]),
-                "policy")
+            get(
+                roles.policy.load.remote(str(out / "checkpoint" / "policy"), state["step"]),
+                "policy",
+            )
             if roles.critic is not None:
-                get(roles.critic.load_state.remote(str(out / "checkpoint" / "critic"),
-                                                   f"step{state['step']}"), "critic")
+                get(
+                    roles.critic.load_state.remote(
+                        str(out / "checkpoint" / "critic"), f"step{state['step']}"
+                    ),
+                    "critic",
+                )
             loop.sync(state["step"])  # the engines started from the warm start's weights
             accuracy_before = state["accuracy_before"]
         else:
             accuracy_before = loop.evaluate()
-            print(f"accuracy_before = {accuracy_before:.3f} (greedy, {len(held_out)} held-out "
-                  "prompts)", flush=True)
-        outputs = Outputs(out, config.loop.steps, first_step, config.output.tensorboard,
-                          config.output.progress)
+            print(
+                f"accuracy_before = {accuracy_before:.3f} (greedy, {len(held_out)} held-out "
+                "prompts)",
+                flush=True,
+            )
+        outputs = Outputs(
+            out, config.loop.steps, first_step, config.output.tensorboard, config.output.progress
+        )
         elapsed_before = state["wall_seconds"] if state else 0.0
 
         def on_step(step: int, metrics: dict) -> None:
             outputs.log(step, metrics)
             every = config.output.checkpoint_every
             if every and step % every == 0 and step < config.loop.steps:
-                _save_checkpoint(out, roles, step, accuracy_before,
-                                 elapsed_before + time.monotonic() - started)
+                _save_checkpoint(
+                    out, roles, step, accuracy_before, elapsed_before + time.monotonic() - started
+                )
 
         if config.loop.mode == "sync":
             loop.run_sync(first_step, on_step)
@@ -166,15 +178,26 @@ def _warm_start(config: Config, out: Path) -> str:
     held_out = eval_problems(c.name, c.length, c.eval_prompts, c.seed)
     with open(data, "w") as f:
         for step in range(config.sft.steps):  # negative steps: never the RL prompts
-            for prompt, answer in step_problems(c.name, c.length, config.sft.batch_size,
-                                                c.seed, -1 - step, held_out):
+            for prompt, answer in step_problems(
+                c.name, c.length, config.sft.batch_size, c.seed, -1 - step, held_out
+            ):
                 f.write(json.dumps({"prompt": prompt, "response": answer}) + "\n")
     print(f"sft: {config.sft.steps} steps of warm start on {c.name}", flush=True)
     start = time.monotonic()
     task = ray.remote(num_cpus=0.5, max_calls=1)(run_sft)
-    path = get(task.remote(str(config.model.path), str(data), str(out / "sft"),
-                           config.sft.steps, config.sft.batch_size, config.sft.learning_rate,
-                           config.model.dtype, config.loop.seed), "sft warm start")
+    path = get(
+        task.remote(
+            str(config.model.path),
+            str(data),
+            str(out / "sft"),
+            config.sft.steps,
+            config.sft.batch_size,
+            config.sft.learning_rate,
+            config.model.dtype,
+            config.loop.seed,
+        ),
+        "sft warm start",
+    )
     print(f"sft: done in {time.monotonic() - start:.0f} s -> {path}", flush=True)
     return path
 
@@ -182,11 +205,10 @@ def _warm_start(config: Config, out: Path) -> str:
 def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     import ray
 
+    from ferrule_launcher.workers import PolicyWorker
     from ferrule_rollout.engine import RolloutEngine
     from ferrule_trainer.actor import Actor
     from ferrule_trainer.critic import Critic
-
-    from ferrule_launcher.workers import PolicyWorker
 
     t, r = config.trainer, config.rollout
     roles = ["policy"]
@@ -198,33 +220,61 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     options, _groups = place_roles(config.ray, roles)
     dtype = config.model.dtype
     common = dict(runtime_env={"env_vars": env})
-    policy = ray.remote(PolicyWorker).options(**options["policy"], **common).remote(
-        model_path, zero_stage=t.zero_stage, dtype=dtype, learning_rate=t.learning_rate,
-        max_grad_norm=t.max_grad_norm, temperature=r.temperature, seed=config.loop.seed,
+    policy = (
+        ray.remote(PolicyWorker)
+        .options(**options["policy"], **common)
+        .remote(
+            model_path,
+            zero_stage=t.zero_stage,
+            dtype=dtype,
+            learning_rate=t.learning_rate,
+            max_grad_norm=t.max_grad_norm,
+            temperature=r.temperature,
+            seed=config.loop.seed,
+        )
     )
     actors = [policy]
     reference = critic = None
     if "reference" in roles:
-        reference = ray.remote(Actor).options(**options["reference"], **common).remote(
-            model_path, train=False, zero_stage=t.zero_stage, dtype=dtype,
-            temperature=r.temperature, seed=config.loop.seed,
+        reference = (
+            ray.remote(Actor)
+            .options(**options["reference"], **common)
+            .remote(
+                model_path,
+                train=False,
+                zero_stage=t.zero_stage,
+                dtype=dtype,
+                temperature=r.temperature,
+                seed=config.loop.seed,
+            )
         )
         actors.append(reference)
     if "critic" in roles:
-        critic = ray.remote(Critic).options(**options["critic"], **common).remote(
-            model_path, zero_stage=t.zero_stage, dtype=dtype,
-            learning_rate=config.critic.learning_rate, max_grad_norm=t.max_grad_norm,
-            seed=config.loop.seed,
+        critic = (
+            ray.remote(Critic)
+            .options(**options["critic"], **common)
+            .remote(
+                model_path,
+                zero_stage=t.zero_stage,
+                dtype=dtype,
+                learning_rate=config.critic.learning_rate,
+                max_grad_norm=t.max_grad_norm,
+                seed=config.loop.seed,
+            )
         )
         actors.append(critic)
     engines = []
     for i in range(r.engines):
-        engine = ray.remote(RolloutEngine).options(
-            **options[f"rollout-{i}"], **common, max_concurrency=4
-        ).remote(
-            model_path, dtype="float32" if dtype == "fp32" else "bfloat16",
-            max_model_len=r.max_model_len, seed=config.loop.seed + i,
-            gpu_memory_utilization=r.gpu_memory_utilization,
+        engine = (
+            ray.remote(RolloutEngine)
+            .options(**options[f"rollout-{i}"], **common, max_concurrency=4)
+            .remote(
+                model_path,
+                dtype="float32" if dtype == "fp32" else "bfloat16",
+                max_model_len=r.max_model_len,
+                seed=config.loop.seed + i,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+            )
         )
         engines.append(engine)
     actors += engines
@@ -245,8 +295,11 @@ def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
 
     import ray
 
-    return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-            "node_ip": ray.util.get_node_ip_address()}
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "pid": os.getpid(),
+        "node_ip": ray.util.get_node_ip_address(),
+    }
 
 
 def _write_roles(path: Path, roles: Roles, rewards) -> None:
@@ -281,8 +334,9 @@ def _open_weight_sync(config: Config, policy, engines) -> None:
 # -- checkpoints ---------------------------------------------------------------------------
 
 
-def _save_checkpoint(out: Path, roles: Roles, step: int, accuracy_before: float,
-                     wall_seconds: float) -> None:
+def _save_checkpoint(
+    out: Path, roles: Roles, step: int, accuracy_before: float, wall_seconds: float
+) -> None:
     """Policy (and critic) state first, then launcher.json: a checkpoint counts once its
     launcher.json names it, so a kill in between resumes from the previous one."""
     directory = out / "checkpoint"

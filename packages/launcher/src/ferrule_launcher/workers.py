@@ -113,8 +113,16 @@ class PolicyWorker:
             self.sender = None
 
 
-def run_sft(model_path: str, data_path: str, out_dir: str, steps: int, batch_size: int,
-            learning_rate: float, dtype: str, seed: int) -> str:
+def run_sft(
+    model_path: str,
+    data_path: str,
+    out_dir: str,
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    dtype: str,
+    seed: int,
+) -> str:
     """The SFT warm start with ferrule-trainer's SFT (resumable); returns the model folder."""
     from ferrule_trainer import sft
 
@@ -122,8 +130,12 @@ def run_sft(model_path: str, data_path: str, out_dir: str, steps: int, batch_siz
         model=sft.ModelConfig(path=model_path, dtype=dtype, zero_stage=0),
         data=sft.DataConfig(path=data_path, max_length=128),
         train=sft.TrainConfig(
-            epochs=1, batch_size=batch_size, micro_batch_size=batch_size,
-            learning_rate=learning_rate, max_steps=steps, seed=seed,
+            epochs=1,
+            batch_size=batch_size,
+            micro_batch_size=batch_size,
+            learning_rate=learning_rate,
+            max_steps=steps,
+            seed=seed,
         ),
         output=sft.OutputConfig(dir=out_dir, save_every=max(steps // 2, 1), resume=True),
     )
