@@ -59,6 +59,8 @@ class Outputs:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
         postfix = {label: f"{metrics[key]:.3g}" for key, label in SHOWN.items() if key in metrics}
+        if "kl" in postfix:  # KL to the reference says more than the step's own policy change
+            postfix.pop("kl_old", None)
         phases = [metrics.get(f"time/{p}", 0.0) for p in PHASES]
         total = sum(phases) or 1.0
         postfix["gen/score/train/sync"] = "/".join(f"{100 * t / total:.0f}" for t in phases) + "%"

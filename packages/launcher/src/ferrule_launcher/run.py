@@ -48,14 +48,14 @@ def run(config: Config, resume: bool = False) -> dict:
     where = start_ray(config.ray, env)
     print(f"ray: {where}; placement {config.ray.placement}", flush=True)
     rewards = outputs = None
-    actors = []
+    actors, groups = [], []
     try:
         try:
             rewards = RewardService.start(config.rewards, out / "rewards.log")
         except RewardServiceError as err:
             raise RunError(str(err)) from None
         model_path = _warm_start(config, out)
-        roles, actors = _start_roles(config, model_path, place_roles, env)
+        roles, actors, groups = _start_roles(config, model_path, place_roles, env)
         _write_roles(out / "roles.json", roles, rewards)
         pad_id = _pad_id(model_path)
         held_out = eval_problems(
@@ -128,6 +128,8 @@ def run(config: Config, resume: bool = False) -> dict:
             outputs.close()
         for actor in actors:
             ray.kill(actor, no_restart=True)
+        for group in groups:  # on a shared cluster, give the resources back at once
+            ray.util.remove_placement_group(group)
         if rewards is not None:
             rewards.stop()
         ray.shutdown()
@@ -217,7 +219,7 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     if config.critic is not None:
         roles.append("critic")
     roles += [f"rollout-{i}" for i in range(r.engines)]
-    options, _groups = place_roles(config.ray, roles)
+    options, groups = place_roles(config.ray, roles)
     dtype = config.model.dtype
     common = dict(runtime_env={"env_vars": env})
     policy = (
@@ -287,7 +289,7 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     for i, engine in enumerate(engines):
         get(engine.__ray_ready__.remote(), f"rollout engine {i}")
     _open_weight_sync(config, policy, engines)
-    return Roles(policy, engines, reference, critic), actors
+    return Roles(policy, engines, reference, critic), actors, groups
 
 
 def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
