@@ -99,6 +99,11 @@ class RewardService:
         self.failed = sum(not r.ok for r in results)
         return [r.reward if r.ok else 0.0 for r in results]
 
+    def check(self) -> None:
+        """Score one placeholder sample, so that an unreachable server stops the run before the
+        heavy roles start (a reward function that rejects the sample is fine here)."""
+        self.score([""], [""], ["0"])
+
     def stop(self) -> None:
         self.client.close()
         if self.process is not None and self.process.poll() is None:

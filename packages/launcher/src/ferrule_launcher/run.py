@@ -52,6 +52,7 @@ def run(config: Config, resume: bool = False) -> dict:
     try:
         try:
             rewards = RewardService.start(config.rewards, out / "rewards.log")
+            rewards.check()
         except RewardServiceError as err:
             raise RunError(str(err)) from None
         model_path = _warm_start(config, out)
