@@ -43,15 +43,24 @@ def init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
-    if "RANK" not in os.environ:
+    backend = "gloo" if on_cpu() else "nccl"
+    if "RANK" in os.environ:  # under a launcher that set up the group
+        deepspeed.init_distributed(dist_backend=backend)
+    else:
+        # A group of one, set up by argument rather than through RANK / MASTER_PORT in
+        # os.environ: those would leak into every process this one starts (a launcher's Ray
+        # actors, say) and point their DeepSpeed at this private group.
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        for key, value in dict(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-        ).items():
-            os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl")
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it to pick a device
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            auto_mpi_discovery=False,
+        )
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
