@@ -85,7 +85,16 @@ def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path
     assert roles["policy"]["pid"] != roles["rollout-0"]["pid"]
 
 
-def test_colocated_placement_with_reference_and_two_engines(tmp_path):
+def test_colocated_placement_with_reference_two_engines_and_jsonl_prompts(tmp_path):
+    from ferrule_launcher.task import eval_problems, step_problems
+
+    held_out = eval_problems("reversal", 3, 20, seed=0)
+    for name, rows in [
+        ("eval", held_out),
+        ("train", step_problems("reversal", 3, 64, 0, 1, held_out)),
+    ]:
+        lines = [json.dumps({"question": p, "answer": a}) for p, a in rows]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines))
     out = tmp_path / "colocate"
     launch(
         out,
@@ -94,9 +103,15 @@ def test_colocated_placement_with_reference_and_two_engines(tmp_path):
         "trainer.kl_coef=0.01",
         "loop.steps=4",
         "ray.cpus_per_role=0.5",
+        'task.name="jsonl"',
+        f'task.train_file="{tmp_path / "train.jsonl"}"',
+        f'task.eval_file="{tmp_path / "eval.jsonl"}"',
+        'task.prompt_key="question"',
+        'task.label_key="answer"',
     )
     records = metrics(out)
     assert len(records) == 4 and all("kl" in r for r in records)
+    assert records[-1]["eval/accuracy"] > 0  # the warm start solves some held-out prompts
     roles = json.loads((out / "roles.json").read_text())
     assert {"policy", "reference", "rollout-0", "rollout-1"} <= set(roles)
 

@@ -66,6 +66,8 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
     assert "[rewards] model: no reward model folder" in error_of(path)
     path = write('[rewards]\nfunction = "missing.py:f"\n', base='[model]\npath = "model"\n')
     assert "[rewards] function: no file" in error_of(path)
+    path = write("[task]\nname = 'jsonl'\ntrain_file = 't.jsonl'\neval_file = 'e.jsonl'\n")
+    assert "[task] train_file: no file" in error_of(path)
     path = write('[rewards]\nfunction = "no_such_module:f"\n', base='[model]\npath = "model"\n')
     assert "[rewards] function: no module 'no_such_module'" in error_of(path)
 
@@ -88,6 +90,8 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ("[rollout]\ntransport = 'ipc'\n[ray]\nplacement = 'separate'\n", "[rollout] transport:"),
         ("[loop]\nmax_staleness = 3\n", "[loop] max_staleness: only applies"),
         ("[ray]\nroles_on_nodes = {rollout = 'w'}\n", "[ray] roles_on_nodes: cannot pin"),
+        ("[task]\nname = 'jsonl'\n", '[task] train_file: "jsonl" needs train_file'),
+        ("[task]\neval_file = 'e.jsonl'\n", '[task] eval_file: only read by name = "jsonl"'),
     ],
 )
 def test_contradictory_settings(write, text, expected):

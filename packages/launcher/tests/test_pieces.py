@@ -31,6 +31,25 @@ def test_tasks_are_deterministic_and_held_out_prompts_never_train():
     assert problem("arithmetic", 2, random.Random(1))[0].startswith("Question: what is")
 
 
+def test_jsonl_task_reads_prompts_and_labels(tmp_path):
+    from ferrule_launcher.config import TaskConfig
+    from ferrule_launcher.task import held_out_problems, training_problems
+
+    rows = [json.dumps({"prompt": f"p{i}", "label": str(i)}) for i in range(10)]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows))
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:3]))
+    task = TaskConfig(
+        name="jsonl",
+        train_file=tmp_path / "train.jsonl",
+        eval_file=tmp_path / "eval.jsonl",
+        eval_prompts=2,
+    )
+    assert held_out_problems(task) == [("p0", "0"), ("p1", "1")]
+    batch = training_problems(task, 4, seed=0, step=3, held_out=[])
+    assert batch == training_problems(task, 4, seed=0, step=3, held_out=[]) and len(batch) == 4
+    assert len(training_problems(task, 25, seed=0, step=1, held_out=[])) == 25
+
+
 def test_rule_rewards():
     assert exact_answer(" cba", " cba") == 1.0 and exact_answer("cb", " cba") == 0.0
     assert char_match(" cba", " cba") == 1.0

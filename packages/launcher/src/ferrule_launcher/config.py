@@ -43,8 +43,17 @@ class ModelConfig(Table):
 
 
 class TaskConfig(Table):
-    name: Literal["reversal", "arithmetic"] = "reversal"
-    """Synthetic task: "reversal" (reverse a short word) or "arithmetic" (add two numbers)."""
+    name: Literal["reversal", "arithmetic", "jsonl"] = "reversal"
+    """"reversal" (reverse a short word), "arithmetic" (add two numbers), or "jsonl": your
+    prompts and labels from train_file / eval_file."""
+    train_file: Path | None = None
+    """jsonl: training prompts, one JSON object per line (relative to the TOML file)."""
+    eval_file: Path | None = None
+    """jsonl: held-out prompts for greedy accuracy (the first eval_prompts lines)."""
+    prompt_key: str = "prompt"
+    """jsonl: the key of the prompt in each line."""
+    label_key: str = "label"
+    """jsonl: the key of the label (the reward function's `label`; may be absent)."""
     length: int = Field(3, ge=1, le=12)
     """Letters per word (reversal) or largest number of digits of the first operand (arithmetic)."""
     eval_prompts: int = Field(100, ge=1, le=10_000)
@@ -260,6 +269,26 @@ class Config(Table):
                     'loss term; use "k2" or "k3", or kl_in = "reward"',
                 )
             )
+        task = self.task
+        if task.name == "jsonl" and (task.train_file is None or task.eval_file is None):
+            problems.append(("task", "train_file", '"jsonl" needs train_file and eval_file'))
+        if task.name != "jsonl" and (task.train_file or task.eval_file):
+            problems.append(
+                (
+                    "task",
+                    "train_file" if task.train_file else "eval_file",
+                    f'only read by name = "jsonl", not {task.name!r}',
+                )
+            )
+        if task.name == "jsonl" and self.sft.steps:
+            problems.append(
+                (
+                    "sft",
+                    "steps",
+                    "the SFT warm start needs a synthetic task (its "
+                    'answers); with name = "jsonl" start from a warm-started model',
+                )
+            )
         if r.max_tokens >= r.max_model_len:
             problems.append(
                 (
@@ -401,6 +430,14 @@ def _resolve(config: Config, base: Path) -> Config:
     if module.endswith(".py"):
         rewards = rewards.model_copy(update={"function": f"{near(Path(module))}:{fn}"})
     updates["rewards"] = rewards
+    task = config.task
+    updates["task"] = task.model_copy(
+        update={
+            key: near(getattr(task, key))
+            for key in ("train_file", "eval_file")
+            if getattr(task, key) is not None
+        }
+    )
     return config.model_copy(update=updates)
 
 
@@ -410,6 +447,10 @@ def _missing_files(config: Config) -> list[tuple[str, str, str]]:
         missing.append(
             ("model", "path", f"no Hugging Face model at {config.model.path} (config.json missing)")
         )
+    for key in ("train_file", "eval_file"):
+        path = getattr(config.task, key)
+        if path is not None and not path.is_file():
+            missing.append(("task", key, f"no file {path}"))
     if config.rewards.model is not None and not config.rewards.model.is_dir():
         missing.append(("rewards", "model", f"no reward model folder {config.rewards.model}"))
     module = config.rewards.function.rpartition(":")[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ferrule_launcher.batch import build_batch, estimate, split
 from ferrule_launcher.config import Config
-from ferrule_launcher.task import accuracy, step_problems
+from ferrule_launcher.task import accuracy, training_problems
 
 
 class RunError(RuntimeError):
@@ -96,13 +96,8 @@ class Loop:
 
     def rollout(self, step: int) -> Rollout:
         c = self.config
-        problems = step_problems(
-            c.task.name,
-            c.task.length,
-            c.rollout.prompts_per_step,
-            c.task.seed + c.loop.seed,
-            step,
-            self.held_out,
+        problems = training_problems(
+            c.task, c.rollout.prompts_per_step, c.task.seed + c.loop.seed, step, self.held_out
         )
         start = time.perf_counter()
         samples = self.generate(

@@ -21,7 +21,7 @@ from pathlib import Path
 from ferrule_launcher.config import Config
 from ferrule_launcher.loop import Loop, Roles, RunError, get
 from ferrule_launcher.outputs import Outputs
-from ferrule_launcher.task import eval_problems, step_problems
+from ferrule_launcher.task import eval_problems, held_out_problems, step_problems
 
 __all__ = ["RunError", "run"]
 
@@ -59,9 +59,7 @@ def run(config: Config, resume: bool = False) -> dict:
         roles, actors, groups = _start_roles(config, model_path, place_roles, env)
         _write_roles(out / "roles.json", roles, rewards)
         pad_id = _pad_id(model_path)
-        held_out = eval_problems(
-            config.task.name, config.task.length, config.task.eval_prompts, config.task.seed
-        )
+        held_out = held_out_problems(config.task)
         loop = Loop(config, roles, _Scorer(rewards), held_out, pad_id)
         first_step = 1
         if state:

@@ -1,14 +1,19 @@
-"""Synthetic tasks for the tiny example: prompts, answers, held-out sets and the rule reward.
+"""Prompts and answers of a run: synthetic tasks (the tiny example) or your own JSONL files.
 
-    held_out = eval_problems("reversal", length=3, count=100, seed=0)
-    prompts = step_problems("reversal", length=3, count=16, seed=0, step=7, exclude=held_out)
+    held_out = held_out_problems(config.task)                     # greedy-accuracy prompts
+    problems = training_problems(config.task, 16, seed=0, step=7, held_out=held_out)
     rlhf-rewards serve --function ferrule_launcher.task:char_match     # or :exact_answer
 
 The problems of a step depend only on (seed, step), so a resumed run sees exactly the prompts it
-would have seen without the interruption. Held-out prompts never appear in training.
+would have seen without the interruption. Held-out prompts never appear in training. A JSONL
+task reads {"prompt": ..., "label": ...} lines (keys configurable); the label goes to the reward
+function as the sample's `label`.
 """
 
+import functools
+import json
 import random
+from pathlib import Path
 
 Problem = tuple[str, str]  # (prompt, answer)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -66,3 +71,40 @@ def char_match(response: str, label: str) -> float:
 def accuracy(responses: list[str], problems: list[Problem]) -> float:
     hits = sum(exact_answer(r, a) for r, (_, a) in zip(responses, problems, strict=True))
     return hits / max(len(problems), 1)
+
+
+@functools.cache
+def read_jsonl(path: Path, prompt_key: str, label_key: str) -> tuple[Problem, ...]:
+    """(prompt, label) rows; an error names the file and the line."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not JSON: {err}") from None
+        if not isinstance(record.get(prompt_key), str):
+            raise ValueError(f"{path}:{number}: needs a string {prompt_key!r}")
+        rows.append((record[prompt_key], str(record.get(label_key, ""))))
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return tuple(rows)
+
+
+def held_out_problems(task) -> list[Problem]:
+    """The held-out problems of a [task] table (config.TaskConfig)."""
+    if task.name == "jsonl":
+        return list(read_jsonl(task.eval_file, task.prompt_key, task.label_key))[
+            : task.eval_prompts
+        ]
+    return eval_problems(task.name, task.length, task.eval_prompts, task.seed)
+
+
+def training_problems(task, count: int, seed: int, step: int, held_out) -> list[Problem]:
+    """The `count` training problems of `step` for a [task] table."""
+    if task.name == "jsonl":
+        rows = read_jsonl(task.train_file, task.prompt_key, task.label_key)
+        rng = random.Random(f"train-{seed}-{step}")
+        return rng.sample(rows, count) if count <= len(rows) else rng.choices(rows, k=count)
+    return step_problems(task.name, task.length, count, seed, step, held_out)
