@@ -82,10 +82,10 @@ def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path
     assert any(r["staleness"] > 0 for r in records)  # generation really ran ahead
     assert_reward_rises(records)
     roles = json.loads((out / "roles.json").read_text())
-    assert roles["policy"]["pid"] != roles["rollout-0"]["pid"]
+    assert roles["policy-0"]["pid"] != roles["rollout-0"]["pid"]
 
 
-def test_colocated_placement_with_reference_two_engines_and_jsonl_prompts(tmp_path):
+def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_path):
     from ferrule_launcher.task import eval_problems, step_problems
 
     held_out = eval_problems("reversal", 3, 20, seed=0)
@@ -99,6 +99,7 @@ def test_colocated_placement_with_reference_two_engines_and_jsonl_prompts(tmp_pa
     launch(
         out,
         'ray.placement="colocate"',
+        "trainer.ranks=2",
         "rollout.engines=2",
         "trainer.kl_coef=0.01",
         "loop.steps=4",
@@ -113,7 +114,7 @@ def test_colocated_placement_with_reference_two_engines_and_jsonl_prompts(tmp_pa
     assert len(records) == 4 and all("kl" in r for r in records)
     assert records[-1]["eval/accuracy"] > 0  # the warm start solves some held-out prompts
     roles = json.loads((out / "roles.json").read_text())
-    assert {"policy", "reference", "rollout-0", "rollout-1"} <= set(roles)
+    assert {"policy-0", "policy-1", "reference", "rollout-0", "rollout-1"} <= set(roles)
 
 
 def test_ppo_with_critic_reference_and_an_sft_stage(tmp_path):

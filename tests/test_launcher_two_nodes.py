@@ -103,5 +103,5 @@ def test_roles_on_different_nodes(tmp_path, two_nodes):
     result = subprocess.run(args, capture_output=True, text=True, timeout=420, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     roles = json.loads((out / "roles.json").read_text())
-    assert roles["policy"]["node_id"] != roles["rollout-0"]["node_id"]
+    assert roles["policy-0"]["node_id"] != roles["rollout-0"]["node_id"]
     assert len(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])) > 3

@@ -98,15 +98,19 @@ def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
     assert (returns is not None) == (estimator == "gae")
 
 
-def test_placement_groups_for_each_mode():
-    roles = ["policy", "reference", "critic", "rollout-0", "rollout-1"]
+def test_placement_groups_and_bundles_for_each_mode():
+    from ferrule_launcher.placement import bundle_of
+
+    roles = ["policy-0", "policy-1", "reference", "critic", "rollout-0", "rollout-1"]
     assert groups_for("colocate_all", roles) == {"all": roles}
     assert groups_for("colocate", roles) == {
-        "policy": ["policy", "reference"],
+        "policy": ["policy-0", "policy-1", "reference"],
         "critic": ["critic"],
         "rollout": ["rollout-0", "rollout-1"],
     }
-    assert len(groups_for("separate", roles)) == 5
+    assert len(groups_for("separate", roles)) == 6
+    assert [bundle_of("colocate", r) for r in roles] == [0, 1, 0, 0, 0, 1]
+    assert {bundle_of("colocate_all", r) for r in roles} == {0}
 
 
 def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):

@@ -115,6 +115,8 @@ class TrainerConfig(Table):
     or gae (PPO with a critic; needs [critic])."""
     learning_rate: float = Field(1e-4, gt=0)
     """Actor learning rate (AdamW)."""
+    ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel ranks of the policy (DeepSpeed), one Ray actor and one bundle each."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -298,14 +300,14 @@ class Config(Table):
                 )
             )
         batch = r.prompts_per_step * r.samples_per_prompt
-        if batch % t.mini_batches:
+        if batch % (t.mini_batches * t.ranks):
             problems.append(
                 (
                     "trainer",
-                    "mini_batches",
-                    f"must divide the rollout batch "
+                    "mini_batches" if batch % t.mini_batches else "ranks",
+                    f"mini_batches x ranks must divide the rollout batch "
                     f"(prompts_per_step x samples_per_prompt = {batch}), got "
-                    f"{t.mini_batches}",
+                    f"{t.mini_batches} x {t.ranks}",
                 )
             )
         if r.prompts_per_step % r.engines:

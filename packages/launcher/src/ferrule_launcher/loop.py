@@ -24,9 +24,36 @@ class RunError(RuntimeError):
     """The run cannot continue; the message names the role or component that failed."""
 
 
+class PolicyGroup:
+    """The policy's data-parallel ranks (one Ray actor each), driven as one: a batch is split
+    into equal contiguous shards, one per rank; rank 0 holds the weight sender."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def _shards(self, batch: dict) -> list[dict]:
+        return split(batch, batch["input_ids"].shape[0] // len(self.workers))
+
+    def logprobs(self, batch: dict):
+        import torch
+
+        refs = [
+            w.logprobs.remote(s) for w, s in zip(self.workers, self._shards(batch), strict=True)
+        ]
+        return torch.cat(get(refs, "policy"))
+
+    def train(self, batch: dict, **options) -> list:
+        shards = self._shards(batch)
+        return [w.train.remote(s, **options) for w, s in zip(self.workers, shards, strict=True)]
+
+    def call(self, method: str, *args) -> list:
+        """Refs of `method(*args)` on every rank (collectives: checkpoints, exports)."""
+        return [getattr(w, method).remote(*args) for w in self.workers]
+
+
 @dataclass
 class Roles:
-    policy: object
+    policy: PolicyGroup
     engines: list
     reference: object = None
     critic: object = None
@@ -127,6 +154,9 @@ class Loop:
             for g in range(len(samples) // n)
             if max(staleness[g * n : (g + 1) * n]) <= c.loop.max_staleness
         ]
+        # Every rank takes an equal share and as many mini-batches: trim to a multiple.
+        while len(keep_groups) * n % (t.ranks * t.mini_batches):
+            keep_groups.pop()
         dropped = len(samples) // n - len(keep_groups)
         if not keep_groups:
             return {"dropped_stale_groups": dropped}
@@ -134,12 +164,12 @@ class Loop:
         samples = [samples[i] for i in rows]
         scores_t = torch.tensor([scores[i] for i in rows], dtype=torch.float32)
         batch = build_batch(samples, self.pad_id)
-        refs = {"old": roles.policy.logprobs.remote(batch)}
+        refs = {}
         if roles.reference is not None:
             refs["ref"] = roles.reference.logprobs.remote(batch)
         if roles.critic is not None:
             refs["values"] = roles.critic.values.remote(batch)
-        old = get(refs["old"], "policy")
+        old = roles.policy.logprobs(batch)
         ref = get(refs["ref"], "reference") if "ref" in refs else None
         values = get(refs["values"], "critic") if "values" in refs else None
         advantages, returns = estimate(
@@ -160,7 +190,7 @@ class Loop:
         loss_kl = t.kl_coef if (t.kl_in == "loss" and ref is not None) else 0.0
         if loss_kl:
             batch["ref_logprobs"] = ref
-        train_ref = roles.policy.train.remote(
+        train_refs = roles.policy.train(
             batch,
             epochs=t.epochs,
             mini_batches=t.mini_batches,
@@ -189,7 +219,7 @@ class Loop:
                         ),
                         "critic",
                     )
-        metrics = get(train_ref, "policy")
+        metrics = get(train_refs, "policy")[0]  # losses and norms are already global
         mask = batch["response_mask"].bool()
         result = {f"train/{k}": v for k, v in metrics.items()}
         result.update({f"critic/{k}": v for k, v in critic_metrics.items()})
@@ -204,7 +234,7 @@ class Loop:
         """Send the policy's weights to every engine as `version`; returns the seconds taken."""
         start = time.perf_counter()
         receiving = [e.update_weights.remote() for e in self.roles.engines]
-        sent = self.roles.policy.send_weights.remote(version)
+        sent = self.roles.policy.call("send_weights", version)
         get(sent, "policy (weight sync sender)")
         for index, ref in enumerate(receiving):
             got = get(ref, f"rollout engine {index} (weight sync receiver)")

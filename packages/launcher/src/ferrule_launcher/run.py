@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ferrule_launcher.config import Config
-from ferrule_launcher.loop import Loop, Roles, RunError, get
+from ferrule_launcher.loop import Loop, PolicyGroup, Roles, RunError, get
 from ferrule_launcher.outputs import Outputs
 from ferrule_launcher.task import eval_problems, held_out_problems, step_problems
 
@@ -65,7 +65,7 @@ def run(config: Config, resume: bool = False) -> dict:
         if state:
             first_step = state["step"] + 1
             get(
-                roles.policy.load.remote(str(out / "checkpoint" / "policy"), state["step"]),
+                roles.policy.call("load", str(out / "checkpoint" / "policy"), state["step"]),
                 "policy",
             )
             if roles.critic is not None:
@@ -103,7 +103,7 @@ def run(config: Config, resume: bool = False) -> dict:
             loop.run_async(first_step, on_step)
         last = [r for r in outputs.history if "eval/accuracy" in r]
         accuracy_after = last[-1]["eval/accuracy"] if last else loop.evaluate()
-        get(roles.policy.save_hf.remote(str(out / "policy")), "policy")
+        get(roles.policy.call("save_hf", str(out / "policy")), "policy")
         rewards_seen = [r["reward"] for r in outputs.history if "reward" in r]
         summary = {
             "accuracy_before": accuracy_before,
@@ -212,7 +212,7 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     from ferrule_trainer.critic import Critic
 
     t, r = config.trainer, config.rollout
-    roles = ["policy"]
+    roles = [f"policy-{i}" for i in range(t.ranks)]
     if t.kl_coef > 0:
         roles.append("reference")
     if config.critic is not None:
@@ -221,11 +221,18 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
     options, groups = place_roles(config.ray, roles)
     dtype = config.model.dtype
     common = dict(runtime_env={"env_vars": env})
-    policy = (
-        ray.remote(PolicyWorker)
-        .options(**options["policy"], **common)
-        .remote(
+    workers = [
+        ray.remote(PolicyWorker).options(**options[f"policy-{i}"], **common).remote()
+        for i in range(t.ranks)
+    ]
+    master = get(workers[0].where.remote(), "policy rank 0")
+    setups = [
+        w.setup.remote(
             model_path,
+            i,
+            t.ranks,
+            master["host"],
+            master["port"],
             zero_stage=t.zero_stage,
             dtype=dtype,
             learning_rate=t.learning_rate,
@@ -233,8 +240,9 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
             temperature=r.temperature,
             seed=config.loop.seed,
         )
-    )
-    actors = [policy]
+        for i, w in enumerate(workers)
+    ]
+    actors = list(workers)
     reference = critic = None
     if "reference" in roles:
         reference = (
@@ -280,15 +288,16 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
         engines.append(engine)
     actors += engines
     # Wait for every role to start, naming the one that could not.
-    get(policy.where.remote(), "policy")
+    for i, ref in enumerate(setups):
+        get(ref, f"policy rank {i}")
     if reference is not None:
         get(reference.__ray_ready__.remote(), "reference")
     if critic is not None:
         get(critic.__ray_ready__.remote(), "critic")
     for i, engine in enumerate(engines):
         get(engine.__ray_ready__.remote(), f"rollout engine {i}")
-    _open_weight_sync(config, policy, engines)
-    return Roles(policy, engines, reference, critic), actors, groups
+    _open_weight_sync(config, workers[0], engines)
+    return Roles(PolicyGroup(workers), engines, reference, critic), actors, groups
 
 
 def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
@@ -305,7 +314,8 @@ def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
 
 def _write_roles(path: Path, roles: Roles, rewards) -> None:
     """Which node and process each role runs in (for people, and for the placement tests)."""
-    handles = {"policy": roles.policy, "reference": roles.reference, "critic": roles.critic}
+    handles = {f"policy-{i}": w for i, w in enumerate(roles.policy.workers)}
+    handles.update(reference=roles.reference, critic=roles.critic)
     handles.update({f"rollout-{i}": e for i, e in enumerate(roles.engines)})
     where = {
         name: get(handle.__ray_call__.remote(_whereabouts), name)
@@ -341,7 +351,7 @@ def _save_checkpoint(
     """Policy (and critic) state first, then launcher.json: a checkpoint counts once its
     launcher.json names it, so a kill in between resumes from the previous one."""
     directory = out / "checkpoint"
-    refs = [roles.policy.save.remote(str(directory / "policy"), step)]
+    refs = roles.policy.call("save", str(directory / "policy"), step)
     if roles.critic is not None:
         refs.append(roles.critic.save_state.remote(str(directory / "critic"), step=step))
     get(refs, "policy/critic checkpoint")

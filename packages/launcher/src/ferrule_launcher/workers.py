@@ -1,6 +1,6 @@
 """The plain classes that run inside Ray actors; the launcher applies ray.remote at the call site.
 
-    policy = ray.remote(PolicyWorker).options(num_cpus=0.5).remote(path, learning_rate=1e-4)
+    policy = ray.remote(PolicyWorker).options(num_cpus=0.5).remote()   # then .setup(...)
     engine = ray.remote(RolloutEngine).options(...).remote(path, dtype="float32")   # directly
     reference = ray.remote(Actor).options(...).remote(path, train=False)            # directly
 
@@ -39,13 +39,28 @@ def free_port() -> int:
 
 
 class PolicyWorker:
-    """The trained policy: ferrule-trainer's Actor plus the weightsync sender next to it."""
+    """One data-parallel rank of the trained policy: ferrule-trainer's Actor, plus (on rank 0)
+    the weightsync sender next to the weights. `setup` joins the ranks' process group, so the
+    driver creates every rank first and then sets them up together."""
 
-    def __init__(self, model_path: str, **actor_options):
+    def __init__(self):
+        self.actor = None
+        self.sender = None
+
+    def setup(
+        self, model_path: str, rank: int, world: int, master: str, port: int, **actor_options
+    ) -> None:
         from ferrule_trainer.actor import Actor
 
+        # Read by ferrule-trainer's init_distributed (torch.distributed's env:// rendezvous).
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK="0",
+            WORLD_SIZE=str(world),
+            MASTER_ADDR=master,
+            MASTER_PORT=str(port),
+        )
         self.actor = Actor(model_path, train=True, **actor_options)
-        self.sender = None
 
     def where(self) -> dict:
         """Node, pid and a free port here, for the weight-sync group and for placement tests."""
@@ -67,9 +82,13 @@ class PolicyWorker:
         )
 
     def send_weights(self, version: int) -> int:
-        return self.sender.send(
-            self.actor.export_weights(), version=version, specs=self.actor.weight_specs()
-        )
+        """Every rank exports (ZeRO-3 gathers need all of them); rank 0 sends."""
+        weights = self.actor.export_weights()
+        if self.sender is None:
+            for _ in weights:
+                pass
+            return version
+        return self.sender.send(weights, version=version, specs=self.actor.weight_specs())
 
     def logprobs(self, batch: dict):
         return self.actor.logprobs(batch)
