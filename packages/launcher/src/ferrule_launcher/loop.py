@@ -60,7 +60,11 @@ class Roles:
 
 
 def get(refs, role: str, timeout: float | None = None):
-    """ray.get that names the role when its actor died or its method raised."""
+    """ray.get that names the role when its actor died or its method raised. A list is
+    fetched as results arrive, so one failed rank stops the run at once instead of waiting
+    for its peers, which may be stuck in a collective with it."""
+    if isinstance(refs, list):
+        return get_each([(ref, role) for ref in refs], timeout)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -72,6 +76,21 @@ def get(refs, role: str, timeout: float | None = None):
         raise RunError(f"the {role} failed: {_first_line(err.cause or err)}") from None
     except GetTimeoutError:
         raise RunError(f"the {role} did not answer within {timeout:g} s") from None
+
+
+def get_each(pairs: list, timeout: float | None = None) -> list:
+    """Results of [(ref, role), ...] in order, raising for the first one that fails."""
+    import ray
+
+    results, pending = {}, {ref: index for index, (ref, _) in enumerate(pairs)}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if not ready:
+            roles = sorted({pairs[i][1] for i in pending.values()})
+            raise RunError(f"{', '.join(roles)} did not answer within {timeout:g} s")
+        index = pending.pop(ready[0])
+        results[index] = get(ready[0], pairs[index][1])
+    return [results[i] for i in range(len(pairs))]
 
 
 def _first_line(err) -> str:
@@ -116,10 +135,8 @@ class Loop:
         size = -(-len(prompts) // len(engines))
         chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
         refs = [e.generate.remote(c, settings) for e, c in zip(engines, chunks, strict=False)]
-        samples = []
-        for index, ref in enumerate(refs):
-            samples += get(ref, f"rollout engine {index}")
-        return samples
+        results = get_each([(ref, f"rollout engine {i}") for i, ref in enumerate(refs)])
+        return [sample for result in results for sample in result]
 
     def rollout(self, step: int) -> Rollout:
         c = self.config
@@ -233,11 +250,16 @@ class Loop:
     def sync(self, version: int) -> float:
         """Send the policy's weights to every engine as `version`; returns the seconds taken."""
         start = time.perf_counter()
-        receiving = [e.update_weights.remote() for e in self.roles.engines]
-        sent = self.roles.policy.call("send_weights", version)
-        get(sent, "policy (weight sync sender)")
-        for index, ref in enumerate(receiving):
-            got = get(ref, f"rollout engine {index} (weight sync receiver)")
+        receiving = [
+            (e.update_weights.remote(), f"rollout engine {i} (weight sync receiver)")
+            for i, e in enumerate(self.roles.engines)
+        ]
+        sending = [
+            (ref, "policy (weight sync sender)")
+            for ref in self.roles.policy.call("send_weights", version)
+        ]
+        results = get_each(receiving + sending)
+        for index, got in enumerate(results[: len(receiving)]):
             if got != version:
                 raise RunError(f"rollout engine {index} loaded version {got}, expected {version}")
         with self.version_changed:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ferrule_launcher.config import Config
-from ferrule_launcher.loop import Loop, PolicyGroup, Roles, RunError, get
+from ferrule_launcher.loop import Loop, PolicyGroup, Roles, RunError, get, get_each
 from ferrule_launcher.outputs import Outputs
 from ferrule_launcher.task import eval_problems, held_out_problems, step_problems
 
@@ -288,8 +288,7 @@ def _start_roles(config: Config, model_path: str, place_roles, env: dict):
         engines.append(engine)
     actors += engines
     # Wait for every role to start, naming the one that could not.
-    for i, ref in enumerate(setups):
-        get(ref, f"policy rank {i}")
+    get_each([(ref, f"policy rank {i}") for i, ref in enumerate(setups)])
     if reference is not None:
         get(reference.__ray_ready__.remote(), "reference")
     if critic is not None:
@@ -337,9 +336,10 @@ def _open_weight_sync(config: Config, policy, engines) -> None:
         e.init_weight_sync.remote(transport, here["host"], here["port"], i + 1, len(engines))
         for i, e in enumerate(engines)
     ]
-    get(sender, "policy (weight sync sender)")
-    for i, ref in enumerate(joined):
-        get(ref, f"rollout engine {i} (weight sync receiver)")
+    get_each(
+        [(sender, "policy (weight sync sender)")]
+        + [(ref, f"rollout engine {i} (weight sync receiver)") for i, ref in enumerate(joined)]
+    )
 
 
 # -- checkpoints ---------------------------------------------------------------------------
