@@ -12,8 +12,10 @@ import deepspeed
 import torch
 from transformers import AutoModelForCausalLM
 
+from ferrule_trainer.engine import init_distributed
+
 model_path, out_path = sys.argv[1], sys.argv[2]
-deepspeed.init_distributed(dist_backend="gloo")
+init_distributed()  # gloo, without DeepSpeed's JIT-compiled shared-memory op
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)

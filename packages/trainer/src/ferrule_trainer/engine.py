@@ -43,6 +43,12 @@ def init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
+    if on_cpu():
+        # DeepSpeed's CPU backend compiles a shared-memory all-reduce op on first use (a C++
+        # toolchain, ~25 s on two cores, once per virtualenv) under a lock file in
+        # ~/.cache/torch_extensions that a killed build leaves behind, after which every later
+        # start waits on it forever. gloo does the same reduction; our CPU groups are small.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if on_cpu() else "nccl"
     if "RANK" in os.environ:  # under a launcher that set up the group
         deepspeed.init_distributed(dist_backend=backend)
