@@ -6,7 +6,8 @@
 
 A sample is a dict with the wire format's field names (or a `records.Sample`). A call larger
 than `batch_size` is split into chunks that go out concurrently, spread round-robin over the
-addresses. A chunk refused with UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED
+addresses and over several connections to each (a server with `--workers N` is N processes,
+and a connection reaches one of them). A chunk refused with UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED
 (server busy) moves to the next address at once, and backs off exponentially after every
 address has refused it; after `retry_for` seconds of refusals, RewardServersUnavailable lists
 what each address said. Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that
@@ -65,6 +66,7 @@ class RewardClient:
         cooldown: float = 1.0,
         batch_size: int = 256,
         max_in_flight: int = 8,
+        connections_per_address: int | None = None,
         max_message_bytes: int = 64 << 20,
     ):
         """addresses: one `host:port` or several replicas of the same server.
@@ -78,10 +80,20 @@ class RewardClient:
         cooldown: seconds an address that was unavailable goes to the back of the queue.
         batch_size: samples per call; larger score() calls are split.
         max_in_flight: chunks of one score() call sent concurrently.
+        connections_per_address: HTTP/2 connections to each address, chunks going round-robin
+            over them (default: max_in_flight). A connection stays with the server process
+            that accepted it, and the kernel places each on one of the processes of an
+            `rlhf-rewards serve --workers N` by hash: with one connection per chunk in flight,
+            the chunks of one score() call can each reach a different worker, and several
+            clients spread evenly over the workers. Against one process the extra connections
+            cost a socket each; they open on first use.
         """
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("RewardClient needs at least one server address")
+        connections = connections_per_address or max_in_flight
+        if connections < 1:
+            raise ValueError(f"connections_per_address must be 1 or more, got {connections}")
         self.timeout, self.retry_for, self.batch_size = timeout, retry_for, batch_size
         self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
         token = token or os.environ.get(TOKEN_ENV)
@@ -92,23 +104,34 @@ class RewardClient:
             # Reconnect soon after a replica comes back (gRPC's default waits up to 2 min).
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 5000),
+            # A connection per channel: gRPC shares one between channels with equal arguments.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))
         secure = tls or any((tls_ca, tls_cert, tls_key))
         credentials = channel_credentials(tls_ca, tls_cert, tls_key) if secure else None
         self._channels = {
-            address: grpc.secure_channel(address, credentials, options)
-            if secure
-            else grpc.insecure_channel(address, options)
+            address: [
+                grpc.secure_channel(address, credentials, options)
+                if secure
+                else grpc.insecure_channel(address, options)
+                for _ in range(connections)
+            ]
             for address in self.addresses
         }
         # Requests go out already serialized (once per chunk, however often it is retried).
         self._calls = {
-            address: channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
-            for address, channel in self._channels.items()
+            address: [
+                channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+                for channel in channels
+            ]
+            for address, channels in self._channels.items()
         }
-        self._turn = itertools.count()  # round-robin position; next() is atomic in CPython
+        # Round-robin positions over addresses, and over each one's connections; next() is
+        # atomic in CPython.
+        self._turn = itertools.count()
+        self._spread = {address: itertools.count() for address in self.addresses}
         self._down_until: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="reward-client")
         self._lock = threading.Lock()
@@ -151,10 +174,10 @@ class RewardClient:
                     break
                 time.sleep(pause)
             address = order[position]
+            calls = self._calls[address]
+            call = calls[next(self._spread[address]) % len(calls)]
             try:
-                response = self._calls[address](
-                    request, timeout=self.timeout, metadata=self._metadata
-                )
+                response = call(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as error:
                 code, details = error.code(), error.details() or ""
                 if code not in RETRYABLE or "larger than max" in details:  # too big anywhere
@@ -178,8 +201,8 @@ class RewardClient:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         answers = {}
-        for address, channel in self._channels.items():
-            check = health_pb2_grpc.HealthStub(channel).Check
+        for address, channels in self._channels.items():
+            check = health_pb2_grpc.HealthStub(channels[0]).Check
             try:
                 status = check(health_pb2.HealthCheckRequest(), timeout=timeout).status
                 answers[address] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
@@ -189,8 +212,9 @@ class RewardClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for channel in self._channels.values():
-            channel.close()
+        for channels in self._channels.values():
+            for channel in channels:
+                channel.close()
 
     def __enter__(self):
         return self
