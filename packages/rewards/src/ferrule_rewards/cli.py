@@ -2,6 +2,7 @@
 
     rlhf-rewards serve --function ferrule_rewards.builtin:exact_match       # 127.0.0.1:50051
     rlhf-rewards serve --model ./my-reward-model --bind 0.0.0.0:50051 --token-file token
+    rlhf-rewards serve --function my_rewards:score --workers 8   # 8 processes on one port
     echo '{"response": "#### 4", "label": "4"}' | rlhf-rewards score 127.0.0.1:50051
     rlhf-rewards health 127.0.0.1:50051       # exit status 0 when every address is SERVING
 
@@ -14,6 +15,7 @@ import asyncio
 import json
 import logging
 import sys
+from functools import partial
 
 from ferrule_rewards.client import RewardError
 from ferrule_rewards.security import TOKEN_ENV, read_token
@@ -53,10 +55,18 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-batch", type=int, default=4096, help="most samples per call (default: %(default)s)")
     add("--max-message-mb", type=float, default=64, help="largest request (default: %(default)s)")
     add(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the port (SO_REUSEPORT), each with its own copy of the "
+        "reward function or model; limits (--max-concurrency, --max-stuck...) are per worker "
+        "(default: %(default)s)",
+    )
+    add(
         "--max-concurrency",
         type=int,
         default=32,
-        help="calls scored at once; more are refused with RESOURCE_EXHAUSTED "
+        help="calls scored at once, per worker; more are refused with RESOURCE_EXHAUSTED "
         "(default: %(default)s)",
     )
     add(
@@ -88,9 +98,34 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add("--timeout", type=float, default=60.0, help="deadline per call in seconds")
 
 
+def make_scorer(args):
+    """The scorer that `rlhf-rewards serve` ARGS asks for (in each worker with --workers)."""
+    if args.function:
+        from ferrule_rewards.functions import FunctionScorer, load_function
+
+        return FunctionScorer(
+            load_function(args.function),
+            timeout=args.timeout,
+            max_stuck=args.max_stuck,
+        )
+    try:
+        from ferrule_rewards.model import ModelScorer
+    except ImportError as error:
+        raise ValueError(f"--model needs `pip install ferrule-rewards[model]`: {error}") from None
+    return ModelScorer(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        batch_size=args.model_batch_size,
+        max_length=args.max_length,
+    )
+
+
 def _serve(args) -> None:
     from ferrule_rewards.server import TLS, Limits, serve
 
+    if args.workers < 1:
+        raise ValueError(f"--workers must be 1 or more, got {args.workers}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -98,33 +133,27 @@ def _serve(args) -> None:
     token = read_token(args.token_file)
     tls = TLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     limits = Limits(args.max_batch, int(args.max_message_mb * (1 << 20)), args.max_concurrency)
-    if args.function:
-        from ferrule_rewards.functions import FunctionScorer, load_function
-
-        scorer = FunctionScorer(
-            load_function(args.function),
-            timeout=args.timeout,
-            max_stuck=args.max_stuck,
-        )
-    else:
-        try:
-            from ferrule_rewards.model import ModelScorer
-        except ImportError as error:
-            raise ValueError(
-                f"--model needs `pip install ferrule-rewards[model]`: {error}"
-            ) from None
-        scorer = ModelScorer(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            batch_size=args.model_batch_size,
-            max_length=args.max_length,
-        )
     if token and not tls:
         logging.getLogger(__name__).warning(
             "a token without TLS crosses the network in clear text; add --tls-cert/--tls-key"
         )
-    asyncio.run(serve(scorer, args.bind, grace=args.grace, token=token, tls=tls, limits=limits))
+    options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
+    if args.workers == 1:
+        asyncio.run(serve(make_scorer(args), args.bind, **options))
+        return
+    from ferrule_rewards.workers import WorkerFailed, supervise
+
+    try:
+        supervise(
+            partial(make_scorer, args),
+            args.bind,
+            workers=args.workers,
+            log_level=args.log_level,
+            **options,
+        )
+    except WorkerFailed as error:
+        print(f"rlhf-rewards serve: error: {error}", file=sys.stderr)
+        sys.exit(error.status)
 
 
 def _client(args):

@@ -8,7 +8,8 @@
 
 `rlhf-rewards serve` (cli.py) builds a scorer (functions.py or model.py) and calls `serve`, which
 drains on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused with UNAVAILABLE, and
-calls in flight finish within the grace period. Every limit answers at once with a status
+calls in flight finish within the grace period. With `--workers N`, workers.py runs N of these
+on one port. Every limit answers at once with a status
 (RESOURCE_EXHAUSTED, INVALID_ARGUMENT); nothing waits in an unbounded queue.
 """
 
@@ -176,8 +177,10 @@ async def start(
     token: str | None = None,
     tls: TLS | None = None,
     limits: Limits = Limits(),
+    reuse_port: bool = False,
 ) -> RewardServer:
-    """Start serving `scorer` on `bind` (port 0 picks a free port; see `.address`)."""
+    """Start serving `scorer` on `bind` (port 0 picks a free port; see `.address`). With
+    `reuse_port`, it shares the port with other servers that set it (the workers of workers.py)."""
     check_bind(bind, token=token, tls=tls is not None)
     server = RewardServer(scorer, limits)
     grpc_server = grpc.aio.server(
@@ -186,8 +189,8 @@ async def start(
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
             # gRPC shares ports by default (SO_REUSEPORT): a second server on a busy port would
-            # start silently and split the traffic. Fail instead.
-            ("grpc.so_reuseport", 0),
+            # start silently and split the traffic. Fail instead, unless asked to share it.
+            ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
     handler = grpc.unary_unary_rpc_method_handler(server._score)  # raw bytes in and out
@@ -224,12 +227,20 @@ async def serve(scorer, bind: str, *, grace: float = 30.0, **options) -> None:
     server = await start(scorer, bind, **options)
     security = "TLS" if options.get("tls") else "plaintext"
     log.info("serving %s on %s (%s)", scorer.name, server.address, security)
+    await stop_requested((signal.SIGTERM, signal.SIGINT))
+    await server.drain(grace)
+
+
+async def stop_requested(signals: tuple[int, ...], watch: int | None = None) -> None:
+    """Return at the first of `signals`, or once the file descriptor `watch` turns readable
+    (workers watch a pipe whose other end closes when the supervisor dies)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in signals:
         loop.add_signal_handler(signum, stop.set)
+    if watch is not None:
+        loop.add_reader(watch, stop.set)
     await stop.wait()
-    await server.drain(grace)
 
 
 class BackgroundServer:
