@@ -6,7 +6,8 @@
 The state dict has the shapes of a 1.5B Qwen2 (hidden 1536, 28 layers, vocab 151936; bf16),
 about 3.4 GB in 339 tensors.
   nccl: ours = ferrule_weightsync's broadcast transport from cuda:0 to a receiver on cuda:1
-        (256 MB buckets, double-buffered, the receiver iterating the tensors it gets);
+        (its default buckets: 512 MB, ramping up from 16 MB; double-buffered; the receiver
+        iterating the tensors it gets);
         baseline = one raw `torch.distributed.broadcast` of a flat buffer of the same bytes.
         ratio = ours / baseline throughput.
   ipc:  ours = IpcSender -> IpcReceiver on the same GPU, the receiver copying every tensor into
@@ -80,9 +81,8 @@ def nccl_worker(rank, ports, repeats, bucket_mb, out):
     torch.cuda.set_device(device)
     state = state_dict(device)
     if rank == 0:
-        sender = BroadcastSender(
-            "127.0.0.1", ports[0], 1, device=device, bucket_bytes=bucket_mb * 2**20
-        )
+        sizes = {"bucket_bytes": bucket_mb * 2**20} if bucket_mb else {}
+        sender = BroadcastSender("127.0.0.1", ports[0], 1, device=device, **sizes)
         ours = best_of(lambda: sender.send(state.items()), repeats)
     else:
         receiver = BroadcastReceiver("127.0.0.1", ports[0], 1, 1, device=device)
@@ -163,7 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["nccl", "ipc"])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--bucket-mb", type=int, help="default: 256 for nccl, 1024 for ipc")
+    parser.add_argument("--bucket-mb", type=int, help="default: the transport's (512 MB nccl)")
     args = parser.parse_args()
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
@@ -171,7 +171,7 @@ def main() -> None:
     out = ctx.Queue()
     ports = (free_port(), free_port())
     target = nccl_worker if args.mode == "nccl" else ipc_worker
-    bucket_mb = args.bucket_mb or (256 if args.mode == "nccl" else 1024)
+    bucket_mb = args.bucket_mb or (None if args.mode == "nccl" else 1024)
     procs = [
         ctx.Process(target=target, args=(r, ports, args.repeats, bucket_mb, out)) for r in range(2)
     ]

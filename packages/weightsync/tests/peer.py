@@ -54,7 +54,14 @@ def run_receiver(args) -> None:
             expected = {k: v.float() if v.is_floating_point() else v for k, v in expected.items()}
         if expected is not None and args.expect == "wrong-shape":
             expected["layers.0.odd"] = torch.zeros(7, 13)
-        for _ in range(args.updates):
+        for number in range(1, args.updates + 1):
+            if number == args.refuse_update:  # expectations that changed since the last update
+                wrong = dict(expected or realistic_state_dict(), **{"layers.0.odd": torch.zeros(7)})
+                try:
+                    receiver.receive(expected=wrong)
+                except Exception as err:
+                    results.append({"error": f"{type(err).__name__}: {err}"})
+                continue
             update = receiver.receive(expected=expected, cast=_cast(args.cast))
             received = {}
             for i, (name, tensor) in enumerate(update):
@@ -66,6 +73,7 @@ def run_receiver(args) -> None:
             results.append(
                 {
                     "version": update.version,
+                    "handshake": update.manifest.handshake,
                     "state": received,
                     "handles_opened": getattr(receiver, "handles_opened", None),
                 }
@@ -115,6 +123,7 @@ if __name__ == "__main__":
     parser.add_argument("--cast", default="")
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--out")
     args = parser.parse_args()

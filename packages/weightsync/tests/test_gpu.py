@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_weightsync import create_sender
+from ferrule_weightsync import WeightSyncError, create_sender
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -80,3 +80,18 @@ def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path):
     assert sender.handles_published == 2  # the second update reused both buffers
     results = check_results(proc, out, realistic_state_dict())
     assert results[-1]["handles_opened"] == 2
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_receiver_failure_reaches_the_sender_through_the_end_all_reduce(tmp_path):
+    port = free_port()
+    proc, _ = start_receiver(
+        tmp_path, transport="broadcast", port=port, device="cuda:1", updates=1, stop_after=3
+    )
+    sender = create_sender("broadcast", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
+    state = {k: v.to("cuda:0") for k, v in realistic_state_dict().items()}
+    with pytest.raises(WeightSyncError, match="receiver 1: the consumer stopped before the end"):
+        sender.send(state.items())
+    sender.close()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output

@@ -164,6 +164,28 @@ def test_mismatch_is_refused_before_any_data_and_names_the_tensor(peers):
     assert "MismatchError" in result["error"] and "layers.0.odd" in result["error"]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_accepted_layout_skips_the_handshake_but_a_changed_receiver_still_refuses(transport, peers):
+    port = free_port()
+    peers.start(1, transport=transport, port=port, updates=4, refuse_update=3)
+    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
+    state = realistic_state_dict()
+    assert sender.send(state.items()) == 1
+    assert sender.send(state.items()) == 2
+    # The receiver's expectations changed after it took this layout: the data moved without a
+    # handshake, so the refusal comes with the "done" report, still naming the tensor.
+    with pytest.raises(MismatchError, match=r"(?s)receiver 1: MismatchError: .*'layers.0.odd'"):
+        sender.send(state.items())
+    assert sender.send(scaled(state, 3.0).items()) == 3  # in step; the refused one is no version
+    sender.close()
+    first, second, refused, fourth = peers.results(1)
+    assert [first["handshake"], second["handshake"], fourth["handshake"]] == [True, False, True]
+    assert fourth["version"] == 3
+    assert refused["error"].startswith("MismatchError") and "'layers.0.odd'" in refused["error"]
+    assert_same(second["state"], state)
+    assert_same(fourth["state"], scaled(state, 3.0))
+
+
 def test_dtype_mismatch_without_cast_is_refused(peers):
     port = free_port()
     peers.start(1, port=port, expect="float32")

@@ -10,11 +10,15 @@ One update, as both sides see it:
     sender                                  receiver r
     publish  u{seq}/manifest (version, layout key; the layout itself once per model)
                                             read manifest, check it against expectations
-                                            publish  u{seq}/ack/r = "" or an error message
+    handshake (a layout's first update):    publish  u{seq}/ack/r = "" or an error message
     wait for every ack; publish u{seq}/go = "" (or the errors, and raise)
     ... data plane moves the buckets ...    ... yields tensors ...
                                             publish  u{seq}/done/r = "" or an error message
     wait for every done; raise if any receiver failed
+
+Once every receiver has accepted a layout, its later updates skip the handshake (two round trips
+before the first byte moves, every step). The broadcast transport also replaces the "done"
+round trip with a one-number all-reduce on its own group; only a failing receiver writes "done".
 """
 
 import pickle
@@ -36,6 +40,7 @@ class Manifest:
     layout: str  # key of the pickled `update.Layout` (specs and buckets), published once
     checksums: bool
     extra: dict  # transport-specific (e.g. which shared buffers to map)
+    handshake: bool = True  # receivers ack before data moves (False: layout accepted before)
 
 
 class Control:
@@ -119,6 +124,16 @@ class Control:
         keys = [f"u{seq}/{stage}/{rank}" for rank in range(1, self.world_size)]
         messages = self.store.multi_get(keys)
         return [f"receiver {r}: {m.decode()}" for r, m in enumerate(messages, 1) if m]
+
+    def reported_errors(self, seq: int, stage: str) -> list[str]:
+        """Sender: the messages of the receivers that have reported `stage`, without waiting
+        for the others (who report only on failure in the broadcast transport's finish)."""
+        keys = [f"u{seq}/{stage}/{rank}" for rank in range(1, self.world_size)]
+        reported = [(r, k) for r, k in enumerate(keys, 1) if self.store.check([k])]
+        messages = self.store.multi_get([k for _, k in reported]) if reported else []
+        return [
+            f"receiver {r}: {m.decode()}" for (r, _), m in zip(reported, messages, strict=True) if m
+        ]
 
     def decide(self, seq: int, errors: list[str]) -> None:
         """Sender: let the receivers go ahead, or abort the update with the collected errors."""

@@ -1,15 +1,17 @@
 """What every transport does the same way around its data plane: announce, check, stream, finish.
 
-A transport (broadcast.py, ipc.py) supplies two generators: on the sender, one that moves each
-packed bucket; on the receiver, one that yields each arrived bucket and frees it when the consumer
-moves on. Everything else (versions, checks against the receiver's expectations, casting,
-checksums, telling the sender who failed) lives here, once.
+A transport (broadcast.py, ipc.py) supplies, on the sender, a function that moves each packed
+bucket; on the receiver, a generator that yields each arrived bucket and frees it when the
+consumer moves on, and optionally its own way of telling the sender that the update is done.
+Everything else (versions, checks against the receiver's expectations, casting, checksums,
+telling the sender who failed) lives here, once.
 """
 
 import pickle
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 
 import torch
@@ -25,10 +27,13 @@ from ferrule_weightsync.packing import (
     unpack,
 )
 
-# A transport's sender side: move (bucket, tensors) pairs for update `seq`.
-SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], None]
+# A transport's sender side: move (bucket, tensors) pairs for update `seq`. Returns whether any
+# receiver failed when the transport learns that itself, None to wait for every "done" report.
+SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], bool | None]
 # A transport's receiver side: yield (bucket, buffer) for update `seq`, freeing each on resume.
 ReceiveBuckets = Callable[[int, list[Bucket], Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
+# A receiver's last word on update `seq`: "" when it consumed everything, else what went wrong.
+Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
 
 
@@ -54,11 +59,19 @@ class ReceiverState:
 class UpdateSender:
     """The sender's side of the update protocol, shared by every transport."""
 
-    def __init__(self, control: Control, bucket_bytes: int, checksums: bool):
+    def __init__(
+        self,
+        control: Control,
+        bucket_bytes: int,
+        checksums: bool,
+        first_bucket_bytes: int | None = None,
+    ):
         self.control, self.bucket_bytes, self.checksums = control, bucket_bytes, checksums
+        self.first_bucket_bytes = first_bucket_bytes
         self.seq = 0
         self.version = 0
         self.layouts: dict[tuple[TensorSpec, ...], Layout] = {}
+        self.accepted: set[str] = set()  # layout keys every receiver took: no handshake
         self.broken = ""  # set when an update fails after data started to move
 
     def layout(self, specs: list[TensorSpec]) -> Layout:
@@ -71,7 +84,8 @@ class UpdateSender:
                 raise ValueError(
                     f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}"
                 )
-            buckets = tuple(plan_buckets(list(specs), self.bucket_bytes))
+            buckets = plan_buckets(list(specs), self.bucket_bytes, self.first_bucket_bytes)
+            buckets = tuple(buckets)
             known = Layout(f"layout{len(self.layouts)}", specs, buckets)
             self.control.publish_layout(known.key, pickle.dumps(known))
             self.layouts[specs] = known
@@ -99,23 +113,37 @@ class UpdateSender:
             )
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs)
-        manifest = Manifest(version, layout.key, self.checksums, extra or {})
+        handshake = layout.key not in self.accepted
+        manifest = Manifest(version, layout.key, self.checksums, extra or {}, handshake)
         seq = self.seq
         self.control.publish_manifest(seq, manifest, len(layout.buckets))
-        rejected = self.control.collect(seq, "ack")
-        self.control.decide(seq, rejected)
+        rejected = []
+        if handshake:
+            rejected = self.control.collect(seq, "ack")
+            self.control.decide(seq, rejected)
         self.seq += 1
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
         try:
-            send_buckets(seq, _bucketed(iter(named_tensors), layout.buckets, check=not trusted))
+            any_failed = send_buckets(
+                seq, _bucketed(iter(named_tensors), layout.buckets, check=not trusted)
+            )
         except BaseException as err:
             # receivers are now waiting for buckets that will not come (they time out)
             self.broken = f"update to version {version} failed mid-transfer ({err})"
             raise
-        failed = self.control.collect(seq, "done")
+        if any_failed is None:
+            failed = self.control.collect(seq, "done")
+        elif any_failed:  # those that failed said why before they told the transport
+            failed = self.control.reported_errors(seq, "done") or ["failed without saying why"]
+        else:
+            failed = []
         if failed:
-            raise WeightSyncError(f"update to version {version} failed:\n  " + "\n  ".join(failed))
+            self.accepted.discard(layout.key)  # it may have been refused: ask again next time
+            refused = all(": MismatchError: " in message for message in failed)
+            kind = MismatchError if refused else WeightSyncError
+            raise kind(f"update to version {version} failed:\n  " + "\n  ".join(failed))
+        self.accepted.add(layout.key)
         self.version = version
         return version
 
@@ -191,23 +219,28 @@ class Update:
     step, and tells the sender that this receiver failed.
     """
 
-    def __init__(self, control, seq, manifest, layout, state, receive_buckets, expected, cast):
+    def __init__(
+        self, control, seq, manifest, layout, state, receive_buckets, finish, expected, cast
+    ):
         self.control, self.seq, self.manifest, self.layout = control, seq, manifest, layout
         self.version, self.specs = manifest.version, layout.specs
-        self._state, self._receive, self._expected, self._cast = (
-            state,
-            receive_buckets,
-            expected,
-            cast,
-        )
+        self._state, self._receive, self._finish = state, receive_buckets, finish
+        self._expected, self._cast = expected, cast
         self._started = False
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _arrivals(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
         if self._started:
             raise WeightSyncError(f"update to version {self.version} was already consumed")
         self._started = True
+        return self._receive(self.seq, self.layout.buckets, self.manifest)
+
+    def discard(self, error: str) -> None:
+        """Take the update off the wire unread, and tell the sender `error`."""
+        self._end(self._arrivals(), error)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        arrivals = self._arrivals()
         error = ""
-        arrivals = self._receive(self.seq, self.layout.buckets, self.manifest)
         try:
             for bucket, buffer in arrivals:
                 if self.manifest.checksums:
@@ -221,16 +254,19 @@ class Update:
             error = f"{type(err).__name__}: {err}"
             raise
         finally:
-            try:
-                for _ in arrivals:  # keep the group in step even when the consumer stopped
-                    pass
-            except WeightSyncError as drain_error:
-                error = error or str(drain_error)
-            try:
-                self.control.report(self.seq, "done", error)
-            except WeightSyncError:
-                if not error:  # nothing else went wrong: losing the sender now is the error
-                    raise
+            self._end(arrivals, error)
+
+    def _end(self, arrivals: Iterator, error: str) -> None:
+        try:
+            for _ in arrivals:  # keep the group in step even when the consumer stopped
+                pass
+        except WeightSyncError as drain_error:
+            error = error or str(drain_error)
+        try:
+            self._finish(self.seq, error)
+        except WeightSyncError:
+            if not error:  # nothing else went wrong: losing the sender now is the error
+                raise
 
     def to_state_dict(self) -> dict[str, torch.Tensor]:
         """Receive everything into fresh tensors (safe to keep)."""
@@ -262,8 +298,11 @@ def open_update(
     expected: Mapping | None,
     cast: bool | torch.dtype,
     timeout: float | None,
+    finish: Finish | None = None,
 ) -> Update:
-    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed."""
+    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed.
+
+    `finish` is the transport's way of saying "done" (default: a report through the store)."""
     if cast is True and expected is None:
         raise ValueError("cast=True converts to the expected dtypes: pass expected= as well")
     seq = state.seq
@@ -274,8 +313,16 @@ def open_update(
         layout = state.layouts[manifest.layout] = pickle.loads(control.read_layout(manifest.layout))
     wanted = expected_specs(expected)
     problems = check_specs(layout.specs, wanted, cast)
-    control.report(seq, "ack", "\n  ".join(problems))
-    refusals = control.await_decision(seq)
+    finish = finish or partial(_report_done, control)
+    update = Update(control, seq, manifest, layout, state, receive_buckets, finish, wanted, cast)
+    refusals = ""
+    if manifest.handshake:
+        control.report(seq, "ack", "\n  ".join(problems))
+        refusals = control.await_decision(seq)
+    elif problems:
+        # This receiver took the layout before, so the sender did not wait for it: take the
+        # data off the wire (the group stays in step) and refuse it in the "done" report.
+        update.discard("MismatchError: refused:\n  " + "\n  ".join(problems))
     if problems:
         raise MismatchError(
             f"update to version {manifest.version} refused:\n  " + "\n  ".join(problems)
@@ -284,4 +331,8 @@ def open_update(
         raise MismatchError(
             f"update to version {manifest.version} refused by other receivers:\n  {refusals}"
         )
-    return Update(control, seq, manifest, layout, state, receive_buckets, wanted, cast)
+    return update
+
+
+def _report_done(control: Control, seq: int, error: str) -> None:
+    control.report(seq, "done", error)
