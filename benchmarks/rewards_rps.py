@@ -1,26 +1,36 @@
 """Reward serving throughput: ferrule-rewards (gRPC) against FastAPI + uvicorn (HTTP/JSON).
 
-    uv run python benchmarks/rewards_rps.py [--seconds 3] [--rounds 5]
+    uv run python benchmarks/rewards_rps.py [--seconds 3] [--rounds 5] [--clients P] [--workers W]
 
-Every server runs the same trivial rule reward (`trivial_reward` below) in its own process on
-loopback, one call in flight at a time; this process is the client. The baseline serves
-rewards the way OpenRLHF's `serve_rm.py` does (a FastAPI POST handler that reads the JSON
-lists `query`, `prompts`, `labels` and answers `{"rewards": [...]}`), without per-request
-logging, and is called through the leanest client we have: the standard library's
-http.client on one kept-alive connection. `ratio` is ours / that baseline.
+Every server runs the same trivial rule reward (`trivial_reward` below) in its own processes on
+loopback. The baseline serves rewards the way OpenRLHF's `serve_rm.py` does: a FastAPI POST
+handler that reads the JSON lists `query`, `prompts`, `labels` and answers `{"rewards": [...]}`,
+run by `uvicorn.run(app)` in one process, here without per-request logging.
 
-For context: `baseline_httpx` is the same server called through httpx (persistent client),
-and `openrlhf_as_shipped` is the server with OpenRLHF's logging (uvicorn access log and the
-whole reply per request, to /dev/null here) called with a new connection per call, as
-OpenRLHF's `requests.post` client does. Rounds alternate between the servers so that load
-from other processes hits all alike; each figure is the median round. Last line: one JSON
-object with samples/s at batch 256 and p50/p99 latency at batch 1.
+The headline is the load of RLHF, where many rollout workers score at once: P client processes
+(`--clients`, default min(8, cpus)) each loop Score calls of 256 samples, one at a time, for the
+length of a round (`--seconds`), and `ours` / `baseline` are the samples per second all of them
+got together, from `rlhf-rewards serve --workers W` (`--workers`, default min(8, max(1, cpus //
+2))) through RewardClient, and from the baseline through one kept-alive http.client connection
+per client process. `ratio` is ours / baseline; `goal` is the ratio the project aims for.
+
+For context: `baseline_uvicorn_workers` is the baseline run with uvicorn's `workers=W`, the same
+W as ours, so that the ratio can be read per core too. The `*_one_in_flight` figures are this
+process alone, one call in flight: ours (the W-worker server; a call is served by one worker
+either way), the baseline through http.client, `baseline_httpx` through httpx (persistent
+client), and `openrlhf_as_shipped`, the server with OpenRLHF's logging (uvicorn access log and
+the whole reply per request, to /dev/null here) called with a new connection per call, as
+OpenRLHF's `requests.post` client does; `latency_ms_batch1` is p50/p99 at batch 1 (`--latency-calls`
+calls). Rounds (`--rounds`) alternate between the measurements so that load from other
+processes hits all alike; each figure is the median round. Last line: one JSON object.
 """
 
 import argparse
+import contextlib
 import http.client
 import json
 import logging
+import multiprocessing
 import os
 import socket
 import statistics
@@ -58,13 +68,11 @@ def openrlhf_body(samples: list[dict]) -> dict:
     }
 
 
-def baseline_server(port: int, as_shipped: bool) -> None:
-    import uvicorn
+def make_app(as_shipped: bool = False):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
     app = FastAPI()
-    logging.basicConfig(level=logging.INFO)
     logger = logging.getLogger("serve_rm")
 
     @app.post("/get_reward")
@@ -77,9 +85,23 @@ def baseline_server(port: int, as_shipped: bool) -> None:
             logger.info(f"Sent JSON: {result}")
         return JSONResponse(result)
 
+    return app
+
+
+def baseline_server(port: int, as_shipped: bool, workers: int) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO)
     # Keep idle connections for the whole run: rounds of the other servers come in between.
-    log_level = "info" if as_shipped else "warning"
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level=log_level, timeout_keep_alive=600)
+    options = {"host": "127.0.0.1", "port": port, "timeout_keep_alive": 600}
+    options["log_level"] = "info" if as_shipped else "warning"
+    if workers == 1:
+        uvicorn.run(make_app(as_shipped), **options)  # as OpenRLHF's serve_rm.py does
+    else:  # uvicorn starts workers from an import string
+        app_dir = str(HERE.parent)
+        uvicorn.run(
+            f"{HERE.stem}:make_app", factory=True, app_dir=app_dir, workers=workers, **options
+        )
 
 
 def free_port() -> int:
@@ -88,10 +110,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_ours() -> tuple[subprocess.Popen, str]:
+def start_ours(workers: int) -> tuple[subprocess.Popen, str]:
     """Start our server on a free port; return the process and its address."""
     command = [sys.executable, "-m", "ferrule_rewards", "serve", "--bind", "127.0.0.1:0"]
-    command += ["--function", f"{HERE}:trivial_reward"]
+    command += ["--function", f"{HERE}:trivial_reward", "--workers", str(workers)]
     # It logs one line when it serves, and nothing per call after that.
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
@@ -100,8 +122,8 @@ def start_ours() -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"{command} exited before it served ({process.wait()})")
 
 
-def start_baseline(port: int, as_shipped: bool) -> subprocess.Popen:
-    command = [sys.executable, str(HERE), "--baseline-server", str(port)]
+def start_baseline(port: int, as_shipped: bool = False, workers: int = 1) -> subprocess.Popen:
+    command = [sys.executable, str(HERE), "--baseline-server", str(port), "--workers", str(workers)]
     command += ["--as-shipped"] if as_shipped else []
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
@@ -113,6 +135,26 @@ def start_baseline(port: int, as_shipped: bool) -> subprocess.Popen:
     raise SystemExit(f"the baseline server did not listen on port {port} within a minute")
 
 
+def post(connection: http.client.HTTPConnection, samples: list[dict]) -> list[float]:
+    headers = {"Content-Type": "application/json"}
+    connection.request("POST", "/get_reward", json.dumps(openrlhf_body(samples)), headers)
+    response = connection.getresponse()
+    assert response.status == 200, response.status
+    return json.loads(response.read())["rewards"]
+
+
+def make_caller(target: tuple[str, str]):
+    """call(samples) -> rewards, for ("ours", address) or ("http", port); kept-alive."""
+    kind, where = target
+    if kind == "ours":
+        from ferrule_rewards.client import RewardClient
+
+        client = RewardClient(where, batch_size=BATCH)
+        return lambda samples: [result.reward for result in client.score(samples)]
+    connection = http.client.HTTPConnection("127.0.0.1", int(where), timeout=60)
+    return lambda samples: post(connection, samples)
+
+
 def throughput(call, samples: list[dict], seconds: float) -> float:
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
@@ -120,6 +162,33 @@ def throughput(call, samples: list[dict], seconds: float) -> float:
         assert len(rewards) == len(samples) and rewards[0] == 1.0, rewards[:3]
         done += len(samples)
     return done / (time.perf_counter() - started)
+
+
+def client_process(pipe) -> None:
+    """One of the P client processes: on ("round", target, seconds, start_at), score batches
+    from start_at (time.monotonic, one clock for all processes) for `seconds`, one call at a
+    time, and answer (samples scored, when the last call returned)."""
+    callers, samples = {}, make_samples(BATCH)
+    while (command := pipe.recv()) is not None:
+        _, target, seconds, start_at = command
+        if target not in callers:
+            callers[target] = make_caller(target)
+        call, done = callers[target], 0
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        while time.monotonic() < start_at + seconds:
+            rewards = call(samples)
+            assert len(rewards) == BATCH and rewards[0] == 1.0, rewards[:3]
+            done += BATCH
+        pipe.send((done, time.monotonic()))
+
+
+def concurrent(pipes: list, target: tuple[str, str], seconds: float) -> float:
+    """Samples/s that all client processes got together from `target` in one round."""
+    start_at = time.monotonic() + 0.1
+    for pipe in pipes:
+        pipe.send(("round", target, seconds, start_at))
+    answers = [pipe.recv() for pipe in pipes]
+    return sum(done for done, _ in answers) / (max(end for _, end in answers) - start_at)
 
 
 def latencies(call, samples: list[dict], n: int) -> tuple[float, float]:
@@ -133,39 +202,41 @@ def latencies(call, samples: list[dict], n: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    cpus = os.cpu_count() or 1
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per server")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per measurement")
+    parser.add_argument("--clients", type=int, default=min(8, cpus), help="client processes")
+    parser.add_argument(
+        "--workers", type=int, default=min(8, max(1, cpus // 2)), help="server processes"
+    )
     parser.add_argument("--latency-calls", type=int, default=1000)
     parser.add_argument("--baseline-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--as-shipped", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.baseline_server:
-        return baseline_server(args.baseline_server, args.as_shipped)
+        return baseline_server(args.baseline_server, args.as_shipped, args.workers)
 
     import httpx
 
-    from ferrule_rewards.client import RewardClient
-
-    ours_process, address = start_ours()
-    port, shipped_port = free_port(), free_port()
-    processes = [ours_process, start_baseline(port, False), start_baseline(shipped_port, True)]
-    client = RewardClient(address, batch_size=BATCH)
+    ours_process, address = start_ours(args.workers)
+    port, workers_port, shipped_port = free_port(), free_port(), free_port()
+    processes = [
+        ours_process,
+        start_baseline(port),
+        start_baseline(workers_port, workers=args.workers),
+        start_baseline(shipped_port, as_shipped=True),
+    ]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC
+    pipes, clients = [], []
+    for _ in range(args.clients):
+        pipe, child_end = context.Pipe()
+        clients.append(context.Process(target=client_process, args=(child_end,)))
+        clients[-1].start()
+        pipes.append(pipe)
+    ours = make_caller(("ours", address))
+    baseline = make_caller(("http", str(port)))
     session = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    keep_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-
-    def ours(samples):
-        return [result.reward for result in client.score(samples)]
-
-    def post(connection: http.client.HTTPConnection, samples: list[dict]) -> list[float]:
-        headers = {"Content-Type": "application/json"}
-        connection.request("POST", "/get_reward", json.dumps(openrlhf_body(samples)), headers)
-        response = connection.getresponse()
-        assert response.status == 200, response.status
-        return json.loads(response.read())["rewards"]
-
-    def baseline(samples):  # the leanest client: the standard library, one kept-alive socket
-        return post(keep_alive, samples)
 
     def baseline_httpx(samples):
         response = session.post("/get_reward", json=openrlhf_body(samples))
@@ -179,50 +250,68 @@ def main() -> None:
         finally:
             connection.close()
 
+    targets = {
+        "ours": ("ours", address),
+        "baseline": ("http", str(port)),
+        "baseline_uvicorn_workers": ("http", str(workers_port)),
+    }
     callers = {
-        "ours": ours,
-        "baseline": baseline,
-        "baseline_httpx": baseline_httpx,
-        "openrlhf_as_shipped": openrlhf_as_shipped,
+        "ours_one_in_flight": ours,
+        "baseline_one_in_flight": baseline,
+        "baseline_httpx_one_in_flight": baseline_httpx,
+        "openrlhf_as_shipped_one_in_flight": openrlhf_as_shipped,
     }
     try:
         batch, single = make_samples(BATCH), make_samples(1)
-        for call in callers.values():  # warm up connections and code paths
+        for target in targets.values():  # warm up connections and code paths
+            concurrent(pipes, target, 0.5)
+        for call in callers.values():
             throughput(call, batch, 0.5)
-        rounds = {name: [] for name in callers}
+        rounds = {name: [] for name in [*targets, *callers]}
         for _ in range(args.rounds):
+            for name, target in targets.items():
+                rounds[name].append(concurrent(pipes, target, args.seconds))
             for name, call in callers.items():
                 rounds[name].append(throughput(call, batch, args.seconds))
         rps = {name: statistics.median(values) for name, values in rounds.items()}
         ours_p50, ours_p99 = latencies(ours, single, args.latency_calls)
         base_p50, base_p99 = latencies(baseline, single, args.latency_calls)
     finally:
-        client.close()
+        for pipe in pipes:
+            with contextlib.suppress(OSError):  # a client that died has said why already
+                pipe.send(None)
+        for client in clients:
+            client.join(10)
         session.close()
-        keep_alive.close()
         for process in processes:
             process.terminate()
-            process.wait(10)
+            process.wait(30)
     per_round = {name: [round(v) for v in values] for name, values in rounds.items()}
     print(f"samples/s at batch {BATCH}, per round: {json.dumps(per_round)}", file=sys.stderr)
+    figures = {name: round(value) for name, value in rps.items()}
     print(
         json.dumps(
             {
                 "name": "rewards_rps",
-                "unit": f"samples/s, trivial rule reward, batch {BATCH}, one call in flight",
-                "ours": round(rps["ours"]),
-                "baseline": round(rps["baseline"]),
+                "unit": f"samples/s, trivial rule reward, batch {BATCH}, "
+                f"{args.clients} client processes at once",
+                "ours": figures.pop("ours"),
+                "baseline": figures.pop("baseline"),
                 "ratio": round(rps["ours"] / rps["baseline"], 2),
                 "goal": GOAL,
-                "baseline_httpx": round(rps["baseline_httpx"]),
-                "openrlhf_as_shipped": round(rps["openrlhf_as_shipped"]),
+                "clients": args.clients,
+                "workers": args.workers,
+                **figures,
+                "ratio_one_in_flight": round(
+                    rps["ours_one_in_flight"] / rps["baseline_one_in_flight"], 2
+                ),
                 "latency_ms_batch1": {
                     "ours_p50": round(ours_p50, 3),
                     "ours_p99": round(ours_p99, 3),
                     "baseline_p50": round(base_p50, 3),
                     "baseline_p99": round(base_p99, 3),
                 },
-                "cpus": os.cpu_count(),
+                "cpus": cpus,
             }
         )
     )

@@ -7,11 +7,12 @@
 A sample is a dict with the wire format's field names (or a `records.Sample`). A call larger
 than `batch_size` is split into chunks that go out concurrently, spread round-robin over the
 addresses and over several connections to each (a server with `--workers N` is N processes,
-and a connection reaches one of them). A chunk refused with UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED
-(server busy) moves to the next address at once, and backs off exponentially after every
-address has refused it; after `retry_for` seconds of refusals, RewardServersUnavailable lists
-what each address said. Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that
-timed out may still be running on the server, and retrying it would score its samples twice.
+and a connection reaches one of them). A chunk refused with UNAVAILABLE (server down or
+draining) or RESOURCE_EXHAUSTED (server busy) moves to the next address at once, and backs off
+exponentially after every address has refused it; after `retry_for` seconds of refusals,
+RewardServersUnavailable lists what each address said. Other failures raise RewardError at
+once, DEADLINE_EXCEEDED included: a call that timed out may still be running on the server,
+and retrying it would score its samples twice.
 """
 
 import itertools
