@@ -127,11 +127,12 @@ class _Pool:
         while True:
             pipes = {slot.pipe: slot for slot in self.slots if slot.pipe is not None}
             ends = {slot.process.sentinel: slot for slot in self.slots}
-            for ready in wait([woken, *pipes, *ends]):
-                if ready is woken:
-                    signum = woken.recv(1)[0]
-                    log.info("%s: stopping %d workers", signal.Signals(signum).name, len(ends))
-                    return
+            ready_ones = wait([woken, *pipes, *ends])
+            if woken in ready_ones:  # first: a worker that exits now was stopped with us
+                signum = woken.recv(1)[0]
+                log.info("%s: stopping %d workers", signal.Signals(signum).name, len(ends))
+                return
+            for ready in ready_ones:
                 if ready in ends:
                     self.replace(ends[ready])
                 elif pipes[ready].pipe is ready:  # not replaced a moment ago
