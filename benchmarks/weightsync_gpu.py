@@ -6,8 +6,8 @@
 The state dict has the shapes of a 1.5B Qwen2 (hidden 1536, 28 layers, vocab 151936; bf16),
 about 3.4 GB in 339 tensors.
   nccl: ours = ferrule_weightsync's broadcast transport from cuda:0 to a receiver on cuda:1
-        (its default buckets: 512 MB, ramping up from 16 MB; double-buffered; the receiver
-        iterating the tensors it gets);
+        (its default 512 MB buckets, double-buffered; the receiver iterating the tensors it
+        gets);
         baseline = one raw `torch.distributed.broadcast` of a flat buffer of the same bytes.
         ratio = ours / baseline throughput.
   ipc:  ours = IpcSender -> IpcReceiver on the same GPU, the receiver copying every tensor into

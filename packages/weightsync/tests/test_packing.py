@@ -39,19 +39,9 @@ def test_layout_keeps_order_aligns_and_never_splits_a_tensor():
     assert [b.index for b in buckets] == [0, 1, 2]
 
 
-def test_first_bucket_ramps_up_by_doubling_to_the_bucket_size():
-    specs = [TensorSpec(f"t{i}", (16,), torch.float32) for i in range(64)]  # 64 bytes each
-    buckets = plan_buckets(specs, bucket_bytes=1024, first_bucket_bytes=128)
-    assert [b.nbytes for b in buckets] == [128, 256, 512, 1024, 1024, 1024, 128]
-    assert [s.name for b in buckets for s in b.specs] == [s.name for s in specs]
-    assert plan_buckets(specs, 1024, first_bucket_bytes=4096) == plan_buckets(specs, 1024)
-
-
 def test_bad_bucket_size_is_an_error():
     with pytest.raises(ValueError, match="bucket_bytes must be positive, got 0"):
         plan_buckets([TensorSpec("a", (1,), torch.float32)], 0)
-    with pytest.raises(ValueError, match="first_bucket_bytes must be positive, got -1"):
-        plan_buckets([TensorSpec("a", (1,), torch.float32)], 64, first_bucket_bytes=-1)
 
 
 @pytest.mark.parametrize("bucket_bytes", [64, 4096, 1 << 30])

@@ -53,36 +53,25 @@ def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def plan_buckets(
-    specs: list[TensorSpec], bucket_bytes: int, first_bucket_bytes: int | None = None
-) -> list[Bucket]:
-    """Greedy layout in the given order. A tensor larger than its bucket's size gets a bucket of
-    its own, so no tensor is ever split across buckets.
-
-    `first_bucket_bytes` ramps the sizes up: the first bucket holds at most that much, each next
-    one twice as much, up to `bucket_bytes`. Nothing moves until the first bucket is packed, so a
-    small one starts the wire sooner; packing is faster than the wire, so the doubling keeps it
-    ahead."""
+def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+    """Greedy layout in the given order. A tensor larger than `bucket_bytes` gets a bucket of its
+    own, so no tensor is ever split across buckets."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    if first_bucket_bytes is not None and first_bucket_bytes <= 0:
-        raise ValueError(f"first_bucket_bytes must be positive, got {first_bucket_bytes}")
-    limit = min(first_bucket_bytes or bucket_bytes, bucket_bytes)
     buckets: list[Bucket] = []
     current: list[TensorSpec] = []
     offsets: list[int] = []
     used = 0
 
     def close() -> None:
-        nonlocal current, offsets, used, limit
+        nonlocal current, offsets, used
         if current:
             buckets.append(Bucket(len(buckets), tuple(current), tuple(offsets), _align(used)))
-            limit = min(2 * limit, bucket_bytes)
         current, offsets, used = [], [], 0
 
     for spec in specs:
         start = _align(used)
-        if current and start + spec.nbytes > limit:
+        if current and start + spec.nbytes > bucket_bytes:
             close()
             start = 0
         current.append(spec)

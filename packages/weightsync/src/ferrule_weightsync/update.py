@@ -59,15 +59,8 @@ class ReceiverState:
 class UpdateSender:
     """The sender's side of the update protocol, shared by every transport."""
 
-    def __init__(
-        self,
-        control: Control,
-        bucket_bytes: int,
-        checksums: bool,
-        first_bucket_bytes: int | None = None,
-    ):
+    def __init__(self, control: Control, bucket_bytes: int, checksums: bool):
         self.control, self.bucket_bytes, self.checksums = control, bucket_bytes, checksums
-        self.first_bucket_bytes = first_bucket_bytes
         self.seq = 0
         self.version = 0
         self.layouts: dict[tuple[TensorSpec, ...], Layout] = {}
@@ -84,8 +77,7 @@ class UpdateSender:
                 raise ValueError(
                     f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}"
                 )
-            buckets = plan_buckets(list(specs), self.bucket_bytes, self.first_bucket_bytes)
-            buckets = tuple(buckets)
+            buckets = tuple(plan_buckets(list(specs), self.bucket_bytes))
             known = Layout(f"layout{len(self.layouts)}", specs, buckets)
             self.control.publish_layout(known.key, pickle.dumps(known))
             self.layouts[specs] = known
