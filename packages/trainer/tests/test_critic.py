@@ -38,6 +38,20 @@ def test_critic_fits_returns_and_round_trips(tmp_path):
     torch.testing.assert_close(response_values(reloaded, batch), critic.values(batch))
 
 
+def test_grad_norm_is_reported_the_same_at_zero_0_and_zero_2():
+    from ferrule_trainer.critic import Critic
+
+    norms = {}
+    for stage in (0, 2):  # DeepSpeed itself records no norm on its plain ZeRO-0 fp32 path
+        critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype="fp32", learning_rate=2e-3)
+        batch = _batch()
+        batch["returns"] = torch.ones(4, 6)
+        batch["old_values"] = critic.values(batch)
+        norms[stage] = critic.train_step([batch], clip=None)["grad_norm"]
+    assert norms[2] > 0
+    assert norms[0] == pytest.approx(norms[2], rel=1e-5)
+
+
 def test_reward_model_scores_ignore_right_padding():
     from ferrule_trainer.critic import RewardModel
 

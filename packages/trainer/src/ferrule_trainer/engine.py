@@ -329,10 +329,21 @@ def optimizer_step(
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + torch.as_tensor(value).detach().double()
     lr = engine.get_lr()[0]
+    # DeepSpeed records the norm in its ZeRO and bf16 optimizers; its plain fp32 path (ZeRO-0)
+    # clips without keeping it, so take it here, before the step clears the gradients.
+    plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled()
+    own_norm = _grad_norm(engine.module) if plain and not engine.fp16_enabled() else None
     engine.step()
     result = {key: float(value) / len(micro_batches) for key, value in sums.items()}
     result["loss"] = float(global_sum(total))
-    grad_norm = engine.get_global_grad_norm()
+    grad_norm = engine.get_global_grad_norm() if own_norm is None else own_norm
     result["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     result["lr"] = lr
     return result
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    """The L2 norm of all gradients, before clipping (ZeRO-0: every rank holds the averaged
+    gradients once the accumulation boundary's backward has all-reduced them)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
