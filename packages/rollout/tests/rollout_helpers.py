@@ -19,15 +19,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def hf_logprobs(model, prompt_ids: list[int], token_ids: list[int]):
+def hf_logprobs(
+    model, prompt_ids: list[int], token_ids: list[int], temperature: float = 1.0, top_k: int = 0
+):
     """Teacher-forced transformers forward pass over prompt + sampled tokens: the log-probability
-    of each sampled token and the greedy (argmax) choice at each position."""
+    of each sampled token under softmax(logits / temperature) over the top-k tokens (all when
+    top_k is 0), and the greedy (argmax) choice at each position."""
     import torch
 
     ids = torch.tensor([prompt_ids + token_ids])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if top_k:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    logprobs = torch.log_softmax(scaled, dim=-1)
     chosen = logprobs.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
     return chosen, logits.argmax(dim=-1)
 

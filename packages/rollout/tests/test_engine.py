@@ -40,9 +40,9 @@ def policy(engine):
     return AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32).eval()
 
 
-def assert_matches_transformers(samples, model, greedy: bool) -> None:
+def assert_matches_transformers(samples, model, greedy: bool, **sampling) -> None:
     for sample in samples:
-        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids)
+        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
         got = torch.tensor(sample.logprobs)
         assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
         if greedy:
@@ -57,13 +57,16 @@ def test_greedy_tokens_and_logprobs_match_transformers(engine, policy):
     assert_matches_transformers(samples, policy, greedy=True)
 
 
-def test_sampled_logprobs_match_transformers(engine, policy):
-    # Raw logprobs (before temperature / top-k) are what the trainer's forward pass computes.
+def test_sampled_logprobs_are_those_of_the_sampling_distribution(engine, policy):
+    # softmax(logits / T) over the top-k tokens: the behaviour policy the tokens came from.
     settings = SamplingSettings(n=3, temperature=0.8, top_k=50, max_tokens=10, seed=7)
     samples = engine.generate([*PROMPTS, [5, 6, 7, 8]], settings)
     assert len(samples) == 9
     assert samples[0].token_ids != samples[1].token_ids  # the n samples differ
-    assert_matches_transformers(samples, policy, greedy=False)
+    assert_matches_transformers(samples, policy, greedy=False, temperature=0.8, top_k=50)
+    # Without truncation, exactly what the trainer computes at the same temperature.
+    plain = engine.generate(PROMPTS, SamplingSettings(n=2, temperature=0.7, max_tokens=10, seed=3))
+    assert_matches_transformers(plain, policy, greedy=False, temperature=0.7)
 
 
 def test_stop_strings_and_eos_finish_with_stop(engine):

@@ -163,6 +163,10 @@ class RolloutEngine:
         register()  # the entry point does this in vLLM's other processes
         if tensor_parallel_size == 1 and in_process:
             engine_kwargs.setdefault("distributed_executor_backend", "uni")
+        # Sample logprobs under the distribution the tokens were drawn from (temperature, top-k,
+        # top-p applied): vLLM's default is the raw logits', which at temperature != 1 is not
+        # the behaviour policy a trainer's importance-sampling correction divides by.
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         args = EngineArgs(
             model=self.model,
             dtype=dtype,

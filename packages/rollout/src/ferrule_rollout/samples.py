@@ -90,8 +90,10 @@ class Sample:
     token_ids: list[int]
     """The sampled tokens."""
     logprobs: list[float]
-    """Log-probability of each sampled token under the weights that sampled it (raw logits,
-    before temperature or top-p/top-k; the quantity the trainer's forward pass computes)."""
+    """Log-probability of each sampled token under the distribution that drew it, from the
+    weights that sampled it: softmax(logits / temperature), renormalised over the top-k / top-p
+    tokens when those are set (greedy: softmax(logits)). With top-k and top-p off, the quantity
+    the trainer's forward pass computes at the same temperature."""
     finish_reason: str
     """"stop" (EOS or a stop string), "length" (max_tokens or the model's length) or "abort"."""
     version: int
