@@ -17,6 +17,8 @@ import torch
 # Offsets are aligned so that every tensor's bytes can be viewed as its dtype (the widest, complex128,
 # needs 16) and so that copies start on cache-line-friendly boundaries.
 ALIGNMENT = 64
+# Tensors from this size up are packed by their own copy (a memcpy) rather than the fused one.
+MEMCPY_BYTES = 1 << 20
 
 
 class TensorSpec(NamedTuple):
@@ -106,17 +108,22 @@ class BucketViews:
 
 @torch.no_grad()  # trainer parameters require grad; the copy must not join their graph
 def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-    """Copy `tensors` into their slots (`BucketViews`). Non-contiguous tensors are copied through
-    the strided view: no temporary contiguous copy. Same-device pairs go in one fused call."""
+    """Copy `tensors` into their slots (`BucketViews`). Large contiguous tensors are copied one
+    by one (a plain memcpy, which on a GPU leaves the SMs to a concurrent NCCL broadcast:
+    measured 0.91 of a raw broadcast on 2 x H200, against 0.88 with every copy fused); the rest
+    go in one fused call. Non-contiguous tensors are copied through the strided view: no
+    temporary contiguous copy."""
     fused_dst, fused_src = [], []
     for dst, src in zip(views, tensors, strict=True):
         if dst.numel() == 0:
             continue
-        if dst.device == src.device:
+        if dst.device != src.device or (
+            dst.numel() * dst.element_size() >= MEMCPY_BYTES and src.is_contiguous()
+        ):
+            dst.copy_(src)
+        else:
             fused_dst.append(dst)
             fused_src.append(src)
-        else:
-            dst.copy_(src)
     if fused_dst:
         torch._foreach_copy_(fused_dst, fused_src)
 
