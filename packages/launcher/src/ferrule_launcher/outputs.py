@@ -45,7 +45,7 @@ class Outputs:
         self.quiet = not progress
 
     def log(self, step: int, metrics: dict) -> None:
-        # NaN (e.g. a grad norm DeepSpeed does not compute at ZeRO-0) is not JSON: null instead.
+        # NaN (a metric that could not be computed) is not JSON: null instead.
         metrics = {
             k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()
         }

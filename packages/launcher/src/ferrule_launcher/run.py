@@ -90,6 +90,7 @@ def run(config: Config, resume: bool = False) -> dict:
         elapsed_before = state["wall_seconds"] if state else 0.0
 
         def on_step(step: int, metrics: dict) -> None:
+            metrics["wall_seconds"] = round(elapsed_before + time.monotonic() - started, 3)
             outputs.log(step, metrics)
             every = config.output.checkpoint_every
             if every and step % every == 0 and step < config.loop.steps:
