@@ -258,3 +258,28 @@ def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine
     finally:
         sender.close()
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
+
+
+def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_weightsync import create_sender
+
+    path = tiny_model("qwen2")
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    long_prompt = [PROMPTS[0] * 12]  # ~170 tokens: a full KV block (128 on CPU) gets cached
+    with RolloutEngine(path, dtype="float32", max_model_len=512, enable_prefix_caching=True) as eng:
+        eng.generate(long_prompt, GREEDY)  # fills the prefix cache under the old weights
+        port = free_port()
+        joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)
+        eng.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+        sender = joining.get()
+        try:
+            perturb_(policy, seed=11)
+            sending = in_thread(sender.send, list(policy.named_parameters()))
+            eng.update_weights(timeout=60)
+            sending.get()
+        finally:
+            sender.close()
+        assert_matches_transformers(eng.generate(long_prompt, GREEDY), policy, greedy=True)
