@@ -29,8 +29,8 @@ from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
 from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
-# Measured on 2 x H200 (3 GB update): 512 MB buckets 0.87-0.89 of a raw broadcast, 256 MB 0.84,
-# 1 GB no better than 512 MB; buckets ramping up from 16 or 64 MB were slower (0.85-0.86).
+# Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets 0.87-0.89 of a raw
+# broadcast, 256 MB 0.84, 1 GB no better; buckets ramping up from 16 or 64 MB were slower.
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 SPIN_SECONDS = 0.1  # a final wait polls without sleeping this long (~40 GB at NVLink speed)
 
