@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from ferrule_rewards.client import RewardClient, RewardError
+from ferrule_rewards.records import Status
 
 # With 32 connections the chance that the kernel puts all of them on one of two workers is 2^-31.
 CONNECTIONS = 32
@@ -190,3 +191,21 @@ def test_a_taken_port_is_an_error_with_workers_too(spawn, first, second):
     late = spawn(*function, "--workers", second, "--bind", taken.address, ready=False)
     assert late.process.returncode == 2
     assert f"cannot listen on {taken.address}" in "".join(late.log)
+
+
+def test_a_worker_stuck_in_the_reward_function_is_replaced(spawn, fn_spec):
+    server = spawn(
+        "--function", fn_spec("pid"), "--workers", "2", "--timeout", "0.5", "--max-stuck", "1"
+    )
+    pids = set(worker_pids(server))
+    with RewardClient(server.address) as client:
+        [result] = client.score([{"response": "3600"}])  # its thread sleeps on, stuck
+    assert result.status == Status.TIMEOUT
+    deadline = time.monotonic() + 30
+    while not any("serves again" in line for line in server.log):
+        assert time.monotonic() < deadline, "".join(server.log[-20:])
+        time.sleep(0.1)
+    assert any("is stuck in the reward function; replacing it" in line for line in server.log)
+    answering = answered_by(server.address)  # every sample scored, by two live workers
+    assert len(answering) == 2 and len(answering & pids) == 1  # one of them is new
+    assert server.stop() == 0

@@ -7,8 +7,11 @@ spawns N workers; each builds its own scorer (`make_scorer` must pickle: a modul
 or a partial of one) and runs its own grpc.aio server on that port with SO_REUSEPORT, and the
 kernel spreads incoming connections over them. The supervisor logs `serving ... on HOST:PORT`
 once every worker accepts calls, drains them all on SIGTERM or SIGINT, and replaces a worker
-that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. Workers exit
-when the supervisor does, even when it is killed: each watches a pipe from it.
+that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. A worker with
+more threads stuck in timed-out reward calls than --max-stuck (it reports NOT_SERVING) is
+drained and replaced too, without counting as a death: Python cannot stop those threads, a new
+process is the only way to get them back. Workers exit when the supervisor does, even when it
+is killed: each watches a pipe from it.
 """
 
 import asyncio
@@ -98,6 +101,7 @@ class _Slot:
         self.pipe: Connection | None = None
         self.ready = False
         self.error: tuple[str, int] | None = None  # what the worker said when it failed
+        self.retiring = False  # stopped by us because it got stuck: its exit is no death
         self.deaths: deque[float] = deque()
 
 
@@ -112,7 +116,7 @@ class _Pool:
 
     def start(self, slot: _Slot) -> None:
         slot.pipe, child_end = self.context.Pipe()
-        slot.ready, slot.error = False, None
+        slot.ready, slot.error, slot.retiring = False, None, False
         slot.process = self.context.Process(
             target=_worker,
             args=(slot.index, child_end, *self.worker_args),
@@ -148,6 +152,15 @@ class _Pool:
         if message[0] == "error":
             slot.error = message[1:]
             return
+        if message[0] == "stuck":  # past --max-stuck: only a new process gets its threads back
+            log.warning(
+                "worker %d (pid %d) is stuck in the reward function; replacing it",
+                slot.index,
+                slot.process.pid,
+            )
+            slot.retiring = True
+            slot.process.terminate()  # it drains: new calls go to the other workers
+            return
         slot.ready = True
         if self.serving:
             log.info("worker %d serves again (pid %d)", slot.index, slot.process.pid)
@@ -173,6 +186,9 @@ class _Pool:
         text, status = slot.error or (why, 1)
         if not self.serving:
             raise WorkerFailed(f"worker {slot.index}: {text}", status)
+        if slot.retiring:
+            self._restart(slot)
+            return
         now = time.monotonic()
         slot.deaths.append(now)
         while slot.deaths[0] < now - DEATH_WINDOW:
@@ -184,6 +200,9 @@ class _Pool:
                 status,
             )
         log.warning("worker %d (pid %d): %s; starting another", slot.index, pid, text)
+        self._restart(slot)
+
+    def _restart(self, slot: _Slot) -> None:
         slot.process.close()
         if slot.pipe is not None:
             slot.pipe.close()
@@ -230,6 +249,15 @@ async def _serve(scorer, pipe: Connection, address: str, grace: float, options: 
     from ferrule_rewards.server import start, stop_requested
 
     server = await start(scorer, address, reuse_port=True, **options)
+    turn_health = getattr(scorer, "on_health_change", None)  # set by the server
+    if turn_health is not None:
+
+        def on_health_change(healthy: bool) -> None:
+            turn_health(healthy)  # NOT_SERVING: calls go elsewhere
+            if not healthy:
+                _tell(pipe, "stuck")
+
+        scorer.on_health_change = on_health_change
     _tell(pipe, "ready", scorer.name)
     await stop_requested((signal.SIGTERM,), watch=pipe.fileno())
     await server.drain(grace)
