@@ -331,8 +331,10 @@ def optimizer_step(
     lr = engine.get_lr()[0]
     # DeepSpeed records the norm in its ZeRO and bf16 optimizers; its plain fp32 path (ZeRO-0)
     # clips without keeping it, so take it here, before the step clears the gradients.
-    plain = engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled()
-    own_norm = _grad_norm(engine.module) if plain and not engine.fp16_enabled() else None
+    plain_fp32 = engine.zero_optimization_stage() == 0 and not (
+        engine.bfloat16_enabled() or engine.fp16_enabled()
+    )
+    own_norm = _grad_norm(engine.module) if plain_fp32 else None
     engine.step()
     result = {key: float(value) / len(micro_batches) for key, value in sums.items()}
     result["loss"] = float(global_sum(total))

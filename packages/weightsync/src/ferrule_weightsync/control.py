@@ -121,19 +121,23 @@ class Control:
     def collect(self, seq: int, stage: str) -> list[str]:
         """Sender: wait for every receiver's report on `stage`; return their error messages."""
         self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}")
-        keys = [f"u{seq}/{stage}/{rank}" for rank in range(1, self.world_size)]
-        messages = self.store.multi_get(keys)
-        return [f"receiver {r}: {m.decode()}" for r, m in enumerate(messages, 1) if m]
+        return self._messages(seq, stage, range(1, self.world_size))
 
     def reported_errors(self, seq: int, stage: str) -> list[str]:
         """Sender: the messages of the receivers that have reported `stage`, without waiting
         for the others (who report only on failure in the broadcast transport's finish)."""
-        keys = [f"u{seq}/{stage}/{rank}" for rank in range(1, self.world_size)]
-        reported = [(r, k) for r, k in enumerate(keys, 1) if self.store.check([k])]
-        messages = self.store.multi_get([k for _, k in reported]) if reported else []
-        return [
-            f"receiver {r}: {m.decode()}" for (r, _), m in zip(reported, messages, strict=True) if m
-        ]
+        ranks = range(1, self.world_size)
+        return self._messages(
+            seq, stage, [r for r in ranks if self.store.check([f"u{seq}/{stage}/{r}"])]
+        )
+
+    def _messages(self, seq: int, stage: str, ranks) -> list[str]:
+        """The non-empty reports of `ranks` on `stage`, each naming its receiver."""
+        ranks = list(ranks)
+        if not ranks:
+            return []
+        messages = self.store.multi_get([f"u{seq}/{stage}/{rank}" for rank in ranks])
+        return [f"receiver {r}: {m.decode()}" for r, m in zip(ranks, messages, strict=True) if m]
 
     def decide(self, seq: int, errors: list[str]) -> None:
         """Sender: let the receivers go ahead, or abort the update with the collected errors."""
