@@ -1,6 +1,6 @@
 """Trainer throughput on one GPU: our DeepSpeed ZeRO-2 bf16 step against a plain torch loop.
 
-    TORCH_CUDA_ARCH_LIST=9.0 python benchmarks/trainer_gpu.py [--steps 8] [--batch 8] [--seq 1024]
+    TORCH_CUDA_ARCH_LIST=9.0 python benchmarks/trainer_gpu.py [--steps 20] [--batch 8] [--seq 1024]
 
 A Qwen2 model of Qwen2.5-0.5B's shape (random initialisation, built from a config: no hub)
 trains on random tokens, the same batches for both:
@@ -118,8 +118,8 @@ def run_ours(args, data) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument(

@@ -52,6 +52,21 @@ def test_grad_norm_is_reported_the_same_at_zero_0_and_zero_2():
     assert norms[0] == pytest.approx(norms[2], rel=1e-5)
 
 
+@pytest.mark.parametrize("stage, dtype", [(0, "fp32"), (2, "fp32"), (2, "bf16")])
+def test_a_non_finite_gradient_stops_training_with_a_clear_error(stage, dtype):
+    from ferrule_trainer.critic import Critic
+    from ferrule_trainer.engine import NonFiniteGradientError
+
+    critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype=dtype, learning_rate=2e-3)
+    batch = _batch()
+    batch["old_values"] = critic.values(batch)
+    batch["returns"] = torch.ones(4, 6)
+    assert critic.train_step([batch], clip=None)["grad_norm"] > 0  # a finite step goes through
+    batch["returns"][1, 2] = float("nan")  # one poisoned target
+    with pytest.raises(NonFiniteGradientError, match=r"gradient norm is (nan|inf)"):
+        critic.train_step([batch], clip=None)
+
+
 def test_reward_model_scores_ignore_right_padding():
     from ferrule_trainer.critic import RewardModel
 

@@ -7,6 +7,7 @@ on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, sh
 CPU; colocated processes). Depends on torch only. See README.md for a complete example.
 """
 
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ferrule_weightsync.broadcast import BroadcastReceiver, BroadcastSender
@@ -15,7 +16,10 @@ from ferrule_weightsync.ipc import IpcReceiver, IpcSender
 from ferrule_weightsync.packing import TensorSpec
 from ferrule_weightsync.update import Update
 
-__version__ = _version("ferrule-weightsync")
+try:
+    __version__ = _version("ferrule-weightsync")
+except PackageNotFoundError:  # copied into another project's tree, or run from a source checkout
+    __version__ = "0+source"
 TRANSPORTS = ("broadcast", "ipc")
 
 

@@ -1,0 +1,54 @@
+"""One process of test_gpu.py: train a small Qwen2 on one GPU, optionally offloading every state
+to host memory between steps (the hybrid engine), and report losses, memory and weights.
+
+    python gpu_hybrid_worker.py MODEL_DIR ZERO_STAGE OFFLOAD(0|1) OUT.json
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ferrule_trainer import engine
+from ferrule_trainer.export import export_weights
+from ferrule_trainer.offload import offload_states, reload_states
+from ferrule_trainer.sft import sft_loss
+
+model_dir, stage, offload, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+engine.init_distributed()  # a group of one, NCCL
+config = engine.deepspeed_config(zero_stage=stage, dtype="bf16")
+model = engine.load_model(model_dir, dtype="bf16", ds_config=config)
+ds = engine.build_engine(model, learning_rate=1e-3, ds_config=config)
+
+# one batch, learned by heart: the loss must fall
+ids = torch.randint(
+    0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0)
+)
+ones = torch.ones_like(ids)
+batch = {"input_ids": ids.cuda(), "attention_mask": ones.cuda(), "loss_mask": ones.cuda()}
+count = batch["loss_mask"][:, 1:].sum().double()
+losses, resident, after_offload, after_reload = [], [], [], []
+for _ in range(4):
+    metrics = engine.optimizer_step(ds, [batch], lambda mb: (sft_loss(ds, mb, count), {}))
+    losses.append(metrics["loss"])
+    torch.cuda.synchronize()
+    resident.append(torch.cuda.memory_allocated())
+    if offload:  # the rollout phase would use the GPU here
+        offload_states(ds)
+        after_offload.append(torch.cuda.memory_allocated())
+        reload_states(ds)
+        after_reload.append(torch.cuda.memory_allocated())
+
+weights = {name: tensor.float().cpu() for name, tensor in export_weights(ds.module)}
+torch.save(weights, out + ".pt")
+Path(out).write_text(
+    json.dumps(
+        {
+            "losses": losses,
+            "resident": resident,
+            "after_offload": after_offload,
+            "after_reload": after_reload,
+        }
+    )
+)
