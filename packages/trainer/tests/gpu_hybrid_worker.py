@@ -1,7 +1,9 @@
-"""One process of test_gpu.py: train a small Qwen2 on one GPU, optionally offloading every state
-to host memory between steps (the hybrid engine), and report losses, memory and weights.
+"""One process of test_gpu.py: train a small Qwen2 on one GPU and report losses, memory and
+weights. MODE is "plain", "hybrid" (every state moved to host memory between steps and back, as
+around a rollout phase) or "cpu-states" (DeepSpeed's offload_optimizer, and offload_params under
+ZeRO-3: the states live in host memory and the optimizer step runs on the CPU).
 
-    python gpu_hybrid_worker.py MODEL_DIR ZERO_STAGE OFFLOAD(0|1) OUT.json
+    python gpu_hybrid_worker.py MODEL_DIR ZERO_STAGE MODE OUT.json
 """
 
 import json
@@ -15,9 +17,13 @@ from ferrule_trainer.export import export_weights
 from ferrule_trainer.offload import offload_states, reload_states
 from ferrule_trainer.sft import sft_loss
 
-model_dir, stage, offload, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+model_dir, stage, mode, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+offload = mode == "hybrid"
+cpu_states = (
+    {"offload_optimizer": True, "offload_params": stage == 3} if mode == "cpu-states" else {}
+)
 engine.init_distributed()  # a group of one, NCCL
-config = engine.deepspeed_config(zero_stage=stage, dtype="bf16")
+config = engine.deepspeed_config(zero_stage=stage, dtype="bf16", **cpu_states)
 model = engine.load_model(model_dir, dtype="bf16", ds_config=config)
 ds = engine.build_engine(model, learning_rate=1e-3, ds_config=config)
 
