@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from ferrule_trainer import checkpoint, engine, export
+from ferrule_trainer import engine, export
 from ferrule_trainer.kl import kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.sequences import check_batch, response_logits, response_tokens, token_logprobs
+from ferrule_trainer.trained import TrainedModel
 
 
-class Actor:
+class Actor(TrainedModel):
     """A causal LM under DeepSpeed: PPO-family train steps, log-probs, weight export, checkpoints.
 
     train=False builds the reference policy: no optimizer, ZeRO-3 sharding if zero_stage is 3,
@@ -172,26 +173,3 @@ class Actor:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
         return export.export_weights(self.module, dtype=dtype, bucket_bytes=bucket_bytes)
-
-    def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """The policy as a Hugging Face model directory (LoRA merged), with the tokenizer."""
-        checkpoint.save_hf(self.module, path, dtype=dtype, tokenizer_from=self.model_path)
-
-    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
-        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position)."""
-        return checkpoint.save_state(self.engine, directory, step=step, **client_state)
-
-    def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
-        """Restores what save_state saved; returns its client state (step, data position, ...)."""
-        return checkpoint.load_state(self.engine, directory, tag=tag)
-
-    def offload(self) -> None:
-        """Frees accelerator memory for the rollout engines; see offload.py."""
-        from ferrule_trainer.offload import offload_states
-
-        offload_states(self.engine)
-
-    def reload(self) -> None:
-        from ferrule_trainer.offload import reload_states
-
-        reload_states(self.engine)

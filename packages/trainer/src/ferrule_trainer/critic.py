@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from ferrule_trainer import checkpoint, engine
+from ferrule_trainer import engine
 from ferrule_trainer.losses import value_loss
 from ferrule_trainer.sequences import check_batch, position_ids, response_values
+from ferrule_trainer.trained import TrainedModel
 
 
-class Critic:
+class Critic(TrainedModel):
     """Values per response token and clipped value-loss train steps (see losses.value_loss)."""
 
     def __init__(
@@ -111,25 +112,6 @@ class Critic:
             return result.loss, {"value_clip_fraction": result.clip_fraction}
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
-
-    def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
-
-    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
-        return checkpoint.save_state(self.engine, directory, step=step, **client_state)
-
-    def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
-        return checkpoint.load_state(self.engine, directory, tag=tag)
-
-    def offload(self) -> None:
-        from ferrule_trainer.offload import offload_states
-
-        offload_states(self.engine)
-
-    def reload(self) -> None:
-        from ferrule_trainer.offload import reload_states
-
-        reload_states(self.engine)
 
 
 class RewardModel:

@@ -1,0 +1,37 @@
+"""What the actor and the critic share once built: checkpoints and the hybrid engine's offload."""
+
+import os
+from typing import Any
+
+import torch
+
+from ferrule_trainer import checkpoint
+from ferrule_trainer.offload import offload_states, reload_states
+
+
+class TrainedModel:
+    """Mixed into a class that sets `engine` (a DeepSpeed engine) and `model_path` (the model
+    directory it was loaded from, whose tokenizer goes along with saved models)."""
+
+    engine: Any
+    model_path: str
+
+    def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """The model as a Hugging Face directory (LoRA merged), with the tokenizer."""
+        checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
+
+    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
+        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position)."""
+        return checkpoint.save_state(self.engine, directory, step=step, **client_state)
+
+    def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+        """Restores what save_state saved; returns its client state (step, data position, ...)."""
+        return checkpoint.load_state(self.engine, directory, tag=tag)
+
+    def offload(self) -> None:
+        """Frees accelerator memory for the rollout engines; see offload.py."""
+        offload_states(self.engine)
+
+    def reload(self) -> None:
+        """Brings back what `offload` moved to host memory."""
+        reload_states(self.engine)
