@@ -9,8 +9,9 @@ from one sender process to N receiver processes:
   baseline:    one raw `torch.distributed.broadcast` of a flat buffer of the same bytes;
   per_tensor:  one raw broadcast per tensor (what naive weight sync does).
 Each figure is the best of --repeats timed updates, from the sender starting until every receiver
-holds the data (an ack through the store for ours, a barrier for the raw ones). The last line is
-one JSON object; ratio = ours / baseline (throughput; higher is better).
+holds the data (the end-of-update all-reduce for ours, a barrier for the raw ones); the three
+take turns, one update each per round. The last line is one JSON object; ratio = ours /
+baseline (throughput; higher is better).
 """
 
 import argparse
@@ -52,16 +53,6 @@ def state_dict() -> dict[str, torch.Tensor]:
     return state
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up: connections, buffers
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def worker(rank: int, world: int, ports: tuple[int, int], repeats: int, bucket_bytes: int, out):
     torch.set_num_threads(1)
     state = state_dict()
@@ -69,16 +60,11 @@ def worker(rank: int, world: int, ports: tuple[int, int], repeats: int, bucket_b
     receivers = world - 1
 
     # ours: a private group from its own TCP store, as in a trainer that already owns the default
+    # group; the baselines use the default group
     if rank == 0:
         sender = BroadcastSender("127.0.0.1", ports[0], receivers, bucket_bytes=bucket_bytes)
-        ours = timed(lambda: sender.send(state.items()), repeats)
     else:
         receiver = BroadcastReceiver("127.0.0.1", ports[0], rank, receivers)
-        for _ in range(repeats + 1):
-            for _name, _tensor in receiver.receive():
-                pass
-
-    # baselines on the default group
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{ports[1]}",
@@ -89,6 +75,13 @@ def worker(rank: int, world: int, ports: tuple[int, int], repeats: int, bucket_b
     flat = torch.empty(total, dtype=torch.uint8)
     tensors = [t.clone() for t in state.values()]
 
+    def ours():
+        if rank == 0:
+            sender.send(state.items())  # returns once every receiver has consumed the update
+        else:
+            for _name, _tensor in receiver.receive():
+                pass
+
     def raw_flat():
         dist.broadcast(flat, 0)
         dist.barrier()
@@ -98,18 +91,19 @@ def worker(rank: int, world: int, ports: tuple[int, int], repeats: int, bucket_b
             dist.broadcast(tensor, 0)
         dist.barrier()
 
-    baseline = timed(raw_flat, repeats)
-    per_tensor = timed(raw_per_tensor, repeats)
+    # Rounds alternate between the three, so that load from other processes on a shared machine
+    # falls on all of them alike; the first round warms up connections and buffers.
+    measured = {"ours_s": ours, "baseline_s": raw_flat, "per_tensor_s": raw_per_tensor}
+    best = dict.fromkeys(measured, float("inf"))
+    for round_ in range(repeats + 1):
+        for key, fn in measured.items():
+            dist.barrier()
+            started = time.perf_counter()
+            fn()
+            if round_:
+                best[key] = min(best[key], time.perf_counter() - started)
     if rank == 0:
-        out.put(
-            {
-                "bytes": total,
-                "tensors": len(state),
-                "ours_s": ours,
-                "baseline_s": baseline,
-                "per_tensor_s": per_tensor,
-            }
-        )
+        out.put({"bytes": total, "tensors": len(state), **best})
         sender.close()
     else:
         receiver.close()
