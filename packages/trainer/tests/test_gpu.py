@@ -21,7 +21,7 @@ WORKER = Path(__file__).with_name("gpu_hybrid_worker.py")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A Qwen2 big enough that its states dwarf CUDA's bookkeeping (~60M parameters)."""
+    """A Qwen2 big enough that its states dwarf CUDA's bookkeeping (38M parameters)."""
     config = Qwen2Config(
         vocab_size=32000,
         hidden_size=512,
@@ -82,7 +82,27 @@ def test_states_in_host_memory_train_like_states_on_the_gpu(model_dir, tmp_path,
     assert on_host["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)  # same start
     assert on_host["losses"] == pytest.approx(plain["losses"], rel=1e-2)
     assert on_host["losses"][-1] < on_host["losses"][0]
-    # master weights and Adam moments (12 of the 14-16 bytes per parameter) are off the GPU
-    assert max(on_host["resident"]) < 0.5 * min(plain["resident"])
+
+    # Off the GPU: fp32 master weights and both Adam moments (12 bytes per parameter), and under
+    # ZeRO-3 the bf16 weights too. Both runs keep what does not depend on the option (under
+    # ZeRO-3, DeepSpeed's 1 GB reduce bucket), so compare what was saved with what moved.
+    model = Qwen2ForCausalLM.from_pretrained(model_dir)
+    moved = sum(p.numel() for p in model.parameters()) * (14 if stage == 3 else 12)
+    saved = min(plain["resident"]) - max(on_host["resident"])
+    assert saved >= 0.9 * moved, (saved, moved)
+
+    # The weights took the same steps: the two Adams differ only in rounding, except on weights
+    # whose gradient is noise (k_proj's bias gets none in exact arithmetic: it adds the same
+    # logit to every key), where each Adam steps by +-lr on its own. So: the difference of the
+    # updates is small against the updates as a whole, and no weight is off by more than two
+    # Adams can drift apart (lr per step each).
+    initial = {name: t.bfloat16().float() for name, t in model.state_dict().items()}
+    assert host_weights.keys() == plain_weights.keys()
+    drift = sum(((host_weights[n] - plain_weights[n]) ** 2).sum() for n in plain_weights)
+    update = sum(((plain_weights[n] - initial[n]) ** 2).sum() for n in plain_weights)
+    print(f"ZeRO-{stage}: {saved / 2**20:.0f} MiB off the GPU, {moved / 2**20:.0f} MiB of states")
+    print(f"ZeRO-{stage}: updates differ by {float((drift / update).sqrt()):.2e} of their norm")
+    assert (drift / update).sqrt() < 0.05, (drift / update).sqrt()
+    lr, steps = 1e-3, len(plain["losses"])  # as in gpu_hybrid_worker.py
     for name, tensor in plain_weights.items():
-        torch.testing.assert_close(host_weights[name], tensor, rtol=0.05, atol=2e-3)
+        torch.testing.assert_close(host_weights[name], tensor, rtol=1e-2, atol=2 * lr * steps)
