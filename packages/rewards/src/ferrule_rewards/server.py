@@ -133,8 +133,16 @@ class RewardServer:
             return
         self.draining = True
         log.info("draining: %d call(s) in progress, grace %gs", self.busy, grace)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         await self.health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        # Keep gRPC serving until the calls in flight are done: meanwhile `_score` answers new
+        # calls UNAVAILABLE, which clients retry on another replica. A call that reaches a gRPC
+        # server already stopping can come back CANCELLED instead (seen once in CI), which
+        # clients rightly do not retry.
+        while self.busy and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await self._server.stop(max(0.0, deadline - loop.time()))
         self.scorer.close()
         log.info("stopped")
 
