@@ -48,3 +48,7 @@ result = {
     "shard_numel": sum(shard_sizes),
 }
 Path(out_path).write_text(json.dumps(result))
+# Leave the group before exiting: a gloo group still alive at interpreter exit can abort the
+# process ("terminate called without an active exception", seen once in CI).
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
