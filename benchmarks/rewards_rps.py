@@ -8,11 +8,13 @@ handler that reads the JSON lists `query`, `prompts`, `labels` and answers `{"re
 run by `uvicorn.run(app)` in one process, here without per-request logging.
 
 The headline is the load of RLHF, where many rollout workers score at once: P client processes
-(`--clients`, default min(8, cpus)) each loop Score calls of 256 samples, one at a time, for the
-length of a round (`--seconds`), and `ours` / `baseline` are the samples per second all of them
-got together, from `rlhf-rewards serve --workers W` (`--workers`, default min(8, max(1, cpus //
-2))) through RewardClient, and from the baseline through one kept-alive http.client connection
-per client process. `ratio` is ours / baseline; `goal` is the ratio the project aims for.
+(`--clients`, default 3/4 of the cpus, at least 2) each loop Score calls of 256 samples, one at
+a time, for the length of a round (`--seconds`), and `ours` / `baseline` are the samples per
+second all of them got together, from `rlhf-rewards serve --workers W` (`--workers`, default
+half the cpus, at least 1) through RewardClient, and from the baseline through one kept-alive
+http.client connection per client process. `ratio` is ours / baseline; `goal` is the ratio the
+project aims for. On 64 cpus the defaults are 48 clients and 32 workers, the headline's
+configuration in benchmarks/RESULTS.md.
 
 For context: `baseline_uvicorn_workers` is the baseline run with uvicorn's `workers=W`, the same
 W as ours, so that the ratio can be read per core too. The `*_one_in_flight` figures are this
@@ -206,10 +208,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="length of one round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per measurement")
-    parser.add_argument("--clients", type=int, default=min(8, cpus), help="client processes")
     parser.add_argument(
-        "--workers", type=int, default=min(8, max(1, cpus // 2)), help="server processes"
+        "--clients", type=int, default=max(2, cpus * 3 // 4), help="client processes"
     )
+    parser.add_argument("--workers", type=int, default=max(1, cpus // 2), help="server processes")
     parser.add_argument("--latency-calls", type=int, default=1000)
     parser.add_argument("--baseline-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--as-shipped", action="store_true", help=argparse.SUPPRESS)
