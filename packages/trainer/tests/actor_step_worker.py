@@ -75,3 +75,7 @@ if rank == 0:
         json.dumps({"metrics": metrics, "gathers": gathers, "tensors": len(exported)})
     )
 torch.save(exported, out_dir / f"exported_rank{rank}.pt")
+# Leave the group before exiting, as deepspeed_step_worker.py does: a gloo group still alive at
+# interpreter exit can abort the process.
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
