@@ -78,10 +78,14 @@ class Control:
 
     # -- membership ------------------------------------------------------------------------
 
-    def join(self) -> None:
-        """Register this rank; fail clearly on a second join or a different world size."""
+    def join(self, settings: dict | None = None) -> dict:
+        """Register this rank; fail clearly on a second join or a different world size.
+
+        The sender passes the group's `settings` (what every rank must agree on, such as the
+        number of connections); every rank gets them back, so receivers need not be told."""
         if self.rank == 0:
-            self.store.set("world_size", str(self.world_size))
+            self.store.set("settings", pickle.dumps(settings or {}))
+            self.store.set("world_size", str(self.world_size))  # last: receivers wait for it
         declared = int(self._get("world_size", "the sender", self.connect_timeout))
         if declared != self.world_size:
             raise WeightSyncError(
@@ -92,6 +96,7 @@ class Control:
             raise WeightSyncError(f"rank {self.rank} has already joined the {self.where}")
         if self.rank == 0:
             self._wait_all("joined", "join the group", self.connect_timeout)
+        return pickle.loads(self._get("settings", "the sender"))
 
     # -- one update ------------------------------------------------------------------------
 
