@@ -11,6 +11,7 @@ from ferrule_weightsync.packing import (
     BucketViews,
     TensorSpec,
     checksum,
+    own_bytes,
     pack,
     plan_buckets,
     unpack,
@@ -70,6 +71,24 @@ def test_unpack_gives_views_not_copies():
     assert views(buffer, bucket)[0] is view  # made once, reused by later updates
     views.clear()
     assert views(buffer, bucket)[0] is not view
+
+
+def test_a_bucket_of_one_contiguous_tensor_is_sent_from_its_own_memory():
+    cpu = torch.device("cpu")
+    big = torch.randn(64, 32).to(torch.bfloat16)  # 4096 bytes: a bucket of its own
+    small = torch.randn(3)
+    (solo,) = plan_buckets(specs_of({"big": big}), bucket_bytes=1024)
+    payload = own_bytes([big], solo, cpu)
+    assert payload.data_ptr() == big.data_ptr() and payload.numel() == solo.nbytes  # no copy
+    assert torch.equal(payload.view(torch.bfloat16).view(64, 32), big)
+    # everything else is packed: a transposed tensor, several tensors, a size that is not
+    # the bucket's (padding), another device
+    assert own_bytes([big.t()], solo, cpu) is None
+    (pair,) = plan_buckets(specs_of({"s": small, "t": small}), bucket_bytes=1024)
+    assert own_bytes([small, small], pair, cpu) is None
+    (padded,) = plan_buckets(specs_of({"s": small}), bucket_bytes=1024)
+    assert padded.nbytes == ALIGNMENT and own_bytes([small], padded, cpu) is None
+    assert own_bytes([big], solo, torch.device("meta")) is None
 
 
 def test_checksum_sees_a_flipped_bit_and_a_swap():

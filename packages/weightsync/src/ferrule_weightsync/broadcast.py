@@ -11,12 +11,13 @@ The group is created from a TCP store at host:port, never from the default proce
 lives happily inside a DeepSpeed trainer. NCCL for CUDA devices, gloo for CPU: the same code runs
 in CI. The sender packs bucket k+1 while bucket k is on the wire (NCCL runs on its own
 high-priority stream, so the next bucket's packing never delays its launch), and each receiver
-posts the next bucket before handing bucket k to its consumer. NCCL spreads one broadcast over
-its own channels; gloo moves one broadcast over one TCP connection, at what one core can copy,
-so the gloo group opens `streams` connections, each with its own thread, and keeps that many
-buckets on the wire at once (one buffer more than that on each side). An update ends with a
-one-number all-reduce on the same group, which says whether any receiver failed: no round trip
-through the store when all went well.
+posts the next bucket before handing bucket k to its consumer. A bucket that is one contiguous
+tensor (an embedding larger than a bucket, say) goes from that tensor's own memory, unpacked.
+NCCL spreads one broadcast over its own channels; gloo moves one broadcast over one TCP
+connection, at what one core can copy, so the gloo group opens `streams` connections, each with
+its own thread, and keeps that many buckets on the wire at once (one buffer more than that on
+each side). An update ends with a one-number all-reduce on the same group, which says whether
+any receiver failed: no round trip through the store when all went well.
 """
 
 import contextlib
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
-from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
+from ferrule_weightsync.packing import BucketViews, TensorSpec, own_bytes, pack
 from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
 # Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets 0.87-0.89 of a raw
@@ -74,6 +75,7 @@ class _Group:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+                self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" -> :N
                 options = dist.ProcessGroupNCCL.Options()
                 # Our buckets' packing kernels (and a receiver's loads) run beside the
                 # broadcasts; a high-priority stream schedules each broadcast ahead of them.
@@ -230,18 +232,23 @@ class BroadcastSender:
 
     def _send_buckets(self, seq, stream) -> bool:
         slots = len(self._group.buffers)
-        in_flight: list[dist.Work | None] = [None] * slots
+        # (work, the bytes it sends): a bucket sent from its tensor's own memory keeps that
+        # tensor alive (a lazy stream may drop it) until its broadcast is done
+        in_flight: list[tuple[dist.Work, torch.Tensor] | None] = [None] * slots
         for bucket, tensors in stream:
             slot = bucket.index % slots
             if in_flight[slot] is not None:  # the buffer still holds an earlier bucket
-                self._group.wait(in_flight[slot], f"broadcast of bucket {bucket.index - slots}")
-            buffer = self._group.buffer(slot, bucket.nbytes)
-            pack(self._group.views(buffer, bucket), tensors)
-            self._updates.packed(seq, bucket, buffer)
-            in_flight[slot] = self._group.broadcast(buffer)
-        for index, work in enumerate(in_flight):
-            if work is not None:  # NCCL: orders the stream only; the all-reduce below waits
-                self._group.wait(work, f"broadcast of the last buckets (slot {index})")
+                work, _ = in_flight[slot]
+                self._group.wait(work, f"broadcast of bucket {bucket.index - slots}")
+            payload = own_bytes(tensors, bucket, self._group.device)
+            if payload is None:
+                payload = self._group.buffer(slot, bucket.nbytes)
+                pack(self._group.views(payload, bucket), tensors)
+            self._updates.packed(seq, bucket, payload)
+            in_flight[slot] = (self._group.broadcast(payload), payload)
+        for index, sent in enumerate(in_flight):
+            if sent is not None:  # NCCL: orders the stream only; the all-reduce below waits
+                self._group.wait(sent[0], f"broadcast of the last buckets (slot {index})")
         return self._group.count_failures(False) > 0
 
     def close(self) -> None:

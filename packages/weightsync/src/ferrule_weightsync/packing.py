@@ -128,6 +128,22 @@ def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         torch._foreach_copy_(fused_dst, fused_src)
 
 
+def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device):
+    """The bucket's bytes straight from its tensor's memory, when the bucket is one contiguous
+    tensor on `device` that fills it exactly (a large embedding, say): sending those needs no
+    copy. None when the bucket must be packed."""
+    if len(tensors) != 1:
+        return None
+    tensor = tensors[0]
+    if (
+        tensor.device != device
+        or not tensor.is_contiguous()
+        or tensor.numel() * tensor.element_size() != bucket.nbytes
+    ):
+        return None
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
 def unpack(views: list[torch.Tensor], bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` views into the buffer: no copy; valid until the buffer is reused."""
     for spec, view in zip(bucket.specs, views, strict=True):
