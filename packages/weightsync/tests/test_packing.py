@@ -31,13 +31,23 @@ def test_layout_keeps_order_aligns_and_never_splits_a_tensor():
         TensorSpec("b", (3,), torch.bfloat16),
         TensorSpec("c", (100,), torch.float32),
         TensorSpec("d", (1,), torch.int64),
+        TensorSpec("e", (32,), torch.float32),
+        TensorSpec("f", (20,), torch.float32),
+        TensorSpec("g", (20,), torch.float32),
     ]
     buckets = plan_buckets(specs, bucket_bytes=256)
-    assert [[s.name for s in b.specs] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert [[s.name for s in b.specs] for b in buckets] == [
+        ["a", "b"],
+        ["c"],  # 400 bytes > 256: its own bucket
+        ["d"],
+        ["e"],  # 128 bytes, half a bucket: its own bucket, though "d" left room
+        ["f", "g"],  # 80 + 80 (at offset 128) fit
+    ]
     assert buckets[0].offsets == (0, 64)  # "a" is 40 bytes; "b" starts at the next 64
-    assert buckets[1].nbytes == 448  # "c" alone is 400 > 256: its own bucket, padded
+    assert buckets[1].nbytes == 448  # "c" padded to the alignment
+    assert buckets[4].offsets == (0, 128)
     assert all(o % ALIGNMENT == 0 for b in buckets for o in b.offsets)
-    assert [b.index for b in buckets] == [0, 1, 2]
+    assert [b.index for b in buckets] == [0, 1, 2, 3, 4]
 
 
 def test_bad_bucket_size_is_an_error():

@@ -11,8 +11,8 @@ The group is created from a TCP store at host:port, never from the default proce
 lives happily inside a DeepSpeed trainer. NCCL for CUDA devices, gloo for CPU: the same code runs
 in CI. The sender packs bucket k+1 while bucket k is on the wire (NCCL runs on its own
 high-priority stream, so the next bucket's packing never delays its launch), and each receiver
-posts the next bucket before handing bucket k to its consumer. A bucket that is one contiguous
-tensor (an embedding larger than a bucket, say) goes from that tensor's own memory, unpacked.
+posts the next bucket before handing bucket k to its consumer. A tensor of at least half a
+bucket (an embedding, say) gets a bucket of its own and goes from its own memory, unpacked.
 NCCL spreads one broadcast over its own channels; gloo moves one broadcast over one TCP
 connection, at what one core can copy, so the gloo group opens `streams` connections, each with
 its own thread, and keeps that many buckets on the wire at once (one buffer more than that on

@@ -56,10 +56,12 @@ def _align(n: int) -> int:
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """Greedy layout in the given order. A tensor larger than `bucket_bytes` gets a bucket of its
-    own, so no tensor is ever split across buckets."""
+    """Greedy layout in the given order; no tensor is ever split across buckets. A tensor of at
+    least half a bucket gets a bucket of its own: packing it would buy nothing (its transfer is
+    large already), and a sender can send it from its own memory instead (`own_bytes`)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    alone_from = (bucket_bytes + 1) // 2
     buckets: list[Bucket] = []
     current: list[TensorSpec] = []
     offsets: list[int] = []
@@ -73,12 +75,15 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
 
     for spec in specs:
         start = _align(used)
-        if current and start + spec.nbytes > bucket_bytes:
+        alone = spec.nbytes >= alone_from
+        if current and (alone or start + spec.nbytes > bucket_bytes):
             close()
             start = 0
         current.append(spec)
         offsets.append(start)
         used = start + spec.nbytes
+        if alone:
+            close()
     close()
     return buckets
 
