@@ -36,10 +36,10 @@ from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_
 # Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets 0.87-0.89 of a raw
 # broadcast, 256 MB 0.84, 1 GB no better; buckets ramping up from 16 or 64 MB were slower.
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-# gloo, measured on 64 host cores (200 MB to 2 receivers): 4 connections and 16 MB buckets move
-# an update 1.25-1.4x as fast as one raw broadcast of a flat buffer; one connection, 0.6-0.7x (the
-# packing copy then slows the only send); 2, 6 or 8 connections, 1.1x. On 2 cores, where the
-# copies alone fill the CPU, the number of connections changes nothing.
+# gloo, measured with 200 MB to 2 receivers: on 64 host cores 4 connections and 16 MB buckets
+# move an update 1.25-1.4x as fast as one raw broadcast of a flat buffer, one connection 0.6-0.7x
+# (the packing copy then slows the only send), 2, 6 or 8 connections 1.1x; 16 and 32 cores gave
+# 1.4-2.1x. On 2 cores, where the copies alone fill the CPU, the connections change nothing.
 GLOO_STREAMS = 4
 GLOO_BUCKET_BYTES = 16 * 2**20
 SPIN_SECONDS = 0.1  # a final wait polls without sleeping this long (~40 GB at NVLink speed)
