@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferrule_weightsync import BroadcastReceiver, BroadcastSender
-from ferrule_weightsync.broadcast import GLOO_BUCKET_BYTES, GLOO_STREAMS
+from ferrule_weightsync.broadcast import GLOO_BUCKET_BYTES, GLOO_STREAMS, gloo_group
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = 512, 1536, 16384, 24
 
@@ -57,14 +57,10 @@ def state_dict() -> dict[str, torch.Tensor]:
     return state
 
 
-def parallel_group(rank: int, world: int, port: int, streams: int) -> dist.ProcessGroupGloo:
+def parallel_group(rank: int, world: int, port: int, streams: int):
     """A gloo group with `streams` connections, opened the way our transport opens its own."""
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=300)
-    options._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
-    options._threads = max(2, streams)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=300))
-    return dist.ProcessGroupGloo(store, rank, world, options)
+    return gloo_group(store, rank, world, streams, timeout=300)
 
 
 def worker(

@@ -58,6 +58,17 @@ def _streams(device: torch.device, streams: int | None) -> int:
     return streams
 
 
+def gloo_group(store, rank: int, size: int, streams: int, timeout: float):
+    """A gloo group with `streams` TCP connections: one device each, each with its own I/O
+    thread. Collectives take the connections in turn, and as many gloo threads run them side by
+    side."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=timeout)
+    options._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
+    options._threads = max(2, streams)
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
 class _Group:
     """The private broadcast group and its reused buffers, shared by sender and receivers.
 
@@ -84,15 +95,7 @@ class _Group:
                 options._timeout = timedelta(seconds=2 * timeout + 60)
                 self.pg = dist.ProcessGroupNCCL(store, rank, num_receivers + 1, options)
             else:
-                options = dist.ProcessGroupGloo._Options()
-                options._timeout = timedelta(seconds=timeout)
-                # One device per connection: each has its own I/O thread. Broadcasts take the
-                # connections in turn, and as many gloo threads run them side by side.
-                options._devices = [
-                    dist.ProcessGroupGloo.create_default_device() for _ in range(streams)
-                ]
-                options._threads = max(2, streams)
-                self.pg = dist.ProcessGroupGloo(store, rank, num_receivers + 1, options)
+                self.pg = gloo_group(store, rank, num_receivers + 1, streams, timeout)
         except dist.DistError as err:
             raise PeerTimeoutError(
                 f"rank {rank}: could not form the broadcast group at {self.control.where}: {err}"
