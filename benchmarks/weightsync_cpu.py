@@ -118,8 +118,8 @@ def worker(
             work.wait()
         parallel.barrier().wait()
 
-    # Rounds alternate between the three, so that load from other processes on a shared machine
-    # falls on all of them alike; the first round warms up connections and buffers.
+    # Rounds alternate between them, so that load from other processes on a shared machine
+    # falls on all alike; the first round warms up connections and buffers.
     measured = {
         "ours_s": ours,
         "baseline_s": raw_flat,

@@ -149,6 +149,19 @@ def test_lazy_stream_with_specs_is_sent_bucket_by_bucket(peers):
     assert_same(peers.results(1)[0]["state"], state)
 
 
+def test_tensors_of_half_a_bucket_or_more_are_sent_unpacked(peers):
+    port = free_port()
+    peers.start(1, port=port, updates=1)
+    sender = create_sender("broadcast", "127.0.0.1", port, 1, bucket_bytes=8192, timeout=30)
+    # 4096 bytes each (half a bucket): three buckets, each one tensor sent from its own memory,
+    # so the sender never fills (or even allocates) a staging buffer
+    state = {"a": torch.randn(64, 16), "b": torch.randn(1024), "c": torch.randn(32, 32)}
+    sender.send(state.items())
+    assert all(buffer is None for buffer in sender._group.buffers)
+    sender.close()
+    assert_same(peers.results(1)[0]["state"], state)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cast_to_the_receivers_dtypes(transport, peers):
     port = free_port()

@@ -100,8 +100,8 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         self.touched = True
         initialize_layerwise_reload(self.model)
         # Layerwise reload keeps the tensors it is given until their whole layer has arrived
-        # (q, k and v fill one fused parameter), while weightsync reuses a bucket's buffer two
-        # buckets later: hand it copies, freed as soon as each layer is processed.
+        # (q, k and v fill one fused parameter), while weightsync refills a bucket's buffer once
+        # the loop moves past that bucket: hand it copies, freed as soon as each layer is processed.
         self.model.load_weights((name, tensor.clone()) for name, tensor in update)
         self.version = update.version
 

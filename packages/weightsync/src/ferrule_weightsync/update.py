@@ -205,8 +205,9 @@ class Update:
     """One incoming update: `version` and `specs` are known before any data arrives; iterating
     yields `(name, tensor)` as each bucket lands.
 
-    Tensors are views into a transport buffer that is reused two buckets later: load or copy each
-    one before advancing (`dict(update)` would keep stale views; use `update.to_state_dict()`).
+    Tensors are views into a transport buffer that is refilled once the loop moves past their
+    bucket: load or copy each one before advancing (`dict(update)` would keep stale views; use
+    `update.to_state_dict()`).
     Leaving the loop early, or raising inside it, still drains the update so the group stays in
     step, and tells the sender that this receiver failed.
     """
