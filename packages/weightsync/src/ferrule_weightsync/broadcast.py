@@ -302,9 +302,8 @@ class BroadcastReceiver:
             self._group.count_failures(bool(error))
 
     def _receive_buckets(self, seq, buckets, manifest):
-        posted = {}
-
         slots = len(self._group.buffers)
+        posted = {}
 
         def post(index: int) -> None:
             buffer = self._group.buffer(index % slots, buckets[index].nbytes)
