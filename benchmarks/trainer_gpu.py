@@ -105,7 +105,7 @@ def run_baseline(args, data) -> float:
 def run_ours(args, data) -> float:
     engine.init_distributed()
     model = build_model(torch.bfloat16)
-    config = engine.deepspeed_config(zero_stage=2, dtype="bf16")
+    config = engine.deepspeed_config(zero_stage=2, dtype="bfloat16")
     config["zero_optimization"].update(args.zero)
     ds_engine = engine.build_engine(model, learning_rate=1e-5, ds_config=config)
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ferrule_launcher.task import eval_problems, exact_answer, step_problems
+from ferrule_launcher.task import eval_problems, step_problems
+from ferrule_rewards.builtin import exact_text
 from ferrule_testkit import tiny_model
 
 TARGET = 0.3  # greedy held-out accuracy at which the warm start stops
@@ -45,7 +46,7 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
         )
     model.train()
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(exact_answer(t, a) for t, (_, a) in zip(texts, problems, strict=True)) / len(texts)
+    return sum(exact_text(t, a) for t, (_, a) in zip(texts, problems, strict=True)) / len(texts)
 
 
 def main() -> None:

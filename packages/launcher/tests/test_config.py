@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from ferrule_launcher.config import ESTIMATORS, ConfigError, describe, load_config
+from ferrule_launcher.config import ConfigError, describe, load_config
+from ferrule_trainer.config import ESTIMATORS
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "tiny.toml"
-REWARDS = '[rewards]\nfunction = "ferrule_launcher.task:exact_answer"\n'
+REWARDS = '[rewards]\nfunction = "ferrule_rewards.builtin:exact_text"\n'
 BASE = '[model]\npath = "model"\n' + REWARDS
 
 

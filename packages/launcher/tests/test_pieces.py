@@ -1,20 +1,10 @@
-"""The launcher's plain pieces, without Ray: tasks and rewards, the batch layout, every
-estimator, which roles share a placement group, and the outputs."""
+"""The launcher's plain pieces, without Ray: tasks, which roles share a placement group, and the
+outputs. (The batch layout and the estimators are ferrule-trainer's: its tests/test_rl.py.)"""
 
 import json
-from types import SimpleNamespace
 
-import pytest
-
-from ferrule_launcher.config import ESTIMATORS
-from ferrule_launcher.placement import groups_for
-from ferrule_launcher.task import (
-    char_match,
-    eval_problems,
-    exact_answer,
-    problem,
-    step_problems,
-)
+from ferrule_launcher.placement import Role, groups_for
+from ferrule_launcher.task import eval_problems, problem, step_problems
 
 
 def test_tasks_are_deterministic_and_held_out_prompts_never_train():
@@ -50,60 +40,22 @@ def test_jsonl_task_reads_prompts_and_labels(tmp_path):
     assert len(training_problems(task, 25, seed=0, step=1, held_out=[])) == 25
 
 
-def test_rule_rewards():
-    assert exact_answer(" cba", " cba") == 1.0 and exact_answer("cb", " cba") == 0.0
-    assert char_match(" cba", " cba") == 1.0
-    assert char_match("cbx", " cba") == pytest.approx(2 / 3)
-    assert char_match("cbaa", " cba") == pytest.approx(3 / 4)  # too long costs too
-    assert char_match("", " cba") == 0.0
-
-
-def sample(prompt, response):
-    return SimpleNamespace(prompt_token_ids=prompt, token_ids=response)
-
-
-def test_build_batch_left_pads_prompts_and_right_pads_responses():
-    from ferrule_launcher.batch import build_batch, split
-
-    batch = build_batch([sample([5, 6], [7]), sample([4], [8, 9, 0])], pad_id=1)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 1], [1, 4, 8, 9, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
-    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
-    assert [len(mb["input_ids"]) for mb in split(batch, 1)] == [1, 1]
-
-
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
-    import torch
-
-    from ferrule_launcher.batch import estimate
-
-    mask = torch.ones(4, 3, dtype=torch.long)
-    batch = {"response_mask": mask}
-    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    logprobs = torch.full((4, 3), -1.0)
-    advantages, returns = estimate(
-        estimator,
-        scores,
-        batch,
-        group_size=2,
-        old_logprobs=logprobs,
-        ref_logprobs=logprobs - 0.1,
-        values=torch.zeros(4, 3),
-        kl_coef=0.01,
-        kl_in="reward" if estimator in ("gae", "reinforce_plus_plus") else "loss",
-    )
-    assert advantages.shape == (4, 3)
-    assert (advantages[0] > 0).all() and (advantages[1] < 0).all()
-    assert (returns is not None) == (estimator == "gae")
-
-
 def test_placement_groups_and_bundles_for_each_mode():
     from ferrule_launcher.placement import bundle_of
 
-    roles = ["policy-0", "policy-1", "reference", "critic", "rollout-0", "rollout-1"]
+    roles = [Role("policy", 0), Role("policy", 1), Role("reference"), Role("critic")]
+    roles += [Role("rollout", 0), Role("rollout", 1)]
+    assert [r.name for r in roles] == [
+        "policy-0",
+        "policy-1",
+        "reference",
+        "critic",
+        "rollout-0",
+        "rollout-1",
+    ]
     assert groups_for("colocate_all", roles) == {"all": roles}
-    assert groups_for("colocate", roles) == {
+    named = {g: [r.name for r in rs] for g, rs in groups_for("colocate", roles).items()}
+    assert named == {
         "policy": ["policy-0", "policy-1", "reference"],
         "critic": ["critic"],
         "rollout": ["rollout-0", "rollout-1"],

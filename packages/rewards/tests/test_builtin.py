@@ -4,7 +4,9 @@ import pytest
 
 from ferrule_rewards.builtin import (
     answers_match,
+    char_match,
     exact_match,
+    exact_text,
     final_answer,
     format_reward,
     math_reward,
@@ -76,3 +78,11 @@ def test_math_reward_reports_both_parts():
         "format": 1.0,
     }
     assert math_reward("4", "4") == {"reward": 0.0, "accuracy": 0.0, "format": 0.0}
+
+
+def test_rule_rewards():
+    assert exact_text(" cba", " cba") == 1.0 and exact_text("cb", " cba") == 0.0
+    assert char_match(" cba", " cba") == 1.0
+    assert char_match("cbx", " cba") == pytest.approx(2 / 3)
+    assert char_match("cbaa", " cba") == pytest.approx(3 / 4)  # too long costs too
+    assert char_match("", " cba") == 0.0

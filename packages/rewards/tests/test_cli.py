@@ -163,3 +163,22 @@ def test_two_replicas_one_killed_under_load(spawn, fn_spec, tmp_path):
     assert replicas[0].process.wait() == -signal.SIGKILL
     os.kill(replicas[1].process.pid, signal.SIGTERM)
     assert replicas[1].process.wait(10) == 0
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_address_file_names_where_it_serves_once_it_serves(spawn, tmp_path, workers):
+    """A program that starts the server on port 0 learns the port from a file, not a log."""
+    path = tmp_path / "address"
+    server = spawn(
+        "--function",
+        "ferrule_rewards.builtin:math_reward",
+        "--workers",
+        workers,
+        "--address-file",
+        str(path),
+    )
+    assert path.read_text() == server.address + "\n"  # written by the time it logs "serving"
+    assert not server.address.endswith(":0")
+    with RewardClient(path.read_text().strip()) as client:
+        assert client.score([{"response": "#### 4", "label": "4"}])[0].ok
+    assert server.stop() == 0

@@ -49,6 +49,27 @@ def test_rewards_do_not_depend_on_batching(reward_model):
     assert len(set(batched.rewards)) == len(TEXTS)  # a real function of the text
 
 
+def test_a_response_ending_in_the_pad_token_is_read_at_its_end(tmp_path):
+    """Padding with the end-of-sequence token must not move where a sequence is read: the score
+    of a text that ends with it is the same alone and padded in a batch, and is read at that
+    token (dropping it changes the score)."""
+    from transformers import AutoTokenizer
+
+    from ferrule_rewards.model import ModelScorer
+
+    folder = build(tmp_path / "eos-padded")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(folder)
+    eos = tokenizer.eos_token
+    texts = ["Answer: 4" + eos, "a much longer text that makes the first one padded" + eos]
+    alone = ModelScorer(folder, device="cpu", batch_size=1).score_texts(texts).rewards
+    batched = ModelScorer(folder, device="cpu", batch_size=2).score_texts(texts).rewards
+    assert batched == pytest.approx(alone, abs=1e-5)
+    without_eos = ModelScorer(folder, device="cpu").score_texts(["Answer: 4"]).rewards[0]
+    assert without_eos != pytest.approx(alone[0], abs=1e-4)
+
+
 def test_samples_the_model_cannot_take_get_a_status(reward_model):
     from ferrule_rewards.model import ModelScorer
 

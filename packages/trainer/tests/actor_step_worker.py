@@ -24,7 +24,7 @@ model_path, out_dir, zero_stage, lora_rank = (
 )
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 actor = Actor(
-    model_path, zero_stage=zero_stage, dtype="fp32", learning_rate=1e-2, lora_rank=lora_rank
+    model_path, zero_stage=zero_stage, dtype="float32", learning_rate=1e-2, lora_rank=lora_rank
 )
 
 generator = torch.Generator().manual_seed(0)

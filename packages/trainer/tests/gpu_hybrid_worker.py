@@ -23,8 +23,8 @@ cpu_states = (
     {"offload_optimizer": True, "offload_params": stage == 3} if mode == "cpu-states" else {}
 )
 engine.init_distributed()  # a group of one, NCCL
-config = engine.deepspeed_config(zero_stage=stage, dtype="bf16", **cpu_states)
-model = engine.load_model(model_dir, dtype="bf16", ds_config=config)
+config = engine.deepspeed_config(zero_stage=stage, dtype="bfloat16", **cpu_states)
+model = engine.load_model(model_dir, dtype="bfloat16", ds_config=config)
 ds = engine.build_engine(model, learning_rate=1e-3, ds_config=config)
 
 # one batch, learned by heart: the loss must fall

@@ -1,8 +1,11 @@
-"""The RL loop: rollout -> rewards -> reference / critic -> advantages -> PPO epochs -> weight sync.
+"""The RL loop's schedule: rollout -> rewards -> the trainer's RL step -> weight sync, sync or async.
 
-    loop = Loop(config, roles, rewards, problems)
-    loop.run_sync(first_step, outputs, on_step)    # generate, score, train, sync; next step
-    loop.run_async(first_step, outputs, on_step)   # generation of step k+1 overlaps training k
+    loop = Loop(config, roles, scorer, held_out, pad_id)
+    loop.run_sync(first_step, on_step)      # generate, score, train, sync; next step
+    loop.run_async(first_step, on_step)     # generation of step k+1 overlaps training of step k
+
+What is trained on and how (batch layout, advantages, PPO epochs) is ferrule-trainer's `rl`;
+this file decides when each role does its part and moves the data between them.
 
 Versions: the weights after s RL steps are policy version s. Step s trains on samples of
 version >= s - 1 - max_staleness (sync mode: exactly s - 1); every sample carries the version
@@ -15,89 +18,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ferrule_launcher.batch import build_batch, estimate, split
+from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
+from ferrule_launcher.roles import Roles
 from ferrule_launcher.task import accuracy, training_problems
-
-
-class RunError(RuntimeError):
-    """The run cannot continue; the message names the role or component that failed."""
-
-
-class PolicyGroup:
-    """The policy's data-parallel ranks (one Ray actor each), driven as one: a batch is split
-    into equal contiguous shards, one per rank; rank 0 holds the weight sender."""
-
-    def __init__(self, workers: list):
-        self.workers = workers
-
-    def _shards(self, batch: dict) -> list[dict]:
-        return split(batch, batch["input_ids"].shape[0] // len(self.workers))
-
-    def logprobs(self, batch: dict):
-        import torch
-
-        refs = [
-            w.logprobs.remote(s) for w, s in zip(self.workers, self._shards(batch), strict=True)
-        ]
-        return torch.cat(get(refs, "policy"))
-
-    def train(self, batch: dict, **options) -> list:
-        shards = self._shards(batch)
-        return [w.train.remote(s, **options) for w, s in zip(self.workers, shards, strict=True)]
-
-    def call(self, method: str, *args) -> list:
-        """Refs of `method(*args)` on every rank (collectives: checkpoints, exports)."""
-        return [getattr(w, method).remote(*args) for w in self.workers]
-
-
-@dataclass
-class Roles:
-    policy: PolicyGroup
-    engines: list
-    reference: object = None
-    critic: object = None
-
-
-def get(refs, role: str, timeout: float | None = None):
-    """ray.get that names the role when its actor died or its method raised. A list is
-    fetched as results arrive, so one failed rank stops the run at once instead of waiting
-    for its peers, which may be stuck in a collective with it."""
-    if isinstance(refs, list):
-        return get_each([(ref, role) for ref in refs], timeout)
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    try:
-        return ray.get(refs, timeout=timeout)
-    except RayActorError as err:
-        raise RunError(f"the {role} actor died: {_first_line(err)}") from None
-    except RayTaskError as err:
-        raise RunError(f"the {role} failed: {_first_line(err.cause or err)}") from None
-    except GetTimeoutError:
-        raise RunError(f"the {role} did not answer within {timeout:g} s") from None
-
-
-def get_each(pairs: list, timeout: float | None = None) -> list:
-    """Results of [(ref, role), ...] in order, raising for the first one that fails."""
-    import ray
-
-    results, pending = {}, {ref: index for index, (ref, _) in enumerate(pairs)}
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-        if not ready:
-            roles = sorted({pairs[i][1] for i in pending.values()})
-            raise RunError(f"{', '.join(roles)} did not answer within {timeout:g} s")
-        index = pending.pop(ready[0])
-        results[index] = get(ready[0], pairs[index][1])
-    return [results[i] for i in range(len(pairs))]
-
-
-def _first_line(err) -> str:
-    text = str(err).strip()
-    lines = [line for line in text.splitlines() if line.strip()]
-    useful = [line for line in lines if "Error" in line or "error" in line]
-    return (useful[-1] if useful else lines[-1] if lines else repr(err))[:500]
 
 
 @dataclass
@@ -121,16 +45,7 @@ class Loop:
 
     def generate(self, prompts: list[str], temperature: float, n: int) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
-        from ferrule_rollout import SamplingSettings
-
-        r = self.config.rollout
-        settings = SamplingSettings(
-            n=n,
-            temperature=temperature,
-            top_p=r.top_p if temperature else 1.0,
-            max_tokens=r.max_tokens,
-            seed=None,
-        )
+        settings = self.config.rollout.sampling(n, temperature)
         engines = self.roles.engines
         size = -(-len(prompts) // len(engines))
         chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -159,90 +74,64 @@ class Loop:
         )
 
     def train(self, rollout: Rollout) -> dict:
-        """Reference / critic passes, advantages and PPO epochs on one rollout batch."""
+        """The trainer's RL step on one rollout batch: reference / critic passes, advantages,
+        PPO epochs of the policy and the critic (in parallel)."""
         import torch
+
+        from ferrule_trainer import rl
 
         c, roles = self.config, self.roles
         t, n = c.trainer, c.rollout.samples_per_prompt
-        samples, scores = rollout.samples, rollout.scores
+        samples = rollout.samples
         staleness = [rollout.step - 1 - s.version for s in samples]
-        keep_groups = [
+        fresh = [
             g
             for g in range(len(samples) // n)
             if max(staleness[g * n : (g + 1) * n]) <= c.loop.max_staleness
         ]
-        # Every rank takes an equal share and as many mini-batches: trim to a multiple.
-        while len(keep_groups) * n % (t.ranks * t.mini_batches):
-            keep_groups.pop()
-        dropped = len(samples) // n - len(keep_groups)
-        if not keep_groups:
+        groups = rl.trim_groups(fresh, n, t.ranks, t.mini_batches)
+        dropped = len(samples) // n - len(groups)
+        if not groups:
             return {"dropped_stale_groups": dropped}
-        rows = [g * n + i for g in keep_groups for i in range(n)]
+        rows = [g * n + i for g in groups for i in range(n)]
         samples = [samples[i] for i in rows]
-        scores_t = torch.tensor([scores[i] for i in rows], dtype=torch.float32)
-        batch = build_batch(samples, self.pad_id)
-        refs = {}
-        if roles.reference is not None:
-            refs["ref"] = roles.reference.logprobs.remote(batch)
-        if roles.critic is not None:
-            refs["values"] = roles.critic.values.remote(batch)
-        old = roles.policy.logprobs(batch)
-        ref = get(refs["ref"], "reference") if "ref" in refs else None
-        values = get(refs["values"], "critic") if "values" in refs else None
-        advantages, returns = estimate(
+        scores = torch.tensor([rollout.scores[i] for i in rows], dtype=torch.float32)
+        batch = rl.build_batch(samples, self.pad_id)
+        ref_call = roles.reference.logprobs.remote(batch) if roles.reference else None
+        values_call = roles.critic.values.remote(batch) if roles.critic else None
+        old = torch.cat(get(roles.policy.shard("logprobs", batch), "policy"))
+        ref = get(ref_call, "reference") if ref_call else None
+        values = get(values_call, "critic") if values_call else None
+        advantages, returns = rl.estimate(
             t.estimator,
-            scores_t,
+            scores,
             batch,
             group_size=n,
             old_logprobs=old,
             ref_logprobs=ref,
             values=values,
-            kl_coef=t.kl_coef,
-            kl_kind=t.kl_kind,
-            kl_in=t.kl_in,
-            gamma=t.gamma,
-            lam=t.lam,
+            **t.estimate_options(),
         )
-        batch.update(old_logprobs=old, advantages=advantages)
-        loss_kl = t.kl_coef if (t.kl_in == "loss" and ref is not None) else 0.0
-        if loss_kl:
-            batch["ref_logprobs"] = ref
-        train_refs = roles.policy.train(
-            batch,
-            epochs=t.epochs,
-            mini_batches=t.mini_batches,
-            micro_batch_size=t.micro_batch_size,
-            clip_low=t.clip_low,
-            clip_high=t.clip_high,
-            dual_clip=t.dual_clip,
-            agg_mode=t.agg_mode,
-            kl_coef=loss_kl,
-            kl_kind=t.kl_kind,
-            entropy_coef=t.entropy_coef,
+        loss = t.loss_options()
+        policy_calls = roles.policy.shard(
+            "train_epochs",
+            rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"]),
+            **t.epoch_options(),
+            **loss,
         )
-        critic_metrics = {}
+        result = {}
         if roles.critic is not None:
-            critic_batch = dict(batch, old_values=values, returns=returns)
-            critic_batch = {
-                k: critic_batch[k]
-                for k in ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
-            }
-            size = max(len(rows) // t.mini_batches, 1)
-            for _ in range(t.epochs):
-                for mini in split(critic_batch, size):
-                    critic_metrics = get(
-                        roles.critic.train_step.remote(
-                            split(mini, t.micro_batch_size), clip=c.critic.value_clip
-                        ),
-                        "critic",
-                    )
-        metrics = get(train_refs, "policy")[0]  # losses and norms are already global
-        mask = batch["response_mask"].bool()
-        result = {f"train/{k}": v for k, v in metrics.items()}
-        result.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+            critic = roles.critic.train_epochs.remote(
+                rl.critic_batch(batch, values, returns),
+                **t.epoch_options(),
+                clip=c.critic.value_clip,
+            )
+            result.update({f"critic/{k}": v for k, v in get(critic, "critic").items()})
+        metrics = get(policy_calls, "policy")[0]  # losses and norms are already global
+        result.update({f"train/{k}": v for k, v in metrics.items()})
         result["approx_kl"] = metrics.get("approx_kl", 0.0)
         if ref is not None:
-            result["kl"] = float(((old - ref) * mask).sum() / mask.sum())  # k1, mean per token
+            result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
         result["dropped_stale_groups"] = dropped
         result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
         return result

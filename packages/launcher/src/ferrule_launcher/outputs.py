@@ -1,8 +1,10 @@
-"""What a run writes and shows: progress bar, metrics.jsonl, TensorBoard, reward curve, summary.
+"""What a run writes and shows: progress bar, metrics.jsonl, TensorBoard, reward curve, summary,
+and the record of its checkpoints.
 
     out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True)
     out.log(step, {"reward": 0.4, "kl": 0.01, "time/generate": 1.2, ...})
     out.finish(summary)          # reward_curve.png and summary.json
+    mark_checkpoint(Path("runs/tiny"), step=10, accuracy_before=0.3, wall_seconds=61.0)
 
 metrics.jsonl holds one JSON object per step. On --resume it is cut back to the checkpoint's
 step first, so every step appears exactly once however often the run was interrupted.
@@ -10,6 +12,8 @@ step first, so every step appears exactly once however often the run was interru
 
 import json
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -122,3 +126,45 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def reward_summary(history: list[dict]) -> dict:
+    """The reward at the start and the end of a run: first and last step, first and last
+    quarter of the steps."""
+    rewards = [r["reward"] for r in history if "reward" in r]
+    quarter = max(len(rewards) // 4, 1)
+    return {
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "reward_first_quarter": _mean(rewards[:quarter]),
+        "reward_last_quarter": _mean(rewards[-quarter:]),
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# -- checkpoints: the roles save their states under dir/checkpoint, this file says which count --
+
+
+def mark_checkpoint(out: Path, step: int, accuracy_before: float, wall_seconds: float) -> None:
+    """Record that the states of `step` are complete: a checkpoint counts once launcher.json
+    names it, so a kill while the roles save resumes from the previous one."""
+    record = {"step": step, "accuracy_before": accuracy_before, "wall_seconds": wall_seconds}
+    tmp = out / "checkpoint" / "launcher.json.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, out / "checkpoint" / "launcher.json")
+
+
+def last_checkpoint(out: Path) -> dict | None:
+    path = out / "checkpoint" / "launcher.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def clear_previous(out: Path) -> None:
+    """A fresh run (no --resume) does not mix with an old one in the same directory."""
+    for name in ("checkpoint", "sft", "policy", "tensorboard"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
+        (out / name).unlink(missing_ok=True)

@@ -1,8 +1,8 @@
-"""Ray: start or join a cluster, and place the roles with placement groups.
+"""Ray: start or join a cluster, the roles' environment, and placing roles with placement groups.
 
-    start_ray(config.ray)                          # local cluster, or join config.ray.address
-    places, groups = place_roles(config.ray, ["policy-0", "reference", "rollout-0"])
-    ray.remote(PolicyWorker).options(**places["policy-0"]).remote()
+    start_ray(config.ray, role_env())              # local cluster, or join config.ray.address
+    places, groups = place_roles(config.ray, [Role("policy", 0), Role("reference"), ...])
+    ray.remote(PolicyWorker).options(**places[Role("policy", 0)]).remote()
 
 Placements ([ray] placement):
 - "colocate_all": one placement group of one bundle; every role takes a share of it (on GPUs,
@@ -15,9 +15,44 @@ Placements ([ray] placement):
 """
 
 import os
+from typing import NamedTuple
 
+from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import RayConfig
-from ferrule_launcher.workers import CPU_ENV
+
+# Set in every role's process (Ray runtime_env) on machines without CUDA; they must be in the
+# environment before vLLM or DeepSpeed is imported, which read them at import time.
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+class Role(NamedTuple):
+    """One actor of the run: kind "policy" / "rollout" (one per rank or engine), "reference",
+    "critic"."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def name(self) -> str:
+        """ "policy-1", "rollout-0", "reference": the name in roles.json and in messages."""
+        return f"{self.kind}-{self.index}" if self.kind in ("policy", "rollout") else self.kind
+
+    @property
+    def label(self) -> str:
+        """ "policy rank 1", "rollout engine 0", "critic": how errors name it."""
+        numbered = {"policy": "policy rank", "rollout": "rollout engine"}.get(self.kind)
+        return f"{numbered} {self.index}" if numbered else self.kind
+
+    @property
+    def pinned_as(self) -> str:
+        """The kind `roles_on_nodes` names it by: the reference goes with the policy."""
+        return "policy" if self.kind == "reference" else self.kind
 
 
 def start_ray(config: RayConfig, env: dict[str, str]) -> str:
@@ -39,9 +74,10 @@ def start_ray(config: RayConfig, env: dict[str, str]) -> str:
 
 
 def role_env() -> dict[str, str]:
-    """Environment for every role's process: the CPU settings on machines without CUDA."""
+    """Environment for every role's process: the CPU settings on machines without CUDA, and
+    what the driver's environment says about caches and import paths."""
     env = {}
-    if not _has_cuda():
+    if not has_cuda():
         env.update(CPU_ENV)
     for key in ("FERRULE_CACHE", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE"):
         if key in os.environ:
@@ -49,41 +85,30 @@ def role_env() -> dict[str, str]:
     return env
 
 
-def _has_cuda() -> bool:
+def has_cuda() -> bool:
+    """Whether this machine has NVIDIA GPUs, without importing torch in the driver."""
     return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def kind_of(role: str) -> str:
-    """ "policy-1" -> "policy", "rollout-0" -> "rollout"; the kind names roles_on_nodes uses."""
-    base = role.split("-")[0]
-    return "policy" if base == "reference" else base
-
-
-def groups_for(placement: str, roles: list[str]) -> dict[str, list[str]]:
+def groups_for(placement: str, roles: list[Role]) -> dict[str, list[Role]]:
     """Which roles share a placement group: {group name: [roles]}."""
     if placement == "colocate_all":
         return {"all": list(roles)}
     if placement == "separate":
-        return {role: [role] for role in roles}
-    groups: dict[str, list[str]] = {}
+        return {role.name: [role] for role in roles}
+    groups: dict[str, list[Role]] = {}
     for role in roles:  # colocate: the reference joins the policy's group
-        groups.setdefault(kind_of(role), []).append(role)
+        groups.setdefault(role.pinned_as, []).append(role)
     return groups
 
 
-def bundle_of(placement: str, role: str) -> int:
+def bundle_of(placement: str, role: Role) -> int:
     """The bundle a role takes in its group: one per policy rank or rollout engine, the
     reference with policy rank 0; everything in bundle 0 when colocating all."""
-    if placement == "colocate_all" or "-" not in role:
-        return 0
-    return int(role.rsplit("-", 1)[1])
+    return 0 if placement == "colocate_all" else role.index
 
 
-def node_resource(config: RayConfig, role: str) -> str | None:
-    return config.roles_on_nodes.get(kind_of(role))
-
-
-def place_roles(config: RayConfig, roles: list[str]) -> tuple[dict[str, dict], list]:
+def place_roles(config: RayConfig, roles: list[Role]) -> tuple[dict[Role, dict], list]:
     """Ray actor options per role (placement group, bundle, resources) and the groups made.
 
     Roles on one bundle share it: each asks for its share of the bundle's CPUs / GPUs, so a
@@ -95,7 +120,7 @@ def place_roles(config: RayConfig, roles: list[str]) -> tuple[dict[str, dict], l
 
     options, made = {}, []
     for name, members in groups_for(config.placement, roles).items():
-        on_bundle: dict[int, list[str]] = {}
+        on_bundle: dict[int, list[Role]] = {}
         for role in members:
             index = bundle_of(config.placement, role) if len(members) > 1 else 0
             on_bundle.setdefault(index, []).append(role)
@@ -104,7 +129,7 @@ def place_roles(config: RayConfig, roles: list[str]) -> tuple[dict[str, dict], l
             bundle = {"CPU": config.cpus_per_role}
             if config.gpus_per_role:
                 bundle["GPU"] = config.gpus_per_role
-            custom = node_resource(config, on_bundle.get(index, members)[0])
+            custom = config.roles_on_nodes.get(on_bundle.get(index, members)[0].pinned_as)
             if custom:
                 bundle[custom] = 0.001
             bundles.append(bundle)
@@ -113,7 +138,7 @@ def place_roles(config: RayConfig, roles: list[str]) -> tuple[dict[str, dict], l
         for index, sharing in on_bundle.items():
             share = len(sharing)
             for role in sharing:
-                custom = node_resource(config, role)
+                custom = config.roles_on_nodes.get(role.pinned_as)
                 options[role] = dict(
                     num_cpus=config.cpus_per_role / share,
                     num_gpus=config.gpus_per_role / share,
@@ -126,7 +151,7 @@ def place_roles(config: RayConfig, roles: list[str]) -> tuple[dict[str, dict], l
     _, waiting = ray.wait(ready, num_returns=len(ready), timeout=60)
     if waiting:
         names = [g.bundle_specs for g, r in zip(made, ready, strict=True) if r in waiting]
-        raise RuntimeError(
+        raise RunError(
             f"Ray could not place {len(waiting)} placement group(s) within 60 s: bundles "
             f"{names} do not fit the cluster's resources {ray.cluster_resources()}; lower "
             "[ray] cpus_per_role / gpus_per_role or add nodes"

@@ -1,28 +1,24 @@
 """The reward service of a run: start `rlhf-rewards serve` (or use given addresses) and score.
 
-    service = RewardService.start(config.rewards, log_path)   # a subprocess on loopback
-    scores = service.score(prompts, responses, labels)        # list[float], retries inside
+    service = RewardService.start(config.rewards, out)    # a subprocess on loopback, checked
+    scores = service.score(prompts, responses, labels)    # list[float], retries inside
     service.stop()
 
 The server is ferrule-rewards' own CLI in a child process that dies with the launcher (Linux
-parent-death signal), so even a `kill -9` of the launcher leaves no reward server behind.
+parent-death signal), so even a `kill -9` of the launcher leaves no reward server behind. It
+listens on a free loopback port and writes its address to out/rewards.address once it serves;
+its log goes to out/rewards.log. Failures are RunErrors that say which server and why.
 """
 
 import ctypes
-import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import RewardsConfig
-
-SERVING = re.compile(r"serving .* on (\S+:\d+)")
-
-
-class RewardServiceError(RuntimeError):
-    """The reward server could not be started or reached."""
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -38,9 +34,22 @@ class RewardService:
         self.client = RewardClient(addresses, timeout=timeout, retry_for=retry_for, backoff=0.2)
 
     @classmethod
-    def start(cls, config: RewardsConfig, log_path: Path) -> "RewardService":
+    def start(cls, config: RewardsConfig, out: Path) -> "RewardService":
+        """The service, checked with one call, so that an unreachable server stops the run
+        before the heavy roles start."""
         if config.address:
-            return cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
+            service = cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
+        else:
+            service = cls._spawn(config, out / "rewards.log", out / "rewards.address")
+        try:
+            service.score([""], [""], ["0"])  # a function that rejects this sample is fine
+        except BaseException:
+            service.stop()
+            raise
+        return service
+
+    @classmethod
+    def _spawn(cls, config: RewardsConfig, log_path: Path, address_file: Path):
         what = (
             ["--function", config.function] if config.function else ["--model", str(config.model)]
         )
@@ -54,7 +63,10 @@ class RewardService:
             "127.0.0.1:0",
             "--grace",
             "2",
+            "--address-file",
+            str(address_file),
         ]
+        address_file.unlink(missing_ok=True)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
             process = subprocess.Popen(
@@ -65,25 +77,24 @@ class RewardService:
             )
         deadline = time.monotonic() + config.start_timeout
         while time.monotonic() < deadline:
-            text = log_path.read_text()
-            found = SERVING.search(text)
-            if found:
-                return cls([found.group(1)], process, config.timeout, config.retry_for)
+            if address_file.exists():
+                address = address_file.read_text().strip()
+                return cls([address], process, config.timeout, config.retry_for)
             if process.poll() is not None:
-                raise RewardServiceError(
+                raise RunError(
                     f"[rewards] the reward server exited with status {process.returncode}: "
-                    f"{text.strip()[-2000:]}"
+                    f"{log_path.read_text().strip()[-2000:]}"
                 )
             time.sleep(0.1)
         process.kill()
-        raise RewardServiceError(
+        raise RunError(
             f"[rewards] the reward server did not start within {config.start_timeout:g} s "
             f"(start_timeout); its log: {log_path}"
         )
 
     def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> list[float]:
         """One reward per response. A sample the function failed on scores 0 (and is counted);
-        a server that cannot be reached after every retry raises RewardServiceError."""
+        a server that cannot be reached after every retry raises RunError."""
         from ferrule_rewards.client import RewardError
 
         samples = [
@@ -93,16 +104,11 @@ class RewardService:
         try:
             results = self.client.score(samples)
         except RewardError as err:
-            raise RewardServiceError(
+            raise RunError(
                 f"reward server {', '.join(self.addresses)} failed after retries: {err}"
             ) from None
         self.failed = sum(not r.ok for r in results)
         return [r.reward if r.ok else 0.0 for r in results]
-
-    def check(self) -> None:
-        """Score one placeholder sample, so that an unreachable server stops the run before the
-        heavy roles start (a reward function that rejects the sample is fine here)."""
-        self.score([""], [""], ["0"])
 
     def stop(self) -> None:
         self.client.close()

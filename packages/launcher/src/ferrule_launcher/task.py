@@ -2,12 +2,13 @@
 
     held_out = held_out_problems(config.task)                     # greedy-accuracy prompts
     problems = training_problems(config.task, 16, seed=0, step=7, held_out=held_out)
-    rlhf-rewards serve --function ferrule_launcher.task:char_match     # or :exact_answer
+    write_sft_data("sft.jsonl", config.task, steps=60, batch_size=32)  # the SFT warm start's
 
 The problems of a step depend only on (seed, step), so a resumed run sees exactly the prompts it
 would have seen without the interruption. Held-out prompts never appear in training. A JSONL
 task reads {"prompt": ..., "label": ...} lines (keys configurable); the label goes to the reward
-function as the sample's `label`.
+function as the sample's `label`. The rewards that fit the synthetic tasks are ferrule-rewards'
+`builtin:char_match` (partial credit) and `builtin:exact_text` (what `accuracy` counts).
 """
 
 import functools
@@ -53,23 +54,10 @@ def step_problems(
     return chosen
 
 
-def exact_answer(response: str, label: str) -> float:
-    """1.0 when the response, stripped, is exactly the answer, else 0.0 (a ferrule-rewards
-    per-sample function)."""
-    return float(response.strip() == label.strip())
-
-
-def char_match(response: str, label: str) -> float:
-    """Partial credit: the fraction of the answer's characters that the response has at the
-    same position (1.0 exactly when it is the answer). A tiny model's early samples are rarely
-    exactly right; partial credit gives GRPO a signal to climb from there."""
-    response, label = response.strip(), label.strip()
-    hits = sum(a == b for a, b in zip(response, label, strict=False))
-    return hits / max(len(response), len(label), 1)
-
-
 def accuracy(responses: list[str], problems: list[Problem]) -> float:
-    hits = sum(exact_answer(r, a) for r, (_, a) in zip(responses, problems, strict=True))
+    from ferrule_rewards.builtin import exact_text
+
+    hits = sum(exact_text(r, a) for r, (_, a) in zip(responses, problems, strict=True))
     return hits / max(len(problems), 1)
 
 
@@ -108,3 +96,16 @@ def training_problems(task, count: int, seed: int, step: int, held_out) -> list[
         rng = random.Random(f"train-{seed}-{step}")
         return rng.sample(rows, count) if count <= len(rows) else rng.choices(rows, k=count)
     return step_problems(task.name, task.length, count, seed, step, held_out)
+
+
+def write_sft_data(path: Path, task, steps: int, batch_size: int) -> None:
+    """The SFT warm start's examples, {"prompt", "response"} per line: `steps` batches of the
+    task's problems with their answers, drawn from negative steps, so never the RL prompts and
+    never the held-out ones."""
+    held_out = eval_problems(task.name, task.length, task.eval_prompts, task.seed)
+    with open(path, "w") as f:
+        for step in range(steps):
+            for prompt, answer in step_problems(
+                task.name, task.length, batch_size, task.seed, -1 - step, held_out
+            ):
+                f.write(json.dumps({"prompt": prompt, "response": answer}) + "\n")

@@ -6,6 +6,9 @@ exact_match(response, label)   1.0 when the response's final answer equals the l
 format_reward(response)        1.0 when the response gives exactly one marked final answer
                                (after its <think> block, if it has one), else 0.0
 math_reward(response, label)   exact_match + 0.1 * format_reward, with both as sub-scores
+exact_text(response, label)    1.0 when the whole response, stripped, is the label, else 0.0
+char_match(response, label)    the fraction of the label's characters the response has in place
+                               (partial credit; the tiny example's reward)
 
 A final answer is the last `\\boxed{...}`, else the last `#### ...` line (GSM8K style), else
 the last `answer is ...` / `Answer: ...`. Answers compare as numbers when both are numbers
@@ -90,3 +93,16 @@ def format_reward(response: str) -> float:
 def math_reward(response: str, label: str) -> dict[str, float]:
     accuracy, form = exact_match(response, label), format_reward(response)
     return {"reward": accuracy + 0.1 * form, "accuracy": accuracy, "format": form}
+
+
+def exact_text(response: str, label: str) -> float:
+    return float(response.strip() == label.strip())
+
+
+def char_match(response: str, label: str) -> float:
+    """1.0 exactly when the response is the label; a response too long or too short loses the
+    characters it lacks or adds. A tiny model's early samples are rarely exactly right: partial
+    credit gives GRPO a signal to climb from there."""
+    response, label = response.strip(), label.strip()
+    hits = sum(a == b for a, b in zip(response, label, strict=False))
+    return hits / max(len(response), len(label), 1)

@@ -6,7 +6,9 @@
     echo '{"response": "#### 4", "label": "4"}' | rlhf-rewards score 127.0.0.1:50051
     rlhf-rewards health 127.0.0.1:50051       # exit status 0 when every address is SERVING
 
-`serve` logs `serving ... on HOST:PORT` once it accepts calls, and drains on SIGTERM. Errors in
+`serve` logs `serving ... on HOST:PORT` once it accepts calls (and writes HOST:PORT to
+`--address-file` when given: how a program that started it on port 0 learns the port), and
+drains on SIGTERM. Errors in
 the arguments exit with status 2 and say what was wrong, before anything starts.
 """
 
@@ -82,6 +84,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds calls in flight get to finish after SIGTERM (default: %(default)s)",
     )
+    add(
+        "--address-file",
+        help="once the server accepts calls, write its host:port here (what a program that "
+        "started it with port 0 reads)",
+    )
     add("--device", default="auto", help="reward model device: auto, cpu, cuda, cuda:1...")
     add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
     add("--model-batch-size", type=int, default=32, help="samples per model forward pass")
@@ -138,6 +145,7 @@ def _serve(args) -> None:
             "a token without TLS crosses the network in clear text; add --tls-cert/--tls-key"
         )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
+    options["address_file"] = args.address_file
     if args.workers == 1:
         asyncio.run(serve(make_scorer(args), args.bind, **options))
         return

@@ -76,9 +76,8 @@ class ModelScorer:
             )
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        # The model finds each sequence's last token through the pad id.
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.tokenizer.padding_side = "right"
+        self.tokenizer.padding_side = "right"  # _forward reads the last kept position
         self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
         self.model.to(self.device).eval()
         self._torch = torch
@@ -124,8 +123,17 @@ class ModelScorer:
     def _forward(self, ids: list[list[int]]) -> list[float]:
         batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
         with self._torch.inference_mode():
-            logits = self.model(**batch).logits
-        return logits[:, 0].float().cpu().tolist()
+            head = getattr(self.model, "score", None)
+            if head is None:  # encoders read their first token: padding cannot mislead them
+                return self.model(**batch).logits[:, 0].float().cpu().tolist()
+            # Decoder classifiers find "the last token" as the last one that is not the pad id,
+            # and many tokenizers pad with the end-of-sequence token a response ends with. Read
+            # the head at the last position the attention mask keeps (right padding) instead.
+            backbone = getattr(self.model, self.model.base_model_prefix)
+            hidden = backbone(**batch).last_hidden_state
+            last = batch["attention_mask"].sum(-1) - 1
+            rows = self._torch.arange(len(ids), device=hidden.device)
+            return head(hidden[rows, last])[:, 0].float().cpu().tolist()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -15,6 +15,7 @@ on one port. Every limit answers at once with a status
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -230,13 +231,26 @@ async def start(
     return server
 
 
-async def serve(scorer, bind: str, *, grace: float = 30.0, **options) -> None:
+async def serve(
+    scorer, bind: str, *, grace: float = 30.0, address_file: str | None = None, **options
+) -> None:
     """Serve until SIGTERM or SIGINT, then drain (the `rlhf-rewards serve` main loop)."""
     server = await start(scorer, bind, **options)
     security = "TLS" if options.get("tls") else "plaintext"
+    if address_file:  # before the log line: whoever reads the log may look for the file
+        write_address(address_file, server.address)
     log.info("serving %s on %s (%s)", scorer.name, server.address, security)
     await stop_requested((signal.SIGTERM, signal.SIGINT))
     await server.drain(grace)
+
+
+def write_address(path: str, address: str) -> None:
+    """Tell whoever started the server where it listens, once it accepts calls: `host:port` in
+    `path`, renamed into place so a reader never sees half of it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)
 
 
 async def stop_requested(signals: tuple[int, ...], watch: int | None = None) -> None:

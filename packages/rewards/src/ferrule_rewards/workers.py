@@ -63,7 +63,14 @@ def reserve_port(bind: str) -> socket.socket:
 
 
 def supervise(
-    make_scorer, bind: str, *, workers: int, grace: float = 30.0, log_level="info", **options
+    make_scorer,
+    bind: str,
+    *,
+    workers: int,
+    grace: float = 30.0,
+    log_level="info",
+    address_file: str | None = None,
+    **options,
 ) -> None:
     """Serve with `workers` processes until SIGTERM or SIGINT, then drain them all. `options`
     go to server.start in each worker (token, tls, limits). Raises WorkerFailed when a worker
@@ -81,6 +88,7 @@ def supervise(
     previous_fd = signal.set_wakeup_fd(wake.fileno())
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     pool = _Pool(make_scorer, address, workers, grace, log_level, options)
+    pool.address_file = address_file
     try:
         pool.run(woken)
     finally:
@@ -112,6 +120,7 @@ class _Pool:
         self.secure = "TLS" if options.get("tls") else "plaintext"
         self.slots = [_Slot(index) for index in range(workers)]
         self.serving = False  # every worker accepted calls once; the address was announced
+        self.address_file: str | None = None
         self.context = multiprocessing.get_context("spawn")  # never fork a process with gRPC
 
     def start(self, slot: _Slot) -> None:
@@ -166,6 +175,10 @@ class _Pool:
             log.info("worker %d serves again (pid %d)", slot.index, slot.process.pid)
         elif all(slot.ready for slot in self.slots):
             self.serving = True
+            if self.address_file:  # before the log line, as a single server does
+                from ferrule_rewards.server import write_address
+
+                write_address(self.address_file, self.address)
             pids = ", ".join(str(slot.process.pid) for slot in self.slots)
             log.info(
                 "serving %s on %s (%s, %d worker processes: pids %s)",

@@ -1,9 +1,10 @@
 """The policy being trained (actor) and the frozen reference policy, as DeepSpeed engines.
 
-    actor = Actor(model_path, zero_stage=2, dtype="bf16", learning_rate=1e-6, lora_rank=0)
+    actor = Actor(model_path, zero_stage=2, dtype="bfloat16", learning_rate=1e-6, lora_rank=0)
     reference = Actor(model_path, train=False, zero_stage=3)
     batch["ref_logprobs"] = reference.logprobs(batch)          # layout: sequences.py
     metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
+    metrics = actor.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8, clip_low=0.2)
     sender.send(actor.export_weights(dtype=torch.bfloat16), specs=actor.weight_specs(torch.bfloat16))
     actor.save_hf("out/policy"); actor.save_state("out/state", step=10, data_position=640)
 
@@ -20,6 +21,7 @@ import torch
 from ferrule_trainer import engine, export
 from ferrule_trainer.kl import kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
+from ferrule_trainer.rl import ppo_epochs
 from ferrule_trainer.sequences import check_batch, response_logits, response_tokens, token_logprobs
 from ferrule_trainer.trained import TrainedModel
 
@@ -38,7 +40,7 @@ class Actor(TrainedModel):
         *,
         train: bool = True,
         zero_stage: int = 2,
-        dtype: str = "bf16",
+        dtype: str = "bfloat16",
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -163,6 +165,11 @@ class Actor(TrainedModel):
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
         metrics["tokens"] = float(tokens)
         return metrics
+
+    def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+        """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see
+        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, then train_step's keywords)."""
+        return ppo_epochs(self.train_step, batch, **options)
 
     def weight_specs(self, dtype: torch.dtype | None = None):
         """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""

@@ -1,78 +1,319 @@
-"""TOML run configs as typed dataclasses: one table per dataclass field, unknown keys are errors.
+"""Ferrule's one config system: TOML files of typed tables, and the trainer's own tables.
 
-    config = load_config("sft.toml", SFTConfig)   # SFTConfig: a dataclass of table dataclasses
+    config = load_config("sft.toml", SFTConfig)    # raises ConfigError naming file, table, key
 
-Every error names the file, the table and the key (`sft.toml: [train] lr is not a known key;
-known: ...`), before anything heavy starts. Standard library only.
+Every entry point (`rlhf-train sft`, `rlhf-launch`) reads its file with `load_config` and gets
+errors of one form, all of them at once, before anything heavy starts:
+
+    sft.toml: [train] lr: unknown key (known: batch_size, epochs, ...)
+    run.toml: [trainer] kl_kind: "k1" has zero gradient in expectation as a loss term; ...
+
+A table is a pydantic model with a docstring under each field. Paths read by a run
+(`InputPath`) are relative to the TOML file. A check that spans keys raises `Problems` from a
+model validator, naming each key it blames. pydantic is imported here, not torch.
 """
 
-import dataclasses
 import tomllib
-import types
-import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-T = TypeVar("T")
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+T = TypeVar("T", bound=BaseModel)
+
+TrainDType = Literal["float32", "bfloat16"]
+"""The dtype vocabulary of every Ferrule table (torch's names); training takes these two."""
+
+ESTIMATORS = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "gae",
+)
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Estimators that compare the samples of one prompt: they need >= 2 samples per prompt."""
 
 
 class ConfigError(ValueError):
-    """A config file that does not match its schema; the message names the file and key."""
+    """The configuration is wrong; each line names the file, the table and the key."""
 
 
-def load_config(path: str | Path, schema: type[T]) -> T:
+class Problems(ValueError):
+    """Settings that are each valid but contradict one another: [(key, message), ...], where
+    key is "table.key" from the top-level model, or "key" from a table's own validator."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("; ".join(message for _, message in problems))
+        self.problems = problems
+
+
+class Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+def _near_the_file(path: Path, info: ValidationInfo) -> Path:
+    base = (info.context or {}).get("base")
+    return path if path.is_absolute() or base is None else (base / path).resolve()
+
+
+InputPath = Annotated[Path, AfterValidator(_near_the_file)]
+"""A path the run reads: relative paths are taken from the TOML file's folder."""
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path, schema: type[T], overrides: dict | None = None) -> T:
+    """Read and validate `path` as `schema`; overrides {"table.key": value} win over the file.
+    Every problem found raises one ConfigError listing all of them."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
+        raise ConfigError(f"{path}: config file does not exist")
     try:
         data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML: {error}") from None
-    return _build(schema, data, path, "")
-
-
-def _build(schema: type, data: Any, path: Path, where: str):
-    label = f"[{where}]" if where else "the top level"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: {label} must be a table, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{path}: {label} has unknown key(s) {unknown}; known: {sorted(fields)}")
-    hints = typing.get_type_hints(schema)
-    values = {}
-    for name, field in fields.items():
-        key = f"{where}.{name}" if where else name
-        if name not in data:
-            no_default = field.default is dataclasses.MISSING
-            if no_default and field.default_factory is dataclasses.MISSING:
-                raise ConfigError(
-                    f"{path}: [{where}] {name} is required"
-                    if where
-                    else f"{path}: table [{name}] is required"
-                )
-            continue
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, data[name], path, key)
-        else:
-            values[name] = _check(hint, data[name], path, where, name)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    for key, value in (overrides or {}).items():
+        table, _, name = key.partition(".")
+        data.setdefault(table, {})[name] = value
     try:
-        return schema(**values)
-    except ValueError as error:  # a __post_init__ range check
-        raise ConfigError(f"{path}: [{where}] {error}") from None
+        return schema.model_validate(data, context={"base": path.resolve().parent})
+    except ValidationError as err:
+        raise ConfigError(format_errors(path, schema, err)) from None
 
 
-def _check(hint: Any, value: Any, path: Path, where: str, name: str) -> Any:
-    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for kind in allowed:
-        if kind is type(None) and value is None:
-            return value
-        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
-            return value
-    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
-    raise ConfigError(f"{path}: [{where}] {name} must be {names}, got {value!r}")
+def format_errors(path: Path, schema: type[BaseModel], err: ValidationError) -> str:
+    """One line per problem: `file: [table] key: message`."""
+    lines = []
+    for e in err.errors():
+        loc = [str(part) for part in e["loc"]]
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, Problems):
+            for key, message in cause.problems:
+                lines.append(f"{path}: {_where(loc + key.split('.'))}: {message}")
+            continue
+        if e["type"] == "extra_forbidden":
+            message = "unknown key" if len(loc) > 1 else "unknown table"
+            known = _known_keys(schema, loc[:-1])
+            if known:
+                message += f" (known: {', '.join(known)})"
+        elif e["type"] == "missing":
+            message = "is required"
+        elif e["type"] == "value_error":  # our own checks: the message says it all
+            message = str(cause)
+        else:
+            message = f"{e['msg']}, got {e['input']!r}"
+        lines.append(f"{path}: {_where(loc)}: {message}")
+    return "\n".join(lines)
+
+
+def _where(loc: list[str]) -> str:
+    if len(loc) == 1:
+        return f"table [{loc[0]}]"
+    return f"[{loc[0]}] {'.'.join(loc[1:])}"
+
+
+def _known_keys(schema: type[BaseModel], tables: list[str]) -> list[str]:
+    model: type[BaseModel] | None = schema
+    for name in tables:
+        field = model.model_fields.get(name) if model else None
+        annotation = field.annotation if field else None
+        model = next(
+            (
+                a
+                for a in getattr(annotation, "__args__", (annotation,))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
+            None,
+        )
+    return sorted(model.model_fields) if model else []
+
+
+def describe(config: BaseModel) -> str:
+    """A validated configuration as TOML (resolved paths, defaults filled in), for --dry-run."""
+    lines = []
+    for table, value in config.model_dump(mode="json").items():
+        if value is None:
+            continue
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {_toml(item)}" for key, item in value.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml(value) -> str:
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+# -- the trainer's tables ------------------------------------------------------------------------
+
+
+def _has_model(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no Hugging Face model at {path} (config.json missing)")
+    return path
+
+
+class ModelConfig(Table):
+    """[model]: the model every role starts from."""
+
+    path: Annotated[InputPath, AfterValidator(_has_model)]
+    """Hugging Face model directory (config, weights, tokenizer), relative to the TOML file."""
+    dtype: TrainDType = "float32"
+    """"float32" or "bfloat16" (use float32 on CPUs without bf16 instructions)."""
+
+
+class TrainerConfig(Table):
+    """[trainer]: the policy's optimisation (the RL step: rl.py)."""
+
+    estimator: Literal[ESTIMATORS] = "grpo"  # type: ignore[valid-type]
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline,
+    or gae (PPO with a critic; needs [critic])."""
+    learning_rate: float = Field(1e-4, gt=0)
+    """Actor learning rate (AdamW)."""
+    ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel ranks of the policy (DeepSpeed), one Ray actor and one bundle each."""
+    epochs: int = Field(1, ge=1)
+    """PPO epochs: optimizer passes over each rollout batch."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch (the rollout batch is split into this many)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward."""
+    clip_low: float = Field(0.2, ge=0)
+    """PPO ratio clip below 1."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO ratio clip above 1 (DAPO's clip-higher)."""
+    dual_clip: float | None = Field(3.0, gt=1)
+    """Dual-clip bound for negative advantages (None: off)."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are reduced."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL(policy || reference) coefficient; > 0 starts the reference model."""
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k1 belongs in the reward, k2 / k3 in the loss)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL goes: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """Discount of the per-token returns (gae, reinforce_plus_plus*)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping by global norm."""
+
+    @model_validator(mode="after")
+    def _estimator_rules(self):
+        problems = []
+        if self.kl_in == "reward" and self.estimator in ("grpo", "dr_grpo", "rloo"):
+            problems.append(
+                ("kl_in", f'"reward" is not supported by estimator {self.estimator!r}; use "loss"')
+            )
+        if self.kl_in == "loss" and self.kl_coef > 0 and self.kl_kind == "k1":
+            problems.append(
+                (
+                    "kl_kind",
+                    '"k1" has zero gradient in expectation as a loss term; use "k2" or "k3", '
+                    'or kl_in = "reward"',
+                )
+            )
+        if problems:
+            raise Problems(problems)
+        return self
+
+    def estimate_options(self) -> dict:
+        """The keyword arguments of `rl.estimate` that this table sets."""
+        return dict(
+            kl_coef=self.kl_coef,
+            kl_kind=self.kl_kind,
+            kl_in=self.kl_in,
+            gamma=self.gamma,
+            lam=self.lam,
+        )
+
+    def epoch_options(self) -> dict:
+        """The keyword arguments of `rl.ppo_epochs` (policy and critic) that this table sets."""
+        return dict(
+            epochs=self.epochs,
+            mini_batches=self.mini_batches,
+            micro_batch_size=self.micro_batch_size,
+        )
+
+    def loss_options(self) -> dict:
+        """The keyword arguments of `Actor.train_step` that this table sets."""
+        return dict(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg_mode=self.agg_mode,
+            kl_coef=self.kl_coef if self.kl_in == "loss" else 0.0,
+            kl_kind=self.kl_kind,
+            entropy_coef=self.entropy_coef,
+        )
+
+
+class CriticConfig(Table):
+    """[critic]: the value model of PPO (estimator "gae")."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    """Critic learning rate (AdamW)."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip of the value update around the old values (None: off)."""
+
+
+def rl_batch_problems(
+    trainer: TrainerConfig, critic: CriticConfig | None, samples_per_prompt: int, batch: int
+) -> list[tuple[str, str]]:
+    """What the RL step needs of the rollout batch and the [critic] table, as (table.key,
+    message) problems: group estimators compare samples of a prompt, gae needs a critic, and
+    every rank takes an equal share of every mini-batch."""
+    problems = []
+    if trainer.estimator in GROUP_ESTIMATORS and samples_per_prompt < 2:
+        problems.append(
+            (
+                "rollout.samples_per_prompt",
+                f"must be >= 2 for estimator {trainer.estimator!r} (it compares samples of a "
+                f"prompt), got {samples_per_prompt}",
+            )
+        )
+    if trainer.estimator == "gae" and critic is None:
+        problems.append(("trainer.estimator", '"gae" needs a [critic] table'))
+    if trainer.estimator != "gae" and critic is not None:
+        problems.append(
+            (
+                "critic.learning_rate",
+                f'a [critic] is only used by estimator "gae", not {trainer.estimator!r}: '
+                "remove the table",
+            )
+        )
+    if batch % (trainer.mini_batches * trainer.ranks):
+        problems.append(
+            (
+                "trainer.mini_batches" if batch % trainer.mini_batches else "trainer.ranks",
+                f"mini_batches x ranks must divide the rollout batch (prompts_per_step x "
+                f"samples_per_prompt = {batch}), got {trainer.mini_batches} x {trainer.ranks}",
+            )
+        )
+    return problems

@@ -1,14 +1,14 @@
-"""The PPO critic (trained value model) and the in-cluster reward model (frozen), under DeepSpeed.
+"""The PPO critic (a trained value model) under DeepSpeed.
 
-    critic = Critic(model_path, zero_stage=2, dtype="bf16", learning_rate=5e-6)
+    critic = Critic(model_path, zero_stage=2, dtype="bfloat16", learning_rate=5e-6)
     batch["old_values"] = critic.values(batch)                       # layout: sequences.py
     metrics = critic.train_step(micro_batches, clip=0.2)              # needs "returns" too
-    rewards = RewardModel(rm_path, zero_stage=3).scores(batch)        # (B,) one score each
+    metrics = critic.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8)
 
 The critic is the policy's architecture with a linear value head on the last hidden state
 (`AutoModelForTokenClassification`, one label): started from a causal LM checkpoint the head is
-new, started from a saved critic it is the trained one. The reward model is a Hugging Face
-sequence classifier (one label) read at each sequence's last real token.
+new, started from a saved critic it is the trained one. Reward models are served by
+ferrule-rewards (its `model` backend), not trained or run here.
 """
 
 import os
@@ -19,7 +19,8 @@ import torch
 
 from ferrule_trainer import engine
 from ferrule_trainer.losses import value_loss
-from ferrule_trainer.sequences import check_batch, position_ids, response_values
+from ferrule_trainer.rl import ppo_epochs
+from ferrule_trainer.sequences import check_batch, response_values
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -31,7 +32,7 @@ class Critic(TrainedModel):
         model_path: str | os.PathLike,
         *,
         zero_stage: int = 2,
-        dtype: str = "bf16",
+        dtype: str = "bfloat16",
         learning_rate: float = 5e-6,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -113,39 +114,6 @@ class Critic(TrainedModel):
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
-
-class RewardModel:
-    """A frozen sequence-classification reward model: one score per sequence."""
-
-    def __init__(
-        self,
-        model_path: str | os.PathLike,
-        *,
-        zero_stage: int = 0,
-        dtype: str = "bf16",
-        offload_params: bool = False,
-        seed: int = 0,
-    ):
-        engine.init_distributed()
-        torch.manual_seed(seed)
-        stage = 3 if zero_stage == 3 else 0  # frozen: nothing to shard but the weights
-        ds_config = engine.deepspeed_config(
-            zero_stage=stage, dtype=dtype, train=False, offload_params=offload_params
-        )
-        model = engine.load_model(model_path, kind="reward", dtype=dtype, ds_config=ds_config)
-        self.engine = engine.build_engine(model, train=False, ds_config=ds_config)
-
-    @torch.no_grad()
-    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B,) the score head at each sequence's last real token (attention_mask decides, not
-        the pad token id, which is often the end-of-sequence token the response ends with)."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        model = self.engine.module
-        backbone = getattr(model, model.base_model_prefix)
-        hidden = backbone(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False
-        ).last_hidden_state
-        columns = torch.arange(ids.shape[1], device=ids.device)
-        last = (columns * (mask != 0)).argmax(-1)
-        picked = hidden[torch.arange(ids.shape[0], device=ids.device), last]
-        return model.score(picked)[:, 0].float()
+    def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+        """PPO epochs of `train_step` over one rollout batch; options: see `rl.ppo_epochs`."""
+        return ppo_epochs(self.train_step, batch, **options)

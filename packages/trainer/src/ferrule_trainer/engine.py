@@ -1,8 +1,8 @@
 """DeepSpeed engines from flat arguments: process group, config, model loading, one optimizer step.
 
     init_distributed()
-    config = deepspeed_config(zero_stage=3, dtype="fp32")
-    model = load_model(path, dtype="fp32", ds_config=config, lora_rank=8)
+    config = deepspeed_config(zero_stage=3, dtype="float32")
+    model = load_model(path, dtype="float32", ds_config=config, lora_rank=8)
     engine = build_engine(model, learning_rate=1e-5, ds_config=config)
     metrics = optimizer_step(engine, micro_batches, loss_fn)
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # OpenRLHF's LoRA default: every linear layer of the decoder.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -128,7 +128,7 @@ def deepspeed_config(
         # DeepSpeed's bf16 overflow check scans every gradient (six kernels each, then a host
         # sync): 45 of the 68 ms optimizer step of a 0.5B Qwen2 on one H100. bf16 needs no loss
         # scaling, and `optimizer_step` stops on a non-finite gradient norm at no extra cost.
-        "bf16": {"enabled": dtype == "bf16", "check_grad_overflow": False},
+        "bf16": {"enabled": dtype == "bfloat16", "check_grad_overflow": False},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -157,7 +157,7 @@ def _partitioned_load(ds_config: dict[str, Any] | None):
 def load_model(
     path: str | os.PathLike,
     *,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     ds_config: dict[str, Any] | None = None,
     kind: str = "causal-lm",
     gradient_checkpointing: bool = False,
@@ -233,7 +233,7 @@ def build_engine(
     model: torch.nn.Module,
     *,
     zero_stage: int = 2,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     train: bool = True,
     learning_rate: float = 1e-6,
     weight_decay: float = 0.0,

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on JSONL prompt/response pairs: `rlhf-train sft config.toml`.
 
     [model]
-    path = "models/base"            # a Hugging Face model directory with its tokenizer
+    path = "models/base"            # a Hugging Face model directory (paths: relative to this file)
     [data]
     path = "data/train.jsonl"       # {"prompt": "...", "response": "..."} per line
     [train]
@@ -18,93 +18,88 @@ was never interrupted. Run it on more processes with any launcher that sets RANK
 
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from ferrule_trainer import engine
 from ferrule_trainer.aggregation import aggregate_loss
+from ferrule_trainer.config import InputPath, ModelConfig, Table, TrainDType
 
 
-@dataclass
-class ModelConfig:
-    path: str
-    """Hugging Face model directory (config, weights, tokenizer)."""
-    dtype: str = "bf16"
-    """"bf16" or "fp32" (use fp32 on CPUs without bf16 instructions)."""
-    zero_stage: int = 2
+class SFTModelConfig(ModelConfig):
+    """[model] of `rlhf-train sft`: the model, and how DeepSpeed holds and trains it."""
+
+    dtype: TrainDType = "bfloat16"
+    """"bfloat16" or "float32" (use float32 on CPUs without bf16 instructions)."""
+    zero_stage: int = Field(2, ge=0, le=3)
     """DeepSpeed ZeRO stage 0-3."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about a third more compute."""
-    lora_rank: int = 0
+    lora_rank: int = Field(0, ge=0)
     """> 0 trains LoRA adapters of this rank instead of all weights (merged into the saved model)."""
-    lora_alpha: int = 16
+    lora_alpha: int = Field(16, ge=1)
     """LoRA scale numerator: the update is B A * lora_alpha / lora_rank."""
 
-    def __post_init__(self):
-        if self.dtype not in engine.DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(engine.DTYPES)}, got {self.dtype!r}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
+class SFTDataConfig(Table):
+    """[data]: the examples."""
 
-@dataclass
-class DataConfig:
-    path: str
-    """JSONL file, one object per line with a prompt and a response string."""
+    path: InputPath
+    """JSONL file, one object per line with a prompt and a response string (relative to the
+    TOML file)."""
     prompt_key: str = "prompt"
     """Key of the prompt in each line."""
     response_key: str = "response"
     """Key of the response in each line."""
-    max_length: int = 512
+    max_length: int = Field(512, ge=2)
     """Sequences (prompt + response + end token) are cut to this many tokens."""
 
 
-@dataclass
-class TrainConfig:
-    epochs: int = 1
+class SFTTrainConfig(Table):
+    """[train]: the optimisation."""
+
+    epochs: int = Field(1, ge=1)
     """Passes over the data; the last partial batch of an epoch is dropped."""
-    batch_size: int = 32
+    batch_size: int = Field(32, ge=1)
     """Sequences per optimizer step over all ranks."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward on one rank."""
-    learning_rate: float = 1e-5
+    learning_rate: float = Field(1e-5, gt=0)
     """Peak learning rate (AdamW)."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    warmup_steps: int = 0
+    warmup_steps: int = Field(0, ge=0)
     """Linear warm-up steps, then cosine decay to a tenth of the peak."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
-    max_steps: int = 0
+    max_steps: int = Field(0, ge=0)
     """Stop after this many optimizer steps in all (0: train every epoch to the end)."""
     seed: int = 0
     """Shuffling and initialisation seed."""
 
-    def __post_init__(self):
-        for name in ("epochs", "batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+class SFTOutputConfig(Table):
+    """[output]: where results go."""
 
-@dataclass
-class OutputConfig:
-    dir: str
-    """Where the model (dir/model) and the resumable state (dir/state) go."""
-    save_every: int = 0
+    dir: Path = Path("out/sft")
+    """Where the model (dir/model) and the resumable state (dir/state) go (relative to the
+    current directory)."""
+    save_every: int = Field(0, ge=0)
     """Save resumable state every this many steps (0: only at the end)."""
     resume: bool = True
     """Continue from dir/state when it holds a saved state."""
 
 
-@dataclass
-class SFTConfig:
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig = field(default_factory=TrainConfig)
-    output: OutputConfig = field(default_factory=lambda: OutputConfig(dir="out/sft"))
+class SFTConfig(Table):
+    """A `rlhf-train sft` run: one TOML file with these tables."""
+
+    model: SFTModelConfig
+    data: SFTDataConfig
+    train: SFTTrainConfig = SFTTrainConfig()
+    output: SFTOutputConfig = SFTOutputConfig()
 
 
 def load_examples(path: str | Path, prompt_key: str, response_key: str) -> list[tuple[str, str]]:

@@ -1,0 +1,76 @@
+"""Calls into the run's Ray actors, with failures that name the role: RunError, get, PolicyGroup.
+
+    refs = PolicyGroup(workers).shard("train_epochs", batch, epochs=1)   # a shard per rank
+    metrics = get(refs, "policy")                                         # RunError names it
+
+A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
+"policy (weight sync sender)") and the first useful line of the remote error, so that the user
+reads which component stopped the run, not a Ray traceback.
+"""
+
+from ferrule_trainer.rl import split
+
+
+class RunError(RuntimeError):
+    """The run cannot continue; the message names the role or component that failed."""
+
+
+def get(refs, role: str, timeout: float | None = None):
+    """ray.get that names the role when its actor died or its method raised. A list is
+    fetched as results arrive, so one failed rank stops the run at once instead of waiting
+    for its peers, which may be stuck in a collective with it."""
+    if isinstance(refs, list):
+        return get_each([(ref, role) for ref in refs], timeout)
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayActorError as err:
+        raise RunError(f"the {role} actor died: {_first_line(err)}") from None
+    except RayTaskError as err:
+        raise RunError(f"the {role} failed: {_first_line(err.cause or err)}") from None
+    except GetTimeoutError:
+        raise RunError(f"the {role} did not answer within {timeout:g} s") from None
+
+
+def get_each(pairs: list, timeout: float | None = None) -> list:
+    """Results of [(ref, role), ...] in order, raising for the first one that fails."""
+    import ray
+
+    results, pending = {}, {ref: index for index, (ref, _) in enumerate(pairs)}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+        if not ready:
+            roles = sorted({pairs[i][1] for i in pending.values()})
+            raise RunError(f"{', '.join(roles)} did not answer within {timeout:g} s")
+        index = pending.pop(ready[0])
+        results[index] = get(ready[0], pairs[index][1])
+    return [results[i] for i in range(len(pairs))]
+
+
+def _first_line(err) -> str:
+    text = str(err).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    useful = [line for line in lines if "Error" in line or "error" in line]
+    return (useful[-1] if useful else lines[-1] if lines else repr(err))[:500]
+
+
+class PolicyGroup:
+    """The policy's data-parallel ranks (one Ray actor each), driven as one: a batch is split
+    into equal contiguous shards, one per rank; rank 0 holds the weight sender."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def shard(self, method: str, batch: dict, **options) -> list:
+        """Refs of `method(shard, **options)` on every rank, each with its share of `batch`."""
+        shards = split(batch, batch["input_ids"].shape[0] // len(self.workers))
+        return [
+            getattr(w, method).remote(s, **options)
+            for w, s in zip(self.workers, shards, strict=True)
+        ]
+
+    def call(self, method: str, *args) -> list:
+        """Refs of `method(*args)` on every rank (collectives: checkpoints, exports)."""
+        return [getattr(w, method).remote(*args) for w in self.workers]

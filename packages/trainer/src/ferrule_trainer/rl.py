@@ -1,0 +1,153 @@
+"""One RL step's data and math: rollout samples to a batch, advantages by estimator, PPO epochs.
+
+    batch = build_batch(samples, pad_id)              # the layout of sequences.py
+    advantages, returns = estimate("grpo", scores, batch, group_size=8, old_logprobs=old)
+    actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), epochs=1, ...)
+    critic.train_epochs(critic_batch(batch, values, returns), epochs=1, ...)   # "gae" only
+
+Whoever drives the loop (ferrule-launcher) moves these batches between processes; what is in them
+and what is done with them is decided here. Samples are plain objects with `prompt_token_ids`
+and `token_ids` (ferrule-rollout's `Sample`, or anything shaped like it). Imports torch only.
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ferrule_trainer import advantages as adv
+from ferrule_trainer.aggregation import masked_mean
+from ferrule_trainer.kl import kl_estimate
+from ferrule_trainer.reward_shaping import token_rewards
+
+Batch = dict[str, torch.Tensor]
+
+
+def build_batch(samples: Sequence, pad_id: int) -> Batch:
+    """input_ids, attention_mask and response_mask from samples: left-padded prompts and
+    right-padded responses, so every response starts at the same column."""
+    prompt_len = max(len(s.prompt_token_ids) for s in samples)
+    response_len = max(max(len(s.token_ids) for s in samples), 1)
+    rows = len(samples)
+    input_ids = torch.full((rows, prompt_len + response_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros((rows, response_len), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        prompt, response = sample.prompt_token_ids, sample.token_ids
+        input_ids[row, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        attention_mask[row, prompt_len - len(prompt) : prompt_len] = 1
+        if response:
+            input_ids[row, prompt_len : prompt_len + len(response)] = torch.tensor(response)
+            attention_mask[row, prompt_len : prompt_len + len(response)] = 1
+            response_mask[row, : len(response)] = 1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+    }
+
+
+def split(batch: Batch, size: int) -> list[Batch]:
+    """Micro-batches of at most `size` rows (every tensor of the batch is split the same way)."""
+    rows = batch["input_ids"].shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def trim_groups(groups: list[int], group_size: int, ranks: int, mini_batches: int) -> list[int]:
+    """The first prompt groups whose samples split evenly over ranks and mini-batches: every rank
+    takes an equal share of every mini-batch, so the batch must be a multiple of both."""
+    keep = list(groups)
+    while len(keep) * group_size % (ranks * mini_batches):
+        keep.pop()
+    return keep
+
+
+def estimate(
+    estimator: str,
+    scores: torch.Tensor,
+    batch: Batch,
+    *,
+    group_size: int,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k1",
+    kl_in: str = "loss",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(advantages, returns) for `estimator`; returns is None except for "gae" (the critic's
+    target). With kl_in = "reward" the KL of the rollout policy to the reference is a per-token
+    reward penalty (PPO, REINFORCE++); otherwise the loss carries it."""
+    mask = batch["response_mask"]
+    kl = None
+    if kl_in == "reward" and kl_coef > 0:
+        kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind)
+    penalty = dict(kl=kl, kl_coef=kl_coef if kl is not None else 0.0)
+    if estimator == "gae":
+        rewards = token_rewards(scores, mask, **penalty)
+        advantages, returns = adv.gae(rewards, values, mask, gamma=gamma, lam=lam)
+        return adv.normalize_advantages(advantages, mask), returns
+    if estimator == "grpo":
+        return adv.grpo(scores, mask, group_size=group_size), None
+    if estimator == "dr_grpo":
+        return adv.dr_grpo(scores, mask, group_size=group_size), None
+    if estimator == "rloo":
+        return adv.rloo(scores, mask, group_size=group_size), None
+    if estimator == "reinforce_plus_plus":
+        return adv.reinforce_plus_plus(scores, mask, gamma=gamma, **penalty), None
+    if estimator == "reinforce_plus_plus_baseline":
+        advantages = adv.reinforce_plus_plus_baseline(
+            scores, mask, group_size=group_size, gamma=gamma, **penalty
+        )
+        return advantages, None
+    raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def policy_batch(
+    batch: Batch,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    kl_coef_in_loss: float,
+) -> Batch:
+    """What `Actor.train_step` reads: the layout, the old log-probs, the advantages, and the
+    reference's log-probs when the loss carries a KL term."""
+    out = dict(batch, old_logprobs=old_logprobs, advantages=advantages)
+    if kl_coef_in_loss and ref_logprobs is not None:
+        out["ref_logprobs"] = ref_logprobs
+    return out
+
+
+def critic_batch(batch: Batch, values: torch.Tensor, returns: torch.Tensor) -> Batch:
+    """What `Critic.train_step` reads: the layout, the values before the update, the returns."""
+    keys = ("input_ids", "attention_mask", "response_mask")
+    return {**{k: batch[k] for k in keys}, "old_values": values, "returns": returns}
+
+
+def ppo_epochs(
+    train_step: Callable[..., dict[str, float]],
+    batch: Batch,
+    *,
+    epochs: int,
+    mini_batches: int,
+    micro_batch_size: int,
+    **loss_options,
+) -> dict[str, float]:
+    """`epochs` passes over `batch`, `mini_batches` optimizer steps each, every step in
+    micro-batches of `micro_batch_size`; returns each metric's mean over the steps."""
+    size = max(batch["input_ids"].shape[0] // mini_batches, 1)
+    totals: dict[str, float] = {}
+    steps = 0
+    for _ in range(epochs):
+        for mini in split(batch, size):
+            for key, value in train_step(split(mini, micro_batch_size), **loss_options).items():
+                totals[key] = totals.get(key, 0.0) + value
+            steps += 1
+    return {key: value / steps for key, value in totals.items()}
+
+
+def mean_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(policy || reference) per response token, estimated with k1 (the metric "kl")."""
+    per_token = kl_estimate(logprobs, ref_logprobs, mask, kind="k1")
+    return float(masked_mean(per_token, mask.bool()))

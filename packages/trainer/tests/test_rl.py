@@ -1,0 +1,93 @@
+"""The RL step's data and math (rl.py): the batch layout from samples, every estimator, PPO epochs."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ferrule_trainer.config import ESTIMATORS
+from ferrule_trainer.rl import (
+    build_batch,
+    critic_batch,
+    estimate,
+    mean_kl,
+    policy_batch,
+    ppo_epochs,
+    split,
+    trim_groups,
+)
+
+
+def sample(prompt, response):
+    return SimpleNamespace(prompt_token_ids=prompt, token_ids=response)
+
+
+def test_build_batch_left_pads_prompts_and_right_pads_responses():
+    batch = build_batch([sample([5, 6], [7]), sample([4], [8, 9, 0])], pad_id=1)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 1], [1, 4, 8, 9, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert [len(mb["input_ids"]) for mb in split(batch, 1)] == [1, 1]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
+    mask = torch.ones(4, 3, dtype=torch.long)
+    batch = {"response_mask": mask}
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    logprobs = torch.full((4, 3), -1.0)
+    advantages, returns = estimate(
+        estimator,
+        scores,
+        batch,
+        group_size=2,
+        old_logprobs=logprobs,
+        ref_logprobs=logprobs - 0.1,
+        values=torch.zeros(4, 3),
+        kl_coef=0.01,
+        kl_in="reward" if estimator in ("gae", "reinforce_plus_plus") else "loss",
+    )
+    assert advantages.shape == (4, 3)
+    assert (advantages[0] > 0).all() and (advantages[1] < 0).all()
+    assert (returns is not None) == (estimator == "gae")
+
+
+def test_trim_groups_keeps_a_multiple_of_ranks_times_mini_batches():
+    assert trim_groups([0, 1, 2, 3, 5], group_size=2, ranks=2, mini_batches=2) == [0, 1, 2, 3]
+    assert trim_groups([0, 1, 2], group_size=4, ranks=2, mini_batches=1) == [0, 1, 2]
+    assert trim_groups([4], group_size=2, ranks=4, mini_batches=1) == []
+
+
+def test_ppo_epochs_steps_over_mini_batches_of_micro_batches_and_averages():
+    batch = {"input_ids": torch.arange(8)[:, None]}
+    seen = []
+
+    def train_step(micro_batches, *, scale):
+        seen.append([mb["input_ids"].flatten().tolist() for mb in micro_batches])
+        return {"loss": scale * len(seen)}
+
+    metrics = ppo_epochs(train_step, batch, epochs=2, mini_batches=2, micro_batch_size=3, scale=1)
+    assert seen == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]] * 2  # 2 epochs x 2 optimizer steps
+    assert metrics == {"loss": (1 + 2 + 3 + 4) / 4}
+
+
+def test_policy_and_critic_batches_carry_what_their_train_steps_read():
+    batch = build_batch([sample([5], [7, 8])], pad_id=0)
+    old, adv = torch.zeros(1, 2), torch.ones(1, 2)
+    assert "ref_logprobs" not in policy_batch(batch, old, adv, old, kl_coef_in_loss=0.0)
+    assert policy_batch(batch, old, adv, old - 1, kl_coef_in_loss=0.1)["ref_logprobs"] is not None
+    critic = critic_batch(dict(batch, advantages=adv), old, adv)
+    assert sorted(critic) == [
+        "attention_mask",
+        "input_ids",
+        "old_values",
+        "response_mask",
+        "returns",
+    ]
+
+
+def test_mean_kl_is_k1_per_valid_token():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0]])
+    ref = torch.tensor([[-1.5, -1.0, 0.0], [-1.0, 0.0, 0.0]])
+    assert mean_kl(logprobs, ref, mask) == pytest.approx((0.5 - 1.0 + 0.5) / 3)
