@@ -54,3 +54,15 @@ def test_sft_config_loads_with_defaults(tmp_path):
 def test_config_errors_name_file_and_key(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
         load_config(_write(tmp_path, text), SFTConfig)
+
+
+def test_trainer_table_gives_each_call_its_keywords():
+    from ferrule_trainer.config import TrainerConfig
+
+    table = TrainerConfig(kl_coef=0.05, kl_in="reward", kl_kind="k1", epochs=2, gamma=0.9)
+    assert table.loss_options()["kl_coef"] == 0.0  # the KL is in the reward, not the loss
+    assert table.estimate_options() == dict(
+        kl_coef=0.05, kl_kind="k1", kl_in="reward", gamma=0.9, lam=0.95
+    )
+    assert table.epoch_options() == dict(epochs=2, mini_batches=1, micro_batch_size=64)
+    assert TrainerConfig(kl_coef=0.05).loss_options()["kl_coef"] == 0.05

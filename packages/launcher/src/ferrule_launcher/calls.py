@@ -8,8 +8,6 @@ A failed or dead actor becomes a RunError whose message names the role ("rollout
 reads which component stopped the run, not a Ray traceback.
 """
 
-from ferrule_trainer.rl import split
-
 
 class RunError(RuntimeError):
     """The run cannot continue; the message names the role or component that failed."""
@@ -65,6 +63,8 @@ class PolicyGroup:
 
     def shard(self, method: str, batch: dict, **options) -> list:
         """Refs of `method(shard, **options)` on every rank, each with its share of `batch`."""
+        from ferrule_trainer.rl import split
+
         shards = split(batch, batch["input_ids"].shape[0] // len(self.workers))
         return [
             getattr(w, method).remote(s, **options)

@@ -245,33 +245,21 @@ class TrainerConfig(Table):
 
     def estimate_options(self) -> dict:
         """The keyword arguments of `rl.estimate` that this table sets."""
-        return dict(
-            kl_coef=self.kl_coef,
-            kl_kind=self.kl_kind,
-            kl_in=self.kl_in,
-            gamma=self.gamma,
-            lam=self.lam,
-        )
+        return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "gamma", "lam"})
 
     def epoch_options(self) -> dict:
         """The keyword arguments of `rl.ppo_epochs` (policy and critic) that this table sets."""
-        return dict(
-            epochs=self.epochs,
-            mini_batches=self.mini_batches,
-            micro_batch_size=self.micro_batch_size,
-        )
+        return self.model_dump(include={"epochs", "mini_batches", "micro_batch_size"})
 
     def loss_options(self) -> dict:
-        """The keyword arguments of `Actor.train_step` that this table sets."""
-        return dict(
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip=self.dual_clip,
-            agg_mode=self.agg_mode,
-            kl_coef=self.kl_coef if self.kl_in == "loss" else 0.0,
-            kl_kind=self.kl_kind,
-            entropy_coef=self.entropy_coef,
+        """The keyword arguments of `Actor.train_step` that this table sets (the KL term only
+        when the loss carries it)."""
+        options = self.model_dump(
+            include={"clip_low", "clip_high", "dual_clip", "agg_mode", "kl_coef", "kl_kind"}
         )
+        options["kl_coef"] = self.kl_coef if self.kl_in == "loss" else 0.0
+        options["entropy_coef"] = self.entropy_coef
+        return options
 
 
 class CriticConfig(Table):
