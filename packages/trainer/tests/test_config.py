@@ -59,7 +59,9 @@ def test_config_errors_name_file_and_key(tmp_path, text, message):
 def test_trainer_table_gives_each_call_its_keywords():
     from ferrule_trainer.config import TrainerConfig
 
-    table = TrainerConfig(kl_coef=0.05, kl_in="reward", kl_kind="k1", epochs=2, gamma=0.9)
+    table = TrainerConfig(
+        estimator="gae", kl_coef=0.05, kl_in="reward", kl_kind="k1", epochs=2, gamma=0.9
+    )
     assert table.loss_options()["kl_coef"] == 0.0  # the KL is in the reward, not the loss
     assert table.estimate_options() == dict(
         kl_coef=0.05, kl_kind="k1", kl_in="reward", gamma=0.9, lam=0.95
