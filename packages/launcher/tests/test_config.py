@@ -94,10 +94,53 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ("[ray]\nroles_on_nodes = {rollout = 'w'}\n", "[ray] roles_on_nodes: cannot pin"),
         ("[task]\nname = 'jsonl'\n", '[task] train_file: "jsonl" needs train_file'),
         ("[task]\neval_file = 'e.jsonl'\n", '[task] eval_file: only read by name = "jsonl"'),
+        (
+            "[trainer]\nzero_stage = 2\noffload_between_phases = true\n[ray]\nplacement = 'separate'\n",
+            '[trainer] offload_between_phases: needs placement = "colocate_all"',
+        ),
+        (
+            "[rollout]\nsleep_between_phases = true\n[loop]\nmode = 'async'\n",
+            '[rollout] sleep_between_phases: needs loop mode = "sync"',
+        ),
+        (
+            "[trainer]\noffload_between_phases = true\n",
+            "[trainer] offload_between_phases: needs zero_stage >= 1",
+        ),
+        (
+            "[trainer]\noffload_params = true\nzero_stage = 2\n",
+            "[trainer] offload_params: needs zero_stage = 3",
+        ),
+        ("[trainer]\nbetas = [0.9, 1.5]\n", "[trainer] betas: must both be in [0, 1)"),
+        (
+            "[trainer]\nranks = 2\n[ray]\ngpus_per_role = 1\n",
+            '[rollout] engines: with placement = "colocate_all" on GPUs each GPU holds a policy rank and an engine: must equal [trainer] ranks 2, got 1',
+        ),
+        (
+            "[rollout]\ntensor_parallel_size = 2\n[ray]\ngpus_per_role = 1\n",
+            "[rollout] tensor_parallel_size: an engine's bundle has [ray] gpus_per_role = 1 GPUs",
+        ),
+        (
+            "[rollout]\nbackend = 'transformers'\ntensor_parallel_size = 2\n",
+            '[rollout] tensor_parallel_size: tensor_parallel_size > 1 needs backend = "vllm"',
+        ),
+        (
+            "[rollout]\nbackend = 'sglang'\n",
+            "[rollout] backend: Input should be 'vllm' or 'transformers'",
+        ),
     ],
 )
 def test_contradictory_settings(write, text, expected):
     assert expected in error_of(write(text))
+
+
+def test_model_table_is_the_trainers(write):
+    text = "[model]\npath = 'model'\nattn_implementation = 'fast'\n"
+    assert "[model] attn_implementation: Input should be 'eager'" in error_of(
+        write(text, base=REWARDS)
+    )
+    assert "[model] dtype: Input should be 'float32' or 'bfloat16', got 'fp32'" in error_of(
+        write("[model]\npath = 'model'\ndtype = 'fp32'\n", base=REWARDS)
+    )
 
 
 def test_every_estimator_is_selectable(write):

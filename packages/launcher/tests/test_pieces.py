@@ -62,7 +62,42 @@ def test_placement_groups_and_bundles_for_each_mode():
     }
     assert len(groups_for("separate", roles)) == 6
     assert [bundle_of("colocate", r) for r in roles] == [0, 1, 0, 0, 0, 1]
-    assert {bundle_of("colocate_all", r) for r in roles} == {0}
+    # colocate_all: one group, a bundle per rank / engine index (the hybrid engine: on GPUs,
+    # policy rank i and engine i share GPU i); the reference and the critic on bundle 0
+    assert [bundle_of("colocate_all", r) for r in roles] == [0, 1, 0, 0, 0, 1]
+    from types import SimpleNamespace
+
+    from ferrule_launcher.placement import bundles
+
+    ray = SimpleNamespace(placement="colocate_all")
+    plan = {i: [r.name for r in rs] for i, rs in bundles(ray, roles)["all"].items()}
+    assert plan == {
+        0: ["policy-0", "reference", "critic", "rollout-0"],
+        1: ["policy-1", "rollout-1"],
+    }
+    one = bundles(ray, [Role("policy", 0), Role("rollout", 0)])
+    assert list(one["all"]) == [0]  # the CPU example: everything on one bundle, as before
+
+
+def test_a_cluster_too_small_is_an_error_naming_the_keys_before_anything_starts():
+    import pytest
+
+    from ferrule_launcher.calls import RunError
+    from ferrule_launcher.config import RayConfig
+    from ferrule_launcher.placement import check_fits
+
+    roles = [Role("policy", 0), Role("policy", 1), Role("rollout", 0), Role("rollout", 1)]
+    hybrid = RayConfig(placement="colocate_all", gpus_per_role=1, cpus_per_role=1)
+    check_fits(hybrid, roles, {"GPU": 2.0, "CPU": 4.0})  # two GPUs, each a rank and an engine
+    with pytest.raises(
+        RunError, match=r"\[ray\] gpus_per_role: 2 bundles x 1 GPUs = 2, but the Ray cluster has 1"
+    ):
+        check_fits(hybrid, roles, {"GPU": 1.0, "CPU": 4.0})
+    separate = RayConfig(placement="separate", gpus_per_role=1, cpus_per_role=0.5)
+    with pytest.raises(RunError, match=r"4 bundles x 1 GPUs = 4, but the Ray cluster has 2"):
+        check_fits(separate, roles, {"GPU": 2.0, "CPU": 8.0})
+    with pytest.raises(RunError, match=r"\[ray\] cpus_per_role: 4 bundles x 0.5 CPUs = 2"):
+        check_fits(separate, roles, {"GPU": 4.0, "CPU": 1.0})
 
 
 def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):

@@ -65,3 +65,21 @@ def test_a_non_finite_gradient_stops_training_with_a_clear_error(stage, dtype):
     batch["returns"][1, 2] = float("nan")  # one poisoned target
     with pytest.raises(NonFiniteGradientError, match=r"gradient norm is (nan|inf)"):
         critic.train_step([batch], clip=None)
+
+
+def test_forward_passes_in_micro_batches_equal_the_whole_batch():
+    """Policy log-probs, reference log-probs and critic values come out the same whether the
+    forward takes the whole batch or micro-batches of any size (the rows carry their own padding).
+    """
+    from ferrule_trainer.actor import Actor
+    from ferrule_trainer.critic import Critic
+
+    batch = _batch(B=5)
+    actor = Actor(tiny_model("qwen2"), zero_stage=0, dtype="float32", temperature=0.7)
+    whole = actor.logprobs(batch)
+    assert whole.shape == (5, 6) and whole.device.type == "cpu"
+    for size in (1, 2, 3):
+        torch.testing.assert_close(actor.logprobs(batch, micro_batch_size=size), whole)
+    critic = Critic(tiny_model("qwen2"), zero_stage=0, dtype="float32")
+    values = critic.values(batch)
+    torch.testing.assert_close(critic.values(batch, micro_batch_size=2), values)

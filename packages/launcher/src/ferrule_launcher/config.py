@@ -263,6 +263,7 @@ class Config(Table):
             )
         if self.loop.mode == "sync" and self.loop.max_staleness != LoopConfig().max_staleness:
             problems.append(("loop.max_staleness", 'only applies to mode = "async"'))
+        problems += self._device_problems()
         if not problems:  # files last: a contradiction is the first thing to mend
             problems += [(f"rewards.{key}", message) for key, message in w.missing()]
             for key in ("train_file", "eval_file"):
@@ -272,6 +273,36 @@ class Config(Table):
         if problems:
             raise Problems(problems)
         return self
+
+    def _device_problems(self) -> list[tuple[str, str]]:
+        """How the roles share devices: the hybrid engine's switches and GPU bundles."""
+        t, r, ray, problems = self.trainer, self.rollout, self.ray, []
+        switches = {
+            "trainer.offload_between_phases": t.offload_between_phases,
+            "rollout.sleep_between_phases": r.sleep_between_phases,
+        }
+        for key in [k for k, on in switches.items() if on]:
+            if ray.placement != "colocate_all":
+                problems.append((key, 'needs placement = "colocate_all" (roles sharing GPUs)'))
+            elif self.loop.mode != "sync":
+                problems.append((key, 'needs loop mode = "sync" (async overlaps the phases)'))
+        if ray.gpus_per_role and ray.placement == "colocate_all" and r.engines != t.ranks:
+            problems.append(
+                (
+                    "rollout.engines",
+                    f'with placement = "colocate_all" on GPUs each GPU holds a policy rank and an '
+                    f"engine: must equal [trainer] ranks {t.ranks}, got {r.engines}",
+                )
+            )
+        if ray.gpus_per_role and r.tensor_parallel_size > ray.gpus_per_role:
+            problems.append(
+                (
+                    "rollout.tensor_parallel_size",
+                    f"an engine's bundle has [ray] gpus_per_role = {ray.gpus_per_role:g} GPUs, "
+                    f"fewer than tensor_parallel_size {r.tensor_parallel_size}",
+                )
+            )
+        return problems
 
 
 def load_config(path: str | Path, overrides: dict | None = None) -> Config:

@@ -97,9 +97,14 @@ class Loop:
         samples = [samples[i] for i in rows]
         scores = torch.tensor([rollout.scores[i] for i in rows], dtype=torch.float32)
         batch = rl.build_batch(samples, self.pad_id)
-        ref_call = roles.reference.logprobs.remote(batch) if roles.reference else None
-        values_call = roles.critic.values.remote(batch) if roles.critic else None
-        old = torch.cat(get(roles.policy.shard("logprobs", batch), "policy"))
+        rows_per_pass = t.forward_batch_size or t.micro_batch_size
+        ref_call = (
+            roles.reference.logprobs.remote(batch, rows_per_pass) if roles.reference else None
+        )
+        values_call = roles.critic.values.remote(batch, rows_per_pass) if roles.critic else None
+        old = torch.cat(
+            get(roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass), "policy")
+        )
         ref = get(ref_call, "reference") if ref_call else None
         values = get(values_call, "critic") if values_call else None
         advantages, returns = rl.estimate(
@@ -135,6 +140,44 @@ class Loop:
         result["dropped_stale_groups"] = dropped
         result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
         return result
+
+    # -- the hybrid engine: who holds the GPUs when ([trainer] offload_between_phases, [rollout]
+    # sleep_between_phases); each is a no-op where its switch is off or on CPU ----------------
+
+    def to_generate(self) -> None:
+        """The trainer's states leave the GPUs for the engines."""
+        if self.config.trainer.offload_between_phases:
+            calls = [(ref, "policy (offload)") for ref in self.roles.policy.call("offload")]
+            if self.roles.critic is not None:
+                calls.append((self.roles.critic.offload.remote(), "critic (offload)"))
+            get_each(calls)
+
+    def to_train(self) -> None:
+        """The engines free their GPU memory (weights kept in host memory); the trainer's
+        states come back."""
+        calls = []
+        if self.config.rollout.sleep_between_phases:
+            calls += [
+                (e.sleep.remote(), f"rollout engine {i} (sleep)")
+                for i, e in enumerate(self.roles.engines)
+            ]
+        get_each(calls)
+        calls = []
+        if self.config.trainer.offload_between_phases:
+            calls += [(ref, "policy (reload)") for ref in self.roles.policy.call("reload")]
+            if self.roles.critic is not None:
+                calls.append((self.roles.critic.reload.remote(), "critic (reload)"))
+        get_each(calls)
+
+    def to_sync(self) -> None:
+        """The engines take their memory back, to receive the new weights and generate."""
+        if self.config.rollout.sleep_between_phases:
+            get_each(
+                [
+                    (e.wake_up.remote(), f"rollout engine {i} (wake up)")
+                    for i, e in enumerate(self.roles.engines)
+                ]
+            )
 
     def sync(self, version: int) -> float:
         """Send the policy's weights to every engine as `version`; returns the seconds taken."""
@@ -191,10 +234,15 @@ class Loop:
 
     def _finish_step(self, step: int, rollout: Rollout, on_step) -> None:
         start = time.perf_counter()
+        self.to_train()
+        switched = time.perf_counter()
         trained = self.train(rollout)
-        seconds_train = time.perf_counter() - start
+        seconds_train = time.perf_counter() - switched
+        self.to_sync()
         seconds_sync = self.sync(step)
+        self.to_generate()
         metrics = self.step_metrics(rollout, trained, seconds_train, seconds_sync)
+        metrics["time/switch"] = time.perf_counter() - start - seconds_train - seconds_sync
         if self._eval_due(step):
             metrics["eval/accuracy"] = self.evaluate()
         on_step(step, metrics)

@@ -5,8 +5,9 @@
     ray.remote(PolicyWorker).options(**places[Role("policy", 0)]).remote()
 
 Placements ([ray] placement):
-- "colocate_all": one placement group of one bundle; every role takes a share of it (on GPUs,
-  every role on the same devices).
+- "colocate_all": one placement group with a bundle per policy rank (and rollout engine): policy
+  rank i and engine i share bundle i, the reference and the critic join bundle 0 (on GPUs, the
+  hybrid engine: each GPU holds a policy rank and an engine).
 - "colocate": the policy's ranks with its reference in one group (a bundle per rank, the
   reference on rank 0's), the critic in another, the rollout engines in a third (a bundle per
   engine); the groups' bundles are PACKed by default.
@@ -103,9 +104,38 @@ def groups_for(placement: str, roles: list[Role]) -> dict[str, list[Role]]:
 
 
 def bundle_of(placement: str, role: Role) -> int:
-    """The bundle a role takes in its group: one per policy rank or rollout engine, the
-    reference with policy rank 0; everything in bundle 0 when colocating all."""
-    return 0 if placement == "colocate_all" else role.index
+    """The bundle a role takes in its group: one per policy rank or rollout engine (with
+    "colocate_all", rank i and engine i share bundle i), the reference and the critic on 0."""
+    return role.index
+
+
+def bundles(config: RayConfig, roles: list[Role]) -> dict[str, dict[int, list[Role]]]:
+    """{group: {bundle index: roles on it}}: what place_roles asks Ray for."""
+    plan = {}
+    for name, members in groups_for(config.placement, roles).items():
+        on_bundle: dict[int, list[Role]] = {}
+        for role in members:
+            index = bundle_of(config.placement, role) if len(members) > 1 else 0
+            on_bundle.setdefault(index, []).append(role)
+        plan[name] = {i: on_bundle.get(i, []) for i in range(max(on_bundle) + 1)}
+    return plan
+
+
+def check_fits(config: RayConfig, roles: list[Role], cluster: dict[str, float]) -> None:
+    """A RunError naming the keys when the bundles ask for more CPUs or GPUs than the cluster
+    has, before any role starts (Ray would otherwise wait for resources that never come)."""
+    count = sum(len(b) for b in bundles(config, roles).values())
+    for resource, each, key in (
+        ("GPU", config.gpus_per_role, "gpus_per_role"),
+        ("CPU", config.cpus_per_role, "cpus_per_role"),
+    ):
+        have = cluster.get(resource, 0.0)
+        if count * each > have + 1e-9:
+            raise RunError(
+                f"[ray] {key}: {count} bundles x {each:g} {resource}s = {count * each:g}, but the "
+                f"Ray cluster has {have:g} (placement {config.placement!r}; [trainer] ranks, "
+                "[rollout] engines and the critic / reference set how many bundles)"
+            )
 
 
 def place_roles(config: RayConfig, roles: list[Role]) -> tuple[dict[Role, dict], list]:
@@ -119,21 +149,17 @@ def place_roles(config: RayConfig, roles: list[Role]) -> tuple[dict[Role, dict],
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options, made = {}, []
-    for name, members in groups_for(config.placement, roles).items():
-        on_bundle: dict[int, list[Role]] = {}
-        for role in members:
-            index = bundle_of(config.placement, role) if len(members) > 1 else 0
-            on_bundle.setdefault(index, []).append(role)
-        bundles = []
-        for index in range(max(on_bundle) + 1):
-            bundle = {"CPU": config.cpus_per_role}
+    for name, on_bundle in bundles(config, roles).items():
+        specs = []
+        for sharing in on_bundle.values():
+            spec = {"CPU": config.cpus_per_role}
             if config.gpus_per_role:
-                bundle["GPU"] = config.gpus_per_role
-            custom = config.roles_on_nodes.get(on_bundle.get(index, members)[0].pinned_as)
+                spec["GPU"] = config.gpus_per_role
+            custom = config.roles_on_nodes.get(sharing[0].pinned_as) if sharing else None
             if custom:
-                bundle[custom] = 0.001
-            bundles.append(bundle)
-        group = placement_group(bundles, strategy=config.strategy, name=f"ferrule-{name}")
+                spec[custom] = 0.001
+            specs.append(spec)
+        group = placement_group(specs, strategy=config.strategy, name=f"ferrule-{name}")
         made.append(group)
         for index, sharing in on_bundle.items():
             share = len(sharing)

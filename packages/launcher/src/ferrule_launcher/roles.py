@@ -54,16 +54,26 @@ class PolicyWorker:
             port = s.getsockname()[1]
         return {"host": ray.util.get_node_ip_address(), "port": port}
 
-    def open_sender(self, transport: str, host: str, port: int, num_receivers: int) -> None:
-        """Start the weight-sync group as its sender (returns once every receiver joined)."""
+    def open_sender(self, transport: str, host: str, port: int, num_receivers: int) -> str:
+        """Start a weight-sync group as its sender, on this rank's device: NCCL broadcast or CUDA
+        IPC on a GPU, gloo or shared memory on CPU. Returns once every receiver joined; returns
+        the device."""
         from ferrule_weightsync import create_sender
 
+        device = self.actor.device
         self.sender = create_sender(
-            transport, host, port, num_receivers, timeout=300.0, connect_timeout=600.0
+            transport,
+            host,
+            port,
+            num_receivers,
+            device=device,
+            timeout=300.0,
+            connect_timeout=600.0,
         )
+        return str(device)
 
     def send_weights(self, version: int) -> int:
-        """Every rank exports (ZeRO-3 gathers need all of them); rank 0 sends."""
+        """Every rank exports (ZeRO-3 gathers need all of them); the ranks with a sender send."""
         weights = self.actor.export_weights()
         if self.sender is None:
             for _ in weights:
@@ -85,6 +95,12 @@ class PolicyWorker:
 
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
+
+    def offload(self) -> None:
+        self.actor.offload()
+
+    def reload(self) -> None:
+        self.actor.reload()
 
 
 @dataclass
@@ -113,21 +129,25 @@ class Roles:
             ray.util.remove_placement_group(group)
 
 
+def wanted_roles(config: Config) -> list[Role]:
+    """Every role the configuration asks for."""
+    wanted = [Role("policy", i) for i in range(config.trainer.ranks)]
+    wanted += [Role("reference")] if config.trainer.kl_coef > 0 else []
+    wanted += [Role("critic")] if config.critic is not None else []
+    return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
+
+
 def start_roles(config: Config, model_path: str, env: dict) -> Roles:
     """Every actor of the run, started, placed and waited for; the weight sync opened."""
     import ray
 
-    from ferrule_rollout.engine import RolloutEngine
     from ferrule_trainer.actor import Actor
     from ferrule_trainer.critic import Critic
 
-    t, r, dtype, seed = config.trainer, config.rollout, config.model.dtype, config.loop.seed
-    wanted = [Role("policy", i) for i in range(t.ranks)]
-    wanted += [Role("reference")] if t.kl_coef > 0 else []
-    wanted += [Role("critic")] if config.critic is not None else []
-    wanted += [Role("rollout", i) for i in range(r.engines)]
-    options, groups = place_roles(config.ray, wanted)
+    t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
+    options, groups = place_roles(config.ray, wanted_roles(config))
     roles = Roles(PolicyGroup([]), [], groups=groups)  # filled in as they start, for stop()
+    model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
 
     def actor(cls, role: Role, **extra):
         return ray.remote(cls).options(**options[role], runtime_env={"env_vars": env}, **extra)
@@ -143,65 +163,71 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
                 t.ranks,
                 master["host"],
                 master["port"],
-                zero_stage=t.zero_stage,
-                dtype=dtype,
-                learning_rate=t.learning_rate,
-                max_grad_norm=t.max_grad_norm,
                 temperature=r.temperature,
-                seed=seed,
+                **t.optimizer_options(config.loop.steps),
+                **model,
             )
             for i, w in enumerate(workers)
         ]
         if Role("reference") in options:
             roles.reference = actor(Actor, Role("reference")).remote(
-                model_path,
-                train=False,
-                zero_stage=t.zero_stage,
-                dtype=dtype,
-                temperature=r.temperature,
-                seed=seed,
+                model_path, train=False, zero_stage=t.zero_stage, temperature=r.temperature, **model
             )
         if Role("critic") in options:
+            critic_lr = config.critic.learning_rate
             roles.critic = actor(Critic, Role("critic")).remote(
-                model_path,
-                zero_stage=t.zero_stage,
-                dtype=dtype,
-                learning_rate=config.critic.learning_rate,
-                max_grad_norm=t.max_grad_norm,
-                seed=seed,
+                model_path, **t.optimizer_options(config.loop.steps, critic_lr), **model
             )
+        engine = r.engine_class()
         roles.engines = [
-            actor(RolloutEngine, Role("rollout", i), max_concurrency=4).remote(
-                model_path, dtype=dtype, seed=seed + i, **r.engine_options()
+            actor(engine, Role("rollout", i), max_concurrency=4).remote(
+                model_path, dtype=m.dtype, seed=seed + i, **r.engine_options()
             )
             for i in range(r.engines)
         ]
         # Wait for every role to start, naming the one that could not.
         get_each([(ref, Role("policy", i).label) for i, ref in enumerate(setups)])
         get_each([(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()])
-        open_weight_sync(config, workers[0], roles.engines)
+        open_weight_sync(config, workers, roles.engines)
     except BaseException:
         roles.stop()
         raise
     return roles
 
 
-def open_weight_sync(config: Config, policy, engines: list) -> None:
-    """The policy's rank 0 sends, every engine receives: CUDA IPC / shared memory when all
-    roles share one bundle, NCCL / gloo broadcast otherwise (`[rollout] transport`)."""
+def open_weight_sync(config: Config, workers: list, engines: list) -> None:
+    """Weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank 0
+    sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
+    the policy rank on its own bundle, i mod ranks, so each GPU's weights stay on that GPU. An
+    engine with tensor parallelism is `tensor_parallel_size` receivers, one per worker."""
     transport = config.rollout.transport
     if transport == "auto":
         transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
-    here = get(policy.where.remote(), "policy")
-    sender = policy.open_sender.remote(transport, here["host"], here["port"], len(engines))
-    joined = [
-        e.init_weight_sync.remote(transport, here["host"], here["port"], i + 1, len(engines))
-        for i, e in enumerate(engines)
-    ]
-    get_each(
-        [(sender, "policy (weight sync sender)")]
-        + [(ref, f"rollout engine {i} (weight sync receiver)") for i, ref in enumerate(joined)]
-    )
+    per_engine = config.rollout.tensor_parallel_size
+    senders = len(workers) if transport == "ipc" else 1
+    calls = []
+    for rank in range(senders):
+        members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
+        if not members:
+            continue
+        here = get(workers[rank].where.remote(), Role("policy", rank).label)
+        receivers = len(members) * per_engine
+        calls.append(
+            (
+                workers[rank].open_sender.remote(transport, here["host"], here["port"], receivers),
+                f"policy rank {rank} (weight sync sender)",
+            )
+        )
+        calls += [
+            (
+                e.init_weight_sync.remote(
+                    transport, here["host"], here["port"], 1 + j * per_engine, receivers
+                ),
+                f"rollout engine {i} (weight sync receiver)",
+            )
+            for j, (i, e) in enumerate(members)
+        ]
+    get_each(calls)
 
 
 def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__

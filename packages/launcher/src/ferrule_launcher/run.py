@@ -34,9 +34,9 @@ def run(config: Config, resume: bool = False) -> dict:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
 
-    from ferrule_launcher.placement import role_env, start_ray
+    from ferrule_launcher.placement import check_fits, role_env, start_ray
     from ferrule_launcher.rewards_service import RewardService
-    from ferrule_launcher.roles import start_roles, write_roles
+    from ferrule_launcher.roles import start_roles, wanted_roles, write_roles
     from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
@@ -53,6 +53,7 @@ def run(config: Config, resume: bool = False) -> dict:
     print(f"ray: {where}; placement {config.ray.placement}", flush=True)
     rewards = log = roles = None
     try:
+        check_fits(config.ray, wanted_roles(config), ray.cluster_resources())
         rewards = RewardService.start(config.rewards, out)
         model_path = warm_start(config, out)
         roles = start_roles(config, model_path, env)
@@ -64,8 +65,10 @@ def run(config: Config, resume: bool = False) -> dict:
             first_step = state["step"] + 1
             _load_checkpoint(out, roles, state["step"])
             loop.sync(state["step"])  # the engines started from the warm start's weights
+            loop.to_generate()
             accuracy_before = state["accuracy_before"]
         else:
+            loop.to_generate()
             accuracy_before = loop.evaluate()
             print(
                 f"accuracy_before = {accuracy_before:.3f} (greedy, {len(held_out)} held-out "

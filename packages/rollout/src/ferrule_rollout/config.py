@@ -1,21 +1,27 @@
 """The rollout engine's settings as a config table, for programs that read them from TOML.
 
-    class RolloutTable(EngineConfig): engines: int = 1      # ferrule-launcher's [rollout] adds keys
-    engine = RolloutEngine(model, dtype="float32", **table.engine_options())
-    settings = table.sampling(n=8)
+    table = EngineConfig(backend="transformers", temperature=0.7)   # or a subclass's [rollout]
+    engine = table.engine_class()(model, dtype="float32", **table.engine_options())
+    samples = engine.generate(prompts, table.sampling(n=8))
 
 A pydantic model with a docstring under each field; unknown keys are errors. The loader that
 reads and reports errors for a whole file is the reader's (ferrule-launcher uses
 ferrule-trainer's `load_config`).
 """
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ferrule_rollout.samples import SamplingSettings
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    backend: Literal["vllm", "transformers"] = "vllm"
+    """"vllm" (the default, and the engine for speed), or "transformers" (Hugging Face generate:
+    for machines without vLLM; no tensor parallelism, no continuous batching)."""
 
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (> 0; the trainer scores tokens under the same temperature)."""
@@ -27,12 +33,52 @@ class EngineConfig(BaseModel):
     """Longest prompt + response the engine accepts."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Fraction of device memory for vLLM (of CPU memory on CPU; VLLM_CPU_KVCACHE_SPACE wins)."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """vLLM: devices each engine shards its model over (its workers are weight-sync receivers)."""
+    enforce_eager: bool | None = None
+    """vLLM: no CUDA graphs (None: CUDA graphs on GPUs, eager elsewhere)."""
+    enable_prefix_caching: bool = False
+    """vLLM: reuse the KV cache of shared prompt prefixes (cleared on every weight update)."""
+    sleep_between_phases: bool = False
+    """Hybrid engine: free the engine's accelerator memory while the trainer trains on the same
+    GPUs, keeping its weights in host memory (vLLM sleep level 1), and take it back to generate."""
+    max_batch_size: int = Field(256, ge=1)
+    """transformers: most sequences per `generate` call (vLLM schedules its own batches)."""
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _backend_supports(cls, size: int, info: ValidationInfo) -> int:
+        if size > 1 and info.data.get("backend") == "transformers":
+            raise ValueError(
+                'tensor_parallel_size > 1 needs backend = "vllm"; the transformers engine runs '
+                "on one device"
+            )
+        return size
+
+    def engine_class(self):
+        """The engine class of `backend` (imported here: vLLM loads only when it is chosen)."""
+        if self.backend == "transformers":
+            from ferrule_rollout.hf_engine import TransformersEngine
+
+            return TransformersEngine
+        from ferrule_rollout.engine import RolloutEngine
+
+        return RolloutEngine
 
     def engine_options(self) -> dict:
-        """The keyword arguments of `RolloutEngine` that this table sets."""
-        return dict(
-            max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization
+        """The keyword arguments of `engine_class()` that this table sets."""
+        if self.backend == "transformers":
+            return dict(max_model_len=self.max_model_len, max_batch_size=self.max_batch_size)
+        options = dict(
+            max_model_len=self.max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_sleep_mode=self.sleep_between_phases,
         )
+        if self.enforce_eager is not None:
+            options["enforce_eager"] = self.enforce_eager
+        return options
 
     def sampling(self, n: int, temperature: float | None = None) -> SamplingSettings:
         """Sampling settings of this table, `n` samples per prompt; temperature 0 is greedy."""

@@ -22,7 +22,14 @@ from ferrule_trainer import engine, export
 from ferrule_trainer.kl import kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.rl import ppo_epochs
-from ferrule_trainer.sequences import check_batch, response_logits, response_tokens, token_logprobs
+from ferrule_trainer.sequences import (
+    check_batch,
+    forward_in_micro_batches,
+    response_logits,
+    response_tokens,
+    to_device,
+    token_logprobs,
+)
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -97,14 +104,26 @@ class Actor(TrainedModel):
         """The model inside the engine (a peft model when LoRA is on)."""
         return self.engine.module
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model lives (and its batches are moved to)."""
+        return engine.device()
+
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, R) log-probabilities of the response tokens (the reference's or the old policy's)."""
+    def logprobs(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """(B, R) log-probabilities of the response tokens (the reference's or the old policy's),
+        on the host; the forward passes take `micro_batch_size` rows at a time (None: all)."""
         was_training = self.engine.training
         self.engine.eval()
+
+        def forward(micro_batch):
+            logits = response_logits(self.engine, micro_batch)
+            return token_logprobs(logits, response_tokens(micro_batch), self.temperature)
+
         try:
-            logits = response_logits(self.engine, batch)
-            return token_logprobs(logits, response_tokens(batch), self.temperature)
+            return forward_in_micro_batches(forward, batch, micro_batch_size, self.device)
         finally:
             self.engine.train(was_training)
 
@@ -133,6 +152,7 @@ class Actor(TrainedModel):
         required = ["old_logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
         for micro_batch in micro_batches:
             check_batch(micro_batch, *required)
+        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
         tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
         sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
         counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)

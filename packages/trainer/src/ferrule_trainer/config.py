@@ -181,6 +181,8 @@ class ModelConfig(Table):
     """Hugging Face model directory (config, weights, tokenizer), relative to the TOML file."""
     dtype: TrainDType = "float32"
     """"float32" or "bfloat16" (use float32 on CPUs without bf16 instructions)."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    """transformers' attention kernel for the trained and frozen models (None: its default)."""
 
 
 class TrainerConfig(Table):
@@ -199,6 +201,9 @@ class TrainerConfig(Table):
     """Optimizer steps per epoch (the rollout batch is split into this many)."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward."""
+    forward_batch_size: int | None = Field(None, ge=1)
+    """Sequences per forward pass of the old-policy, reference and value passes (None:
+    micro_batch_size). The logits of a pass grow with it: rows x response length x vocabulary."""
     clip_low: float = Field(0.2, ge=0)
     """PPO ratio clip below 1."""
     clip_high: float = Field(0.28, ge=0)
@@ -220,9 +225,28 @@ class TrainerConfig(Table):
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
     zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage."""
+    """DeepSpeed ZeRO stage (3 shards the parameters too, over the policy's ranks)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay (policy and critic)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (policy and critic)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear learning-rate warm-up."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant, or cosine decay to a tenth of the peak over the run's optimizer
+    steps (loop steps x epochs x mini_batches)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (policy and critic): less memory, ~1/3 more compute."""
+    offload_optimizer: bool = False
+    """DeepSpeed keeps optimizer states in host memory and steps on the CPU (GPU, ZeRO >= 1)."""
+    offload_params: bool = False
+    """DeepSpeed keeps parameters in host memory (GPU, ZeRO-3)."""
+    offload_between_phases: bool = False
+    """Hybrid engine: move the policy's (and critic's) optimizer states, gradients and weights
+    to host memory while the rollout engines generate on the same GPUs, and back to train
+    (placement "colocate_all", loop mode "sync", ZeRO >= 1; nothing to move on CPU)."""
 
     @model_validator(mode="after")
     def _estimator_rules(self):
@@ -231,6 +255,13 @@ class TrainerConfig(Table):
             problems.append(
                 ("kl_in", f'"reward" is not supported by estimator {self.estimator!r}; use "loss"')
             )
+        if not self.betas[0] < 1 or not self.betas[1] < 1 or min(self.betas) < 0:
+            problems.append(("betas", f"must both be in [0, 1), got {list(self.betas)}"))
+        if self.offload_params and self.zero_stage != 3:
+            problems.append(("offload_params", "needs zero_stage = 3 (only ZeRO-3 shards them)"))
+        if (self.offload_optimizer or self.offload_between_phases) and self.zero_stage == 0:
+            key = "offload_optimizer" if self.offload_optimizer else "offload_between_phases"
+            problems.append((key, "needs zero_stage >= 1 (ZeRO-0 keeps a plain optimizer)"))
         if self.kl_in == "loss" and self.kl_coef > 0 and self.kl_kind == "k1":
             problems.append(
                 (
@@ -242,6 +273,26 @@ class TrainerConfig(Table):
         if problems:
             raise Problems(problems)
         return self
+
+    def optimizer_options(self, rl_steps: int, learning_rate: float | None = None) -> dict:
+        """The keyword arguments of `Actor` / `Critic` for a trained model (the critic passes
+        its own learning rate) over `rl_steps` RL steps."""
+        options = self.model_dump(
+            include={
+                "zero_stage",
+                "max_grad_norm",
+                "weight_decay",
+                "betas",
+                "warmup_steps",
+                "gradient_checkpointing",
+                "offload_optimizer",
+                "offload_params",
+            }
+        )
+        options["learning_rate"] = learning_rate or self.learning_rate
+        steps = rl_steps * self.epochs * self.mini_batches
+        options["total_steps"] = steps if self.lr_schedule == "cosine" else None
+        return options
 
     def estimate_options(self) -> dict:
         """The keyword arguments of `rl.estimate` that this table sets."""

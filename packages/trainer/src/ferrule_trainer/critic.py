@@ -20,7 +20,12 @@ import torch
 from ferrule_trainer import engine
 from ferrule_trainer.losses import value_loss
 from ferrule_trainer.rl import ppo_epochs
-from ferrule_trainer.sequences import check_batch, response_values
+from ferrule_trainer.sequences import (
+    check_batch,
+    forward_in_micro_batches,
+    response_values,
+    to_device,
+)
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -44,6 +49,7 @@ class Critic(TrainedModel):
         gradient_checkpointing: bool = False,
         lora_rank: int = 0,
         lora_alpha: int = 16,
+        attn_implementation: str | None = None,
         seed: int = 0,
     ):
         engine.init_distributed()
@@ -64,6 +70,7 @@ class Critic(TrainedModel):
             gradient_checkpointing=gradient_checkpointing,
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
+            attn_implementation=attn_implementation,
         )
         self.engine = engine.build_engine(
             model,
@@ -76,11 +83,19 @@ class Critic(TrainedModel):
         )
 
     @torch.no_grad()
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """(B, R) values of the states before each response token."""
+    def values(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None
+    ) -> torch.Tensor:
+        """(B, R) values of the states before each response token, on the host; the forward
+        passes take `micro_batch_size` rows at a time (None: all)."""
         self.engine.eval()
         try:
-            return response_values(self.engine, batch)
+            return forward_in_micro_batches(
+                lambda mb: response_values(self.engine, mb),
+                batch,
+                micro_batch_size,
+                engine.device(),
+            )
         finally:
             self.engine.train()
 
@@ -95,6 +110,7 @@ class Critic(TrainedModel):
         and "returns" beside the layout of sequences.py."""
         for micro_batch in micro_batches:
             check_batch(micro_batch, "old_values", "returns")
+        micro_batches = [to_device(mb, engine.device()) for mb in micro_batches]
         tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
         sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
 

@@ -18,8 +18,19 @@ from ferrule_trainer import advantages as adv
 from ferrule_trainer.aggregation import masked_mean
 from ferrule_trainer.kl import kl_estimate
 from ferrule_trainer.reward_shaping import token_rewards
+from ferrule_trainer.sequences import split
 
 Batch = dict[str, torch.Tensor]
+__all__ = [
+    "build_batch",
+    "critic_batch",
+    "estimate",
+    "mean_kl",
+    "policy_batch",
+    "ppo_epochs",
+    "split",
+    "trim_groups",
+]
 
 
 def build_batch(samples: Sequence, pad_id: int) -> Batch:
@@ -44,12 +55,6 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
         "attention_mask": attention_mask,
         "response_mask": response_mask,
     }
-
-
-def split(batch: Batch, size: int) -> list[Batch]:
-    """Micro-batches of at most `size` rows (every tensor of the batch is split the same way)."""
-    rows = batch["input_ids"].shape[0]
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
 
 
 def trim_groups(groups: list[int], group_size: int, ranks: int, mini_batches: int) -> list[int]:

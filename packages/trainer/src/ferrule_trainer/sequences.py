@@ -50,6 +50,29 @@ def check_batch(batch: dict[str, torch.Tensor], *required: str) -> int:
     return response_mask.shape[1]
 
 
+def split(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of at most `size` rows (every tensor of the batch is split the same way)."""
+    rows = batch["input_ids"].shape[0]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on `device` (batches travel between processes on the host)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward_in_micro_batches(
+    forward, batch: dict[str, torch.Tensor], size: int | None, device: torch.device
+) -> torch.Tensor:
+    """`forward(micro_batch)` over micro-batches of `size` rows (None: all at once) on `device`,
+    concatenated on the host. A forward's activations and logits scale with its rows: a whole
+    rank's shard at once can be far larger than the device."""
+    parts = [
+        forward(to_device(mb, device)).cpu() for mb in split(batch, size or len(batch["input_ids"]))
+    ]
+    return torch.cat(parts)
+
+
 def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(B, R, vocab) logits that predict the R response tokens. Only the last R + 1 positions go
     through the LM head (`logits_to_keep`): with a 150k vocabulary the full logits would be the

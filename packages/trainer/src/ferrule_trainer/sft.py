@@ -206,6 +206,7 @@ def train(config: SFTConfig, log=print) -> list[float]:
         gradient_checkpointing=config.model.gradient_checkpointing,
         lora_rank=config.model.lora_rank,
         lora_alpha=config.model.lora_alpha,
+        attn_implementation=config.model.attn_implementation,
         seed=cfg_t.seed,
     )
     step = 0
