@@ -113,3 +113,23 @@ def test_checksum_sees_a_flipped_bit_and_a_swap():
     words[0], words[1] = 9, 7  # swap two adjacent words: the plain sum alone cannot see it
     assert checksum(words.view(torch.uint8)) != before
     assert checksum(buffer.clone()) == reference
+
+
+def test_digest_is_the_same_exactly_when_the_weights_are():
+    from ferrule_weightsync import digest
+
+    weights = {
+        "a": torch.arange(6, dtype=torch.float32).view(2, 3),
+        "b": torch.tensor(1.5, dtype=torch.bfloat16),  # 0-dim
+        "c": torch.tensor([True, False]),
+        "d": torch.arange(6, dtype=torch.float32).view(3, 2).t(),  # not contiguous
+    }
+    reference = digest(weights.items())
+    assert digest(reversed(list(weights.items()))) == reference  # order does not matter
+    assert digest({k: v.clone() for k, v in weights.items()}.items()) == reference
+    changed = dict(weights, a=weights["a"].clone())
+    changed["a"][1, 2] = torch.nextafter(changed["a"][1, 2], torch.tensor(10.0))  # one ulp
+    assert digest(changed.items()) != reference
+    assert digest(dict(weights, a=weights["a"].view(3, 2)).items()) != reference  # shape
+    assert digest(dict(weights, a=weights["a"].double()).items()) != reference  # dtype
+    assert digest({("e" if k == "a" else k): v for k, v in weights.items()}.items()) != reference

@@ -96,6 +96,9 @@ class PolicyWorker:
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
 
+    def weights_digest(self) -> str:
+        return self.actor.weights_digest()
+
     def offload(self) -> None:
         self.actor.offload()
 

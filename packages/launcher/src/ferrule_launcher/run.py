@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ferrule_launcher import outputs
-from ferrule_launcher.calls import RunError, get
+from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.loop import Loop
 from ferrule_launcher.roles import Roles
@@ -97,6 +97,7 @@ def run(config: Config, resume: bool = False) -> dict:
             loop.run_async(first_step, on_step)
         evaluated = [r for r in log.history if "eval/accuracy" in r]
         accuracy_after = evaluated[-1]["eval/accuracy"] if evaluated else loop.evaluate()
+        digests = _check_weights(config, roles)
         get(roles.policy.call("save_hf", str(out / "policy")), "policy")
         summary = {
             "accuracy_before": accuracy_before,
@@ -107,6 +108,7 @@ def run(config: Config, resume: bool = False) -> dict:
             "mode": config.loop.mode,
             "estimator": config.trainer.estimator,
             **outputs.reward_summary(log.history),
+            "weights_digest": digests,
             "policy": str(out / "policy"),
         }
         log.finish(summary)
@@ -129,6 +131,25 @@ def _pad_id(model_path: str) -> int:
         if isinstance(model.get(key), int):
             return model[key]
     return 0
+
+
+def _check_weights(config: Config, roles: Roles) -> dict:
+    """After the last sync: the digest of the policy's weights, and of every engine that can
+    report what it holds (the transformers engine; vLLM keeps its weights in its own layout).
+    A RunError names an engine whose weights differ from the policy's."""
+    policy = get(roles.policy.call("weights_digest"), "policy")[0]
+    if config.rollout.backend != "transformers":
+        return {"policy": policy}
+    engines = get_each(
+        [(e.weights_digest.remote(), f"rollout engine {i}") for i, e in enumerate(roles.engines)]
+    )
+    differ = [i for i, d in enumerate(engines) if d != policy]
+    if differ:
+        raise RunError(
+            f"rollout engine(s) {differ} hold weights that differ from the policy's after the "
+            f"last weight sync (digests {engines} against the policy's {policy})"
+        )
+    return {"policy": policy, "engines": engines}
 
 
 def _save_checkpoint(out: Path, roles: Roles, step: int) -> None:

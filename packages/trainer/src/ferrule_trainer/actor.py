@@ -195,6 +195,13 @@ class Actor(TrainedModel):
         """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""
         return export.weight_specs(self.module, dtype=dtype)
 
+    def weights_digest(self, dtype: torch.dtype | None = None) -> str:
+        """`ferrule_weightsync.digest` of `export_weights(dtype)`: an engine that loaded every
+        tensor of the last sync as sent reports the same. Every rank calls it (ZeRO-3 gathers)."""
+        from ferrule_weightsync import digest
+
+        return digest(self.export_weights(dtype))
+
     def export_weights(
         self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ from importlib.metadata import version as _version
 from ferrule_weightsync.broadcast import BroadcastReceiver, BroadcastSender
 from ferrule_weightsync.errors import MismatchError, PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.ipc import IpcReceiver, IpcSender
-from ferrule_weightsync.packing import TensorSpec
+from ferrule_weightsync.packing import TensorSpec, digest
 from ferrule_weightsync.update import Update
 
 try:
@@ -52,4 +52,5 @@ __all__ = [
     "WeightSyncError",
     "create_receiver",
     "create_sender",
+    "digest",
 ]

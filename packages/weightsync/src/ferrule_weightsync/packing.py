@@ -8,7 +8,8 @@ The sender and every receiver call `plan_buckets` on the same specs and bucket s
 itself never travels: only the specs do.
 """
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -164,3 +165,19 @@ def checksum(buffer: torch.Tensor) -> tuple[int, int]:
     the plain sum catches corrupted bytes, the sum over even words also catches most swaps."""
     words = buffer.view(torch.int32)
     return int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))
+
+
+def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A fingerprint of named tensors, in any order: sha256 over each name, dtype, shape and
+    bytes. A trainer's export and what an engine loaded hold the same weights, bit for bit,
+    exactly when their digests match. Streams: one tensor at a time goes to the host."""
+    per_tensor = {}
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().reshape(-1)
+        h = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+        per_tensor[name] = h.hexdigest()
+    total = hashlib.sha256()
+    for name in sorted(per_tensor):
+        total.update(f"{name}={per_tensor[name]};".encode())
+    return total.hexdigest()

@@ -1,0 +1,108 @@
+"""The real `rlhf-launch` on GPUs (marked `gpu`: skipped without them; results in RESULTS.md).
+
+A 132M-parameter Qwen2 from ferrule-testkit (random, then an SFT warm start in the same run)
+learns the tiny example's task with GRPO through the transformers rollout engine (the GPU
+machines have no vLLM). After the last sync every engine must hold exactly the policy's weights
+(the launcher compares digests and writes them to summary.json).
+
+    uv run pytest tests/test_launcher_gpu.py -m gpu          # on a machine with the GPUs
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
+# ~132M parameters: 14 layers of hidden 768 (the kit's 512-token vocabulary adds little).
+SHAPE = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=14,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+)
+COMMON = [
+    'model.dtype="bfloat16"',
+    "sft.steps=60",
+    "sft.learning_rate=3e-4",
+    'rollout.backend="transformers"',
+    "trainer.learning_rate=2e-5",
+    "trainer.zero_stage=2",
+    "loop.steps=24",
+    "loop.eval_every=0",
+    "output.checkpoint_every=0",
+    "output.progress=false",
+    "output.tensorboard=false",
+    "ray.cpus_per_role=1",
+    "ray.gpus_per_role=1",
+]
+
+
+def model_100m() -> Path:
+    from ferrule_testkit import tiny_model
+
+    return tiny_model("qwen2", **SHAPE)
+
+
+def launch(out: Path, *overrides: str) -> tuple[list[dict], dict]:
+    command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
+    items = [f'model.path="{model_100m()}"', *COMMON, f'output.dir="{out}"', *overrides]
+    for item in items:
+        command += ["--set", item]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    print(json.dumps({"summary": summary, "rewards": [r["reward"] for r in records]}))
+    return records, summary
+
+
+def assert_learns_and_engines_hold_the_policy(records: list[dict], summary: dict) -> None:
+    rewards = [r["reward"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.03, f"reward did not rise: {rewards}"
+    digests = summary["weights_digest"]
+    assert digests["engines"] and all(d == digests["policy"] for d in digests["engines"])
+
+
+@pytest.mark.gpu(count=1)
+def test_hybrid_engine_on_one_gpu_ipc_offload_and_sleep(tmp_path):
+    """colocate_all: the policy, the reference and the engine share the GPU; weights go over CUDA
+    IPC; between phases the policy's states and the engine's weights leave the GPU."""
+    records, summary = launch(
+        tmp_path / "hybrid",
+        'ray.placement="colocate_all"',
+        "trainer.offload_between_phases=true",
+        "rollout.sleep_between_phases=true",
+    )
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    assert all(r["time/sync"] > 0 for r in records)
+
+
+@pytest.mark.gpu(count=2)
+def test_separate_policy_and_engine_gpus_nccl(tmp_path):
+    """separate: the policy on one GPU, the engine on the other; weights by NCCL broadcast."""
+    records, summary = launch(
+        tmp_path / "separate", 'ray.placement="separate"', "trainer.kl_coef=0.0"
+    )
+    assert_learns_and_engines_hold_the_policy(records, summary)
+
+
+@pytest.mark.gpu(count=2)
+def test_zero3_policy_on_two_gpus_exports_to_an_engine_on_each(tmp_path):
+    """The hybrid engine on two GPUs: a ZeRO-3 policy sharded over two ranks gathers its
+    weights, and each rank sends them over CUDA IPC to the engine on its own GPU."""
+    records, summary = launch(
+        tmp_path / "zero3",
+        'ray.placement="colocate_all"',
+        "trainer.ranks=2",
+        "rollout.engines=2",
+        "trainer.zero_stage=3",
+        "trainer.offload_between_phases=true",
+        "rollout.sleep_between_phases=true",
+    )
+    assert_learns_and_engines_hold_the_policy(records, summary)
