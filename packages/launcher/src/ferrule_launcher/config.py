@@ -70,9 +70,11 @@ class RolloutConfig(EngineConfig):
     """Prompts per RL step."""
     samples_per_prompt: int = Field(8, ge=1)
     """Samples generated per prompt (the group size of the group estimators)."""
-    transport: Literal["auto", "broadcast", "ipc"] = "auto"
-    """Weight sync: "broadcast" (NCCL / gloo), "ipc" (CUDA IPC / shared memory, colocated
-    processes on one host only), "auto" (ipc when everything is colocated, else broadcast)."""
+    transport: Literal["auto", "broadcast", "ipc", "host"] = "auto"
+    """Weight sync: "broadcast" (NCCL on GPUs, gloo on CPU), "ipc" (CUDA IPC on GPUs, shared
+    memory on CPU; colocated processes on one host only), "auto" (ipc when everything is
+    colocated, else broadcast), or "host" (shared memory even on GPUs: every byte through host
+    memory; slower, the baseline of benchmarks/e2e_gpu.py)."""
 
 
 class RewardsConfig(Table):
@@ -254,11 +256,12 @@ class Config(Table):
                     f"must divide prompts_per_step {r.prompts_per_step}, got {r.engines}",
                 )
             )
-        if r.transport == "ipc" and self.ray.placement != "colocate_all":
+        if r.transport in ("ipc", "host") and self.ray.placement != "colocate_all":
             problems.append(
                 (
                     "rollout.transport",
-                    '"ipc" needs placement = "colocate_all" (one host); use "broadcast" or "auto"',
+                    f'"{r.transport}" needs placement = "colocate_all" (one host); use "broadcast" '
+                    'or "auto"',
                 )
             )
         if self.loop.mode == "sync" and self.loop.max_staleness != LoopConfig().max_staleness:

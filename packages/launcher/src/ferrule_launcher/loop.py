@@ -221,6 +221,10 @@ class Loop:
         metrics.update(trained)
         return metrics
 
+    def _device_memory(self) -> float:
+        """GB in use on policy rank 0's GPU, by every role on it (0 on CPU)."""
+        return get(self.roles.policy.workers[0].device_memory.remote(), "policy rank 0")
+
     def _eval_due(self, step: int) -> bool:
         every, last = self.config.loop.eval_every, self.config.loop.steps
         return step == last or (every > 0 and step % every == 0)
@@ -234,15 +238,19 @@ class Loop:
 
     def _finish_step(self, step: int, rollout: Rollout, on_step) -> None:
         start = time.perf_counter()
+        memory = {"gpu/used_gb_generate": self._device_memory()}
         self.to_train()
         switched = time.perf_counter()
         trained = self.train(rollout)
         seconds_train = time.perf_counter() - switched
+        memory["gpu/used_gb_train"] = self._device_memory()
         self.to_sync()
         seconds_sync = self.sync(step)
         self.to_generate()
         metrics = self.step_metrics(rollout, trained, seconds_train, seconds_sync)
         metrics["time/switch"] = time.perf_counter() - start - seconds_train - seconds_sync
+        if any(memory.values()):
+            metrics.update(memory)
         if self._eval_due(step):
             metrics["eval/accuracy"] = self.evaluate()
         on_step(step, metrics)

@@ -56,11 +56,12 @@ class PolicyWorker:
 
     def open_sender(self, transport: str, host: str, port: int, num_receivers: int) -> str:
         """Start a weight-sync group as its sender, on this rank's device: NCCL broadcast or CUDA
-        IPC on a GPU, gloo or shared memory on CPU. Returns once every receiver joined; returns
-        the device."""
+        IPC on a GPU, gloo or shared memory on CPU ("host": shared memory wherever the weights
+        are). Returns once every receiver joined; returns the device."""
         from ferrule_weightsync import create_sender
 
-        device = self.actor.device
+        device = "cpu" if transport == "host" else self.actor.device
+        transport = "ipc" if transport == "host" else transport
         self.sender = create_sender(
             transport,
             host,
@@ -95,6 +96,16 @@ class PolicyWorker:
 
     def save_hf(self, path: str) -> None:
         self.actor.save_hf(path)
+
+    def device_memory(self) -> float:
+        """GB in use on this rank's GPU by every process (0 on CPU): what the roles sharing it
+        hold at this moment."""
+        import torch
+
+        if self.actor.device.type != "cuda":
+            return 0.0
+        free, total = torch.cuda.mem_get_info(self.actor.device)
+        return (total - free) / 1e9
 
     def weights_digest(self) -> str:
         return self.actor.weights_digest()
@@ -207,7 +218,8 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     if transport == "auto":
         transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
     per_engine = config.rollout.tensor_parallel_size
-    senders = len(workers) if transport == "ipc" else 1
+    senders = len(workers) if transport in ("ipc", "host") else 1
+    receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
     calls = []
     for rank in range(senders):
         members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
@@ -224,7 +236,7 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
         calls += [
             (
                 e.init_weight_sync.remote(
-                    transport, here["host"], here["port"], 1 + j * per_engine, receivers
+                    receiving, here["host"], here["port"], 1 + j * per_engine, receivers
                 ),
                 f"rollout engine {i} (weight sync receiver)",
             )
