@@ -86,8 +86,11 @@ class Outputs:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
-        plot_rewards(self.history, self.dir / "reward_curve.png")
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        try:  # the picture last: nothing a run learned hangs on a plotting library
+            plot_rewards(self.history, self.dir / "reward_curve.png")
+        except ImportError as err:
+            print(f"reward_curve.png not written: {err}", file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()
