@@ -82,8 +82,8 @@ class PolicyWorker:
             return version
         return self.sender.send(weights, version=version, specs=self.actor.weight_specs())
 
-    def logprobs(self, batch: dict):
-        return self.actor.logprobs(batch)
+    def logprobs(self, batch: dict, micro_batch_size: int | None = None):
+        return self.actor.logprobs(batch, micro_batch_size)
 
     def train_epochs(self, batch: dict, **options) -> dict:
         return self.actor.train_epochs(batch, **options)
