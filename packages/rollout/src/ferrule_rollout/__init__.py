@@ -4,7 +4,8 @@
     engine = RolloutEngine("path/to/model", dtype="float32")
     samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
 
-Importing this package is cheap: vLLM and torch load when an engine starts (`engine.py`).
+`TransformersEngine` (hf_engine.py) has the same interface without vLLM. Importing this package
+is cheap: vLLM, torch and transformers load when an engine starts.
 """
 
 from importlib.metadata import version as _version
@@ -26,6 +27,10 @@ def __getattr__(name: str):
         from ferrule_rollout.engine import RolloutEngine  # keep the module itself light too
 
         return RolloutEngine
+    if name == "TransformersEngine":
+        from ferrule_rollout.hf_engine import TransformersEngine
+
+        return TransformersEngine
     raise AttributeError(f"module 'ferrule_rollout' has no attribute {name!r}")
 
 
@@ -36,5 +41,6 @@ __all__ = [
     "RolloutError",
     "Sample",
     "SamplingSettings",
+    "TransformersEngine",
     "VersionSpan",
 ]

@@ -69,16 +69,14 @@ class EngineConfig(BaseModel):
         """The keyword arguments of `engine_class()` that this table sets."""
         if self.backend == "transformers":
             return dict(max_model_len=self.max_model_len, max_batch_size=self.max_batch_size)
-        options = dict(
+        return dict(
             max_model_len=self.max_model_len,
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             enable_sleep_mode=self.sleep_between_phases,
         )
-        if self.enforce_eager is not None:
-            options["enforce_eager"] = self.enforce_eager
-        return options
 
     def sampling(self, n: int, temperature: float | None = None) -> SamplingSettings:
         """Sampling settings of this table, `n` samples per prompt; temperature 0 is greedy."""

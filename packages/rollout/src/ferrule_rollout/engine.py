@@ -32,6 +32,7 @@ from ferrule_rollout.samples import (
     Sample,
     SamplingSettings,
     VersionSpan,
+    prompt_token_ids,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class RolloutEngine:
         enable_prefix_caching: bool = False,
         seed: int = 0,
         in_process: bool = True,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         enable_sleep_mode: bool = False,
         **engine_kwargs,
     ):
@@ -144,7 +145,8 @@ class RolloutEngine:
 
         `in_process` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
         seconds to start instead of minutes on a small CPU machine. Tensor-parallel workers
-        always run in their own processes. `engine_kwargs` go to `vllm.EngineArgs` unchanged.
+        always run in their own processes. `enforce_eager` None: CUDA graphs on CUDA GPUs, eager
+        elsewhere. `engine_kwargs` go to `vllm.EngineArgs` unchanged.
         """
         check_vllm_version(installed_vllm_version())
         path = Path(model).expanduser()
@@ -162,6 +164,10 @@ class RolloutEngine:
         from ferrule_rollout.weights import BACKEND, register
 
         register()  # the entry point does this in vLLM's other processes
+        if enforce_eager is None:
+            from vllm.platforms import current_platform
+
+            enforce_eager = not current_platform.is_cuda()
         if tensor_parallel_size == 1 and in_process:
             engine_kwargs.setdefault("distributed_executor_backend", "uni")
         # Sample logprobs under the distribution the tokens were drawn from (temperature, top-k,
@@ -238,12 +244,10 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
-            raise BadRequestError("prompts must be a list of strings or of token-id lists")
+        checked = prompt_token_ids(prompts, self.tokenizer, self.vocab_size, self.max_model_len)
         call, sink = next(self._ids), queue.Queue()
         requests = []
-        for p, prompt in enumerate(prompts):
-            ids = self._prompt_ids(p, prompt, settings)
+        for p, ids in enumerate(checked):
             for i in range(settings.n):
                 params = SamplingParams(
                     n=1,
@@ -259,30 +263,6 @@ class RolloutEngine:
                 )
                 requests.append(_Request(f"{call}-{p}-{i}", p, i, ids, params, sink))
         return requests
-
-    def _prompt_ids(self, index: int, prompt: Prompt, settings: SamplingSettings) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise BadRequestError(
-                    f"prompt {index}: token ids {bad[:5]} are outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-        else:
-            raise BadRequestError(f"prompt {index} must be a string or a list of token ids")
-        if not ids:
-            raise BadRequestError(f"prompt {index} is empty")
-        if len(ids) >= self.max_model_len:
-            raise BadRequestError(
-                f"prompt {index} is {len(ids)} tokens long; the model's maximum length is "
-                f"{self.max_model_len} (prompt plus at least one generated token)"
-            )
-        return ids
 
     # -- the loop --------------------------------------------------------------------------
 

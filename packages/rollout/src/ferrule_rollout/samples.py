@@ -8,6 +8,7 @@ check these without an engine.
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -67,6 +68,41 @@ def _finite(value) -> bool:
 
 # A prompt is text (tokenized once by the engine's tokenizer) or a list of token ids.
 Prompt = str | list[int]
+
+
+def prompt_token_ids(
+    prompts: Sequence[Prompt], tokenizer, vocab_size: int, max_model_len: int
+) -> list[list[int]]:
+    """Every prompt of a request as token ids (text is encoded with `tokenizer.encode`), checked
+    before any work starts: raises BadRequestError naming the first bad prompt. Both engines
+    call this, so they accept and refuse the same requests with the same messages."""
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        raise BadRequestError("prompts must be a list of strings or of token-id lists")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequestError(
+                    f"prompt {index}: token ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+        else:
+            raise BadRequestError(f"prompt {index} must be a string or a list of token ids")
+        if not ids:
+            raise BadRequestError(f"prompt {index} is empty")
+        if len(ids) >= max_model_len:
+            raise BadRequestError(
+                f"prompt {index} is {len(ids)} tokens long; the model's maximum length is "
+                f"{max_model_len} (prompt plus at least one generated token)"
+            )
+        checked.append(ids)
+    return checked
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,507 @@
+"""The transformers rollout engine: `RolloutEngine`'s interface on a plain Hugging Face model.
+
+    engine = TransformersEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256)
+    samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
+    engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
+    engine.update_weights()         # waits for running calls, receives, loads; returns version
+
+The fallback for machines without vLLM (torch and transformers only). Each call runs in chunks
+of at most `max_batch_size` left-padded sequences through the model's forward pass and KV cache;
+sampling, logprobs and stopping are done here rather than by `model.generate`, so that they mean
+what vLLM's mean (processed logprobs, per-sample seeds, EOS kept in the tokens) whatever the
+defaults `generate` merges in from the checkpoint and its version, and no steps x batch x
+vocabulary scores are kept. Calls run one at a time; a weight update waits for the running
+one, so every sample comes from one policy version.
+"""
+
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from ferrule_rollout.samples import (
+    BadRequestError,
+    Prompt,
+    RolloutError,
+    Sample,
+    SamplingSettings,
+    VersionSpan,
+    prompt_token_ids,
+)
+
+logger = logging.getLogger(__name__)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KEEP_REFUSED = (
+    'the transformers engine only supports pause mode "wait" (it runs whole calls, so there is '
+    'nothing to freeze mid-sample); use backend "vllm" for "keep"'
+)
+
+
+def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
+    """Log-probabilities of the distribution a token is drawn from (vLLM's processed logprobs):
+    log_softmax(logits / temperature) over the top-k, then top-p, tokens; greedy (temperature
+    0): log_softmax(logits). Float32 whatever the model's dtype."""
+    import torch
+
+    logits = logits.float()
+    if temperature == 0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1:  # as vLLM: drop the least likely tokens whose total mass is <= 1 - top_p
+        ascending, order = scaled.sort(dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False
+        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+class ComputedStream:
+    """`generate_stream`'s result: the samples, already computed, with the stream's verbs."""
+
+    def __init__(self, samples: list[Sample]):
+        self._samples = iter(samples)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Sample:
+        return next(self._samples)
+
+    def cancel(self) -> None:
+        self._samples = iter(())
+
+    close = cancel
+
+
+class TransformersEngine:
+    """A transformers model with policy versions, pause / resume and weightsync weight updates."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        max_batch_size: int = 256,
+        attn_implementation: str | None = None,
+    ):
+        """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
+        device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU."""
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
+        if dtype not in DTYPES:
+            raise RolloutError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            auto = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = torch.device(auto if device == "auto" else device)
+            if self.device.type == "cuda" and self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        except (RuntimeError, ValueError) as err:
+            raise RolloutError(f"device {device!r} is not usable: {err}") from err
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.model = str(path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            loaded = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, dtype), **options
+            )
+            self._model = loaded.to(self.device).eval().requires_grad_(False)
+        except Exception as err:
+            raise RolloutError(
+                f"could not load a transformers model from {self.model!r}: {err}"
+            ) from err
+        config = self._model.config.get_text_config()
+        longest = getattr(config, "max_position_embeddings", None)
+        self.max_model_len = max_model_len or longest
+        if not self.max_model_len or (longest and self.max_model_len > longest):
+            raise RolloutError(
+                f"max_model_len {max_model_len} does not fit the model's length {longest} "
+                f"(max_position_embeddings in {self.model}/config.json)"
+            )
+        self.vocab_size = config.vocab_size
+        self.max_batch_size = max_batch_size
+        generation = getattr(self._model, "generation_config", None)  # its list counts too
+        eos = [self.tokenizer.eos_token_id, getattr(generation, "eos_token_id", None)]
+        self._eos = {i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}
+        pad = self.tokenizer.pad_token_id
+        self._pad = pad if pad is not None else min(self._eos, default=0)
+        self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
+        self._rng = torch.Generator(self.device).manual_seed(seed)  # for unseeded requests
+        self._version = 0
+        self._sent: list[str] = []  # names of the last update (what weights_digest covers)
+        self._cv = threading.Condition()
+        self._model_lock = threading.Lock()  # one generate call or weight change at a time
+        self._update_lock = threading.Lock()
+        self._running = self._queued = 0  # samples of calls admitted / waiting out a pause
+        self._paused = self._closed = False
+        self._broken = ""  # why the engine cannot generate (partly loaded or dropped weights)
+        self._dropped: dict[int, str] = {}  # parameters sleep(level=2) dropped, not yet reloaded
+        self._asleep = 0  # the sleep level, 0 when awake
+        self._shapes: dict = {}  # of the parameters sleep(level=2) dropped
+        self._can_sleep = self.device.type == "cuda"
+        self._receiver = None
+
+    @property
+    def version(self) -> int:
+        """The policy version of the current weights (0: as loaded at start)."""
+        return self._version
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> list[Sample]:
+        """Generate `settings.n` samples per prompt; return them in prompt, then sample order.
+        While the engine is paused the call waits (nothing is lost)."""
+        settings = settings or SamplingSettings()
+        checked = prompt_token_ids(prompts, self.tokenizer, self.vocab_size, self.max_model_len)
+        rows = [(p, i) for p in range(len(checked)) for i in range(settings.n)]
+        with self._cv:
+            self._queued += len(rows)
+            self._cv.wait_for(lambda: not self._paused or self._closed)
+            self._queued -= len(rows)
+            why = "closed" if self._closed else self._broken or ("asleep" if self._asleep else "")
+            if why:
+                raise RolloutError(f"the engine cannot generate: {why}")
+            self._running += len(rows)
+        try:
+            with self._model_lock:
+                step = self.max_batch_size
+                return [
+                    sample
+                    for start in range(0, len(rows), step)
+                    for sample in self._generate(checked, rows[start : start + step], settings)
+                ]
+        finally:
+            with self._cv:
+                self._running -= len(rows)
+                self._cv.notify_all()
+
+    def generate_stream(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> ComputedStream:
+        """`generate`, for callers written for RolloutEngine's stream: it computes every sample
+        first, then yields them (no continuous batching here); `cancel()` drops the rest."""
+        return ComputedStream(self.generate(prompts, settings))
+
+    def _generate(self, checked, rows, settings: SamplingSettings) -> list[Sample]:
+        import torch
+
+        prompts = [checked[p] for p, _ in rows]
+        batch, width, dev = len(rows), max(map(len, prompts)), self.device
+        ids = torch.full((batch, width), self._pad, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):  # left padding: every row's next token is last
+            ids[r, width - len(prompt) :] = torch.tensor(prompt)
+            mask[r, width - len(prompt) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        limits = [min(settings.max_tokens, self.max_model_len - len(p)) for p in prompts]
+        lengths, stopped = list(limits), [False] * batch
+        tokens = torch.zeros((batch, max(limits)), dtype=torch.long, device=dev)
+        logprobs = torch.zeros((batch, max(limits)), dtype=torch.float32, device=dev)
+        generators = None
+        if settings.seed is not None:  # sample i of a prompt uses seed + i, as in vLLM
+            generators = [torch.Generator(dev).manual_seed(settings.seed + i) for _, i in rows]
+        eos = torch.tensor(sorted(self._eos), dtype=torch.long, device=dev)
+        cap = torch.tensor(limits, device=dev)
+        stops, window = settings.stop, 4 * max(map(len, settings.stop), default=0) + 8
+        texts: list[list[int]] = [[] for _ in rows]
+        done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        cache, inputs = None, ids
+        extra = {"logits_to_keep": 1} if self._keep_last else {}
+        with torch.inference_mode():
+            for step in range(max(limits)):
+                positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -inputs.shape[1] :]
+                out = self._model(
+                    input_ids=inputs,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    **extra,
+                )
+                cache = out.past_key_values
+                logits = out.logits[:, -1].float()
+                lp = sampling_logprobs(logits, settings.temperature, settings.top_k, settings.top_p)
+                if settings.temperature == 0:
+                    chosen = logits.argmax(dim=-1)
+                elif generators is None:
+                    chosen = torch.multinomial(lp.exp(), 1, generator=self._rng)[:, 0]
+                else:
+                    probs = lp.exp()
+                    chosen = torch.cat(
+                        [
+                            torch.multinomial(probs[r], 1, generator=g)
+                            for r, g in enumerate(generators)
+                        ]
+                    )
+                tokens[:, step], logprobs[:, step] = chosen, lp.gather(1, chosen[:, None])[:, 0]
+                ended = torch.zeros_like(done)
+                if not settings.ignore_eos:
+                    ended |= torch.isin(chosen, eos)
+                if stops:  # decode only the tail: a stop string new in this step ends there
+                    for r, token in enumerate(chosen.tolist()):
+                        texts[r].append(token)
+                    for r in (~done).nonzero()[:, 0].tolist():
+                        tail = self.tokenizer.decode(texts[r][-window:], skip_special_tokens=True)
+                        if any(s in tail for s in stops):
+                            ended[r] = True
+                for r in (ended & ~done).nonzero()[:, 0].tolist():
+                    lengths[r], stopped[r] = step + 1, True
+                done |= ended | (cap <= step + 1)
+                if bool(done.all()):
+                    break
+                inputs = chosen[:, None]
+                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        samples = []
+        for r, (p, i) in enumerate(rows):
+            token_ids = tokens[r][: lengths[r]]
+            samples.append(
+                Sample(
+                    prompt_index=p,
+                    sample_index=i,
+                    prompt_token_ids=prompts[r],
+                    token_ids=token_ids,
+                    logprobs=logprobs[r][: lengths[r]],
+                    finish_reason="stop" if stopped[r] else "length",
+                    version=self._version,
+                    text=self._text(token_ids, stopped[r], settings),
+                    versions=[VersionSpan(self._version, 0, len(token_ids))],
+                )
+            )
+        return samples
+
+    def _text(self, token_ids: list[int], stopped: bool, settings: SamplingSettings) -> str:
+        """The response as vLLM writes it: without the EOS token's text, cut before a stop
+        string (the one that completes first)."""
+        on_eos = stopped and not settings.ignore_eos and token_ids[-1] in self._eos
+        text = self.tokenizer.decode(
+            token_ids[:-1] if on_eos else token_ids, skip_special_tokens=True
+        )
+        found = [(text.find(s) + len(s), text.find(s)) for s in settings.stop if s in text]
+        return text[: min(found)[1]] if stopped and not on_eos and found else text
+
+    # -- pause, resume, weight updates -----------------------------------------------------
+
+    def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
+        """Stop starting new calls (they wait, nothing is lost) and return once the running one
+        has finished on the current weights. Only "wait": see KEEP_REFUSED."""
+        if mode != "wait":
+            raise BadRequestError(KEEP_REFUSED if mode == "keep" else f"unknown mode {mode!r}")
+        with self._cv:
+            self._paused = True
+            if not self._cv.wait_for(lambda: not self._running, timeout):
+                raise RolloutError(
+                    f"pause: {self._running} samples still running after {timeout:g}s "
+                    "(the engine stays paused; resume() or wait longer)"
+                )
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def init_weight_sync(
+        self,
+        transport: str,
+        host: str,
+        port: int,
+        rank: int,
+        num_receivers: int,
+        timeout: float = 300.0,
+    ) -> None:
+        """Join the trainer's weight-sync group as receiver `rank` of `num_receivers` (blocks
+        until the sender is there too). A previous group is left first."""
+        from ferrule_weightsync import TRANSPORTS, create_receiver
+
+        if transport not in TRANSPORTS:
+            raise BadRequestError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if not 1 <= rank <= num_receivers:
+            raise BadRequestError(f"receiver rank {rank} does not fit in 1..{num_receivers}")
+        options = {"device": self.device} if transport == "broadcast" else {}
+        with self._update_lock:
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
+            try:
+                self._receiver = create_receiver(
+                    transport, host, port, rank, num_receivers, timeout=timeout, **options
+                )
+            except Exception as err:
+                raise RolloutError(
+                    f"could not join the {transport} weight-sync group at {host}:{port}: {err}"
+                ) from err
+
+    def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
+        """Receive one update and copy it into the model; return its version.
+
+        Waits for the running call to finish (new calls wait meanwhile), up to `timeout`
+        seconds for the sender to start. Names and shapes are checked against the model before
+        any data moves (a wrong one leaves the weights unchanged); a failure once data flows
+        leaves them partly replaced, and the engine refuses to generate until an update loads.
+        """
+        if mode != "wait":
+            raise BadRequestError(KEEP_REFUSED if mode == "keep" else f"unknown mode {mode!r}")
+        if self._receiver is None:
+            raise RolloutError("no weight-sync group to receive from: call init_weight_sync first")
+        with self._update_lock:
+            if self._closed or self._asleep:
+                raise RolloutError(
+                    "weight update: the engine is "
+                    + ("closed" if self._closed else "asleep: call wake_up() first")
+                )
+            was_paused = self._paused
+            if not was_paused:
+                self.pause("wait")
+            try:
+                with self._model_lock:
+                    version = self._load(timeout)
+            finally:
+                if not was_paused:
+                    self.resume()
+        logger.info("loaded weights of policy version %d", version)
+        return version
+
+    def _load(self, timeout: float | None) -> int:
+        import torch
+
+        targets = self._tensors()
+        try:  # weightsync refuses unknown names and other shapes before any data moves
+            update = self._receiver.receive(expected=targets, cast=True, timeout=timeout)
+        except Exception as err:
+            raise RolloutError(f"weight update failed: {err}") from err
+        loaded = []
+        try:
+            with torch.no_grad():
+                for name, tensor in update:
+                    targets[name].copy_(tensor)  # in place: a tied weight is one tensor
+                    loaded.append(name)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as err:
+            message = f"weight update to version {update.version} failed: {err}"
+            if loaded:  # partly replaced weights: refuse to sample them
+                self._broken = f"{message} (after loading {len(loaded)} tensors)"
+            raise RolloutError(message) from err
+        for name in loaded:
+            self._dropped.pop(id(targets[name]), None)
+        missing = sorted(self._dropped.values())
+        self._broken = (
+            f"weights dropped by sleep(level=2) not reloaded yet: {missing[:5]}" if missing else ""
+        )
+        self._version, self._sent = update.version, loaded
+        return update.version
+
+    def _tensors(self) -> dict:
+        """Every parameter and buffer by name, tied names included (they share one tensor)."""
+        return {
+            **dict(self._model.named_buffers(remove_duplicate=False)),
+            **dict(self._model.named_parameters(remove_duplicate=False)),
+        }
+
+    def weights_digest(self) -> str:
+        """`ferrule_weightsync.digest` of the tensors named by the last update (before any:
+        every parameter, tied ones once), as held: equal to the sender's digest of what it sent
+        exactly when every tensor arrived bit for bit in the same dtype."""
+        from ferrule_weightsync import digest
+
+        with self._model_lock:
+            tensors = self._tensors()
+            names = self._sent or [name for name, _ in self._model.named_parameters()]
+            return digest((name, tensors[name]) for name in names)
+
+    # -- sleep, health, shutdown -----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU between rollouts (waits for the running call; calls wait until
+        wake_up). Level 1 moves the weights to host memory; level 2 drops them, and after
+        wake_up the engine generates again once a weight update has loaded every parameter.
+        On CPU a no-op that says so."""
+        if level not in (1, 2):
+            raise BadRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        if not self._can_sleep:
+            logger.info("sleep: not supported on %s, nothing to free", self.device)
+            return
+        import torch
+
+        self.pause("wait")
+        with self._model_lock:
+            if self._asleep:
+                return
+            if level == 1:
+                self._model.to("cpu")
+            else:  # in place, parameter by parameter: `.to("meta")` would untie tied weights
+                self._shapes = {n: p.shape for n, p in self._model.named_parameters()}
+                for param in self._model.parameters():
+                    param.data = param.data.new_empty(0)  # buffers (rotary tables) stay
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._asleep = level
+
+    def wake_up(self) -> None:
+        if not self._can_sleep:
+            logger.info("wake_up: not supported on %s, nothing to do", self.device)
+            return
+        with self._model_lock:
+            if self._asleep == 1:
+                self._model.to(self.device)
+            elif self._asleep == 2:
+                self._dropped = {}
+                for name, param in self._model.named_parameters():
+                    param.data = param.data.new_empty(self._shapes[name])
+                    self._dropped[id(param)] = name
+                self._broken = "weights dropped by sleep(level=2): load a weight update first"
+            self._asleep = 0
+        self.resume()
+
+    def health(self) -> dict:
+        with self._cv:
+            status = "broken" if self._broken else "paused" if self._paused else "serving"
+            return {
+                "status": status,
+                "detail": self._broken,
+                "version": self._version,
+                "model": self.model,
+                "running": self._running,
+                "queued": self._queued,
+            }
+
+    def close(self) -> None:
+        """Let the calls in flight finish (waiting ones fail), then free the model."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._running)
+        with self._update_lock, self._model_lock:
+            if self._receiver is not None:
+                self._receiver.close()
+                self._receiver = None
+            self._model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
