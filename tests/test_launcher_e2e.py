@@ -228,3 +228,30 @@ def test_ctrl_c_stops_every_process_the_run_started(tmp_path):
     assert process.returncode == 130, stderr[-3000:]
     pids = [role["pid"] for role in json.loads(roles.read_text()).values()]
     wait_for(lambda: not any(alive(pid) for pid in pids), 30, f"processes {pids} to stop")
+
+
+def test_hybrid_layout_with_the_transformers_engine_on_two_bundles(tmp_path):
+    """The GPU path's layout on CPU: colocate_all with two policy ranks and two transformers
+    engines (a bundle each, rank i and engine i together), one shared-memory group per rank,
+    forward passes in micro-batches, the hybrid switches (no-ops on CPU) in every step; after
+    the last sync both engines hold exactly the policy's weights."""
+    out = tmp_path / "hybrid"
+    launch(
+        out,
+        'rollout.backend="transformers"',
+        "trainer.ranks=2",
+        "rollout.engines=2",
+        "trainer.zero_stage=2",
+        "trainer.forward_batch_size=16",
+        "trainer.offload_between_phases=true",
+        "rollout.sleep_between_phases=true",
+        "loop.steps=4",
+        "ray.cpus_per_role=0.5",
+    )
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all("time/switch" in r for r in records)
+    digests = json.loads((out / "summary.json").read_text())["weights_digest"]
+    assert digests["engines"] == [digests["policy"]] * 2
+    roles = json.loads((out / "roles.json").read_text())
+    assert {"policy-0", "policy-1", "rollout-0", "rollout-1"} <= set(roles)
