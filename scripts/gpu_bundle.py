@@ -136,6 +136,21 @@ RAY_DROP_SUFFIXES = (".js.map",)
 RAY_DROP_SLIM = ("ray/rllib/", "ray/data/", "ray/serve/", "ray/llm/", "ray/dashboard/client/build/")
 RAY_BINARIES = ("ray/core/src/ray/raylet/raylet", "ray/core/src/ray/gcs/gcs_server")
 
+# Offline, exactly these files: nothing resolved, downloaded or byte-compiled.
+PIP_INSTALL = [
+    sys.executable,
+    "-m",
+    "pip",
+    "--isolated",
+    "install",
+    "--no-deps",
+    "--no-index",
+    "--no-compile",
+    "--disable-pip-version-check",
+    "--no-warn-script-location",
+    "--quiet",
+]
+
 
 # ---------------------------------------------------------------------------------------------
 # Small helpers
@@ -840,46 +855,14 @@ def cmd_install(args: argparse.Namespace) -> int:
                     remove_from_target(target, dist)
             if use_pip:
                 with tempfile.TemporaryDirectory(prefix=".gpu-bundle-", dir=target.parent) as tmp:
-                    subprocess.run(
-                        [
-                            sys.executable,
-                            "-m",
-                            "pip",
-                            "--isolated",
-                            "install",
-                            "--no-deps",
-                            "--no-index",
-                            "--no-compile",
-                            "--disable-pip-version-check",
-                            "--no-warn-script-location",
-                            "--quiet",
-                            "--target",
-                            tmp,
-                            *files,
-                        ],
-                        check=True,
-                    )
+                    subprocess.run([*PIP_INSTALL, "--target", tmp, *files], check=True)
                     merge_tree(Path(tmp), target)
             else:
                 for f in files:
                     unpack_wheel(Path(f), target, target / "bin")
         else:
             if use_pip:
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "--isolated",
-                    "install",
-                    "--no-deps",
-                    "--no-index",
-                    "--no-compile",
-                    "--disable-pip-version-check",
-                    "--no-warn-script-location",
-                    "--no-warn-conflicts",
-                    "--quiet",
-                    "--force-reinstall",
-                ]
+                cmd = [*PIP_INSTALL, "--no-warn-conflicts", "--force-reinstall"]
                 if externally_managed():
                     cmd.append("--break-system-packages")
                 subprocess.run(cmd + files, check=True)
