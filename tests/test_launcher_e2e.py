@@ -255,3 +255,32 @@ def test_hybrid_layout_with_the_transformers_engine_on_two_bundles(tmp_path):
     assert digests["engines"] == [digests["policy"]] * 2
     roles = json.loads((out / "roles.json").read_text())
     assert {"policy-0", "policy-1", "rollout-0", "rollout-1"} <= set(roles)
+
+
+def test_ppo_with_a_two_rank_reference_and_critic_under_zero3(tmp_path):
+    """The reference and the critic as data-parallel groups of their own (two ranks each, ZeRO-3
+    sharding over them), beside a one-rank policy; checkpoint and resume include the critic's
+    ranks."""
+    out = tmp_path / "ranks"
+    overrides = [
+        'trainer.estimator="gae"',
+        "critic.learning_rate=1e-4",
+        "critic.ranks=2",
+        "trainer.kl_coef=0.05",
+        'trainer.kl_in="reward"',
+        'trainer.kl_kind="k1"',
+        "trainer.reference_ranks=2",
+        "trainer.zero_stage=3",
+        "trainer.mini_batches=2",
+        'ray.placement="colocate"',
+        "ray.cpus_per_role=0.3",
+        "output.checkpoint_every=2",
+    ]
+    launch(out, *overrides, "loop.steps=3")  # checkpoints after step 2
+    launch(out, *overrides, "loop.steps=4", resume=True)  # from it: steps 3 and 4 again
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all("critic/loss" in r and "kl" in r for r in records)
+    roles = json.loads((out / "roles.json").read_text())
+    assert {"reference", "reference-1", "critic", "critic-1"} <= set(roles)
+    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2

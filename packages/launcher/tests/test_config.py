@@ -112,6 +112,14 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ),
         ("[trainer]\nbetas = [0.9, 1.5]\n", "[trainer] betas: must both be in [0, 1)"),
         (
+            "[trainer]\nkl_coef = 0.01\nreference_ranks = 3\n",
+            "[trainer] reference_ranks: must divide the rollout batch 128, got 3",
+        ),
+        (
+            "[trainer]\nestimator = 'gae'\nmini_batches = 2\n[critic]\nranks = 3\n",
+            "[critic] ranks: [trainer] mini_batches x ranks must divide the rollout batch 128, got 2 x 3",
+        ),
+        (
             "[trainer]\nranks = 2\n[ray]\ngpus_per_role = 1\n",
             '[rollout] engines: with placement = "colocate_all" on GPUs each GPU holds a policy rank and an engine: must equal [trainer] ranks 2, got 1',
         ),

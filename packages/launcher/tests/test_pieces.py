@@ -115,3 +115,13 @@ def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):
     assert steps == [1, 2, 3, 4]
     assert (tmp_path / "reward_curve.png").exists()
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 4}
+
+
+def test_role_names_and_labels():
+    assert [Role("policy", 1).name, Role("rollout", 0).name] == ["policy-1", "rollout-0"]
+    assert [Role("reference").name, Role("reference", 1).name] == ["reference", "reference-1"]
+    assert [Role("critic").label, Role("critic", 1).label] == ["critic", "critic rank 1"]
+    assert [Role("policy", 0).label, Role("rollout", 2).label] == [
+        "policy rank 0",
+        "rollout engine 2",
+    ]

@@ -53,9 +53,9 @@ def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
 
 
 def test_trim_groups_keeps_a_multiple_of_ranks_times_mini_batches():
-    assert trim_groups([0, 1, 2, 3, 5], group_size=2, ranks=2, mini_batches=2) == [0, 1, 2, 3]
-    assert trim_groups([0, 1, 2], group_size=4, ranks=2, mini_batches=1) == [0, 1, 2]
-    assert trim_groups([4], group_size=2, ranks=4, mini_batches=1) == []
+    assert trim_groups([0, 1, 2, 3, 5], group_size=2, multiple=4) == [0, 1, 2, 3]
+    assert trim_groups([0, 1, 2], group_size=4, multiple=2) == [0, 1, 2]
+    assert trim_groups([4], group_size=2, multiple=4) == []
 
 
 def test_ppo_epochs_steps_over_mini_batches_of_micro_batches_and_averages():

@@ -1,6 +1,6 @@
-"""Calls into the run's Ray actors, with failures that name the role: RunError, get, PolicyGroup.
+"""Calls into the run's Ray actors, with failures that name the role: RunError, get, RankGroup.
 
-    refs = PolicyGroup(workers).shard("train_epochs", batch, epochs=1)   # a shard per rank
+    refs = RankGroup(workers).shard("train_epochs", batch, epochs=1)     # a shard per rank
     metrics = get(refs, "policy")                                         # RunError names it
 
 A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
@@ -54,9 +54,9 @@ def _first_line(err) -> str:
     return (useful[-1] if useful else lines[-1] if lines else repr(err))[:500]
 
 
-class PolicyGroup:
-    """The policy's data-parallel ranks (one Ray actor each), driven as one: a batch is split
-    into equal contiguous shards, one per rank; rank 0 holds the weight sender."""
+class RankGroup:
+    """The data-parallel ranks of the policy, the reference or the critic (one Ray actor each),
+    driven as one: a batch is split into equal contiguous shards, one per rank."""
 
     def __init__(self, workers: list):
         self.workers = workers

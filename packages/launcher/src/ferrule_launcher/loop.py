@@ -89,7 +89,7 @@ class Loop:
             for g in range(len(samples) // n)
             if max(staleness[g * n : (g + 1) * n]) <= c.loop.max_staleness
         ]
-        groups = rl.trim_groups(fresh, n, t.ranks, t.mini_batches)
+        groups = rl.trim_groups(fresh, n, t.batch_multiple(c.critic))
         dropped = len(samples) // n - len(groups)
         if not groups:
             return {"dropped_stale_groups": dropped}
@@ -98,15 +98,15 @@ class Loop:
         scores = torch.tensor([rollout.scores[i] for i in rows], dtype=torch.float32)
         batch = rl.build_batch(samples, self.pad_id)
         rows_per_pass = t.forward_batch_size or t.micro_batch_size
-        ref_call = (
-            roles.reference.logprobs.remote(batch, rows_per_pass) if roles.reference else None
-        )
-        values_call = roles.critic.values.remote(batch, rows_per_pass) if roles.critic else None
-        old = torch.cat(
-            get(roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass), "policy")
-        )
-        ref = get(ref_call, "reference") if ref_call else None
-        values = get(values_call, "critic") if values_call else None
+        passes = {"policy": roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass)}
+        if roles.reference is not None:
+            passes["reference"] = roles.reference.shard(
+                "logprobs", batch, micro_batch_size=rows_per_pass
+            )
+        if roles.critic is not None:
+            passes["critic"] = roles.critic.shard("values", batch, micro_batch_size=rows_per_pass)
+        done = {kind: torch.cat(get(refs, kind)) for kind, refs in passes.items()}
+        old, ref, values = done["policy"], done.get("reference"), done.get("critic")
         advantages, returns = rl.estimate(
             t.estimator,
             scores,
@@ -126,12 +126,13 @@ class Loop:
         )
         result = {}
         if roles.critic is not None:
-            critic = roles.critic.train_epochs.remote(
+            critic = roles.critic.shard(
+                "train_epochs",
                 rl.critic_batch(batch, values, returns),
                 **t.epoch_options(),
                 clip=c.critic.value_clip,
             )
-            result.update({f"critic/{k}": v for k, v in get(critic, "critic").items()})
+            result.update({f"critic/{k}": v for k, v in get(critic, "critic")[0].items()})
         metrics = get(policy_calls, "policy")[0]  # losses and norms are already global
         result.update({f"train/{k}": v for k, v in metrics.items()})
         result["approx_kl"] = metrics.get("approx_kl", 0.0)
@@ -149,7 +150,7 @@ class Loop:
         if self.config.trainer.offload_between_phases:
             calls = [(ref, "policy (offload)") for ref in self.roles.policy.call("offload")]
             if self.roles.critic is not None:
-                calls.append((self.roles.critic.offload.remote(), "critic (offload)"))
+                calls += [(ref, "critic (offload)") for ref in self.roles.critic.call("offload")]
             get_each(calls)
 
     def to_train(self) -> None:
@@ -166,7 +167,7 @@ class Loop:
         if self.config.trainer.offload_between_phases:
             calls += [(ref, "policy (reload)") for ref in self.roles.policy.call("reload")]
             if self.roles.critic is not None:
-                calls.append((self.roles.critic.reload.remote(), "critic (reload)"))
+                calls += [(ref, "critic (reload)") for ref in self.roles.critic.call("reload")]
         get_each(calls)
 
     def to_sync(self) -> None:

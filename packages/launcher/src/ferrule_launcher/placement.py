@@ -2,7 +2,7 @@
 
     start_ray(config.ray, role_env())              # local cluster, or join config.ray.address
     places, groups = place_roles(config.ray, [Role("policy", 0), Role("reference"), ...])
-    ray.remote(PolicyWorker).options(**places[Role("policy", 0)]).remote()
+    ray.remote(RankWorker).options(**places[Role("policy", 0)]).remote()
 
 Placements ([ray] placement):
 - "colocate_all": one placement group with a bundle per policy rank (and rollout engine): policy
@@ -33,22 +33,25 @@ CPU_ENV = {
 
 
 class Role(NamedTuple):
-    """One actor of the run: kind "policy" / "rollout" (one per rank or engine), "reference",
-    "critic"."""
+    """One actor of the run: a rank of "policy", "reference" or "critic", or a "rollout"
+    engine."""
 
     kind: str
     index: int = 0
 
     @property
     def name(self) -> str:
-        """ "policy-1", "rollout-0", "reference": the name in roles.json and in messages."""
-        return f"{self.kind}-{self.index}" if self.kind in ("policy", "rollout") else self.kind
+        """ "policy-1", "rollout-0", "reference" (rank 0), "critic-1": the name in roles.json."""
+        numbered = self.kind in ("policy", "rollout") or self.index > 0
+        return f"{self.kind}-{self.index}" if numbered else self.kind
 
     @property
     def label(self) -> str:
-        """ "policy rank 1", "rollout engine 0", "critic": how errors name it."""
-        numbered = {"policy": "policy rank", "rollout": "rollout engine"}.get(self.kind)
-        return f"{numbered} {self.index}" if numbered else self.kind
+        """ "policy rank 1", "rollout engine 0", "critic", "critic rank 1": how errors name it."""
+        if self.kind == "rollout":
+            return f"rollout engine {self.index}"
+        numbered = self.kind == "policy" or self.index > 0
+        return f"{self.kind} rank {self.index}" if numbered else self.kind
 
     @property
     def pinned_as(self) -> str:
@@ -104,8 +107,8 @@ def groups_for(placement: str, roles: list[Role]) -> dict[str, list[Role]]:
 
 
 def bundle_of(placement: str, role: Role) -> int:
-    """The bundle a role takes in its group: one per policy rank or rollout engine (with
-    "colocate_all", rank i and engine i share bundle i), the reference and the critic on 0."""
+    """The bundle a role takes in its group: its rank or engine index (with "colocate_all",
+    policy rank i, reference rank i, critic rank i and engine i share bundle i)."""
     return role.index
 
 

@@ -4,10 +4,11 @@
     write_roles(out / "roles.json", roles, rewards)  # where each one runs
     roles.stop()
 
-The rollout engine, the reference `Actor` and the `Critic` are the component packages' classes,
-made Ray actors here, at the call site. Only the policy needs a wrapper (`PolicyWorker`): its
-ranks join one process group, and its weight sender must live in the process that holds the
-weights. Every role is waited for before the run goes on, so one that cannot start is named.
+The rollout engine is ferrule-rollout's class, made a Ray actor here, at the call site. The
+policy, the reference and the critic run as groups of data-parallel ranks (`RankWorker`, around
+ferrule-trainer's `Actor` / `Critic`): each group joins its own process group (its own ZeRO
+world), and the policy's weight sender lives in the process that holds the weights. Every role
+is waited for before the run goes on, so one that cannot start is named.
 """
 
 import json
@@ -16,24 +17,26 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferrule_launcher.calls import PolicyGroup, get, get_each
+from ferrule_launcher.calls import RankGroup, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.placement import Role, place_roles
 
 
-class PolicyWorker:
-    """One data-parallel rank of the trained policy: ferrule-trainer's Actor, plus (on rank 0)
-    the weightsync sender next to the weights. `setup` joins the ranks' process group, so the
-    driver creates every rank first and then sets them up together."""
+class RankWorker:
+    """One data-parallel rank of the policy, the reference or the critic: ferrule-trainer's
+    `Actor` (trained, or frozen for the reference) or `Critic`, plus, on the policy, the
+    weightsync sender next to the weights. `setup` joins the group's process group, so the driver
+    creates every rank of a group first and then sets them up together."""
 
     def __init__(self):
         self.actor = None
         self.sender = None
 
     def setup(
-        self, model_path: str, rank: int, world: int, master: str, port: int, **actor_options
+        self, kind: str, model_path: str, rank: int, world: int, master: str, port: int, **options
     ) -> None:
         from ferrule_trainer.actor import Actor
+        from ferrule_trainer.critic import Critic
 
         # Read by ferrule-trainer's init_distributed (torch.distributed's env:// rendezvous).
         os.environ.update(
@@ -43,7 +46,10 @@ class PolicyWorker:
             MASTER_ADDR=master,
             MASTER_PORT=str(port),
         )
-        self.actor = Actor(model_path, train=True, **actor_options)
+        if kind == "critic":
+            self.actor = Critic(model_path, **options)
+        else:
+            self.actor = Actor(model_path, train=kind == "policy", **options)
 
     def where(self) -> dict:
         """This node's address and a free port on it (for process groups)."""
@@ -85,6 +91,9 @@ class PolicyWorker:
     def logprobs(self, batch: dict, micro_batch_size: int | None = None):
         return self.actor.logprobs(batch, micro_batch_size)
 
+    def values(self, batch: dict, micro_batch_size: int | None = None):
+        return self.actor.values(batch, micro_batch_size)
+
     def train_epochs(self, batch: dict, **options) -> dict:
         return self.actor.train_epochs(batch, **options)
 
@@ -119,18 +128,20 @@ class PolicyWorker:
 
 @dataclass
 class Roles:
-    policy: PolicyGroup
+    policy: RankGroup
     engines: list
-    reference: object = None
-    critic: object = None
+    reference: RankGroup | None = None
+    critic: RankGroup | None = None
     groups: list = field(default_factory=list)  # Ray placement groups, given back at the end
 
     def handles(self) -> dict[Role, object]:
         """Every actor of the run by its role."""
-        found = {Role("policy", i): w for i, w in enumerate(self.policy.workers)}
-        for kind, handle in (("reference", self.reference), ("critic", self.critic)):
-            if handle is not None:
-                found[Role(kind)] = handle
+        found = {}
+        for kind, group in (("policy", self.policy), ("reference", self.reference)):
+            if group is not None:
+                found.update({Role(kind, i): w for i, w in enumerate(group.workers)})
+        if self.critic is not None:
+            found.update({Role("critic", i): w for i, w in enumerate(self.critic.workers)})
         found.update({Role("rollout", i): e for i, e in enumerate(self.engines)})
         return found
 
@@ -145,9 +156,10 @@ class Roles:
 
 def wanted_roles(config: Config) -> list[Role]:
     """Every role the configuration asks for."""
-    wanted = [Role("policy", i) for i in range(config.trainer.ranks)]
-    wanted += [Role("reference")] if config.trainer.kl_coef > 0 else []
-    wanted += [Role("critic")] if config.critic is not None else []
+    t = config.trainer
+    wanted = [Role("policy", i) for i in range(t.ranks)]
+    wanted += [Role("reference", i) for i in range(t.reference_ranks if t.kl_coef > 0 else 0)]
+    wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
     return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
 
 
@@ -155,43 +167,46 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
     """Every actor of the run, started, placed and waited for; the weight sync opened."""
     import ray
 
-    from ferrule_trainer.actor import Actor
-    from ferrule_trainer.critic import Critic
-
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
-    options, groups = place_roles(config.ray, wanted_roles(config))
-    roles = Roles(PolicyGroup([]), [], groups=groups)  # filled in as they start, for stop()
+    wanted = wanted_roles(config)
+    options, groups = place_roles(config.ray, wanted)
+    roles = Roles(RankGroup([]), [], groups=groups)  # filled in as they start, for stop()
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
+    steps = config.loop.steps
+    setup = {
+        "policy": dict(temperature=r.temperature, **t.optimizer_options(steps), **model),
+        "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model),
+    }
+    if config.critic is not None:
+        setup["critic"] = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
 
     def actor(cls, role: Role, **extra):
         return ray.remote(cls).options(**options[role], runtime_env={"env_vars": env}, **extra)
 
     try:
-        workers = [actor(PolicyWorker, Role("policy", i)).remote() for i in range(t.ranks)]
-        roles.policy.workers = workers
-        master = get(workers[0].where.remote(), "policy rank 0")
-        setups = [
-            w.setup.remote(
-                model_path,
-                i,
-                t.ranks,
-                master["host"],
-                master["port"],
-                temperature=r.temperature,
-                **t.optimizer_options(config.loop.steps),
-                **model,
-            )
-            for i, w in enumerate(workers)
-        ]
-        if Role("reference") in options:
-            roles.reference = actor(Actor, Role("reference")).remote(
-                model_path, train=False, zero_stage=t.zero_stage, temperature=r.temperature, **model
-            )
-        if Role("critic") in options:
-            critic_lr = config.critic.learning_rate
-            roles.critic = actor(Critic, Role("critic")).remote(
-                model_path, **t.optimizer_options(config.loop.steps, critic_lr), **model
-            )
+        setups = []
+        for kind in ("policy", "reference", "critic"):
+            ranks = [role for role in wanted if role.kind == kind]
+            if not ranks:
+                continue
+            workers = [actor(RankWorker, role).remote() for role in ranks]
+            setattr(roles, kind, RankGroup(workers))
+            master = get(workers[0].where.remote(), ranks[0].label)
+            setups += [
+                (
+                    w.setup.remote(
+                        kind,
+                        model_path,
+                        i,
+                        len(workers),
+                        master["host"],
+                        master["port"],
+                        **setup[kind],
+                    ),
+                    ranks[i].label,
+                )
+                for i, w in enumerate(workers)
+            ]
         engine = r.engine_class()
         roles.engines = [
             actor(engine, Role("rollout", i), max_concurrency=4).remote(
@@ -200,9 +215,9 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
             for i in range(r.engines)
         ]
         # Wait for every role to start, naming the one that could not.
-        get_each([(ref, Role("policy", i).label) for i, ref in enumerate(setups)])
+        get_each(setups)
         get_each([(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()])
-        open_weight_sync(config, workers, roles.engines)
+        open_weight_sync(config, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()
         raise

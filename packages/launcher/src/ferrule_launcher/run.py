@@ -157,7 +157,7 @@ def _save_checkpoint(out: Path, roles: Roles, step: int) -> None:
     directory = out / "checkpoint"
     refs = roles.policy.call("save", str(directory / "policy"), step)
     if roles.critic is not None:
-        refs.append(roles.critic.save_state.remote(str(directory / "critic"), step=step))
+        refs += roles.critic.call("save", str(directory / "critic"), step)
     get(refs, "policy/critic checkpoint")
 
 
@@ -165,4 +165,4 @@ def _load_checkpoint(out: Path, roles: Roles, step: int) -> None:
     directory = out / "checkpoint"
     get(roles.policy.call("load", str(directory / "policy"), step), "policy")
     if roles.critic is not None:
-        get(roles.critic.load_state.remote(str(directory / "critic"), f"step{step}"), "critic")
+        get(roles.critic.call("load", str(directory / "critic"), step), "critic")

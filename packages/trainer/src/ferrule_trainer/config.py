@@ -13,6 +13,7 @@ A table is a pydantic model with a docstring under each field. Paths read by a r
 model validator, naming each key it blames. pydantic is imported here, not torch.
 """
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -195,6 +196,9 @@ class TrainerConfig(Table):
     """Actor learning rate (AdamW)."""
     ranks: int = Field(1, ge=1, le=1024)
     """Data-parallel ranks of the policy (DeepSpeed), one Ray actor and one bundle each."""
+    reference_ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel ranks of the reference (kl_coef > 0); with zero_stage = 3 its weights are
+    sharded over them, so a large reference needs no single device's memory."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -294,6 +298,16 @@ class TrainerConfig(Table):
         options["total_steps"] = steps if self.lr_schedule == "cosine" else None
         return options
 
+    def batch_multiple(self, critic: "CriticConfig | None") -> int:
+        """The rollout batch must be a multiple of this many rows: every rank of the policy,
+        the reference and the critic takes an equal share of every (mini-)batch."""
+        multiple = self.ranks * self.mini_batches
+        if self.kl_coef > 0:
+            multiple = math.lcm(multiple, self.reference_ranks)
+        if critic is not None:
+            multiple = math.lcm(multiple, critic.ranks * self.mini_batches)
+        return multiple
+
     def estimate_options(self) -> dict:
         """The keyword arguments of `rl.estimate` that this table sets."""
         return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "gamma", "lam"})
@@ -314,8 +328,11 @@ class TrainerConfig(Table):
 
 
 class CriticConfig(Table):
-    """[critic]: the value model of PPO (estimator "gae")."""
+    """[critic]: the value model of PPO (estimator "gae"), under [trainer]'s DeepSpeed settings."""
 
+    ranks: int = Field(1, ge=1, le=1024)
+    """Data-parallel ranks of the critic; with [trainer] zero_stage = 3 its weights and
+    optimizer states are sharded over them."""
     learning_rate: float = Field(1e-4, gt=0)
     """Critic learning rate (AdamW)."""
     value_clip: float | None = Field(0.2, gt=0)
@@ -353,6 +370,21 @@ def rl_batch_problems(
                 "trainer.mini_batches" if batch % trainer.mini_batches else "trainer.ranks",
                 f"mini_batches x ranks must divide the rollout batch (prompts_per_step x "
                 f"samples_per_prompt = {batch}), got {trainer.mini_batches} x {trainer.ranks}",
+            )
+        )
+    elif trainer.kl_coef > 0 and batch % trainer.reference_ranks:
+        problems.append(
+            (
+                "trainer.reference_ranks",
+                f"must divide the rollout batch {batch}, got {trainer.reference_ranks}",
+            )
+        )
+    elif critic is not None and batch % (trainer.mini_batches * critic.ranks):
+        problems.append(
+            (
+                "critic.ranks",
+                f"[trainer] mini_batches x ranks must divide the rollout batch {batch}, got "
+                f"{trainer.mini_batches} x {critic.ranks}",
             )
         )
     return problems

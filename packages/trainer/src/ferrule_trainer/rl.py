@@ -57,11 +57,11 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
     }
 
 
-def trim_groups(groups: list[int], group_size: int, ranks: int, mini_batches: int) -> list[int]:
-    """The first prompt groups whose samples split evenly over ranks and mini-batches: every rank
-    takes an equal share of every mini-batch, so the batch must be a multiple of both."""
+def trim_groups(groups: list[int], group_size: int, multiple: int) -> list[int]:
+    """The first prompt groups whose samples make a multiple of `multiple` rows (every rank of
+    every group takes an equal share of every mini-batch: `TrainerConfig.batch_multiple`)."""
     keep = list(groups)
-    while len(keep) * group_size % (ranks * mini_batches):
+    while len(keep) * group_size % multiple:
         keep.pop()
     return keep
 
