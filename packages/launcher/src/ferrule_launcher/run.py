@@ -53,7 +53,8 @@ def run(config: Config, resume: bool = False) -> dict:
     print(f"ray: {where}; placement {config.ray.placement}", flush=True)
     rewards = log = roles = None
     try:
-        check_fits(config.ray, wanted_roles(config), ray.cluster_resources())
+        if not config.ray.address:  # a joined cluster's nodes may still be joining
+            check_fits(config.ray, wanted_roles(config), ray.cluster_resources())
         rewards = RewardService.start(config.rewards, out)
         model_path = warm_start(config, out)
         roles = start_roles(config, model_path, env)
