@@ -82,7 +82,11 @@ def record_id(response: str, metadata: dict[str, str]) -> float:
 
 def pid(response: str) -> dict[str, float]:
     """Reward 1.0, with the id of the process that scored it as a sub-score (which worker it
-    was); sleeps `response` seconds when that is a number."""
+    was); sleeps `response` seconds when that is a number, after appending the pid to
+    $REWARDS_TEST_LOG if that is set (a line per sample being scored)."""
+    if "REWARDS_TEST_LOG" in os.environ:
+        with open(os.environ["REWARDS_TEST_LOG"], "a") as log:
+            log.write(f"{os.getpid()}\n")
     if response:
         time.sleep(float(response))
     return {"reward": 1.0, "pid": float(os.getpid())}

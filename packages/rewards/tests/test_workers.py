@@ -62,24 +62,36 @@ def test_workers_share_the_port_and_both_answer(spawn, fn_spec):
     assert server.stop() == 0
 
 
-def test_sigterm_drains_every_worker(spawn, fn_spec):
-    server = spawn("--function", fn_spec("pid"), "--workers", "2", "--grace", "10")
+def test_sigterm_drains_every_worker(spawn, fn_spec, tmp_path):
+    started = tmp_path / "started"  # a line per sample a worker started scoring
+    server = spawn(
+        "--function", fn_spec("pid"), "--workers", "2", "--grace", "10",
+        env={"REWARDS_TEST_LOG": str(started)},
+    )  # fmt: skip
     pids = worker_pids(server)
     outcome = {}
 
-    def in_flight():  # 32 calls of 1 s each, spread over the workers
-        outcome["pids"] = answered_by(server.address, response="0.5")
+    def in_flight():  # 32 one-sample calls of 2 s each, all at once, spread over the workers
+        with RewardClient(
+            server.address, batch_size=1, max_in_flight=32, connections_per_address=CONNECTIONS
+        ) as client:
+            outcome["results"] = client.score([{"response": "2"}] * 32)
 
     caller = threading.Thread(target=in_flight)
     caller.start()
-    time.sleep(0.5)  # the calls are being scored
+    deadline = time.monotonic() + 30  # SIGTERM only once every call is being scored
+    while not started.exists() or len(started.read_text().split()) < 32:
+        assert time.monotonic() < deadline, "the 32 calls did not all start"
+        time.sleep(0.02)
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     with RewardClient(server.address, retry_for=0) as client, pytest.raises(RewardError) as error:
         client.score([{"response": ""}])  # new calls are refused
     assert error.value.code == grpc.StatusCode.UNAVAILABLE
     caller.join()
-    assert outcome["pids"] == set(pids)  # every call in flight finished, on both workers
+    results = outcome["results"]  # every call in flight finished, on both workers
+    assert all(result.ok and result.reward == 1.0 for result in results)
+    assert {int(result.sub_scores["pid"]) for result in results} == set(pids)
     assert server.process.wait(10) == 0
     assert all(gone(pid, within=0) for pid in pids)
     log = "".join(server.log)

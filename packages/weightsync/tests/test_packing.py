@@ -123,6 +123,7 @@ def test_digest_is_the_same_exactly_when_the_weights_are():
         "b": torch.tensor(1.5, dtype=torch.bfloat16),  # 0-dim
         "c": torch.tensor([True, False]),
         "d": torch.arange(6, dtype=torch.float32).view(3, 2).t(),  # not contiguous
+        "empty": torch.empty(0, 4),
     }
     reference = digest(weights.items())
     assert digest(reversed(list(weights.items()))) == reference  # order does not matter
@@ -133,3 +134,6 @@ def test_digest_is_the_same_exactly_when_the_weights_are():
     assert digest(dict(weights, a=weights["a"].view(3, 2)).items()) != reference  # shape
     assert digest(dict(weights, a=weights["a"].double()).items()) != reference  # dtype
     assert digest({("e" if k == "a" else k): v for k, v in weights.items()}.items()) != reference
+    assert digest(dict(weights, empty=torch.empty(4, 0)).items()) != reference
+    # The bytes come from the tensor's memory, not from a copy made before it was changed.
+    assert digest({"x": torch.zeros(3)}.items()) != digest({"x": torch.ones(3)}.items())

@@ -8,6 +8,7 @@ The sender and every receiver call `plan_buckets` on the same specs and bucket s
 itself never travels: only the specs do.
 """
 
+import ctypes
 import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -175,9 +176,18 @@ def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().reshape(-1)
         h = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+        h.update(_host_bytes(flat.view(torch.uint8).cpu()))
         per_tensor[name] = h.hexdigest()
     total = hashlib.sha256()
     for name in sorted(per_tensor):
         total.update(f"{name}={per_tensor[name]};".encode())
     return total.hexdigest()
+
+
+def _host_bytes(flat_bytes: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous host uint8 tensor's memory, valid while the tensor lives.
+    Through ctypes, not numpy: weightsync needs nothing but torch."""
+    size = flat_bytes.numel()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * size).from_address(flat_bytes.data_ptr()))
