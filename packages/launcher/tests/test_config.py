@@ -190,3 +190,20 @@ def test_example_is_valid_and_dry_run_prints_it():
     )
     assert out.returncode == 0, out.stderr
     assert "configuration is valid" in out.stdout and "steps = 3" in out.stdout
+
+
+def test_what_dry_run_prints_loads_back_as_the_same_config(write, tmp_path):
+    """`describe` writes None as "none" (TOML has no null); a file saved from --dry-run, with
+    keys turned off among them, must load as the configuration it describes."""
+    config = load_config(write('[trainer]\ndual_clip = "none"\nkl_max = "none"\n'))
+    assert config.trainer.dual_clip is None and config.trainer.kl_max is None
+    saved = tmp_path / "saved.toml"
+    saved.write_text(describe(config))
+    assert load_config(saved) == config
+
+
+def test_none_only_turns_off_keys_that_may_be_none(write):
+    with pytest.raises(ConfigError, match=r"\[trainer\] clip_low: Input should be a valid number"):
+        load_config(write('[trainer]\nclip_low = "none"\n'))
+    with pytest.raises(ConfigError, match=r"\[trainer\] kl_max: Input should be greater than 0"):
+        load_config(write("[trainer]\nkl_max = 0\n"))

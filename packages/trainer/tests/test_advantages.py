@@ -211,3 +211,69 @@ def test_advantages_never_carry_a_gradient():
     for estimator in (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline):
         assert not estimator(scores, mask, group_size=2).requires_grad, estimator.__name__
     assert not reinforce_plus_plus(scores, mask).requires_grad
+
+
+# -- all-equal groups: values that binary floats cannot hold exactly ---------------------------
+# 0.1, 0.9 and 3.7 are not dyadic: the float32 mean of n copies misses the value by an ulp, and
+# an estimator that divides by a ~0 spread blows that ulp up to an advantage of size ~1. The
+# tests above use 0, 1, 2: exact in binary, so they could not catch it.
+
+
+def test_the_issue_16_inputs_give_zero_advantages():
+    ones = torch.ones(6, 2, dtype=torch.bool)
+    out = reinforce_plus_plus_baseline(torch.tensor([0.9, 0.9, 0.9, 0, 0, 0]), ones, group_size=3)
+    assert (out == 0).all(), out  # the old code gave +-0.749 on every token
+    assert (normalize_advantages(torch.full((1, 7), 0.1), torch.ones(1, 7)) == 0).all()  # -0.427
+    for value in (0.1, 3.7, -2.3, 1e-3, 12345.678):
+        out = grpo(torch.full((8,), value), torch.ones(8, 1, dtype=torch.bool), group_size=8)
+        assert (out == 0).all(), (value, out)  # the old code: -0.0074 at 0.1, ~0.24 at 3.7
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_every_group_estimator_gives_exactly_zero_on_random_all_equal_groups(seed):
+    """Property: whatever the values, group size, padding and holes, equal scores carry no
+    signal, so every token's advantage is exactly 0 (not merely small)."""
+    g = torch.Generator().manual_seed(seed)
+    group_size = int(torch.randint(2, 9, (), generator=g))
+    groups = int(torch.randint(1, 6, (), generator=g))
+    scale = 10 ** float(torch.empty(()).uniform_(-4, 4, generator=g))
+    values = torch.randn(groups, generator=g) * scale
+    scores = values.repeat_interleave(group_size)
+    rows, width = groups * group_size, int(torch.randint(1, 7, (), generator=g))
+    mask = torch.rand(rows, width, generator=g) < 0.7
+    mask[:, 0] = True  # every row has a token; the rest has holes and padding
+    for estimator in (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline):
+        out = estimator(scores, mask, group_size=group_size)
+        assert (out == 0).all(), (estimator.__name__, values.tolist(), group_size)
+    # REINFORCE++ without a baseline: equal scores over the whole batch, no discount
+    batch_equal = torch.full((rows,), float(values[0]))
+    assert (reinforce_plus_plus(batch_equal, mask) == 0).all()
+    advantages = torch.full((rows, width), float(values[0]))
+    assert (normalize_advantages(advantages, mask) == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ordinary_groups_move_by_less_than_4e_6_against_the_textbook_formulas(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(2, 9, (), generator=g))
+    scores = torch.rand(4 * n, generator=g) * 3
+    mask = torch.ones(4 * n, 1, dtype=torch.bool)
+    grouped = scores.double().view(-1, n)
+    centered = grouped - grouped.mean(-1, keepdim=True)
+    textbook = {
+        grpo: centered / (grouped.std(-1, keepdim=True) + 1e-6),
+        dr_grpo: centered,
+        rloo: grouped - (grouped.sum(-1, keepdim=True) - grouped) / (n - 1),
+    }
+    for estimator, expected in textbook.items():
+        out = estimator(scores, mask, group_size=n)[:, 0].double()
+        assert (out - expected.flatten()).abs().max() < 4e-6, estimator.__name__
+
+
+def test_nearly_equal_advantages_stay_small_after_normalisation():
+    """Values an ulp apart: the variance floor (eps = 1e-8) keeps the noise ~1e-4 times smaller
+    than the values' spread would be after a plain division by std + eps (which gives ~1)."""
+    value = torch.tensor(0.1)
+    advantages = torch.stack([value, torch.nextafter(value, torch.tensor(1.0))] * 4)[None]
+    out = normalize_advantages(advantages, torch.ones_like(advantages))
+    assert out.abs().max() < 1e-3

@@ -64,7 +64,7 @@ def test_trainer_table_gives_each_call_its_keywords():
     )
     assert table.loss_options()["kl_coef"] == 0.0  # the KL is in the reward, not the loss
     assert table.estimate_options() == dict(
-        kl_coef=0.05, kl_kind="k1", kl_in="reward", gamma=0.9, lam=0.95
+        kl_coef=0.05, kl_kind="k1", kl_in="reward", kl_max=10.0, gamma=0.9, lam=0.95
     )
     assert table.epoch_options() == dict(epochs=2, mini_batches=1, micro_batch_size=64)
     assert TrainerConfig(kl_coef=0.05).loss_options()["kl_coef"] == 0.05

@@ -93,14 +93,35 @@ def test_padding_is_zero_and_never_leaks_into_the_gradient():
         assert torch.isfinite(grad).all() and grad[0, 1] == 0, kind
 
 
-def test_max_abs_log_ratio_clamps_k3():
-    logprobs = torch.tensor([[-30.0]])  # the policy all but forbids a token the reference likes
-    ref_logprobs = torch.tensor([[-0.1]])
-    mask = torch.ones(1, 1)
-    # x = -29.9 clamped to -10: k3 = exp(10) - 1 - 10
-    clamped = kl_estimate(logprobs, ref_logprobs, mask, kind="k3", max_abs_log_ratio=10.0)
-    torch.testing.assert_close(clamped, torch.tensor([[math.exp(10) - 11]]))
-    assert kl_estimate(logprobs, ref_logprobs, mask, kind="k3") > 1e12
+def test_max_abs_estimate_caps_each_tokens_estimate_and_its_gradient():
+    """The issue 16 input: x = [-3, 5, -29]. Clamping x first gave [16.1, 4.0, 22015] and a
+    gradient of -19.1 at x = -3; capping the estimate gives at most 10 per token, no gradient
+    where the cap holds, and the ordinary gradient below it."""
+    x = torch.tensor([[-3.0, 5.0, -29.0, 0.5]], requires_grad=True)
+    mask = torch.ones(1, 4)
+    k3 = kl_estimate(x, torch.zeros(1, 4), mask, kind="k3", max_abs_estimate=10.0)
+    expected = [10.0, math.exp(-5) - 1 + 5, 10.0, math.exp(-0.5) - 1 + 0.5]
+    torch.testing.assert_close(k3, torch.tensor([expected]))
+    (grad,) = torch.autograd.grad(k3.sum(), x)
+    torch.testing.assert_close(
+        grad, torch.tensor([[0.0, 1 - math.exp(-5), 0.0, 1 - math.exp(-0.5)]])
+    )
+    assert kl_estimate(x, torch.zeros(1, 4), mask, kind="k3")[0, 2] > 1e12  # no cap: ~4e12
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_the_cap_keeps_extreme_log_ratios_finite_with_finite_gradients(kind):
+    x = torch.tensor([[-1e4, -100.0, -4.5, 4.5, 100.0, 1e4]], requires_grad=True)
+    out = kl_estimate(x, torch.zeros_like(x), torch.ones(1, 6), kind=kind, max_abs_estimate=10.0)
+    assert out.abs().max() <= 10.0 and torch.isfinite(out).all()
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isfinite(grad).all(), grad
+    if kind == "k2":  # x^2 / 2 reaches 10 at |x| = sqrt(20) ~ 4.47
+        assert (out == 10.0).all()
+    if kind == "k1":
+        assert out[0, 2] == -4.5 and out[0, 0] == -10.0 and out[0, 5] == 10.0
+    with pytest.raises(ValueError, match="max_abs_estimate must be > 0"):
+        kl_estimate(x, torch.zeros_like(x), torch.ones(1, 6), kind=kind, max_abs_estimate=0.0)
 
 
 def test_kl_loss_is_the_aggregated_estimate():

@@ -63,7 +63,7 @@ class WarmStartConfig(Table):
     """SFT peak learning rate (AdamW)."""
 
 
-class RolloutConfig(EngineConfig):
+class RolloutConfig(EngineConfig, Table):  # Table: "none" for None, as everywhere
     engines: int = Field(1, ge=1, le=64)
     """vLLM engines; each prompt batch is split between them."""
     prompts_per_step: int = Field(16, ge=1)

@@ -137,6 +137,7 @@ class Actor(TrainedModel):
         agg_mode: str = "token-mean",
         kl_coef: float = 0.0,
         kl_kind: str = "k3",
+        kl_max: float | None = 10.0,
         entropy_coef: float = 0.0,
     ) -> dict[str, float]:
         """One optimizer step of the PPO clipped loss over this rank's micro-batches.
@@ -175,7 +176,10 @@ class Actor(TrainedModel):
             loss = pg.loss
             metrics = {"clip_fraction": pg.clip_fraction, "approx_kl": pg.approx_kl}
             if kl_coef:
-                kl = kl_loss(logprobs, micro_batch["ref_logprobs"], mask, kind=kl_kind, **counts)
+                ref_logprobs = micro_batch["ref_logprobs"]
+                kl = kl_loss(
+                    logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max, **counts
+                )
                 loss = loss + kl_coef * kl
             if entropy_coef:
                 entropy = entropy_bonus(logits / self.temperature, mask, **counts)

@@ -83,13 +83,23 @@ def discounted_returns(
 def normalize_advantages(
     advantages: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(A - mean) / (std + eps) over every valid token of the batch (population std), 0 on
-    padding: the advantage normalisation of PPO implementations and of REINFORCE++."""
+    """(A - mean) / sqrt(max(var, eps)) over every valid token of the batch (population
+    variance), 0 on padding: the advantage normalisation of PPO implementations and of
+    REINFORCE++.
+
+    Two guards for batches whose advantages are (nearly) all equal, where naive code turns
+    rounding noise into advantages of size ~1: the mean is taken relative to one of the values
+    (`_centered`), so equal values centre to exactly 0; and the variance is floored at eps
+    (as OpenRLHF does), so ~1-ulp differences stay ~1e-4 times smaller after scaling, not ~1.
+    """
     check_per_token(mask, advantages=advantages)
-    advantages = advantages.detach().float()
-    mean = masked_mean(advantages, mask)
-    std = masked_mean((advantages - mean).square(), mask).sqrt()
-    return torch.where(valid_tokens(mask), (advantages - mean) / (std + eps), 0.0)
+    valid = valid_tokens(mask)
+    advantages = torch.where(valid, advantages.detach().float(), 0.0)
+    pivot = advantages[valid][:1].sum()  # the first valid value (0 for an all-padding batch)
+    shifted = torch.where(valid, advantages - pivot, 0.0)
+    centered = torch.where(valid, shifted - masked_mean(shifted, valid), 0.0)
+    variance = masked_mean(centered.square(), valid)
+    return torch.where(valid, centered * variance.clamp(min=eps).rsqrt(), 0.0)
 
 
 def reinforce_plus_plus(
@@ -132,8 +142,7 @@ def reinforce_plus_plus_baseline(
     wrong. The KL may go into the reward (kl, kl_coef) or into the loss (`kl.kl_loss`).
     """
     check_sequence_scores(scores, mask)
-    scores = scores.detach().float()
-    centered = scores - _group_mean(scores, group_size)
+    centered = _center_groups(scores.detach().float(), group_size)
     return reinforce_plus_plus(centered, mask, kl=kl, kl_coef=kl_coef, gamma=gamma)
 
 
@@ -144,13 +153,13 @@ def grpo(
     gets A_i = (s_i - mean(group)) / (std(group) + eps).
 
     std is the sample standard deviation (Bessel's correction), as in the common
-    implementations. A group whose scores are all equal gets A = 0.
+    implementations. A group whose scores are all equal gets exactly A = 0, whatever the value
+    (see `_center_groups`).
     """
     check_sequence_scores(scores, mask)
-    check_groups(scores, group_size)
-    grouped = scores.detach().float().reshape(-1, group_size)
-    normalized = (grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + eps)
-    return _broadcast_to_tokens(normalized.view(-1), mask)
+    centered = _center_groups(scores.detach().float(), group_size).reshape(-1, group_size)
+    std = (centered.square().sum(-1, keepdim=True) / (group_size - 1)).sqrt()
+    return _broadcast_to_tokens((centered / (std + eps)).view(-1), mask)
 
 
 def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -160,8 +169,7 @@ def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> tor
     response length, is the loss aggregation: "token-mean" or "seq-mean-token-sum".
     """
     check_sequence_scores(scores, mask)
-    scores = scores.detach().float()
-    return _broadcast_to_tokens(scores - _group_mean(scores, group_size), mask)
+    return _broadcast_to_tokens(_center_groups(scores.detach().float(), group_size), mask)
 
 
 def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.Tensor:
@@ -174,17 +182,19 @@ def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.
     penalty into the sequence score: pass scores - kl_coef * (kl * mask).sum(-1) for that.
     """
     check_sequence_scores(scores, mask)
-    check_groups(scores, group_size)
-    grouped = scores.detach().float().reshape(-1, group_size)
-    others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
-    return _broadcast_to_tokens((grouped - others_mean).view(-1), mask)
+    centered = _center_groups(scores.detach().float(), group_size)
+    return _broadcast_to_tokens(centered * (group_size / (group_size - 1)), mask)
 
 
-def _group_mean(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Each score's group mean, (batch,)."""
+def _center_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each score minus its group's mean, (batch,), computed relative to the group's first
+    score: s_i - mean = (s_i - s_0) - mean_j (s_j - s_0). Equal scores then centre to exactly 0.
+    The naive s_i - mean(s) does not: 0.1 is not exact in binary, so the mean of eight float32
+    0.1s misses 0.1 by an ulp, and GRPO's division by a ~0 std blows that ulp up to ~0.01-0.2."""
     check_groups(scores, group_size)
     grouped = scores.reshape(-1, group_size)
-    return grouped.mean(-1, keepdim=True).expand_as(grouped).reshape(-1)
+    shifted = grouped - grouped[:, :1]
+    return (shifted - shifted.mean(-1, keepdim=True)).reshape(-1)
 
 
 def _broadcast_to_tokens(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ model validator, naming each key it blames. pydantic is imported here, not torch
 import math
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -60,6 +60,27 @@ class Problems(ValueError):
 
 class Table(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_from_toml(cls, data):
+        """TOML has no null: "none" turns off a key that may be None (dual_clip = "none"), as
+        `describe` writes it."""
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: None if value == NONE and _may_be_none(cls, key) else value
+            for key, value in data.items()
+        }
+
+
+NONE = "none"
+"""How a TOML file (and `describe`) spells None."""
+
+
+def _may_be_none(table: type[BaseModel], key: str) -> bool:
+    field = table.model_fields.get(key)
+    return field is not None and type(None) in get_args(field.annotation)
 
 
 def _near_the_file(path: Path, info: ValidationInfo) -> Path:
@@ -154,7 +175,7 @@ def describe(config: BaseModel) -> str:
 
 def _toml(value) -> str:
     if value is None:
-        return '"none"'
+        return f'"{NONE}"'
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, str):
@@ -222,6 +243,9 @@ class TrainerConfig(Table):
     """KL estimator (k1 belongs in the reward, k2 / k3 in the loss)."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where the KL goes: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++)."""
+    kl_max: float | None = Field(10.0, gt=0)
+    """Cap on each token's KL estimate, in the loss and in the reward: one token the policy all
+    but forbids cannot decide a batch (a capped token adds kl_max and no gradient). None: off."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     gamma: float = Field(1.0, gt=0, le=1)
@@ -310,7 +334,7 @@ class TrainerConfig(Table):
 
     def estimate_options(self) -> dict:
         """The keyword arguments of `rl.estimate` that this table sets."""
-        return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "gamma", "lam"})
+        return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "kl_max", "gamma", "lam"})
 
     def epoch_options(self) -> dict:
         """The keyword arguments of `rl.ppo_epochs` (policy and critic) that this table sets."""
@@ -320,7 +344,15 @@ class TrainerConfig(Table):
         """The keyword arguments of `Actor.train_step` that this table sets (the KL term only
         when the loss carries it)."""
         options = self.model_dump(
-            include={"clip_low", "clip_high", "dual_clip", "agg_mode", "kl_coef", "kl_kind"}
+            include={
+                "clip_low",
+                "clip_high",
+                "dual_clip",
+                "agg_mode",
+                "kl_coef",
+                "kl_kind",
+                "kl_max",
+            }
         )
         options["kl_coef"] = self.kl_coef if self.kl_in == "loss" else 0.0
         options["entropy_coef"] = self.entropy_coef

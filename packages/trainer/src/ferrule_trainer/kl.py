@@ -24,6 +24,7 @@ from ferrule_trainer._checks import check_per_token, valid_tokens
 from ferrule_trainer.aggregation import aggregate_loss
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+_MAX_ABS_LOG_RATIO = 20.0
 
 
 def kl_estimate(
@@ -32,16 +33,22 @@ def kl_estimate(
     mask: torch.Tensor,
     *,
     kind: str,
-    max_abs_log_ratio: float | None = None,
+    max_abs_estimate: float | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref), (batch, response_len), 0 on padding.
 
     logprobs:          log pi of the sampled tokens (the policy the samples came from).
     ref_logprobs:      log pi_ref of the same tokens.
     kind:              "k1", "k2" or "k3" (formulas in the module docstring, after Schulman 2020).
-    max_abs_log_ratio: clamp x = logprobs - ref_logprobs to [-c, c] first. k3 grows like exp(-x)
-                       where the policy gives a token far less mass than the reference does, and
-                       one such token can dominate a batch; OpenRLHF clamps at 10. None: no clamp.
+    max_abs_estimate:  clamp each token's estimate to [-c, c] (k2 and k3 are >= 0, so to c).
+                       k3 grows like exp(-x) where the policy gives a token far less mass than
+                       the reference does: at x = -29 it is ~4e12, and one such token decides a
+                       batch's loss. Capping the estimate bounds every token's share; a capped
+                       token adds c and no gradient, as a token past PPO's ratio clip does.
+                       With c = 10 the cap starts at x ~ -2.6 for k3 (past x ~ 11 on the other
+                       side), at |x| ~ 4.47 for k2, at |x| = 10 for k1. OpenRLHF caps the same
+                       way. (Clamping x instead, then exponentiating, still lets one token add
+                       e^c ~ 22000 with a gradient of -e^c.) None: no cap.
     """
     check_per_token(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     if kind not in KL_ESTIMATORS:
@@ -50,14 +57,20 @@ def kl_estimate(
     # Zero the padding before any arithmetic: pad tokens may carry -inf log-probabilities, and
     # exp(inf) would put NaN into the gradient even where the result is masked out afterwards.
     log_ratio = torch.where(valid, logprobs.float() - ref_logprobs.float(), 0.0)
-    if max_abs_log_ratio is not None:
-        log_ratio = log_ratio.clamp(-max_abs_log_ratio, max_abs_log_ratio)
+    if max_abs_estimate is not None:
+        if max_abs_estimate <= 0:
+            raise ValueError(f"max_abs_estimate must be > 0, got {max_abs_estimate}")
+        # Past |x| = 20 every estimate is capped for any c below e^20 - 21 ~ 5e8; bounding x
+        # there keeps exp() finite, so the capped tokens' zero gradient is 0, not 0 * inf = NaN.
+        log_ratio = log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
     if kind == "k1":
         estimate = log_ratio
     elif kind == "k2":
         estimate = 0.5 * log_ratio.square()
     else:  # (r - 1) - log r with r = exp(-x); expm1 keeps precision when pi is close to pi_ref
         estimate = torch.expm1(-log_ratio) + log_ratio
+    if max_abs_estimate is not None:
+        estimate = estimate.clamp(-max_abs_estimate, max_abs_estimate)
     return torch.where(valid, estimate, 0.0)
 
 
@@ -67,7 +80,7 @@ def kl_loss(
     mask: torch.Tensor,
     *,
     kind: str,
-    max_abs_log_ratio: float | None = None,
+    max_abs_estimate: float | None = None,
     agg_mode: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_sequences: int | torch.Tensor | None = None,
@@ -78,7 +91,7 @@ def kl_loss(
     the caller multiplies by its coefficient. `logprobs` must carry the gradient.
     """
     per_token = kl_estimate(
-        logprobs, ref_logprobs, mask, kind=kind, max_abs_log_ratio=max_abs_log_ratio
+        logprobs, ref_logprobs, mask, kind=kind, max_abs_estimate=max_abs_estimate
     )
     return aggregate_loss(
         per_token, mask, mode=agg_mode, num_tokens=num_tokens, num_sequences=num_sequences

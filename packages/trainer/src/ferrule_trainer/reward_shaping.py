@@ -50,9 +50,11 @@ def normalize_rewards(
     batch when None.
 
     Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences") shift and scale
-    the reward model to mean 0, std 1; running moments do the same as the policy moves, as
-    OpenRLHF's reward normalisation does. A fixed scale keeps the KL coefficient and the value
-    loss meaningful across reward models.
+    the reward model to mean 0, std 1. OpenRLHF does the same with a fixed mean and std saved
+    from the reward model's evaluation set; running moments instead follow the scores the
+    policy actually earns, as it moves, and need no reward model (rule rewards have no
+    evaluation set). A stable scale keeps the KL coefficient and the value loss meaningful
+    across reward models.
     """
     if moments is None:
         mean, std = scores.float().mean(), scores.float().std(correction=0)

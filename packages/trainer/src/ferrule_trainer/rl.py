@@ -78,6 +78,7 @@ def estimate(
     kl_coef: float = 0.0,
     kl_kind: str = "k1",
     kl_in: str = "loss",
+    kl_max: float | None = 10.0,
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,7 +88,7 @@ def estimate(
     mask = batch["response_mask"]
     kl = None
     if kl_in == "reward" and kl_coef > 0:
-        kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind)
+        kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max)
     penalty = dict(kl=kl, kl_coef=kl_coef if kl is not None else 0.0)
     if estimator == "gae":
         rewards = token_rewards(scores, mask, **penalty)
