@@ -284,3 +284,98 @@ def test_ppo_with_a_two_rank_reference_and_critic_under_zero3(tmp_path):
     roles = json.loads((out / "roles.json").read_text())
     assert {"reference", "reference-1", "critic", "critic-1"} <= set(roles)
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+# -- issue 16: the trainer's options reachable from the TOML --------------------------------------
+
+FLAKY_REWARD = '''
+from ferrule_rewards.builtin import char_match
+
+
+def flaky(response: str, label: str) -> float:
+    """char_match, but raising on about a quarter of the responses (by their characters)."""
+    if sum(map(ord, response)) % 4 == 0:
+        raise ValueError(f"flaky cannot score {response!r}")
+    return char_match(response, label)
+'''
+
+
+def flaky_reward(tmp_path: Path) -> str:
+    path = tmp_path / "flaky.py"
+    path.write_text(FLAKY_REWARD)
+    return f'rewards.function="{path}:flaky"'
+
+
+def test_rollout_correction_gspo_reward_shaping_adaptive_kl_and_failed_rewards(tmp_path):
+    """Through the real loop: TIS with a floor and sequence masking, GSPO's sequence ratio,
+    running reward normalisation with a clip, the adaptive KL coefficient, and a reward
+    function that fails on some samples; then a resume that restores the driver's state."""
+    out = tmp_path / "options"
+    options = [
+        "loop.steps=3",
+        "output.checkpoint_every=2",
+        'trainer.rollout_correction="tis"',
+        "trainer.tis_floor=0.1",
+        "trainer.sequence_mask=[0.5, 2.0]",
+        'trainer.ratio_level="sequence"',
+        "trainer.clip_low=3e-4",
+        "trainer.clip_high=4e-4",
+        'trainer.reward_norm="running"',
+        "trainer.reward_clip=3.0",
+        "trainer.kl_coef=0.01",
+        "trainer.kl_target=1e-9",  # at step 1 the policy is the reference: KL 0, below it
+        "trainer.kl_horizon=1000",
+        flaky_reward(tmp_path),
+        "rewards.max_failed_fraction=1.0",
+    ]
+    result = launch(out, *options)
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert 0 <= r["vllm_kl"] < 0.05, r  # the same float32 weights, other kernels
+        assert 0 <= r["rollout_correction/truncated"] <= 1
+        assert 0 <= r["rollout_correction/masked_sequences"] <= 1
+        assert r["reward/failed"] == r["reward/failed_error"] > 0
+    coefs = [r["kl_coef"] for r in records]
+    # Step 1 is at the reference (KL 0): -20% x 256 / 1000; then the KL is above target: +20%.
+    assert coefs[0] == 0.01 and coefs[1] == pytest.approx(0.01 * (1 - 0.2 * 0.256)), coefs
+    assert coefs[2] == pytest.approx(coefs[1] * (1 + 0.2 * 0.256)), coefs
+    assert result.stderr.count("a sample failed (error)") == 1, result.stderr[-3000:]
+    assert "flaky cannot score" in result.stderr and "flaky.py:flaky" in result.stderr
+    state = json.loads((out / "checkpoint" / "launcher.json").read_text())
+    assert state["step"] == 2 and state["loop"]["kl_coef"] == coefs[2]
+    assert state["loop"]["reward_moments"][0] == 2 * 32 * 8  # every score of steps 1 and 2
+    # Resume from step 2: step 3 again, with the restored coefficient (not kl_coef = 0.01).
+    launch(out, *options, resume=True)
+    again = metrics(out)
+    assert [r["step"] for r in again] == [1, 2, 3] and again[2]["kl_coef"] == coefs[2]
+
+
+def test_icepop_and_batch_reward_normalisation(tmp_path):
+    out = tmp_path / "icepop"
+    launch(
+        out,
+        "loop.steps=2",
+        'trainer.rollout_correction="icepop"',
+        "trainer.icepop_low=0.9",
+        "trainer.icepop_high=1.1",
+        'trainer.reward_norm="batch"',
+    )
+    records = metrics(out)
+    assert len(records) == 2
+    assert all(0 <= r["rollout_correction/masked"] < 0.5 and "vllm_kl" in r for r in records)
+    assert all(r["reward/failed"] == 0 for r in records)
+
+
+def test_a_step_with_too_many_failed_rewards_stops_the_run_naming_the_function(tmp_path):
+    out = tmp_path / "failing"
+    result = subprocess.run(
+        command(out, flaky_reward(tmp_path), "rewards.max_failed_fraction=0.01"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "step 1: reward function" in result.stderr and "flaky.py:flaky" in result.stderr
+    assert "[rewards] max_failed_fraction = 0.01" in result.stderr, result.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists() or not metrics(out)

@@ -135,6 +135,37 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[rollout]\nbackend = 'sglang'\n",
             "[rollout] backend: Input should be 'vllm' or 'transformers'",
         ),
+        # issue 16's keys
+        ("[trainer]\ntis_floor = 2.0\n", "[trainer] tis_floor: must be below tis_cap = 2"),
+        ("[trainer]\ntis_cap = 0\n", "[trainer] tis_cap: Input should be greater than 0"),
+        ("[trainer]\nicepop_low = 6.0\n", "[trainer] icepop_low: must be below icepop_high = 5"),
+        (
+            "[trainer]\nrollout_correction = 'is'\n",
+            "[trainer] rollout_correction: Input should be 'none', 'tis' or 'icepop'",
+        ),
+        (
+            "[trainer]\nsequence_mask = [1.5, 2.0]\n",
+            "[trainer] sequence_mask: needs 0 <= low < 1 < high, got [1.5, 2.0]",
+        ),
+        ("[trainer]\nkl_target = 0.01\n", "[trainer] kl_target: needs kl_coef > 0"),
+        ("[trainer]\nkl_horizon = 0\n", "[trainer] kl_horizon: Input should be greater than"),
+        (
+            "[trainer]\nkl_coef = 0.1\nkl_target = 0.01\nkl_horizon = 1\n",
+            "[trainer] kl_horizon: must exceed the rollout batch / 5 = 25.6 samples",
+        ),
+        (
+            "[trainer]\nreward_norm = 'group'\n",
+            "[trainer] reward_norm: Input should be 'none', 'batch' or 'running'",
+        ),
+        ("[trainer]\nreward_clip = -1\n", "[trainer] reward_clip: Input should be greater than 0"),
+        (
+            "[trainer]\nratio_level = 'group'\n",
+            "[trainer] ratio_level: Input should be 'token' or 'sequence'",
+        ),
+        (
+            "[rewards]\nfunction = 'ferrule_rewards.builtin:exact_text'\nmax_failed_fraction = 1.5\n",
+            "[rewards] max_failed_fraction: Input should be less than or equal to 1",
+        ),
     ],
 )
 def test_contradictory_settings(write, text, expected):
@@ -195,7 +226,9 @@ def test_example_is_valid_and_dry_run_prints_it():
 def test_what_dry_run_prints_loads_back_as_the_same_config(write, tmp_path):
     """`describe` writes None as "none" (TOML has no null); a file saved from --dry-run, with
     keys turned off among them, must load as the configuration it describes."""
-    config = load_config(write('[trainer]\ndual_clip = "none"\nkl_max = "none"\n'))
+    config = load_config(
+        write('[trainer]\ndual_clip = "none"\nkl_max = "none"\nsequence_mask = [0.5, 2.0]\n')
+    )
     assert config.trainer.dual_clip is None and config.trainer.kl_max is None
     saved = tmp_path / "saved.toml"
     saved.write_text(describe(config))

@@ -65,3 +65,27 @@ def test_correction_argument_errors():
         icepop_weights(trainer, rollout, torch.ones(1, 1), low=2.0, high=1.0)
     with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(1, 2\)"):
         icepop_weights(trainer, torch.zeros(1, 2), torch.ones(1, 1))
+
+
+def test_truncated_is_with_a_floor_by_hand():
+    trainer, rollout = _logprobs_with_ratios([0.05, 1.0, 3.0, 0.5])
+    out = truncated_is_weights(trainer, rollout, torch.ones(1, 4), cap=2.0, floor=0.1)
+    torch.testing.assert_close(out.weights, torch.tensor([[0.1, 1.0, 2.0, 0.5]]))
+    torch.testing.assert_close(out.fraction, torch.tensor(2 / 4))  # below the floor, above the cap
+    with pytest.raises(ValueError, match=r"floor must be in \[0, cap = 2.0\), got 2.0"):
+        truncated_is_weights(trainer, rollout, torch.ones(1, 4), cap=2.0, floor=2.0)
+
+
+def test_sequence_mask_keeps_responses_by_their_geometric_mean_ratio():
+    from ferrule_trainer.importance import sequence_mask
+
+    rows = [[2.0, 0.5, 1.0], [3.0, 3.0, 1.0], [0.2, 1.0, 1.0], [1.0, 9.0, 9.0]]
+    trainer = torch.log(torch.tensor(rows)) + math.log(0.3)
+    rollout = torch.full((4, 3), math.log(0.3))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])  # padding ignored
+    # geometric means: 1.0; 3.0 (over 2 tokens); 0.2^(1/3) = 0.585; 1.0 (the 9s are padding)
+    keep = sequence_mask(trainer, rollout, mask, low=0.6, high=2.0)
+    assert keep.tolist() == [True, False, False, True]
+    assert sequence_mask(trainer, rollout, mask, low=0.5, high=3.5).all()
+    with pytest.raises(ValueError, match="0 <= low < 1 < high"):
+        sequence_mask(trainer, rollout, mask, low=1.0, high=2.0)

@@ -143,3 +143,21 @@ def test_bad_kind_and_shapes_are_errors():
         kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), kind="k4")
     with pytest.raises(ValueError, match=r"ref_logprobs has shape \(1, 3\)"):
         kl_estimate(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2), kind="k1")
+
+
+def test_adaptive_kl_coefficient_by_hand():
+    from ferrule_trainer.kl import adapt_kl_coef
+
+    # KL twice the target: the error is clipped to +0.2; 256 of 1000 horizon samples
+    assert adapt_kl_coef(0.1, 0.02, target=0.01, horizon=1000, samples=256) == pytest.approx(
+        0.1 * (1 + 0.2 * 0.256)
+    )
+    # KL at 90% of the target: e = -0.1
+    assert adapt_kl_coef(0.1, 0.009, target=0.01, horizon=1000, samples=100) == pytest.approx(
+        0.1 * (1 - 0.1 * 0.1)
+    )
+    assert adapt_kl_coef(0.1, 0.01, target=0.01, horizon=1000, samples=100) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="target, horizon and samples > 0"):
+        adapt_kl_coef(0.1, 0.01, target=0.0, horizon=1000, samples=100)
+    with pytest.raises(ValueError, match=r"samples \(500\) must be below 5 x horizon \(100\)"):
+        adapt_kl_coef(0.1, 0.0, target=0.01, horizon=100, samples=500)  # would give -0.1

@@ -147,3 +147,31 @@ def test_entropy_bonus_is_the_mean_over_valid_tokens():
     torch.testing.assert_close(entropy_bonus(probs.log(), mask), torch.tensor(expected))
     with pytest.raises(ValueError, match=r"logits must be \(batch, response_len, vocab\)"):
         entropy_bonus(probs.log()[:, :1], mask)
+
+
+def test_gspo_sequence_ratio_has_gspos_value_and_gradient():
+    """ratio_level "sequence" in the GSPO-token form equals GSPO itself (Zheng et al. 2025):
+    the loss -s_i A_i with s_i = exp(mean_t log r_t), averaged over responses, in value and in
+    gradient; a response whose s_i is clipped gets no gradient."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 4, generator=g) - 0.5
+    logprobs = (old + 0.01 * torch.randn(3, 4, generator=g)).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    advantages = torch.tensor([[1.0], [-2.0], [0.5]]).expand(3, 4)
+    options = dict(dual_clip=None, agg_mode="seq-mean-token-mean", ratio_level="sequence")
+    wide = policy_loss(logprobs, old, advantages, mask, clip_low=0.5, clip_high=0.5, **options)
+    valid = mask.bool()
+    s = torch.exp(torch.where(valid, logprobs - old, 0).sum(-1) / valid.sum(-1))
+    reference = -(s * advantages[:, 0]).mean()
+    torch.testing.assert_close(wide.loss, reference)
+    (ours,) = torch.autograd.grad(wide.loss, logprobs)
+    (theirs,) = torch.autograd.grad(reference, logprobs)
+    torch.testing.assert_close(ours, theirs)
+    # a tiny clip range: responses whose s moved beyond it (in the direction A favours) stop
+    tight = policy_loss(logprobs, old, advantages, mask, clip_low=1e-4, clip_high=1e-4, **options)
+    (grad,) = torch.autograd.grad(tight.loss, logprobs)
+    clipped = ((s > 1 + 1e-4) & (advantages[:, 0] > 0)) | ((s < 1 - 1e-4) & (advantages[:, 0] < 0))
+    assert clipped.any() and (grad[clipped] == 0).all()
+    assert (grad[~clipped][valid[~clipped]] != 0).all()
+    with pytest.raises(ValueError, match="ratio_level"):
+        policy_loss(logprobs, old, advantages, mask, ratio_level="group")

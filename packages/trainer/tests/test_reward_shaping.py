@@ -79,3 +79,30 @@ def test_clip_rewards():
     )
     with pytest.raises(ValueError, match="low < high"):
         clip_rewards(scores, low=1.0, high=1.0)
+
+
+def test_equal_scores_normalise_to_exactly_zero_and_ulp_spreads_stay_small():
+    assert (normalize_rewards(torch.full((7,), 0.1)) == 0).all()  # naive: (ulp / 1e-8) ~ 1
+    value = torch.tensor(0.7)
+    nearly = torch.stack([value, torch.nextafter(value, torch.tensor(1.0))] * 3)
+    assert normalize_rewards(nearly).abs().max() < 1e-3
+    moments = update_moments(RunningMoments(), torch.full((5,), 0.1))
+    assert normalize_rewards(torch.full((5,), 0.1), moments=moments).abs().max() < 1e-3
+
+
+def test_shape_scores_running_batch_and_clip():
+    from ferrule_trainer.reward_shaping import shape_scores
+
+    first, second = torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([3.0, 3.0, 5.0, 5.0])
+    out, moments = shape_scores(first, RunningMoments(), norm="running", clip=None)
+    torch.testing.assert_close(out, torch.tensor([-1.0, 1.0, 1.0, -1.0]))
+    out, moments = shape_scores(second, moments, norm="running", clip=1.5)
+    both = torch.cat([first, second])  # running: every score so far, this batch's included
+    assert moments.count == 8 and moments.mean == pytest.approx(float(both.mean()))
+    expected = ((second - both.mean()) / both.std(correction=0)).clamp(-1.5, 1.5)
+    torch.testing.assert_close(out, expected)
+    out, same = shape_scores(second, moments, norm="batch", clip=None)
+    torch.testing.assert_close(out, torch.tensor([-1.0, -1.0, 1.0, 1.0]))
+    assert same == moments  # "batch" leaves the running moments alone
+    out, _ = shape_scores(second, moments, norm="none", clip=4.0)
+    torch.testing.assert_close(out, torch.tensor([3.0, 3.0, 4.0, 4.0]))

@@ -1,10 +1,12 @@
 """The RL step's data and math (rl.py): the batch layout from samples, every estimator, PPO epochs."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ferrule_trainer import rl
 from ferrule_trainer.config import ESTIMATORS
 from ferrule_trainer.rl import (
     build_batch,
@@ -91,3 +93,32 @@ def test_mean_kl_is_k1_per_valid_token():
     logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0]])
     ref = torch.tensor([[-1.5, -1.0, 0.0], [-1.0, 0.0, 0.0]])
     assert mean_kl(logprobs, ref, mask) == pytest.approx((0.5 - 1.0 + 0.5) / 3)
+
+
+def test_rollout_correction_weights_and_the_vllm_kl_metric():
+    samples = [
+        SimpleNamespace(prompt_token_ids=[1], token_ids=[5, 6, 7], logprobs=[-1.0, -1.0, -1.0]),
+        SimpleNamespace(prompt_token_ids=[1, 2], token_ids=[5], logprobs=[-2.0]),
+    ]
+    batch = rl.build_batch(samples, pad_id=0)
+    engine = rl.rollout_logprobs(samples, batch)
+    assert engine.tolist() == [[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]
+    trainer = torch.tensor([[-1.0, -1.0 + math.log(3.0), -1.0], [-2.0 + math.log(0.1), 0.0, 0.0]])
+    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="none")
+    assert weights is None
+    x = [0.0, -math.log(3.0), 0.0, -math.log(0.1)]  # log engine - log trainer, valid tokens
+    assert metrics["vllm_kl"] == pytest.approx(sum(math.expm1(-v) + v for v in x) / 4)
+    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="tis", tis_floor=0.2)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 1.0], [0.2, 0.0, 0.0]]))
+    assert metrics["rollout_correction/truncated"] == pytest.approx(0.5)
+    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="icepop")
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 3.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/masked"] == pytest.approx(0.25)
+    # the second response's geometric-mean ratio is 0.1: the whole response goes
+    weights, metrics = rl.rollout_correction(
+        trainer, engine, batch, kind="tis", sequence_mask=(0.5, 2.0)
+    )
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert metrics["rollout_correction/masked_sequences"] == 0.5
+    weights, _ = rl.rollout_correction(trainer, engine, batch, sequence_mask=(0.5, 2.0))
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))

@@ -91,6 +91,10 @@ class RewardsConfig(Table):
     error naming the addresses."""
     start_timeout: float = Field(60.0, gt=0)
     """Seconds the started server may take to accept calls."""
+    max_failed_fraction: float = Field(0.1, ge=0, le=1)
+    """A sample whose reward function raised, timed out or returned no number scores 0.0 and is
+    counted (metric reward/failed); a step where more than this fraction of the samples failed
+    stops the run with an error naming the function. 1.0: never stop."""
 
     @field_validator("function")
     @classmethod

@@ -30,6 +30,7 @@ class Rollout:
     problems: list
     samples: list
     scores: list
+    failed: dict  # failed samples by kind of failure
     seconds_generate: float
     seconds_score: float
 
@@ -40,6 +41,21 @@ class Loop:
         self.held_out, self.pad_id = held_out, pad_id
         self.version = 0  # of the engines' weights
         self.version_changed = threading.Condition()
+        # The driver's own state, checkpointed: the adaptive KL coefficient and the moments of
+        # every score so far ([trainer] kl_target, reward_norm = "running").
+        from ferrule_trainer import rl
+
+        self.kl_coef = config.trainer.kl_coef
+        self.reward_moments = rl.RunningMoments()
+
+    def state(self) -> dict:
+        return {"kl_coef": self.kl_coef, "reward_moments": list(self.reward_moments)}
+
+    def restore(self, state: dict) -> None:
+        self.kl_coef = state.get("kl_coef", self.config.trainer.kl_coef)
+        from ferrule_trainer import rl
+
+        self.reward_moments = rl.RunningMoments(*state.get("reward_moments", ()))
 
     # -- the pieces of a step ---------------------------------------------------------------
 
@@ -64,13 +80,28 @@ class Loop:
         )
         generated = time.perf_counter()
         n = c.rollout.samples_per_prompt
-        scores = self.rewards.score(
+        scored = self.rewards.score(
             [problems[i // n][0] for i in range(len(samples))],
             [s.text for s in samples],
             [problems[i // n][1] for i in range(len(samples))],
         )
+        self.rewards.report_new_failures(scored)
+        if scored.failed_fraction > c.rewards.max_failed_fraction:
+            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(scored.failed.items()))
+            raise RunError(
+                f"step {step}: reward function {self.rewards.name} failed on "
+                f"{sum(scored.failed.values())} of {len(samples)} samples ({kinds}), more than "
+                f"[rewards] max_failed_fraction = {c.rewards.max_failed_fraction:g}; first "
+                f"error: {next(iter(scored.first_errors.values()))}"
+            )
         return Rollout(
-            step, problems, samples, scores, generated - start, time.perf_counter() - generated
+            step,
+            problems,
+            samples,
+            scored.rewards,
+            dict(scored.failed),
+            generated - start,
+            time.perf_counter() - generated,
         )
 
     def train(self, rollout: Rollout) -> dict:
@@ -96,6 +127,9 @@ class Loop:
         rows = [g * n + i for g in groups for i in range(n)]
         samples = [samples[i] for i in rows]
         scores = torch.tensor([rollout.scores[i] for i in rows], dtype=torch.float32)
+        scores, self.reward_moments = rl.shape_scores(
+            scores, self.reward_moments, norm=t.reward_norm, clip=t.reward_clip
+        )
         batch = rl.build_batch(samples, self.pad_id)
         rows_per_pass = t.forward_batch_size or t.micro_batch_size
         passes = {"policy": roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass)}
@@ -115,16 +149,21 @@ class Loop:
             old_logprobs=old,
             ref_logprobs=ref,
             values=values,
-            **t.estimate_options(),
+            **dict(t.estimate_options(), kl_coef=self.kl_coef),
+        )
+        rollout_lp = rl.rollout_logprobs(samples, batch)
+        weights, correction = rl.rollout_correction(
+            old, rollout_lp, batch, **t.correction_options()
         )
         loss = t.loss_options()
+        loss["kl_coef"] = self.kl_coef if loss["kl_coef"] else 0.0  # 0: the KL is in the reward
         policy_calls = roles.policy.shard(
             "train_epochs",
-            rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"]),
+            rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"], weights),
             **t.epoch_options(),
             **loss,
         )
-        result = {}
+        result = dict(correction)
         if roles.critic is not None:
             critic = roles.critic.shard(
                 "train_epochs",
@@ -138,6 +177,15 @@ class Loop:
         result["approx_kl"] = metrics.get("approx_kl", 0.0)
         if ref is not None:
             result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
+            result["kl_coef"] = self.kl_coef
+            if t.kl_target is not None:  # the coefficient for the next step
+                self.kl_coef = rl.adapt_kl_coef(
+                    self.kl_coef,
+                    result["kl"],
+                    target=t.kl_target,
+                    horizon=t.kl_horizon,
+                    samples=len(rows),
+                )
         result["dropped_stale_groups"] = dropped
         result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
         return result
@@ -211,6 +259,8 @@ class Loop:
         tokens = sum(len(s.token_ids) for s in rollout.samples)
         metrics = {
             "reward": sum(rollout.scores) / len(rollout.scores),
+            "reward/failed": sum(rollout.failed.values()),
+            **{f"reward/failed_{kind}": count for kind, count in rollout.failed.items()},
             "response_length": tokens / len(rollout.samples),
             "tokens_per_s": tokens / max(rollout.seconds_generate, 1e-9),
             "version": self.version,

@@ -68,6 +68,8 @@ class Outputs:
         phases = [metrics.get(f"time/{p}", 0.0) for p in PHASES]
         total = sum(phases) or 1.0
         postfix["gen/score/train/sync"] = "/".join(f"{100 * t / total:.0f}" for t in phases) + "%"
+        if metrics.get("reward/failed"):
+            postfix["reward_failed"] = str(metrics["reward/failed"])
         if "eval/accuracy" in metrics:
             postfix["acc"] = f"{metrics['eval/accuracy']:.2f}"
         self.bar.set_postfix(postfix, refresh=False)
@@ -151,10 +153,18 @@ def _mean(values: list[float]) -> float | None:
 # -- checkpoints: the roles save their states under dir/checkpoint, this file says which count --
 
 
-def mark_checkpoint(out: Path, step: int, accuracy_before: float, wall_seconds: float) -> None:
+def mark_checkpoint(
+    out: Path, step: int, accuracy_before: float, wall_seconds: float, loop_state: dict
+) -> None:
     """Record that the states of `step` are complete: a checkpoint counts once launcher.json
-    names it, so a kill while the roles save resumes from the previous one."""
-    record = {"step": step, "accuracy_before": accuracy_before, "wall_seconds": wall_seconds}
+    names it, so a kill while the roles save resumes from the previous one. `loop_state` is
+    the driver's own (`Loop.state`: the KL coefficient, the reward moments)."""
+    record = {
+        "step": step,
+        "accuracy_before": accuracy_before,
+        "wall_seconds": wall_seconds,
+        "loop": loop_state,
+    }
     tmp = out / "checkpoint" / "launcher.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, out / "checkpoint" / "launcher.json")

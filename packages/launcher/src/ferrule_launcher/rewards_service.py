@@ -1,7 +1,7 @@
 """The reward service of a run: start `rlhf-rewards serve` (or use given addresses) and score.
 
     service = RewardService.start(config.rewards, out)    # a subprocess on loopback, checked
-    scores = service.score(prompts, responses, labels)    # list[float], retries inside
+    scored = service.score(prompts, responses, labels)    # rewards and failures, retries inside
     service.stop()
 
 The server is ferrule-rewards' own CLI in a child process that dies with the launcher (Linux
@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferrule_launcher.calls import RunError
@@ -26,12 +28,27 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+@dataclass
+class Scored:
+    rewards: list[float]  # a failed sample's reward is 0.0
+    failed: Counter = field(default_factory=Counter)  # failure kind (a Status value) -> samples
+    first_errors: dict[str, str] = field(default_factory=dict)  # kind -> its first message
+
+    @property
+    def failed_fraction(self) -> float:
+        return sum(self.failed.values()) / max(len(self.rewards), 1)
+
+
 class RewardService:
-    def __init__(self, addresses: list[str], process=None, timeout=60.0, retry_for=20.0):
+    def __init__(
+        self, addresses: list[str], process=None, timeout=60.0, retry_for=20.0, name: str = ""
+    ):
         from ferrule_rewards.client import RewardClient
 
         self.addresses, self.process = addresses, process
+        self.name = name or f"the reward server at {', '.join(addresses)}"
         self.client = RewardClient(addresses, timeout=timeout, retry_for=retry_for, backoff=0.2)
+        self.kinds_reported: set[str] = set()
 
     @classmethod
     def start(cls, config: RewardsConfig, out: Path) -> "RewardService":
@@ -41,6 +58,7 @@ class RewardService:
             service = cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
         else:
             service = cls._spawn(config, out / "rewards.log", out / "rewards.address")
+            service.name = config.function or str(config.model)
         try:
             service.score([""], [""], ["0"])  # a function that rejects this sample is fine
         except BaseException:
@@ -92,9 +110,9 @@ class RewardService:
             f"(start_timeout); its log: {log_path}"
         )
 
-    def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> list[float]:
-        """One reward per response. A sample the function failed on scores 0 (and is counted);
-        a server that cannot be reached after every retry raises RunError."""
+    def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> Scored:
+        """One reward per response; a sample the function failed on scores 0.0 and is counted
+        by kind. A server that cannot be reached after every retry raises RunError."""
         from ferrule_rewards.client import RewardError
 
         samples = [
@@ -107,8 +125,26 @@ class RewardService:
             raise RunError(
                 f"reward server {', '.join(self.addresses)} failed after retries: {err}"
             ) from None
-        self.failed = sum(not r.ok for r in results)
-        return [r.reward if r.ok else 0.0 for r in results]
+        scored = Scored([r.reward if r.ok else 0.0 for r in results])
+        for result in results:
+            if not result.ok:
+                scored.failed[str(result.status)] += 1
+                scored.first_errors.setdefault(str(result.status), result.error)
+        return scored
+
+    def report_new_failures(self, scored: Scored) -> None:
+        """Print the first error of each kind of failure once per run (the counts go to the
+        metrics every step)."""
+        for kind, message in scored.first_errors.items():
+            if kind not in self.kinds_reported:
+                self.kinds_reported.add(kind)
+                print(
+                    f"reward function {self.name}: a sample failed ({kind}): {message} "
+                    "(scored 0.0; counted in reward/failed; further failures of this kind are "
+                    "counted, not printed)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def stop(self) -> None:
         self.client.close()

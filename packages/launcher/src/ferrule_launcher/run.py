@@ -65,6 +65,7 @@ def run(config: Config, resume: bool = False) -> dict:
         if state:
             first_step = state["step"] + 1
             _load_checkpoint(out, roles, state["step"])
+            loop.restore(state.get("loop", {}))
             loop.sync(state["step"])  # the engines started from the warm start's weights
             loop.to_generate()
             accuracy_before = state["accuracy_before"]
@@ -90,7 +91,7 @@ def run(config: Config, resume: bool = False) -> dict:
             every = config.output.checkpoint_every
             if every and step % every == 0 and step < config.loop.steps:
                 _save_checkpoint(out, roles, step)
-                outputs.mark_checkpoint(out, step, accuracy_before, wall_seconds())
+                outputs.mark_checkpoint(out, step, accuracy_before, wall_seconds(), loop.state())
 
         if config.loop.mode == "sync":
             loop.run_sync(first_step, on_step)

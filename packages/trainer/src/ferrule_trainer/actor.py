@@ -138,6 +138,7 @@ class Actor(TrainedModel):
         kl_coef: float = 0.0,
         kl_kind: str = "k3",
         kl_max: float | None = 10.0,
+        ratio_level: str = "token",
         entropy_coef: float = 0.0,
     ) -> dict[str, float]:
         """One optimizer step of the PPO clipped loss over this rank's micro-batches.
@@ -171,6 +172,7 @@ class Actor(TrainedModel):
                 clip_high=clip_high,
                 dual_clip=dual_clip,
                 is_weights=micro_batch.get("is_weights"),
+                ratio_level=ratio_level,
                 **counts,
             )
             loss = pg.loss

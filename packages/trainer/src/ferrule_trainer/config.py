@@ -246,6 +246,36 @@ class TrainerConfig(Table):
     kl_max: float | None = Field(10.0, gt=0)
     """Cap on each token's KL estimate, in the loss and in the reward: one token the policy all
     but forbids cannot decide a batch (a capped token adds kl_max and no gradient). None: off."""
+    kl_target: float | None = Field(None, gt=0)
+    """Adaptive KL (Ziegler et al. 2019): the per-token KL to the reference to steer towards;
+    kl_coef is the starting coefficient, moved by at most 20% per kl_horizon samples (None:
+    a fixed kl_coef)."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive KL: samples over which the coefficient may move by 20%."""
+    reward_norm: Literal["none", "batch", "running"] = "none"
+    """Normalise the scores before the estimator: by this batch's mean and std, or by those of
+    every score so far (checkpointed)."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip the (normalised) scores to [-reward_clip, reward_clip] (None: off)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The PPO ratio per token, or per response: "sequence" is GSPO (use clip_low / clip_high
+    ~3e-4 / 4e-4, as in its paper)."""
+    rollout_correction: Literal["none", "tis", "icepop"] = "none"
+    """Weight each token's loss by pi_trainer / pi_engine of the sampled token, because the
+    engine's and the trainer's probabilities differ: "tis" truncates the ratio to [tis_floor,
+    tis_cap]; "icepop" drops tokens whose ratio is outside [icepop_low, icepop_high]. The metric
+    vllm_kl (KL between the two, per token) is logged every step either way."""
+    tis_cap: float = Field(2.0, gt=0)
+    """TIS: the largest weight."""
+    tis_floor: float | None = Field(None, ge=0)
+    """TIS: the smallest weight (None: 0)."""
+    icepop_low: float = Field(0.5, ge=0)
+    """IcePop: tokens with a ratio below this are dropped from the gradient."""
+    icepop_high: float = Field(5.0, gt=0)
+    """IcePop: tokens with a ratio above this are dropped from the gradient."""
+    sequence_mask: tuple[float, float] | None = None
+    """[low, high]: drop whole responses whose geometric-mean ratio pi_trainer / pi_engine is
+    outside, with or without a token-level correction (None: off)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     gamma: float = Field(1.0, gt=0, le=1)
@@ -290,6 +320,18 @@ class TrainerConfig(Table):
         if (self.offload_optimizer or self.offload_between_phases) and self.zero_stage == 0:
             key = "offload_optimizer" if self.offload_optimizer else "offload_between_phases"
             problems.append((key, "needs zero_stage >= 1 (ZeRO-0 keeps a plain optimizer)"))
+        if self.kl_target is not None and self.kl_coef == 0:
+            problems.append(("kl_target", "needs kl_coef > 0: the coefficient it starts from"))
+        if self.tis_floor is not None and self.tis_floor >= self.tis_cap:
+            problems.append(("tis_floor", f"must be below tis_cap = {self.tis_cap:g}"))
+        if self.icepop_low >= self.icepop_high:
+            problems.append(("icepop_low", f"must be below icepop_high = {self.icepop_high:g}"))
+        if self.sequence_mask is not None and not (
+            0 <= self.sequence_mask[0] < 1 < self.sequence_mask[1]
+        ):
+            problems.append(
+                ("sequence_mask", f"needs 0 <= low < 1 < high, got {list(self.sequence_mask)}")
+            )
         if self.kl_in == "loss" and self.kl_coef > 0 and self.kl_kind == "k1":
             problems.append(
                 (
@@ -336,6 +378,13 @@ class TrainerConfig(Table):
         """The keyword arguments of `rl.estimate` that this table sets."""
         return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "kl_max", "gamma", "lam"})
 
+    def correction_options(self) -> dict:
+        """The keyword arguments of `rl.rollout_correction` that this table sets."""
+        options = self.model_dump(
+            include={"tis_cap", "tis_floor", "icepop_low", "icepop_high", "sequence_mask"}
+        )
+        return dict(options, kind=self.rollout_correction)
+
     def epoch_options(self) -> dict:
         """The keyword arguments of `rl.ppo_epochs` (policy and critic) that this table sets."""
         return self.model_dump(include={"epochs", "mini_batches", "micro_batch_size"})
@@ -352,6 +401,7 @@ class TrainerConfig(Table):
                 "kl_coef",
                 "kl_kind",
                 "kl_max",
+                "ratio_level",
             }
         )
         options["kl_coef"] = self.kl_coef if self.kl_in == "loss" else 0.0
@@ -384,6 +434,15 @@ def rl_batch_problems(
                 "rollout.samples_per_prompt",
                 f"must be >= 2 for estimator {trainer.estimator!r} (it compares samples of a "
                 f"prompt), got {samples_per_prompt}",
+            )
+        )
+    if trainer.kl_target is not None and batch >= 5 * trainer.kl_horizon:
+        problems.append(
+            (
+                "trainer.kl_horizon",
+                f"must exceed the rollout batch / 5 = {batch / 5:g} samples: one step may move "
+                f"the KL coefficient by 20% x batch / kl_horizon, and past 100% it turns "
+                f"negative; got {trainer.kl_horizon}",
             )
         )
     if trainer.estimator == "gae" and critic is None:

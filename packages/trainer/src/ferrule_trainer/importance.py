@@ -10,6 +10,7 @@ the sampled token, computed before the update (old_logprobs); they differ in wha
 extreme ratios. The weights are constants: no gradient flows through them.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -29,20 +30,26 @@ def truncated_is_weights(
     mask: torch.Tensor,
     *,
     cap: float = 2.0,
+    floor: float | None = None,
 ) -> ImportanceWeights:
     """Truncated importance sampling, TIS (Yao et al. 2025, "Your Efficient RL Framework
     Secretly Brings You Off-Policy RL Training"):
 
-        w_t = min(pi_trainer(a_t) / pi_rollout(a_t), cap)
+        w_t = min(pi_trainer(a_t) / pi_rollout(a_t), cap)      (max(., floor) with a floor)
 
     Truncating only from above bounds the variance and keeps every token in the gradient;
-    the paper uses cap = 2. `fraction` is the share of valid tokens with a ratio above cap.
+    the paper uses cap = 2. A floor keeps tokens the trainer finds far less likely than the
+    engine did from vanishing from the gradient. `fraction` is the share of valid tokens whose
+    ratio was outside [floor, cap].
     """
     ratio, valid = _ratio(trainer_logprobs, rollout_logprobs, mask)
     if cap <= 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    weights = torch.where(valid, ratio.clamp(max=cap), 0.0)
-    return ImportanceWeights(weights, masked_mean((ratio > cap).float(), valid))
+    if floor is not None and not 0 <= floor < cap:
+        raise ValueError(f"floor must be in [0, cap = {cap}), got {floor}")
+    low = 0.0 if floor is None else floor
+    weights = torch.where(valid, ratio.clamp(min=low, max=cap), 0.0)
+    return ImportanceWeights(weights, masked_mean(((ratio > cap) | (ratio < low)).float(), valid))
 
 
 def icepop_weights(
@@ -69,6 +76,33 @@ def icepop_weights(
     kept = (ratio >= low) & (ratio <= high)
     weights = torch.where(valid & kept, ratio, 0.0)
     return ImportanceWeights(weights, masked_mean((~kept).float(), valid))
+
+
+def sequence_mask(
+    trainer_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    low: float,
+    high: float,
+) -> torch.Tensor:
+    """Which sequences to keep, (batch,) bool: those whose geometric-mean ratio
+
+        rho_i = exp(mean_t log(pi_trainer(a_t) / pi_rollout(a_t)))     over i's valid tokens
+
+    lies in [low, high]. A token-level weight cannot tell one long response the two engines
+    disagree on throughout from a few bad tokens; the per-token mean of the log-ratio can, and
+    it does not shrink with length as the product of ratios would. Multiply it into the token
+    weights to drop whole sequences (verl's "sequence-level masking", and GSPO's reasoning that
+    the sequence is the unit of a reward)."""
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"sequence_mask needs 0 <= low < 1 < high, got low={low}, high={high}")
+    check_per_token(mask, trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs)
+    valid = valid_tokens(mask)
+    log_ratio = torch.where(valid, trainer_logprobs.detach().float() - rollout_logprobs.float(), 0)
+    mean = log_ratio.sum(-1) / valid.sum(-1).clamp(min=1)
+    lowest = math.log(low) if low > 0 else -math.inf
+    return (mean >= lowest) & (mean <= math.log(high))
 
 
 def _ratio(

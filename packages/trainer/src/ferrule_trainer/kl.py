@@ -96,3 +96,26 @@ def kl_loss(
     return aggregate_loss(
         per_token, mask, mode=agg_mode, num_tokens=num_tokens, num_sequences=num_sequences
     )
+
+
+def adapt_kl_coef(
+    coef: float, observed_kl: float, *, target: float, horizon: int, samples: int
+) -> float:
+    """The next KL coefficient of the adaptive controller of Ziegler et al. 2019 ("Fine-Tuning
+    Language Models from Human Preferences", section 2.2):
+
+        e = clip(observed_kl / target - 1, -0.2, 0.2)      coef <- coef (1 + e samples / horizon)
+
+    The coefficient grows while the policy is further from the reference than `target` and
+    shrinks while it is closer, by at most 20% per `horizon` samples. Here `observed_kl` and
+    `target` are per token (the run's "kl" metric), not per response as in the paper.
+    """
+    if target <= 0 or horizon <= 0 or samples <= 0:
+        raise ValueError(
+            f"adapt_kl_coef needs target, horizon and samples > 0, got {target}, {horizon}, "
+            f"{samples}"
+        )
+    if samples >= 5 * horizon:  # 1 - 0.2 samples / horizon <= 0: the sign would flip
+        raise ValueError(f"samples ({samples}) must be below 5 x horizon ({horizon})")
+    error = min(max(observed_kl / target - 1, -0.2), 0.2)
+    return coef * (1 + error * samples / horizon)

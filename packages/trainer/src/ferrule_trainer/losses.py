@@ -44,6 +44,7 @@ def policy_loss(
     clip_high: float = 0.28,
     dual_clip: float | None = 3.0,
     is_weights: torch.Tensor | None = None,
+    ratio_level: str = "token",
     agg_mode: str = "token-mean",
     num_tokens: int | float | torch.Tensor | None = None,
     num_sequences: int | torch.Tensor | None = None,
@@ -62,6 +63,11 @@ def policy_loss(
     far above 1 ("Mastering Complex Control in MOBA Games with Deep RL", Ye et al. 2019).
     is_weights: per-token rollout/trainer correction weights from `importance` (treated as
     constants); a weight of 0 removes the token from the gradient but not from num_tokens.
+    ratio_level "sequence" is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"):
+    every token of a response takes the response's geometric-mean ratio
+    s = exp(mean_t log r_t), clipped as a whole, in the GSPO-token form
+    s_t = sg[s] pi(a_t) / sg[pi(a_t)]: the value is s, the gradient s grad log pi(a_t). One
+    token's noise no longer decides a clip; the paper's clip ranges are ~3e-4 / 4e-4, not 0.2.
     """
     check_per_token(
         mask,
@@ -76,8 +82,14 @@ def policy_loss(
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f'ratio_level must be "token" or "sequence", got {ratio_level!r}')
     valid = valid_tokens(mask)
     log_ratio = torch.where(valid, logprobs.float() - old_logprobs.float(), 0.0)
+    if ratio_level == "sequence":
+        per_sequence = log_ratio.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+        own = logprobs.float() - logprobs.float().detach()  # 0, with the token's gradient
+        log_ratio = torch.where(valid, per_sequence.detach() + own, 0.0)
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     advantages = torch.where(valid, advantages.float(), 0.0)
 

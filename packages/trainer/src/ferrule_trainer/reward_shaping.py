@@ -46,8 +46,9 @@ def update_moments(moments: RunningMoments, scores: torch.Tensor) -> RunningMome
 def normalize_rewards(
     scores: torch.Tensor, *, moments: RunningMoments | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(s - mean) / (std + eps), with mean and (population) std from `moments`, or from this
-    batch when None.
+    """(s - mean) / sqrt(max(var, eps)), with mean and (population) variance from `moments`,
+    or from this batch when None. Equal scores give exactly 0 (the batch mean is taken relative
+    to one of the scores) and the variance floor keeps ulp-sized spreads from being blown up.
 
     Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences") shift and scale
     the reward model to mean 0, std 1. OpenRLHF does the same with a fixed mean and std saved
@@ -56,13 +57,16 @@ def normalize_rewards(
     evaluation set). A stable scale keeps the KL coefficient and the value loss meaningful
     across reward models.
     """
+    scores = scores.detach().float()
     if moments is None:
-        mean, std = scores.float().mean(), scores.float().std(correction=0)
+        shifted = scores - scores.flatten()[:1].sum()  # relative to the first score
+        centered = shifted - shifted.mean()
+        variance = centered.square().mean()
     elif moments.count == 0:
         raise ValueError("moments has count 0: call update_moments(moments, scores) first")
     else:
-        mean, std = moments.mean, moments.var**0.5
-    return (scores.float() - mean) / (std + eps)
+        centered, variance = scores - moments.mean, torch.tensor(moments.var)
+    return centered * variance.clamp(min=eps).rsqrt()
 
 
 def clip_rewards(scores: torch.Tensor, *, low: float, high: float) -> torch.Tensor:
@@ -103,3 +107,21 @@ def token_rewards(
     if kl is not None and kl_coef:
         rewards = torch.where(valid, -kl_coef * kl.detach().float(), 0.0)
     return rewards.scatter_add(1, last[:, None], scores.detach().float()[:, None])
+
+
+def shape_scores(
+    scores: torch.Tensor, moments: RunningMoments, *, norm: str, clip: float | None
+) -> tuple[torch.Tensor, RunningMoments]:
+    """The scores an RL step trains on, and the running moments after it: normalised by
+    `norm` ("none", "batch": this batch's mean and std, "running": every score so far, this
+    batch's included), then clipped to [-clip, clip] (None: no clip)."""
+    if norm == "running":
+        moments = update_moments(moments, scores)
+        scores = normalize_rewards(scores, moments=moments)
+    elif norm == "batch":
+        scores = normalize_rewards(scores)
+    elif norm != "none":
+        raise ValueError(f'norm must be "none", "batch" or "running", got {norm!r}')
+    if clip is not None:
+        scores = clip_rewards(scores, low=-clip, high=clip)
+    return scores, moments

@@ -1,6 +1,7 @@
 """One RL step's data and math: rollout samples to a batch, advantages by estimator, PPO epochs.
 
     batch = build_batch(samples, pad_id)              # the layout of sequences.py
+    weights, metrics = rollout_correction(old, rollout_logprobs(samples, batch), batch, ...)
     advantages, returns = estimate("grpo", scores, batch, group_size=8, old_logprobs=old)
     actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), epochs=1, ...)
     critic.train_epochs(critic_batch(batch, values, returns), epochs=1, ...)   # "gae" only
@@ -15,19 +16,25 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ferrule_trainer import advantages as adv
+from ferrule_trainer import importance
 from ferrule_trainer.aggregation import masked_mean
-from ferrule_trainer.kl import kl_estimate
-from ferrule_trainer.reward_shaping import token_rewards
+from ferrule_trainer.kl import adapt_kl_coef, kl_estimate
+from ferrule_trainer.reward_shaping import RunningMoments, shape_scores, token_rewards
 from ferrule_trainer.sequences import split
 
 Batch = dict[str, torch.Tensor]
 __all__ = [
+    "RunningMoments",
+    "adapt_kl_coef",
     "build_batch",
     "critic_batch",
     "estimate",
     "mean_kl",
     "policy_batch",
     "ppo_epochs",
+    "rollout_correction",
+    "rollout_logprobs",
+    "shape_scores",
     "split",
     "trim_groups",
 ]
@@ -55,6 +62,61 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
         "attention_mask": attention_mask,
         "response_mask": response_mask,
     }
+
+
+def rollout_logprobs(samples: Sequence, batch: Batch) -> torch.Tensor:
+    """The engine's log-probabilities of the sampled tokens (`Sample.logprobs`: the behaviour
+    policy) in the layout of `batch["response_mask"]`, 0 on padding."""
+    out = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        out[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    return out
+
+
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    batch: Batch,
+    *,
+    kind: str = "none",
+    tis_cap: float = 2.0,
+    tis_floor: float | None = None,
+    icepop_low: float = 0.5,
+    icepop_high: float = 5.0,
+    sequence_mask: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Per-token weights for the policy loss that correct for the engine's and the trainer's
+    probabilities of the same tokens differing ("tis", "icepop": `importance`), times a
+    sequence mask when `sequence_mask` = (low, high); None when neither is on. Metrics, every
+    step: "vllm_kl", the k3 estimate of KL(engine || trainer) per token (the samples come from
+    the engine), and what the correction changed."""
+    mask = batch["response_mask"]
+    metrics = {
+        "vllm_kl": float(
+            masked_mean(kl_estimate(rollout_logprobs, old_logprobs, mask, kind="k3"), mask.bool())
+        )
+    }
+    weights = None
+    if kind == "tis":
+        tis = importance.truncated_is_weights(
+            old_logprobs, rollout_logprobs, mask, cap=tis_cap, floor=tis_floor
+        )
+        weights, metrics["rollout_correction/truncated"] = tis.weights, float(tis.fraction)
+    elif kind == "icepop":
+        icepop = importance.icepop_weights(
+            old_logprobs, rollout_logprobs, mask, low=icepop_low, high=icepop_high
+        )
+        weights, metrics["rollout_correction/masked"] = icepop.weights, float(icepop.fraction)
+    elif kind != "none":
+        raise ValueError(f"unknown rollout correction {kind!r}")
+    if sequence_mask is not None:
+        keep = importance.sequence_mask(
+            old_logprobs, rollout_logprobs, mask, low=sequence_mask[0], high=sequence_mask[1]
+        )
+        base = weights if weights is not None else mask.float()
+        weights = base * keep[:, None]
+        metrics["rollout_correction/masked_sequences"] = float((~keep).float().mean())
+    return weights, metrics
 
 
 def trim_groups(groups: list[int], group_size: int, multiple: int) -> list[int]:
@@ -116,12 +178,16 @@ def policy_batch(
     advantages: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     kl_coef_in_loss: float,
+    is_weights: torch.Tensor | None = None,
 ) -> Batch:
-    """What `Actor.train_step` reads: the layout, the old log-probs, the advantages, and the
-    reference's log-probs when the loss carries a KL term."""
+    """What `Actor.train_step` reads: the layout, the old log-probs, the advantages, the
+    reference's log-probs when the loss carries a KL term, and the rollout correction's
+    weights when there are any."""
     out = dict(batch, old_logprobs=old_logprobs, advantages=advantages)
     if kl_coef_in_loss and ref_logprobs is not None:
         out["ref_logprobs"] = ref_logprobs
+    if is_weights is not None:
+        out["is_weights"] = is_weights
     return out
 
 
