@@ -351,8 +351,8 @@ def test_rollout_correction_gspo_reward_shaping_adaptive_kl_and_failed_rewards(t
     assert [r["step"] for r in again] == [1, 2, 3] and again[2]["kl_coef"] == coefs[2]
 
 
-def test_icepop_and_batch_reward_normalisation(tmp_path):
-    out = tmp_path / "icepop"
+def test_icepop_batch_normalisation_dapo_filtering_and_overlong_penalties(tmp_path):
+    out = tmp_path / "dapo"
     launch(
         out,
         "loop.steps=2",
@@ -360,11 +360,24 @@ def test_icepop_and_batch_reward_normalisation(tmp_path):
         "trainer.icepop_low=0.9",
         "trainer.icepop_high=1.1",
         'trainer.reward_norm="batch"',
+        "loop.keep_group_mean=[0.3, 0.8]",  # most groups of a warm-started model are outside
+        "loop.max_draws=3",
+        "trainer.overlong_buffer=3",  # of max_tokens = 6: answers are 3 letters and an EOS
+        "trainer.overlong_penalty=0.5",
+        "trainer.truncated_score=-1.0",
     )
     records = metrics(out)
     assert len(records) == 2
-    assert all(0 <= r["rollout_correction/masked"] < 0.5 and "vllm_kl" in r for r in records)
-    assert all(r["reward/failed"] == 0 for r in records)
+    for r in records:
+        assert 0 <= r["rollout_correction/masked"] < 0.5 and "vllm_kl" in r
+        assert r["reward/failed"] == 0
+        # the filter drew again while groups were missing, and never more than allowed
+        assert 1 <= r["filter/draws"] <= 3 and 0 < r["filter/kept_groups"] <= 32
+        assert r["filter/kept_groups"] == 32 or r["filter/draws"] == 3
+        assert -0.5 <= r["reward/overlong_penalty"] <= 0
+        assert 0 <= r["reward/truncated"] <= 1
+    assert any(r["filter/draws"] > 1 for r in records), records
+    assert any(r["reward/overlong_penalty"] < 0 for r in records), records
 
 
 def test_a_step_with_too_many_failed_rewards_stops_the_run_naming_the_function(tmp_path):

@@ -159,6 +159,23 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ),
         ("[trainer]\nreward_clip = -1\n", "[trainer] reward_clip: Input should be greater than 0"),
         (
+            "[loop]\nkeep_group_mean = [1.0, 0.0]\n",
+            "[loop] keep_group_mean: needs low < high, got [1.0, 0.0]",
+        ),
+        ("[loop]\nmax_draws = 0\n", "[loop] max_draws: Input should be greater than or equal"),
+        (
+            "[trainer]\noverlong_buffer = 9\n[rollout]\nmax_tokens = 8\n",
+            "[trainer] overlong_buffer: must be <= [rollout] max_tokens = 8",
+        ),
+        (
+            "[trainer]\noverlong_penalty = -1\n",
+            "[trainer] overlong_penalty: Input should be greater than or equal to 0",
+        ),
+        (
+            "[trainer]\ntruncated_score = 'low'\n",
+            "[trainer] truncated_score: Input should be a valid number",
+        ),
+        (
             "[trainer]\nratio_level = 'group'\n",
             "[trainer] ratio_level: Input should be 'token' or 'sequence'",
         ),

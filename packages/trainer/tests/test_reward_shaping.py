@@ -106,3 +106,14 @@ def test_shape_scores_running_batch_and_clip():
     assert same == moments  # "batch" leaves the running moments alone
     out, _ = shape_scores(second, moments, norm="none", clip=4.0)
     torch.testing.assert_close(out, torch.tensor([3.0, 3.0, 4.0, 4.0]))
+
+
+def test_overlong_penalty_by_hand():
+    from ferrule_trainer.reward_shaping import overlong_penalty
+
+    lengths = torch.tensor([3, 12, 13, 14, 16, 20])
+    # max_tokens 16, buffer 4: the ramp starts after 12 tokens and reaches -factor at 16
+    out = overlong_penalty(lengths, max_tokens=16, buffer=4, factor=0.5)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    with pytest.raises(ValueError, match=r"buffer must be in \(0, max_tokens = 16\], got 17"):
+        overlong_penalty(lengths, max_tokens=16, buffer=17)

@@ -122,3 +122,11 @@ def test_rollout_correction_weights_and_the_vllm_kl_metric():
     assert metrics["rollout_correction/masked_sequences"] == 0.5
     weights, _ = rl.rollout_correction(trainer, engine, batch, sequence_mask=(0.5, 2.0))
     torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+def test_keep_groups_drops_groups_whose_mean_is_on_or_outside_the_bounds():
+    scores = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.1, 0.1, 0.7, 0.7])
+    assert rl.keep_groups(scores, 2, 0.0, 1.0) == [2, 3, 4]  # all wrong, all right: gone
+    # an all-equal group of a value that binary floats cannot hold: its mean is that value
+    assert rl.keep_groups(scores, 2, 0.1, 1.0) == [2, 4]
+    assert rl.keep_groups(torch.full((8,), 0.7), 8, 0.0, 0.7) == []

@@ -140,6 +140,23 @@ class LoopConfig(Table):
     """Greedy held-out accuracy every this many steps (0: only at the start and the end)."""
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
+    keep_group_mean: tuple[float, float] | None = None
+    """DAPO's dynamic sampling: [low, high]; prompt groups whose mean score is not strictly
+    between them are dropped (with 0/1 rewards, [0, 1] drops the all-wrong and all-right ones)
+    and new prompts are drawn until the batch is full (None: keep every group)."""
+    max_draws: int = Field(4, ge=1)
+    """With keep_group_mean: the most generate-and-score rounds per step; a batch still short
+    after them is trained as it is (metrics filter/draws, filter/kept_groups)."""
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.keep_group_mean is not None and not (
+            self.keep_group_mean[0] < self.keep_group_mean[1]
+        ):
+            raise Problems(
+                [("keep_group_mean", f"needs low < high, got {list(self.keep_group_mean)}")]
+            )
+        return self
 
 
 ROLE_KINDS = ("policy", "rollout", "critic")
@@ -229,6 +246,11 @@ class Config(Table):
             r.samples_per_prompt,
             r.prompts_per_step * r.samples_per_prompt,
         )
+        buffer = self.trainer.overlong_buffer
+        if buffer is not None and buffer > r.max_tokens:
+            problems.append(
+                ("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {r.max_tokens}")
+            )
         if task.name == "jsonl" and (task.train_file is None or task.eval_file is None):
             problems.append(("task.train_file", '"jsonl" needs train_file and eval_file'))
         if task.name != "jsonl" and (task.train_file or task.eval_file):

@@ -16,7 +16,8 @@ whole prompt groups that are staler than allowed.
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
@@ -27,12 +28,17 @@ from ferrule_launcher.task import accuracy, training_problems
 @dataclass
 class Rollout:
     step: int
-    problems: list
-    samples: list
-    scores: list
-    failed: dict  # failed samples by kind of failure
-    seconds_generate: float
-    seconds_score: float
+    problems: list = field(default_factory=list)  # the kept prompt groups', in order
+    samples: list = field(default_factory=list)  # theirs, samples_per_prompt per problem
+    scores: list = field(default_factory=list)  # theirs, shaped (what the step trains on)
+    metrics: dict = field(default_factory=dict)  # over every sample drawn, the dropped included
+    seconds_generate: float = 0.0
+    seconds_score: float = 0.0
+
+
+DRAW_SEED_STRIDE = 1_000_003
+"""Replacement draws of a step (DAPO's dynamic sampling) take their prompts from seed + stride x
+draw: other prompts than the step's first draw and than any other step's."""
 
 
 class Loop:
@@ -70,16 +76,63 @@ class Loop:
         return [sample for result in results for sample in result]
 
     def rollout(self, step: int) -> Rollout:
-        c = self.config
-        problems = training_problems(
-            c.task, c.rollout.prompts_per_step, c.task.seed + c.loop.seed, step, self.held_out
-        )
-        start = time.perf_counter()
-        samples = self.generate(
-            [p for p, _ in problems], c.rollout.temperature, c.rollout.samples_per_prompt
-        )
-        generated = time.perf_counter()
-        n = c.rollout.samples_per_prompt
+        """Generate and score a step's batch. With [loop] keep_group_mean, prompt groups whose
+        mean score is outside the range are dropped and new prompts drawn in their place, up to
+        [loop] max_draws draws in all (DAPO's dynamic sampling); the batch may then be short."""
+        import torch
+
+        from ferrule_trainer import rl
+
+        c, n = self.config, self.config.rollout.samples_per_prompt
+        want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
+        rollout = Rollout(step)
+        drawn, drawn_scores, failed, penalties, draws = [], [], Counter(), [], 0
+        while len(rollout.problems) < want and draws < c.loop.max_draws:
+            seed = c.task.seed + c.loop.seed + DRAW_SEED_STRIDE * draws
+            problems = training_problems(c.task, want, seed, step, self.held_out)
+            start = time.perf_counter()
+            samples = self.generate([p for p, _ in problems], c.rollout.temperature, n)
+            generated = time.perf_counter()
+            scores, failures, penalty = self.score(step, problems, samples)
+            rollout.seconds_generate += generated - start
+            rollout.seconds_score += time.perf_counter() - generated
+            draws += 1
+            drawn += samples
+            drawn_scores += scores
+            failed.update(failures)
+            penalties += penalty
+            keep = range(len(problems))
+            if bounds is not None:
+                keep = rl.keep_groups(torch.tensor(scores), n, *bounds)
+            for g in keep[: want - len(rollout.problems)]:
+                rollout.problems.append(problems[g])
+                rollout.samples += samples[g * n : (g + 1) * n]
+                rollout.scores += scores[g * n : (g + 1) * n]
+        rollout.metrics = {
+            "reward": sum(drawn_scores) / len(drawn),
+            "reward/failed": sum(failed.values()),
+            **{f"reward/failed_{kind}": count for kind, count in failed.items()},
+            "response_length": sum(len(s.token_ids) for s in drawn) / len(drawn),
+            "tokens_per_s": sum(len(s.token_ids) for s in drawn)
+            / max(rollout.seconds_generate, 1e-9),
+            "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
+        }
+        if c.trainer.overlong_buffer is not None:
+            rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
+        if bounds is not None:
+            rollout.metrics["filter/draws"] = draws
+            rollout.metrics["filter/kept_groups"] = len(rollout.problems)
+        return rollout
+
+    def score(self, step: int, problems: list, samples: list) -> tuple[list, Counter, list]:
+        """The shaped scores of one draw, its failures by kind, and each sample's overlong
+        penalty. Shaping: a truncated response scores [trainer] truncated_score when that is
+        set; the others get DAPO's overlong penalty when [trainer] overlong_buffer is set."""
+        import torch
+
+        from ferrule_trainer import rl
+
+        c, n = self.config, self.config.rollout.samples_per_prompt
         scored = self.rewards.score(
             [problems[i // n][0] for i in range(len(samples))],
             [s.text for s in samples],
@@ -94,15 +147,21 @@ class Loop:
                 f"[rewards] max_failed_fraction = {c.rewards.max_failed_fraction:g}; first "
                 f"error: {next(iter(scored.first_errors.values()))}"
             )
-        return Rollout(
-            step,
-            problems,
-            samples,
-            scored.rewards,
-            dict(scored.failed),
-            generated - start,
-            time.perf_counter() - generated,
-        )
+        t, scores, penalties = c.trainer, list(scored.rewards), [0.0] * len(samples)
+        if t.overlong_buffer is not None:
+            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            penalties = rl.overlong_penalty(
+                lengths,
+                max_tokens=c.rollout.max_tokens,
+                buffer=t.overlong_buffer,
+                factor=t.overlong_penalty,
+            ).tolist()
+        for i, sample in enumerate(samples):
+            if sample.finish_reason == "length" and t.truncated_score is not None:
+                scores[i] = t.truncated_score
+            else:
+                scores[i] += penalties[i]
+        return scores, scored.failed, penalties
 
     def train(self, rollout: Rollout) -> dict:
         """The trainer's RL step on one rollout batch: reference / critic passes, advantages,
@@ -256,13 +315,8 @@ class Loop:
     def step_metrics(
         self, rollout: Rollout, trained: dict, seconds_train: float, seconds_sync: float
     ) -> dict:
-        tokens = sum(len(s.token_ids) for s in rollout.samples)
         metrics = {
-            "reward": sum(rollout.scores) / len(rollout.scores),
-            "reward/failed": sum(rollout.failed.values()),
-            **{f"reward/failed_{kind}": count for kind, count in rollout.failed.items()},
-            "response_length": tokens / len(rollout.samples),
-            "tokens_per_s": tokens / max(rollout.seconds_generate, 1e-9),
+            **rollout.metrics,
             "version": self.version,
             "time/generate": rollout.seconds_generate,
             "time/score": rollout.seconds_score,

@@ -257,6 +257,14 @@ class TrainerConfig(Table):
     every score so far (checkpointed)."""
     reward_clip: float | None = Field(None, gt=0)
     """Clip the (normalised) scores to [-reward_clip, reward_clip] (None: off)."""
+    overlong_buffer: int | None = Field(None, ge=1)
+    """DAPO's soft overlong penalty: responses longer than [rollout] max_tokens - this many
+    tokens lose up to overlong_penalty, linearly, reaching it at max_tokens (None: off)."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The largest overlong penalty."""
+    truncated_score: float | None = None
+    """The score of a response cut off at max_tokens (finish reason "length"), instead of what
+    the reward function gave it and of the overlong penalty (None: not replaced)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The PPO ratio per token, or per response: "sequence" is GSPO (use clip_low / clip_high
     ~3e-4 / 4e-4, as in its paper)."""

@@ -125,3 +125,22 @@ def shape_scores(
     if clip is not None:
         scores = clip_rewards(scores, low=-clip, high=clip)
     return scores, moments
+
+
+def overlong_penalty(
+    lengths: torch.Tensor, *, max_tokens: int, buffer: int, factor: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale", eq. 13), to add to the scores: 0 for responses of up to
+    max_tokens - buffer tokens, then falling linearly to -factor at max_tokens.
+
+        penalty(L) = -factor min(max(L - (max_tokens - buffer), 0) / buffer, 1)
+
+    A response cut off at the limit has no answer to score; the ramp tells the policy that
+    length is the problem before it hits the wall."""
+    if not 0 < buffer <= max_tokens:
+        raise ValueError(f"buffer must be in (0, max_tokens = {max_tokens}], got {buffer}")
+    if factor < 0:
+        raise ValueError(f"factor must be >= 0, got {factor}")
+    over = (lengths.float() - (max_tokens - buffer)).clamp(min=0) / buffer
+    return -factor * over.clamp(max=1.0)

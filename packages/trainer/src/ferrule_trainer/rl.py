@@ -19,7 +19,12 @@ from ferrule_trainer import advantages as adv
 from ferrule_trainer import importance
 from ferrule_trainer.aggregation import masked_mean
 from ferrule_trainer.kl import adapt_kl_coef, kl_estimate
-from ferrule_trainer.reward_shaping import RunningMoments, shape_scores, token_rewards
+from ferrule_trainer.reward_shaping import (
+    RunningMoments,
+    overlong_penalty,
+    shape_scores,
+    token_rewards,
+)
 from ferrule_trainer.sequences import split
 
 Batch = dict[str, torch.Tensor]
@@ -29,7 +34,9 @@ __all__ = [
     "build_batch",
     "critic_batch",
     "estimate",
+    "keep_groups",
     "mean_kl",
+    "overlong_penalty",
     "policy_batch",
     "ppo_epochs",
     "rollout_correction",
@@ -117,6 +124,18 @@ def rollout_correction(
         weights = base * keep[:, None]
         metrics["rollout_correction/masked_sequences"] = float((~keep).float().mean())
     return weights, metrics
+
+
+def keep_groups(scores: torch.Tensor, group_size: int, low: float, high: float) -> list[int]:
+    """DAPO's dynamic sampling (Yu et al. 2025): the prompt groups whose mean score lies strictly
+    between low and high. With 0/1 rewards and (0, 1), the groups that were all wrong or all
+    right go: every sample of theirs has advantage 0 under a group estimator, so they would only
+    shrink the batch's gradient. The mean is taken relative to the group's first score, so an
+    all-equal group's mean is its value exactly, and a bound equal to that value drops it."""
+    grouped = scores.detach().float().reshape(-1, group_size)
+    means = grouped[:, 0] + (grouped - grouped[:, :1]).mean(-1)
+    # Compared as float32 tensors: the bounds round as the scores did (0.1 == float32 0.1).
+    return torch.nonzero((means > low) & (means < high)).flatten().tolist()
 
 
 def trim_groups(groups: list[int], group_size: int, multiple: int) -> list[int]:
