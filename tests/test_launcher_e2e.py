@@ -351,11 +351,13 @@ def test_rollout_correction_gspo_reward_shaping_adaptive_kl_and_failed_rewards(t
     assert [r["step"] for r in again] == [1, 2, 3] and again[2]["kl_coef"] == coefs[2]
 
 
-def test_icepop_batch_normalisation_dapo_filtering_and_overlong_penalties(tmp_path):
+def test_lora_icepop_batch_normalisation_dapo_filtering_and_overlong_penalties(tmp_path):
     out = tmp_path / "dapo"
     launch(
         out,
         "loop.steps=2",
+        "trainer.lora_rank=4",
+        "trainer.lora_alpha=32",
         'trainer.rollout_correction="icepop"',
         "trainer.icepop_low=0.9",
         "trainer.icepop_high=1.1",
@@ -378,6 +380,11 @@ def test_icepop_batch_normalisation_dapo_filtering_and_overlong_penalties(tmp_pa
         assert 0 <= r["reward/truncated"] <= 1
     assert any(r["filter/draws"] > 1 for r in records), records
     assert any(r["reward/overlong_penalty"] < 0 for r in records), records
+    # LoRA: the final policy is saved merged, with its adapter (tests/test_lora_sync.py checks
+    # that an engine's log-probabilities after a sync are the merged model's)
+    assert (out / "policy" / "config.json").exists()
+    assert (out / "policy" / "adapter" / "adapter_config.json").exists()
+    assert records[-1]["vllm_kl"] < 0.01  # the engine runs what the trainer has
 
 
 def test_a_step_with_too_many_failed_rewards_stops_the_run_naming_the_function(tmp_path):

@@ -158,6 +158,12 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[trainer] reward_norm: Input should be 'none', 'batch' or 'running'",
         ),
         ("[trainer]\nreward_clip = -1\n", "[trainer] reward_clip: Input should be greater than 0"),
+        ("[trainer]\nlora_rank = -1\n", "[trainer] lora_rank: Input should be greater than"),
+        ("[trainer]\nlora_alpha = 0\n", "[trainer] lora_alpha: Input should be greater than"),
+        (
+            "[trainer]\nlora_rank = 8\nlora_targets = []\n",
+            "[trainer] lora_targets: needs at least one module name",
+        ),
         (
             "[loop]\nkeep_group_mean = [1.0, 0.0]\n",
             "[loop] keep_group_mean: needs low < high, got [1.0, 0.0]",

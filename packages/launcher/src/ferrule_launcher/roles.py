@@ -174,7 +174,9 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
     steps = config.loop.steps
     setup = {
-        "policy": dict(temperature=r.temperature, **t.optimizer_options(steps), **model),
+        "policy": dict(
+            temperature=r.temperature, **t.optimizer_options(steps), **t.lora_options(), **model
+        ),
         "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model),
     }
     if config.critic is not None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine, export
+from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.kl import kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.rl import ppo_epochs
@@ -59,7 +60,7 @@ class Actor(TrainedModel):
         gradient_checkpointing: bool = False,
         lora_rank: int = 0,
         lora_alpha: int = 16,
-        lora_targets: Sequence[str] = engine.DEFAULT_LORA_TARGETS,
+        lora_targets: Sequence[str] = LORA_TARGETS,
         temperature: float = 1.0,
         attn_implementation: str | None = None,
         seed: int = 0,

@@ -84,6 +84,23 @@ def save_hf(
         torch.distributed.barrier()
 
 
+def save_adapter(module: torch.nn.Module, path: str | os.PathLike) -> bool:
+    """The LoRA adapter of a peft-wrapped `module`, as peft saves it (adapter_config.json,
+    adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, path)`. Collective
+    under ZeRO-3 (the adapter's shards are gathered); returns False for a model without one."""
+    if not hasattr(module, "peft_config"):
+        return False
+    import deepspeed
+
+    adapter = [p for name, p in module.named_parameters() if "lora_" in name]
+    with deepspeed.zero.GatheredParameters(adapter):  # a no-op for parameters ZeRO-3 left whole
+        if _rank() == 0:
+            module.save_pretrained(str(path))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return True
+
+
 def _write_shards(path: Path, shards: list[dict[str, torch.Tensor]], save_file) -> None:
     metadata = {"format": "pt"}
     if len(shards) == 1:

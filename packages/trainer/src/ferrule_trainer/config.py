@@ -41,6 +41,17 @@ ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "gae",
 )
+LORA_TARGETS = (  # every linear layer of the decoder, as OpenRLHF defaults to
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+"""The attention and MLP projections of Llama / Qwen-style models."""
+
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 """Estimators that compare the samples of one prompt: they need >= 2 samples per prompt."""
 
@@ -290,6 +301,14 @@ class TrainerConfig(Table):
     """Discount of the per-token returns (gae, reinforce_plus_plus*)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA adapters of this rank on lora_targets train instead of the whole policy (0: full
+    fine-tuning). The engines receive the merged weights; the final policy is saved merged,
+    with the adapter under policy/adapter."""
+    lora_alpha: int = Field(16, ge=1)
+    """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Module names (suffixes) that get adapters."""
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage (3 shards the parameters too, over the policy's ranks)."""
     max_grad_norm: float = Field(1.0, gt=0)
@@ -328,6 +347,8 @@ class TrainerConfig(Table):
         if (self.offload_optimizer or self.offload_between_phases) and self.zero_stage == 0:
             key = "offload_optimizer" if self.offload_optimizer else "offload_between_phases"
             problems.append((key, "needs zero_stage >= 1 (ZeRO-0 keeps a plain optimizer)"))
+        if self.lora_rank and not self.lora_targets:
+            problems.append(("lora_targets", "needs at least one module name"))
         if self.kl_target is not None and self.kl_coef == 0:
             problems.append(("kl_target", "needs kl_coef > 0: the coefficient it starts from"))
         if self.tis_floor is not None and self.tis_floor >= self.tis_cap:
@@ -371,6 +392,10 @@ class TrainerConfig(Table):
         steps = rl_steps * self.epochs * self.mini_batches
         options["total_steps"] = steps if self.lr_schedule == "cosine" else None
         return options
+
+    def lora_options(self) -> dict:
+        """The LoRA keyword arguments of the policy's `Actor`."""
+        return self.model_dump(include={"lora_rank", "lora_alpha", "lora_targets"})
 
     def batch_multiple(self, critic: "CriticConfig | None") -> int:
         """The rollout batch must be a multiple of this many rows: every rank of the policy,

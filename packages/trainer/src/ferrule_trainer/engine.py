@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ferrule_trainer.config import LORA_TARGETS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# OpenRLHF's LoRA default: every linear layer of the decoder.
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def on_cpu() -> bool:
@@ -163,7 +163,7 @@ def load_model(
     gradient_checkpointing: bool = False,
     lora_rank: int = 0,
     lora_alpha: int = 16,
-    lora_targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    lora_targets: Sequence[str] = LORA_TARGETS,
     attn_implementation: str | None = None,
 ) -> torch.nn.Module:
     """A Hugging Face model from `path`, ready for `build_engine`.

@@ -17,8 +17,10 @@ class TrainedModel:
     model_path: str
 
     def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """The model as a Hugging Face directory (LoRA merged), with the tokenizer."""
+        """The model as a Hugging Face directory (LoRA merged), with the tokenizer; with LoRA,
+        the adapter itself too, under path/adapter (for `PeftModel.from_pretrained`)."""
         checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
+        checkpoint.save_adapter(self.engine.module, os.path.join(path, "adapter"))
 
     def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
         """Resumable training state (weights, optimizer, scheduler, RNG, step, data position)."""
