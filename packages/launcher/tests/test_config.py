@@ -164,6 +164,11 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[trainer]\nlora_rank = 8\nlora_targets = []\n",
             "[trainer] lora_targets: needs at least one module name",
         ),
+        ("[loop]\npartial_rollout = true\n", '[loop] partial_rollout: needs mode = "async"'),
+        (
+            "[loop]\npartial_rollout = true\nmode = 'async'\n[rollout]\nbackend = 'transformers'\n",
+            "[loop] partial_rollout: needs [rollout] backend = \"vllm\", got 'transformers'",
+        ),
         (
             "[loop]\nkeep_group_mean = [1.0, 0.0]\n",
             "[loop] keep_group_mean: needs low < high, got [1.0, 0.0]",

@@ -140,6 +140,12 @@ class LoopConfig(Table):
     """Greedy held-out accuracy every this many steps (0: only at the start and the end)."""
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
+    partial_rollout: bool = False
+    """Async: a weight sync freezes the engines' running samples and they continue on the new
+    weights (the engine's pause mode "keep"), instead of waiting for them to finish on the old
+    ones first. Each sample records the version of every stretch of its tokens; its version is
+    the oldest, and the metric rollout/mixed_version_samples counts those with more than one.
+    Needs backend "vllm"."""
     keep_group_mean: tuple[float, float] | None = None
     """DAPO's dynamic sampling: [low, high]; prompt groups whose mean score is not strictly
     between them are dropped (with 0/1 rewards, [0, 1] drops the all-wrong and all-right ones)
@@ -246,6 +252,12 @@ class Config(Table):
             r.samples_per_prompt,
             r.prompts_per_step * r.samples_per_prompt,
         )
+        if self.loop.partial_rollout and self.loop.mode != "async":
+            problems.append(("loop.partial_rollout", 'needs mode = "async"'))
+        elif self.loop.partial_rollout and r.backend != "vllm":
+            problems.append(
+                ("loop.partial_rollout", f'needs [rollout] backend = "vllm", got {r.backend!r}')
+            )
         buffer = self.trainer.overlong_buffer
         if buffer is not None and buffer > r.max_tokens:
             problems.append(

@@ -119,6 +119,9 @@ class Loop:
         }
         if c.trainer.overlong_buffer is not None:
             rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
+        if c.loop.partial_rollout:
+            mixed = sum(len(s.versions) > 1 for s in drawn)
+            rollout.metrics["rollout/mixed_version_samples"] = mixed / len(drawn)
         if bounds is not None:
             rollout.metrics["filter/draws"] = draws
             rollout.metrics["filter/kept_groups"] = len(rollout.problems)
@@ -288,10 +291,13 @@ class Loop:
             )
 
     def sync(self, version: int) -> float:
-        """Send the policy's weights to every engine as `version`; returns the seconds taken."""
+        """Send the policy's weights to every engine as `version`; returns the seconds taken.
+        Running samples wait to finish on the old weights, or with [loop] partial_rollout
+        continue on the new ones."""
         start = time.perf_counter()
+        mode = "keep" if self.config.loop.partial_rollout else "wait"
         receiving = [
-            (e.update_weights.remote(), f"rollout engine {i} (weight sync receiver)")
+            (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
             for i, e in enumerate(self.roles.engines)
         ]
         sending = [
