@@ -139,6 +139,7 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ("[trainer]\ntis_floor = 2.0\n", "[trainer] tis_floor: must be below tis_cap = 2"),
         ("[trainer]\ntis_cap = 0\n", "[trainer] tis_cap: Input should be greater than 0"),
         ("[trainer]\nicepop_low = 6.0\n", "[trainer] icepop_low: must be below icepop_high = 5"),
+        ("[trainer]\nicepop_high = 0\n", "[trainer] icepop_high: Input should be greater than 0"),
         (
             "[trainer]\nrollout_correction = 'is'\n",
             "[trainer] rollout_correction: Input should be 'none', 'tis' or 'icepop'",
