@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
+from ferrule_trainer.config import LORA_TARGETS
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("actor_step_worker.py")
@@ -94,15 +95,7 @@ def test_zero3_lora_export_merges_adapters(tmp_path):
             lora_alpha=16,
             lora_dropout=0.0,
             task_type="CAUSAL_LM",
-            target_modules=[
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ],
+            target_modules=list(LORA_TARGETS),
         ),
     )
     missing, unexpected = peft_model.load_state_dict(two["reference"], strict=False)
