@@ -95,3 +95,16 @@ def test_nccl_receiver_failure_reaches_the_sender_through_the_end_all_reduce(tmp
     sender.close()
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
+
+
+@pytest.mark.gpu(count=1)
+def test_digest_of_gpu_tensors_is_the_digest_of_their_host_copies():
+    """The digest reads each tensor's bytes on the host. For a GPU tensor that host copy is a
+    new tensor; hashed after it was freed (what b516c95's digest did), the bytes were those of
+    whatever reused the memory, and the launcher's end-of-run check failed on an H100."""
+    from ferrule_weightsync import digest
+
+    state = realistic_state_dict()
+    on_gpu = {name: tensor.to("cuda:0") for name, tensor in state.items()}
+    assert digest(on_gpu.items()) == digest(state.items())
+    assert digest(on_gpu.items()) == digest(on_gpu.items())

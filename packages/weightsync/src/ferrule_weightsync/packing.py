@@ -176,7 +176,8 @@ def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().reshape(-1)
         h = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        h.update(_host_bytes(flat.view(torch.uint8).cpu()))
+        host = flat.view(torch.uint8).cpu()  # a new tensor for a GPU one: held while hashed
+        h.update(_host_bytes(host))
         per_tensor[name] = h.hexdigest()
     total = hashlib.sha256()
     for name in sorted(per_tensor):
@@ -185,8 +186,9 @@ def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def _host_bytes(flat_bytes: torch.Tensor) -> memoryview:
-    """A zero-copy view of a contiguous host uint8 tensor's memory, valid while the tensor lives.
-    Through ctypes, not numpy: weightsync needs nothing but torch."""
+    """A zero-copy view of a contiguous host uint8 tensor's memory, valid only while the tensor
+    lives: the caller must hold a reference until it is done with the view. Through ctypes, not
+    numpy: weightsync needs nothing but torch."""
     size = flat_bytes.numel()
     if size == 0:
         return memoryview(b"")
