@@ -137,3 +137,18 @@ def test_digest_is_the_same_exactly_when_the_weights_are():
     assert digest(dict(weights, empty=torch.empty(4, 0)).items()) != reference
     # The bytes come from the tensor's memory, not from a copy made before it was changed.
     assert digest({"x": torch.zeros(3)}.items()) != digest({"x": torch.ones(3)}.items())
+
+
+def test_digest_holds_the_host_copy_of_a_device_tensor_while_hashing(monkeypatch):
+    """For a GPU tensor `.cpu()` makes a new host tensor, freed as soon as nothing holds it;
+    simulated here by a copy. b516c95 hashed through a view of that copy after dropping it, and
+    read freed memory (an H100 run caught it: engines' digests no longer matched the policy's)."""
+    from ferrule_weightsync import digest
+
+    weights = {
+        f"w{i}": torch.randn(1000 + i, generator=torch.Generator().manual_seed(i))
+        for i in range(20)
+    }
+    reference = digest(weights.items())
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *args, **kwargs: self.clone())
+    assert digest(weights.items()) == reference
