@@ -37,8 +37,9 @@ class Rollout:
 
 
 DRAW_SEED_STRIDE = 1_000_003
-"""Replacement draws of a step (DAPO's dynamic sampling) take their prompts from seed + stride x
-draw: other prompts than the step's first draw and than any other step's."""
+"""Replacement draws of a step (DAPO's dynamic sampling) take their prompts with seed + stride x
+draw: a stream of prompts of its own, not the dropped groups again (a prompt may still recur by
+chance, as it may between steps)."""
 
 
 class Loop:
