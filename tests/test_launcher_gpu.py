@@ -106,3 +106,32 @@ def test_zero3_policy_on_two_gpus_exports_to_an_engine_on_each(tmp_path):
         "rollout.sleep_between_phases=true",
     )
     assert_learns_and_engines_hold_the_policy(records, summary)
+
+
+@pytest.mark.gpu(count=1)
+def test_lora_rollout_correction_running_norm_adaptive_kl_and_dapo_on_one_gpu(tmp_path):
+    """Issue 16's keys on the hybrid engine: a LoRA policy (only the adapter trains; the engine
+    gets merged weights), TIS with a sequence mask, running reward normalisation with a clip,
+    adaptive KL, DAPO group filtering and the overlong penalty."""
+    out = tmp_path / "options"
+    records, summary = launch(
+        out,
+        'ray.placement="colocate_all"',
+        "trainer.lora_rank=16",
+        "trainer.lora_alpha=32",
+        "trainer.learning_rate=2e-4",
+        'trainer.rollout_correction="tis"',
+        "trainer.sequence_mask=[0.5, 2.0]",
+        'trainer.reward_norm="running"',
+        "trainer.reward_clip=3.0",
+        "trainer.kl_target=0.002",
+        "trainer.kl_horizon=2000",
+        "loop.keep_group_mean=[0.0, 1.0]",
+        "trainer.overlong_buffer=3",
+        "trainer.overlong_penalty=0.2",
+    )
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    # The engine samples from the weights the trainer holds: bf16 rounding only.
+    assert all(0 <= r["vllm_kl"] < 0.05 for r in records), [r["vllm_kl"] for r in records]
+    assert len({r["kl_coef"] for r in records}) > 1  # the controller moved the coefficient
+    assert (out / "policy" / "adapter" / "adapter_config.json").exists()
