@@ -12,11 +12,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from ferrule_rewards.functions import FunctionScorer, load_function
+from ferrule_rewards.functions import FunctionScorer
 from ferrule_rewards.server import BackgroundServer
 
 TESTS = Path(__file__).resolve().parent
@@ -40,11 +41,11 @@ def tests_dir() -> Path:
 @pytest.fixture
 def serve():
     """serve(function_name, **server_options) -> a BackgroundServer on a free loopback port,
-    drained at the end of the test. `timeout` and `max_stuck` go to the scorer."""
+    drained at the end of the test. `timeout` goes to the scorer."""
     servers = []
 
-    def start(name: str = "length", *, timeout: float = 5.0, max_stuck: int = 16, **options):
-        scorer = FunctionScorer(load_function(_spec(name)), timeout=timeout, max_stuck=max_stuck)
+    def start(name: str = "length", *, timeout: float = 5.0, **options):
+        scorer = partial(FunctionScorer.load, _spec(name), timeout=timeout)
         servers.append(BackgroundServer(scorer, **options))
         return servers[-1]
 

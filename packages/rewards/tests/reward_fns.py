@@ -3,6 +3,7 @@
 import asyncio
 import math
 import os
+import re
 import time
 
 from ferrule_rewards.records import Sample
@@ -13,7 +14,8 @@ def length(response: str) -> float:
 
 
 def misbehaving(response: str) -> float:
-    """Does what the response says: raise, nan, inf, hang (3 s, or hang<seconds>), text...;
+    """Does what the response says: raise, nan, inf, hang (3 s, or hang<seconds>), gil (a
+    regular expression that holds the GIL for hours), text...;
     otherwise returns the response's length."""
     if response == "raise":
         raise ValueError("asked to raise")
@@ -21,6 +23,8 @@ def misbehaving(response: str) -> float:
         return math.nan
     if response == "inf":
         return math.inf
+    if response == "gil":  # catastrophic backtracking: C code that never lets go of the GIL
+        re.match(r"(a|aa)*c", "a" * 60)
     if response.startswith("hang"):
         time.sleep(float(response[4:] or 3))  # ends after the test, so that processes can exit
     if response == "text":
@@ -81,12 +85,12 @@ def record_id(response: str, metadata: dict[str, str]) -> float:
 
 
 def pid(response: str) -> dict[str, float]:
-    """Reward 1.0, with the id of the process that scored it as a sub-score (which worker it
-    was); sleeps `response` seconds when that is a number, after appending the pid to
+    """Reward 1.0, with the ids of the process that scored it and of its server (which worker
+    it was) as sub-scores; sleeps `response` seconds when that is a number, after appending the pid to
     $REWARDS_TEST_LOG if that is set (a line per sample being scored)."""
     if "REWARDS_TEST_LOG" in os.environ:
         with open(os.environ["REWARDS_TEST_LOG"], "a") as log:
             log.write(f"{os.getpid()}\n")
     if response:
         time.sleep(float(response))
-    return {"reward": 1.0, "pid": float(os.getpid())}
+    return {"reward": 1.0, "pid": float(os.getpid()), "server": float(os.getppid())}

@@ -3,26 +3,19 @@
 import math
 import threading
 import time
+from collections import Counter
 
 import grpc
 import pytest
 
 from ferrule_rewards.client import RewardClient, RewardError, RewardServersUnavailable
-from ferrule_rewards.functions import FunctionScorer
 from ferrule_rewards.records import Sample, Status
-from ferrule_rewards.server import BackgroundServer, Limits
+from ferrule_rewards.server import Limits
 
 
-class Counting:
-    """A reward function that counts its calls: reward = len(response)."""
-
-    def __init__(self, delay: float = 0.0):
-        self.calls, self.delay = 0, delay
-
-    def __call__(self, response: str) -> float:
-        self.calls += 1
-        time.sleep(self.delay)
-        return float(len(response))
+def calls(log) -> int:
+    """How many samples the `pid` reward function has been called on (lines in its log)."""
+    return len(log.read_text().splitlines()) if log.exists() else 0
 
 
 def samples(n: int) -> list[dict]:
@@ -48,18 +41,33 @@ def test_bad_samples_are_named_before_anything_is_sent(serve):
             client.score([{"response": "a"}, {"response": "\udcff"}])
 
 
-def test_a_deadline_raises_at_once_and_is_not_retried():
-    slow = Counting(delay=1.0)
-    with BackgroundServer(FunctionScorer(slow)) as server:
-        with RewardClient(server.address, timeout=0.2) as client:
-            started = time.monotonic()
-            with pytest.raises(RewardError) as error:
-                client.score([{"response": "a"}])
-            assert time.monotonic() - started < 0.9
-        assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert error.value.address == server.address
-        time.sleep(1.0)
-        assert slow.calls == 1  # retrying would have scored the sample twice
+def test_a_call_past_its_deadline_answers_in_time_and_is_not_retried(serve, tmp_path, monkeypatch):
+    """The server answers just before the client's deadline, with TIMEOUT for what it could
+    not score; when it cannot even start (no scoring process free), DEADLINE_EXCEEDED raises at
+    once. Neither is retried: that would score samples twice."""
+    log = tmp_path / "calls"
+    monkeypatch.setenv("REWARDS_TEST_LOG", str(log))
+    server = serve("pid")
+    with RewardClient(server.address, timeout=0.5) as client:
+        started = time.monotonic()
+        [result] = client.score([{"response": "1.0"}])
+        assert time.monotonic() - started < 0.5
+        assert result.status == Status.TIMEOUT and "deadline" in result.error
+        hog = threading.Thread(
+            target=lambda: RewardClient(server.address).score([{"response": "2"}])
+        )
+        hog.start()
+        while calls(log) < 2:  # the only scoring process is busy for 2 s
+            time.sleep(0.01)
+        started = time.monotonic()
+        with pytest.raises(RewardError) as error:
+            client.score([{"response": ""}])
+        assert time.monotonic() - started < 0.9
+        hog.join()
+    assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "before a scoring process was free" in str(error.value)
+    assert error.value.address == server.address
+    assert calls(log) == 2  # the first call's sample and the hog's, once each
 
 
 def test_non_retryable_errors_raise_with_their_status(serve):
@@ -111,38 +119,31 @@ def test_all_servers_down_is_one_clear_exception(free_port):
         assert f"{address}: UNAVAILABLE" in message
 
 
-def test_load_is_spread_over_replicas_and_fails_over():
-    first, second = Counting(delay=0.001), Counting(delay=0.001)
-    with (
-        BackgroundServer(FunctionScorer(first)) as one,
-        BackgroundServer(FunctionScorer(second)) as two,
-        RewardClient([one.address, two.address], batch_size=10, max_in_flight=4) as client,
-    ):
-        assert [r.reward for r in client.score(samples(200))] == [i % 7 for i in range(200)]
-        assert first.calls > 40 and second.calls > 40  # both took a fair share
+def test_load_is_spread_over_replicas_and_fails_over(serve):
+    one, two = serve("pid"), serve("pid")
+    work = [{"response": "0.001"}] * 200
+    with RewardClient([one.address, two.address], batch_size=10, max_in_flight=4) as client:
+        results = client.score(work)
+        assert all(r.reward == 1.0 for r in results)
+        by_process = Counter(r.sub_scores["pid"] for r in results)
+        assert len(by_process) == 2 and min(by_process.values()) > 40  # both took a fair share
         one.stop(grace=1)
-        before = second.calls
-        results = client.score(samples(200))
-        assert [r.reward for r in results] == [i % 7 for i in range(200)]
-        assert second.calls - before == 200  # the survivor scored all, each once
+        results = client.score(work)
+        assert all(r.reward == 1.0 for r in results)
+        assert len({r.sub_scores["pid"] for r in results}) == 1  # the survivor scored all
 
 
-def test_busy_servers_send_the_call_elsewhere():
+def test_busy_servers_send_the_call_elsewhere(serve):
     """RESOURCE_EXHAUSTED (the concurrency limit) moves a chunk to the next replica."""
-    slow, fast = Counting(delay=0.5), Counting()
-    with (
-        BackgroundServer(FunctionScorer(slow), limits=Limits(max_concurrency=1)) as busy,
-        BackgroundServer(FunctionScorer(fast)) as free,
-    ):
-        hog = threading.Thread(target=lambda: RewardClient(busy.address).score([{"response": "a"}]))
-        hog.start()
-        while busy.server.busy < 1:
-            time.sleep(0.01)
-        with RewardClient([busy.address, free.address]) as client:
-            for _ in range(4):  # whichever address the round-robin tries first
-                assert client.score([{"response": "ab"}])[0].reward == 2.0
-        hog.join()
-        assert slow.calls == 1 and fast.calls == 4
+    busy, free = serve("pid", limits=Limits(max_concurrency=1)), serve("pid")
+    hog = threading.Thread(target=lambda: RewardClient(busy.address).score([{"response": "1"}]))
+    hog.start()
+    while busy.server.busy < 1:
+        time.sleep(0.01)
+    with RewardClient([busy.address, free.address]) as client:
+        pids = [client.score([{"response": ""}])[0].sub_scores["pid"] for _ in range(4)]
+    hog.join()
+    assert len(set(pids)) == 1  # whichever address the round-robin tried first: the free one
 
 
 def test_failed_samples_read_as_nan_with_a_status(serve):

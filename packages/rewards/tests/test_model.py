@@ -1,7 +1,7 @@
 """The Hugging Face reward-model backend, on a tiny random sequence-classification model."""
 
-import asyncio
 import math
+from functools import partial
 
 import pytest
 
@@ -74,7 +74,7 @@ def test_samples_the_model_cannot_take_get_a_status(reward_model):
     from ferrule_rewards.model import ModelScorer
 
     scorer = ModelScorer(reward_model, device="cpu", max_length=16)
-    scores = asyncio.run(scorer.score([("", ""), ("short", " one"), ("long " * 40, "x")]))
+    scores = scorer.score([("", ""), ("short", " one"), ("long " * 40, "x")])
     assert scores.errors[0] == (Status.INVALID_SAMPLE, "prompt + response is empty")
     assert scores.errors[2][0] == Status.INVALID_SAMPLE
     assert "the reward model takes at most 16" in scores.errors[2][1]
@@ -86,7 +86,7 @@ def test_scored_through_the_server(reward_model):
 
     expected = ModelScorer(reward_model, device="cpu").score_texts(["Q: 1+1? A: 2", "Q: ? A:"])
     with (
-        BackgroundServer(ModelScorer(reward_model, device="cpu")) as server,
+        BackgroundServer(partial(ModelScorer, reward_model, device="cpu")) as server,
         RewardClient(server.address) as client,
     ):
         results = client.score(

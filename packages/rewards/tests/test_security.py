@@ -1,5 +1,7 @@
 """Secure by default: loopback binding, the token on every call, TLS and mutual TLS."""
 
+import re
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,14 +47,36 @@ def test_split_address():
         split_address("localhost")
 
 
-def test_non_loopback_needs_a_token_or_tls():
-    check_bind("127.0.0.1:50051", token=None, tls=False)
-    check_bind("unix:/tmp/rewards.sock", token=None, tls=False)
+def test_non_loopback_needs_a_token_or_mutual_tls():
+    """Server-only TLS encrypts but lets any client in: it counted as authentication."""
+    check_bind("127.0.0.1:50051", token=None, client_auth=False)
+    check_bind("unix:/tmp/rewards.sock", token=None, client_auth=False)
     for address in ("0.0.0.0:50051", "[::]:50051", "192.0.2.7:50051"):
-        with pytest.raises(InsecureBindError, match="no authentication is configured"):
-            check_bind(address, token=None, tls=False)
-        check_bind(address, token=TOKEN, tls=False)
-        check_bind(address, token=None, tls=True)
+        with pytest.raises(InsecureBindError, match="clients need not authenticate"):
+            check_bind(address, token=None, client_auth=False)
+        check_bind(address, token=TOKEN, client_auth=False)
+        check_bind(address, token=None, client_auth=True)
+
+
+def test_server_only_tls_beyond_loopback_is_refused_and_mutual_tls_is_not(serve, certs):
+    tls = TLS(str(certs.server_cert), str(certs.server_key))
+    with pytest.raises(InsecureBindError, match="TLS alone lets any client in"):
+        serve(bind="0.0.0.0:0", tls=tls)
+    mutual = TLS(str(certs.server_cert), str(certs.server_key), client_ca=str(certs.ca))
+    server = serve(bind="0.0.0.0:0", tls=mutual)
+    port = server.address.rsplit(":", 1)[1]
+    with RewardClient(
+        f"localhost:{port}",
+        tls_ca=str(certs.ca),
+        tls_cert=str(certs.client_cert),
+        tls_key=str(certs.client_key),
+    ) as client:
+        assert client.score([{"response": "abc"}])[0].reward == 3.0
+    with (
+        RewardClient(f"localhost:{port}", tls_ca=str(certs.ca), retry_for=0.5, timeout=2) as c,
+        pytest.raises(RewardServersUnavailable),
+    ):
+        c.score([{"response": "abc"}])  # TLS without a client certificate: not let in
 
 
 def test_tokens_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
@@ -67,6 +91,17 @@ def test_tokens_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
         read_token(tmp_path / "short")
     with pytest.raises(ValueError, match="cannot read token file"):
         read_token(tmp_path / "missing")
+
+
+@pytest.mark.parametrize(
+    ("token", "bad"),
+    [("é" * 20, "'é' at position 0"), ("abcdefgh\nijklmnopq", "'\\n' at position 8"),
+     ("abcdefgh ijklmnopq", "' ' at position 8"), ("abcdefghijklmnop\x00", "'\\x00' at position 16")],
+)  # fmt: skip
+def test_a_token_no_client_can_send_is_refused(tmp_path, token, bad):
+    (tmp_path / "token").write_text(token)
+    with pytest.raises(ValueError, match=f"holds {re.escape(bad)}.*printable ASCII"):
+        read_token(tmp_path / "token")
 
 
 def test_every_call_needs_the_token(serve, monkeypatch):

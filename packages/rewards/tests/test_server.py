@@ -4,6 +4,8 @@ draining, and a hypothesis fuzz of request handling."""
 import math
 import threading
 import time
+from functools import partial
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +22,7 @@ from ferrule_rewards.client import METHOD, RewardClient
 from ferrule_rewards.server import Limits
 
 SERVICE = "ferrule.rewards.v1.RewardService"
+TESTS = Path(__file__).resolve().parent
 
 
 def raw_call(address: str, request: bytes, timeout: float = 10) -> pb.ScoreResponse:
@@ -113,10 +116,10 @@ def test_bad_samples_get_a_status_of_their_own(serve):
 
 
 def test_a_missing_label_is_a_per_sample_error(serve):
-    from ferrule_rewards.functions import FunctionScorer, load_function
+    from ferrule_rewards.functions import FunctionScorer
     from ferrule_rewards.server import BackgroundServer
 
-    scorer = FunctionScorer(load_function("ferrule_rewards.builtin:exact_match"))
+    scorer = partial(FunctionScorer.load, "ferrule_rewards.builtin:exact_match")
     with BackgroundServer(scorer) as server, RewardClient(server.address) as client:
         results = client.score([{"response": "#### 4", "label": "4"}, {"response": "#### 4"}])
     assert results[0].reward == 1.0
@@ -147,17 +150,122 @@ def test_concurrency_limit_refuses_at_once_instead_of_queueing(serve):
     assert outcomes == [grpc.StatusCode.OK] * 2
 
 
-def test_too_many_stuck_threads_turn_the_server_unhealthy(serve):
-    server = serve("misbehaving", timeout=0.2, max_stuck=1)
-    assert raw_call(server.address, request({"response": "hang1"})).results[0].status == (
-        pb.SAMPLE_STATUS_TIMEOUT
+def test_a_hang_that_holds_the_gil_freezes_neither_the_server_nor_the_other_samples(serve):
+    """A catastrophic regular expression holds the GIL: in a thread of the server's process it
+    froze health checks and every other call. In a scoring process, the server answers, kills
+    that process at the timeout, and a new one scores the rest."""
+    server = serve("misbehaving", timeout=1.0)
+    outcome = {}
+    caller = threading.Thread(
+        target=lambda: outcome.update(
+            reply=raw_call(
+                server.address, request(*[{"response": r} for r in ("ab", "gil", "abc")])
+            )
+        )
     )
-    assert health_of(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
-    code, details = status_of(server.address, request({"response": "x"}))
-    assert code == grpc.StatusCode.UNAVAILABLE and "stuck" in details
-    time.sleep(1.2)  # the stuck call returns (it sleeps 1 s): healthy again
-    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    started = time.monotonic()
+    caller.start()
+    while time.monotonic() - started < 0.8:  # while the regular expression runs
+        asked = time.monotonic()
+        assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - asked < 0.2
+        time.sleep(0.05)
+    caller.join()
+    assert time.monotonic() - started < 3.0
+    results = outcome["reply"].results
+    assert [r.reward for r in (results[0], results[2])] == [2.0, 3.0]
+    assert results[1].status == pb.SAMPLE_STATUS_TIMEOUT and "1s" in results[1].error
     assert raw_call(server.address, request({"response": "x"})).results[0].reward == 1.0
+
+
+def test_a_call_is_bounded_by_its_deadline_whatever_its_samples_do(serve):
+    """Samples run one after another: three that each take just under the per-sample timeout
+    held a call for three timeouts. The call's own limit bounds it."""
+    server = serve("misbehaving", timeout=1.0, limits=Limits(call_timeout=1.5))
+    started = time.monotonic()
+    samples = [{"response": r} for r in ("hang0.9", "ok", "hang0.9", "hang0.9", "abc")]
+    results = raw_call(server.address, request(*samples)).results
+    assert time.monotonic() - started < 2.2
+    assert [pb.SampleStatus.Name(r.status)[14:] for r in results] == [
+        "OK", "OK", "TIMEOUT", "TIMEOUT", "TIMEOUT"
+    ]  # fmt: skip
+    assert "deadline passed" in results[3].error
+    assert raw_call(server.address, request({"response": "x"})).results[0].reward == 1.0
+
+
+def test_a_cancelled_call_stops_its_work_and_frees_its_place(serve, tmp_path, monkeypatch):
+    """A cancelled call stopped counting as busy while its samples kept running (150 calls with a
+    30 ms deadline left 138 threads burning CPU). Now its process is killed and replaced; a call
+    whose deadline comes first gets TIMEOUT for what is not done."""
+    log = tmp_path / "pids"
+    monkeypatch.setenv("REWARDS_TEST_LOG", str(log))
+    server = serve("pid", limits=Limits(max_concurrency=2))
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        for _ in range(5):
+            pending = call.future(request({"response": "30"}))
+            time.sleep(0.4)
+            pending.cancel()
+            deadline = time.monotonic() + 5
+            while server.server.busy:  # the place is free once the server saw the cancel
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        reply = call(request({"response": "30"}, {"response": ""}), timeout=0.5)
+    assert [pb.SampleStatus.Name(r.status)[14:] for r in reply.results] == ["TIMEOUT"] * 2
+    pids = [int(line) for line in log.read_text().split()]
+    # Each call got a fresh process (the last call's second sample may never have started).
+    assert 5 <= len(pids) <= 6 and len(set(pids)) == len(pids)
+    time.sleep(0.5)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"{pid} still runs"
+    started = time.monotonic()
+    assert raw_call(server.address, request({"response": ""})).results[0].reward == 1.0
+    assert time.monotonic() - started < 2.0
+    assert server.server.busy == 0
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_scorer_that_cannot_be_rebuilt_turns_the_server_unhealthy_until_it_can(tmp_path):
+    """When a scoring process must be replaced and its replacement fails to start, the server
+    reports NOT_SERVING and refuses calls with UNAVAILABLE, retrying; it serves again once a
+    process starts."""
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.server import BackgroundServer
+
+    broken = tmp_path / "broken"
+    module = tmp_path / "flaky.py"
+    module.write_text(
+        "import pathlib, time\n"
+        f"if pathlib.Path({str(broken)!r}).exists():\n"
+        "    raise RuntimeError('broken on purpose')\n"
+        "def reward(response):\n"
+        "    time.sleep(float(response or 0))\n"
+        "    return 1.0\n"
+    )
+    scorer = partial(FunctionScorer.load, f"{module}:reward", timeout=0.3)
+    with BackgroundServer(scorer) as server:
+        broken.touch()
+        assert raw_call(server.address, request({"response": "5"})).results[0].status == (
+            pb.SAMPLE_STATUS_TIMEOUT
+        )
+        deadline = time.monotonic() + 10
+        while health_of(server.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        code, details = status_of(server.address, request({"response": ""}))
+        assert code == grpc.StatusCode.UNAVAILABLE and "scoring processes" in details
+        broken.unlink()
+        deadline = time.monotonic() + 15
+        while health_of(server.address) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert raw_call(server.address, request({"response": ""})).results[0].reward == 1.0
 
 
 def test_health_and_reflection_services(serve):
@@ -272,10 +380,7 @@ def serve_once():
     from ferrule_rewards.functions import FunctionScorer
     from ferrule_rewards.server import BackgroundServer
 
-    def length(response: str) -> float:
-        return float(len(response))
-
-    server = BackgroundServer(FunctionScorer(length))
+    server = BackgroundServer(partial(FunctionScorer.load, f"{TESTS}/reward_fns.py:length"))
     yield server.address
     assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
     server.stop(grace=0)

@@ -19,37 +19,78 @@ final period.
 import re
 from fractions import Fraction
 
-_HASHES = re.compile(r"^\s*####\s*(.+?)\s*$", re.MULTILINE)
-_ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*(.+?)\s*$", re.IGNORECASE | re.MULTILINE)
+# Everything here takes time linear in the response. A reward server scores untrusted model
+# output, and a regex that backtracks holds the GIL for the whole match, freezing every request
+# in the process: `^\s*####\s*(.+?)\s*$` took 19 s on 59 KiB of newlines (`\s` crosses them),
+# and a run of spaces inside an answer line, or repeated `\boxed{` with no closing brace, were
+# quadratic too. So each pattern below is a fixed marker with one run of in-line whitespace
+# (`[^\S\n]*`: whitespace but not a newline) inside it and nothing after it. That run directly
+# follows a line start or the word "answer", so only one starting position ever scans it: a
+# failed attempt costs O(run), and all attempts together O(len(text)). The answer itself, the
+# rest of the marker's line, is cut out with str.find and str.strip.
+#
+# A marker and its answer sit on one line: unlike the `\s` of earlier versions, nothing crosses
+# a newline. "The answer is\n42" and a bare "####" line followed by "42" mark no answer (they
+# used to give "42"), and an answer that is only whitespace does not count (it used to give " ").
+_HASHES = re.compile(r"^[^\S\n]*####", re.MULTILINE)
+_ANSWER_IS = re.compile(r"answer[^\S\n]*(?:is|:)", re.IGNORECASE)
+_BOXED = "\\boxed{"
+# Linear under fullmatch too: a failed match backtracks over each run of digits once, testing
+# one character per step (and it only ever sees _MAX_NUMBER_CHARS characters).
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(/\d+)?")
+# Python's default int_max_str_digits: int() of more digits raises ValueError, and takes
+# superlinear time where a process lifts that limit. A longer "number" compares as text.
+_MAX_NUMBER_CHARS = 4300
 
 
-def _boxed(text: str) -> list[str]:
-    """The contents of every `\\boxed{...}`, braces balanced."""
-    found, start = [], text.find("\\boxed{")
+def _boxed(text: str) -> list[tuple[int, int]]:
+    """Where the contents of every `\\boxed{...}` are, braces balanced, in order of start.
+
+    One pass that matches braces with a stack. (Scanning ahead from each `\\boxed{` for its
+    closing brace was quadratic when the braces never balance.) Spans, not strings: the
+    contents of nested boxes can add up to far more than the text."""
+    openers, start = [], text.find(_BOXED)  # openers: where each `\boxed{`'s brace is
     while start != -1:
-        depth, begin = 0, start + len("\\boxed{")
-        for position in range(begin, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[position], 0)
-            if depth < 0:
-                found.append(text[begin:position])
-                break
-        start = text.find("\\boxed{", start + 1)
+        openers.append(start + len(_BOXED) - 1)
+        start = text.find(_BOXED, start + len(_BOXED))
+    if not openers:
+        return []
+    closer, unclosed = {}, []  # closer: the brace that closes each brace, by position
+    for position, char in enumerate(text[openers[0] :], openers[0]):
+        if char == "{":
+            unclosed.append(position)
+        elif char == "}" and unclosed:
+            closer[unclosed.pop()] = position
+    return [(opener + 1, closer[opener]) for opener in openers if opener in closer]
+
+
+def _line_answers(text: str, marker: re.Pattern[str]) -> list[str]:
+    """The rest of each line after its first `marker`, stripped, where that is not empty."""
+    found, position = [], 0
+    while match := marker.search(text, position):
+        line_end = text.find("\n", match.end())
+        line_end = len(text) if line_end == -1 else line_end
+        if answer := text[match.end() : line_end].strip():
+            found.append(answer)
+        position = line_end + 1
     return found
 
 
-def _marked_answers(text: str) -> list[str]:
-    """Every marked final answer, of the kind that takes precedence."""
-    for pattern in (_boxed(text), _HASHES.findall(text), _ANSWER_IS.findall(text)):
-        if pattern:
-            return pattern
-    return []
+def _marked_answers(text: str) -> tuple[int, str | None]:
+    """How many marked final answers `text` has, of the kind that takes precedence, and the
+    last of them."""
+    if boxes := _boxed(text):
+        begin, end = boxes[-1]
+        return len(boxes), text[begin:end]
+    for marker in (_HASHES, _ANSWER_IS):
+        if answers := _line_answers(text, marker):
+            return len(answers), answers[-1]
+    return 0, None
 
 
 def final_answer(text: str) -> str | None:
     """The last marked final answer in `text`, or None when there is none."""
-    answers = _marked_answers(text)
-    return answers[-1] if answers else None
+    return _marked_answers(text)[1]
 
 
 def _normalize(answer: str) -> str:
@@ -59,7 +100,7 @@ def _normalize(answer: str) -> str:
 
 def _as_number(answer: str) -> Fraction | None:
     answer = answer.replace(",", "").replace(" ", "")
-    if not _NUMBER.fullmatch(answer):
+    if len(answer) > _MAX_NUMBER_CHARS or not _NUMBER.fullmatch(answer):
         return None
     try:
         return Fraction(answer)
@@ -87,7 +128,7 @@ def format_reward(response: str) -> float:
     if "<think>" in response and closed == -1:
         return 0.0  # reasoning never finished
     after_thinking = response[closed + len("</think>") :] if closed != -1 else response
-    return float(len(_marked_answers(after_thinking)) == 1)
+    return float(_marked_answers(after_thinking)[0] == 1)
 
 
 def math_reward(response: str, label: str) -> dict[str, float]:

@@ -16,11 +16,37 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from functools import partial
 
 from ferrule_rewards.client import RewardError
 from ferrule_rewards.security import TOKEN_ENV, read_token
+
+
+def _number(kind, low, high=math.inf, *, low_included=True):
+    """An argparse type: a `kind` in [low, high] (or (low, high]), finite; the message says
+    which range when it is not."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        above = value >= low if low_included else value > low
+        if not (above and value <= high and math.isfinite(value)):
+            bound = f"{'>=' if low_included else '>'} {low:g}"
+            if high != math.inf:
+                bound += f" and <= {high:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {bound}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+_COUNT = _number(int, 1)
+_SECONDS = _number(float, 0, low_included=False)
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,38 +75,56 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-client-ca", help="CA (PEM) that signs client certificates: mutual TLS")
     add(
         "--timeout",
-        type=float,
+        type=_SECONDS,
         default=30.0,
         help="seconds a reward function may spend on one sample (on one batch, for per-batch "
-        "functions) (default: %(default)s)",
+        "functions); past it, its scoring process is killed and replaced (default: %(default)s)",
     )
-    add("--max-batch", type=int, default=4096, help="most samples per call (default: %(default)s)")
-    add("--max-message-mb", type=float, default=64, help="largest request (default: %(default)s)")
+    add(
+        "--call-timeout",
+        type=_SECONDS,
+        default=60.0,
+        help="seconds one call may take, whatever its samples do (a shorter client deadline "
+        "wins); samples without a reward by then get TIMEOUT (default: %(default)s)",
+    )
+    add(
+        "--processes",
+        type=_COUNT,
+        default=1,
+        help="scoring processes per server process: calls scored at once. Write an I/O-bound "
+        "function async (its samples run concurrently) rather than raising this "
+        "(default: %(default)s)",
+    )
+    add(
+        "--max-batch",
+        type=_COUNT,
+        default=4096,
+        help="most samples per call (default: %(default)s)",
+    )
+    add(
+        "--max-message-mb",
+        type=_number(float, 0, 1024, low_included=False),
+        default=64,
+        help="largest request, in MiB, at most 1024 (default: %(default)s)",
+    )
     add(
         "--workers",
-        type=int,
+        type=_COUNT,
         default=1,
-        help="server processes sharing the port (SO_REUSEPORT), each with its own copy of the "
-        "reward function or model; limits (--max-concurrency, --max-stuck...) are per worker "
+        help="gRPC server processes sharing the port (SO_REUSEPORT), each with its own "
+        "--processes scoring processes; limits (--max-concurrency...) are per worker "
         "(default: %(default)s)",
     )
     add(
         "--max-concurrency",
-        type=int,
+        type=_COUNT,
         default=32,
-        help="calls scored at once, per worker; more are refused with RESOURCE_EXHAUSTED "
-        "(default: %(default)s)",
-    )
-    add(
-        "--max-stuck",
-        type=int,
-        default=16,
-        help="threads that may stay stuck in timed-out calls before the server reports "
-        "NOT_SERVING (default: %(default)s)",
+        help="calls admitted at once (scored, or waiting for a scoring process), per worker; "
+        "more are refused with RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     add(
         "--grace",
-        type=float,
+        type=_number(float, 0),
         default=30.0,
         help="seconds calls in flight get to finish after SIGTERM (default: %(default)s)",
     )
@@ -91,8 +135,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--device", default="auto", help="reward model device: auto, cpu, cuda, cuda:1...")
     add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
-    add("--model-batch-size", type=int, default=32, help="samples per model forward pass")
-    add("--max-length", type=int, help="longest prompt + response the model scores, in tokens")
+    add("--model-batch-size", type=_COUNT, default=32, help="samples per model forward pass")
+    add("--max-length", type=_COUNT, help="longest prompt + response the model scores, in tokens")
 
 
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,19 +146,15 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-ca", help="CA (PEM) to verify the server; enables TLS")
     add("--tls-cert", help="client certificate (PEM), for mutual TLS")
     add("--tls-key", help="client private key (PEM), for mutual TLS")
-    add("--timeout", type=float, default=60.0, help="deadline per call in seconds")
+    add("--timeout", type=_SECONDS, default=60.0, help="deadline per call in seconds")
 
 
 def make_scorer(args):
-    """The scorer that `rlhf-rewards serve` ARGS asks for (in each worker with --workers)."""
+    """The scorer that `rlhf-rewards serve` ARGS asks for; each scoring process calls this."""
     if args.function:
-        from ferrule_rewards.functions import FunctionScorer, load_function
+        from ferrule_rewards.functions import FunctionScorer
 
-        return FunctionScorer(
-            load_function(args.function),
-            timeout=args.timeout,
-            max_stuck=args.max_stuck,
-        )
+        return FunctionScorer.load(args.function, timeout=args.timeout)
     try:
         from ferrule_rewards.model import ModelScorer
     except ImportError as error:
@@ -129,26 +169,35 @@ def make_scorer(args):
 
 
 def _serve(args) -> None:
+    from ferrule_rewards.processes import StartFailed
     from ferrule_rewards.server import TLS, Limits, serve
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be 1 or more, got {args.workers}")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     token = read_token(args.token_file)
     tls = TLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
-    limits = Limits(args.max_batch, int(args.max_message_mb * (1 << 20)), args.max_concurrency)
+    limits = Limits(
+        max_batch=args.max_batch,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        max_concurrency=args.max_concurrency,
+        call_timeout=args.call_timeout,
+    )
     if token and not tls:
         logging.getLogger(__name__).warning(
             "a token without TLS crosses the network in clear text; add --tls-cert/--tls-key"
         )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
     options["address_file"] = args.address_file
+    options["processes"] = args.processes
     if args.workers == 1:
-        asyncio.run(serve(make_scorer(args), args.bind, **options))
-        return
+        try:
+            cut_off = asyncio.run(serve(partial(make_scorer, args), args.bind, **options))
+        except StartFailed as error:
+            print(f"rlhf-rewards serve: error: {error}", file=sys.stderr)
+            sys.exit(error.status)
+        sys.exit(1 if cut_off else 0)
     from ferrule_rewards.workers import WorkerFailed, supervise
 
     try:

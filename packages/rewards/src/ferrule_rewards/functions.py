@@ -1,7 +1,7 @@
 """Python reward functions as a scoring backend: load `module:function`, call it on a batch.
 
     scorer = FunctionScorer(load_function("ferrule_rewards.builtin:exact_match"), timeout=30)
-    scores = await scorer.score([(response, label), ...])     # rows of scorer.fields
+    scores = scorer.score([(response, label), ...])           # rows of scorer.fields
 
 Two signatures, told apart by parameter names (checked when the function is loaded):
   per sample  parameters named after sample fields, any subset of them, called once per sample:
@@ -9,8 +9,9 @@ Two signatures, told apart by parameter names (checked when the function is load
   per batch   one parameter named `samples`, a list of `records.Sample`, one call per batch:
                   def reward(samples: list[Sample]) -> list[float]
 Either may be `async def`. A reward is a number, or a dict with a "reward" number and other
-numbers as named sub-scores. Sync functions run in worker threads, so a slow one never blocks
-the server; a sample that raises, returns NaN or runs past `timeout` gets its own status.
+numbers as named sub-scores. A sample that raises or returns NaN gets its own status. The server
+runs scorers in processes of their own (child.py), which it kills and replaces when a sync call
+runs past `timeout`.
 """
 
 import asyncio
@@ -20,13 +21,19 @@ import inspect
 import logging
 import math
 import sys
-import time
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ferrule_rewards.records import SAMPLE_FIELDS, Sample, Scores, Status, check_reward
-from ferrule_rewards.threads import DaemonThreads
+from ferrule_rewards.records import (
+    NO_PROGRESS,
+    SAMPLE_FIELDS,
+    Progress,
+    Sample,
+    Scores,
+    Status,
+    check_reward,
+)
 
 log = logging.getLogger(__name__)
 _TIMED_OUT = object()  # marks an output whose call ran past the timeout
@@ -114,93 +121,71 @@ def _describe(error: BaseException) -> str:
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
-class _Batch:
-    """One batch scored by worker threads, shared with the event loop that watches them."""
-
-    __slots__ = ("cancelled", "claims", "current", "outputs", "rows")
-
-    def __init__(self, rows: list):
-        self.rows = rows
-        # next() on a range iterator is atomic under the GIL: each index goes to one thread.
-        self.claims = iter(range(len(rows)))
-        # index -> output. Whoever calls setdefault first, the worker with the output or the
-        # event loop with _TIMED_OUT, decides the sample's fate; no lock per sample.
-        self.outputs: dict[int, object] = {}
-        self.current = -1  # the index the live worker is scoring
-        self.cancelled = False
-
-
-def _work(fn: Callable, positional: bool, batch: _Batch) -> None:
-    """Worker thread: claim and score samples until none are left, or until the event loop
-    has timed out the sample this thread was stuck in (then a fresh thread carries on)."""
-    rows, outputs = batch.rows, batch.outputs
-    for index in batch.claims:
-        batch.current = index
-        try:
-            output = fn(*rows[index]) if positional else fn(**rows[index])
-        except BaseException as error:  # a worker thread gets no KeyboardInterrupt
-            output = error
-        if outputs.setdefault(index, output) is not output or batch.cancelled:
-            return
-
-
 class FunctionScorer:
-    """Runs one reward function over batches of rows (tuples of `self.fields`).
+    """Runs one reward function over batches of rows (tuples of `self.fields`), in the calling
+    process: in rlhf-rewards serve, a scoring process of child.py, which the server kills and
+    replaces when a sync call runs past `timeout` (`hang_after`). Nothing here can stop a sync
+    call, and nothing should try: a thread cannot be stopped, and a hang that holds the GIL
+    freezes every thread of its process. An async function's samples run concurrently on the
+    process's event loop and time out here."""
 
-    A sync function runs in worker threads. Python cannot stop a thread, so a call that runs
-    past `timeout` is abandoned: its sample is marked timed out and a fresh thread scores the
-    rest. `max_stuck` bounds the threads that may stay blocked that way; past it `healthy`
-    turns False, and the server refuses calls and reports NOT_SERVING so that it is restarted.
-    """
-
-    def __init__(self, fn: Callable, *, timeout: float = 30.0, max_stuck: int = 16):
-        if not timeout > 0:
+    def __init__(self, fn: Callable, *, timeout: float = 30.0):
+        if not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"reward function timeout must be > 0 seconds, got {timeout}")
-        self.fn, self.timeout, self.max_stuck = fn, timeout, max_stuck
+        self.fn, self.timeout = fn, timeout
         self.name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
         self.fields, self.batched, self.positional = signature_fields(fn)
         self.is_async = _is_async(fn)
-        self.stuck = 0  # threads still inside a call that timed out
-        self.on_health_change: Callable[[bool], None] | None = None  # set by the server
-        self._threads = DaemonThreads()
+        # Seconds a process may go without starting another sample before the server takes it
+        # for hung. An async function times out on its own event loop; the margin is for that.
+        self.hang_after = timeout + max(1.0, timeout / 10) if self.is_async else timeout
 
-    @property
-    def healthy(self) -> bool:
-        return self.stuck < self.max_stuck
+    @classmethod
+    def load(cls, spec: str, timeout: float = 30.0) -> "FunctionScorer":
+        """The scorer of `module:function` (picklable as a partial: what a scoring process
+        builds for itself)."""
+        return cls(load_function(spec), timeout=timeout)
 
-    async def score(self, rows: list[tuple]) -> Scores:
+    def score(self, rows: list[tuple], progress: Progress = NO_PROGRESS) -> Scores:
         """Score samples given as tuples of the fields in `self.fields`, in that order."""
         scores = Scores([0.0] * len(rows))
         if self.batched:
-            outputs = await self._score_batch([Sample(*row) for row in rows], scores)
+            progress.start(-1)
+            outputs = self._score_batch([Sample(*row) for row in rows], scores)
         else:
             if not self.positional:
                 rows = [dict(zip(self.fields, row, strict=True)) for row in rows]
             if self.is_async:
-                outputs = await self._score_rows_async(rows)
+                progress.start(-1)
+                outputs = asyncio.run(self._score_rows_async(rows))
             else:
-                outputs = await self._score_rows_in_threads(rows)
+                outputs = self._score_rows(rows, progress)
         if outputs is not None:
             collect(outputs, scores, self.timeout)
         return scores
 
-    async def _score_batch(self, samples: list[Sample], scores: Scores) -> list | None:
-        if self.is_async:
-            work = asyncio.ensure_future(self.fn(samples))
-        else:
-            work = self._threads.run(self.fn, samples)
+    def _score_rows(self, rows: list, progress: Progress) -> list:
+        fn, positional, start, done = self.fn, self.positional, progress.start, progress.done
+        outputs = []
+        for index, row in enumerate(rows):
+            start(index)
+            try:
+                output = fn(*row) if positional else fn(**row)
+            except Exception as error:
+                output = error
+            outputs.append(output)
+            done(index, output)
+        return outputs
+
+    def _score_batch(self, samples: list[Sample], scores: Scores) -> list | None:
         try:
-            done, _ = await asyncio.wait({work}, timeout=self.timeout)
-        finally:
-            if self.is_async and not work.done():
-                work.cancel()
-        if not done:
-            if not self.is_async:
-                self._abandon(work)
+            if self.is_async:
+                outputs = asyncio.run(asyncio.wait_for(self.fn(samples), self.timeout))
+            else:
+                outputs = self.fn(samples)
+        except TimeoutError:
             scores.fail_all(Status.TIMEOUT, f"no rewards for the batch within {self.timeout:g}s")
             return None
-        try:
-            outputs = work.result()
         except Exception as error:
             scores.fail_all(Status.ERROR, _describe(error))
             return None
@@ -224,60 +209,8 @@ class FunctionScorer:
                 task.cancel()  # no-op for the finished ones
         return [_TIMED_OUT if t in pending else (t.exception() or t.result()) for t in tasks]
 
-    async def _score_rows_in_threads(self, rows: list) -> list:
-        batch = _Batch(rows)
-        try:
-            while True:
-                work = self._threads.run(_work, self.fn, self.positional, batch)
-                if await self._watch(work, batch):
-                    return [batch.outputs[index] for index in range(len(rows))]
-        finally:
-            batch.cancelled = True  # when the call was cancelled: stop after the current sample
-
-    async def _watch(self, work: asyncio.Future, batch: _Batch) -> bool:
-        """Wait for `work`: True when it finished the batch, False when it was abandoned in a
-        sample that ran past the timeout. The sample in progress is checked every tenth of the
-        timeout, so a sample times out after between 1 and 1.1 timeouts."""
-        seen, seen_at = batch.current, time.monotonic()
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=self.timeout / 10)
-            if done:
-                work.result()
-                return True
-            now = time.monotonic()
-            if batch.current != seen:
-                seen, seen_at = batch.current, now
-            elif (
-                now - seen_at >= self.timeout
-                and seen >= 0  # a thread that has not claimed a sample yet is only slow to start
-                and seen not in batch.outputs  # decided already: an earlier thread timed out
-                and batch.outputs.setdefault(seen, _TIMED_OUT) is _TIMED_OUT
-            ):
-                self._abandon(work)
-                return False
-
-    def _abandon(self, work: asyncio.Future) -> None:
-        self._count_stuck(+1)
-        log.warning(
-            "%s ran past its %gs timeout; %d worker thread(s) now stuck in it (limit %d)",
-            self.name,
-            self.timeout,
-            self.stuck,
-            self.max_stuck,
-        )
-        work.add_done_callback(self._unstick)
-
-    def _unstick(self, _work) -> None:
-        self._count_stuck(-1)
-
-    def _count_stuck(self, change: int) -> None:
-        was = self.healthy
-        self.stuck += change
-        if self.healthy != was and self.on_health_change:
-            self.on_health_change(self.healthy)
-
     def close(self) -> None:
-        self._threads.close()
+        pass
 
 
 def collect(outputs: list, scores: Scores, timeout: float) -> None:

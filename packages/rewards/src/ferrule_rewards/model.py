@@ -1,21 +1,20 @@
 """A Hugging Face sequence-classification reward model as a scoring backend (the `model` extra).
 
     scorer = ModelScorer("path/to/reward-model", device="auto", batch_size=32)
-    scores = await scorer.score([(prompt, response), ...])
+    scores = scorer.score([(prompt, response), ...])
 
 The model reads `prompt + response` as one string, exactly as sent (no special tokens are
 added: apply the chat template and end-of-sequence token the model was trained with before
 sending), and the reward is its single output logit (`num_labels=1`). Samples are sorted by
-length and scored in micro-batches of `batch_size` on one worker thread, one batch at a time.
+length and scored in micro-batches of `batch_size`. The server runs it in a scoring process of
+its own (child.py), one batch at a time.
 torch and transformers are imported here only, so the rest of the package runs without them.
 """
 
-import asyncio
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ferrule_rewards.records import Scores, Status
+from ferrule_rewards.records import NO_PROGRESS, Progress, Scores, Status
 
 
 def _pick_device(device: str) -> str:
@@ -45,7 +44,7 @@ def _pick_dtype(dtype: str, device: str):
 
 class ModelScorer:
     fields = ("prompt", "response")
-    healthy = True  # a model forward is not abandoned midway, so no thread ever gets stuck
+    hang_after = None  # a forward has no per-sample timeout; the call's deadline bounds it
 
     def __init__(
         self,
@@ -81,12 +80,10 @@ class ModelScorer:
         self.max_length = max_length or getattr(self.model.config, "max_position_embeddings", None)
         self.model.to(self.device).eval()
         self._torch = torch
-        # One thread: forwards run one at a time, off the event loop.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward-model")
 
-    async def score(self, rows: list[tuple[str, str]]) -> Scores:
-        texts = [prompt + response for prompt, response in rows]
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.score_texts, texts)
+    def score(self, rows: list[tuple[str, str]], progress: Progress = NO_PROGRESS) -> Scores:
+        progress.start(-1)
+        return self.score_texts([prompt + response for prompt, response in rows])
 
     def score_texts(self, texts: list[str]) -> Scores:
         scores = Scores([0.0] * len(texts))
@@ -136,4 +133,4 @@ class ModelScorer:
             return head(hidden[rows, last])[:, 0].float().cpu().tolist()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        pass

@@ -59,6 +59,23 @@ class Scores:
             self.fail(index, status, message)
 
 
+class Progress:
+    """What a scorer tells its process about a batch while it scores it: which sample it has
+    started (`start`), and each output as it comes (`done`). The scoring process (child.py)
+    shares the first with the server, whose watchdog kills the process when one sample runs past
+    the timeout, and sends outputs ahead in groups, so that a kill loses little finished work.
+    This one does nothing: for scoring in the current process (tests, embedding)."""
+
+    def start(self, index: int) -> None:
+        pass
+
+    def done(self, index: int, output: object) -> None:
+        pass
+
+
+NO_PROGRESS = Progress()
+
+
 @dataclass(slots=True)
 class Result:
     """The score of one sample. `reward` is NaN unless `status` is OK, so that a failed sample

@@ -1,10 +1,11 @@
 """Secure by default: where the server may listen, the bearer token, and TLS credentials.
 
-    check_bind("0.0.0.0:50051", token=None, tls=False)   # raises InsecureBindError
+    check_bind("0.0.0.0:50051", token=None, client_auth=False)   # raises InsecureBindError
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)])
 
-The server binds to loopback unless told otherwise, and refuses any other address unless a
-token or TLS is configured. The token travels as `authorization: Bearer <token>` metadata and is
+The server binds to loopback unless told otherwise, and refuses any other address unless
+clients must authenticate: with a token, or with mutual TLS (a client certificate). TLS alone
+encrypts but lets any client in, so it does not count. The token travels as `authorization: Bearer <token>` metadata and is
 checked on every call except health checks (load balancers and Kubernetes probes cannot send
 it, and the answer reveals only SERVING or NOT_SERVING). Tokens come from a file or the
 FERRULE_REWARDS_TOKEN environment variable, never the command line, where `ps` would show them.
@@ -24,7 +25,7 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 class InsecureBindError(ValueError):
-    """The server was asked to listen beyond this machine without a token or TLS."""
+    """The server was asked to listen beyond this machine without client authentication."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -50,26 +51,36 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
-def check_bind(address: str, *, token: str | None, tls: bool) -> None:
-    """Refuse a non-loopback listening address that has neither a token nor TLS."""
+def check_bind(address: str, *, token: str | None, client_auth: bool) -> None:
+    """Refuse a non-loopback listening address where clients need not authenticate: neither a
+    token nor mutual TLS (`client_auth`)."""
     if address.startswith("unix:"):  # a local socket; file permissions guard it
         return
     host, _ = split_address(address)
-    if is_loopback(host) or token or tls:
+    if is_loopback(host) or token or client_auth:
         return
     raise InsecureBindError(
-        f"refusing to listen on {address}: it is reachable from other machines and no "
-        f"authentication is configured. Set a token ({TOKEN_ENV} or --token-file) and/or TLS "
-        "(--tls-cert/--tls-key), or bind to 127.0.0.1"
+        f"refusing to listen on {address}: it is reachable from other machines and clients "
+        f"need not authenticate. Set a token ({TOKEN_ENV} or --token-file) or mutual TLS "
+        "(--tls-client-ca with --tls-cert/--tls-key; TLS alone lets any client in), or bind "
+        "to 127.0.0.1"
     )
 
 
 def check_token(token: str, source: str) -> str:
+    """The token, stripped; ValueError when it is short, or holds a character that no client
+    can send in a gRPC header (non-ASCII, a space or a control character inside it)."""
     token = token.strip()
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(
             f"token from {source} is {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
             "(for example `openssl rand -hex 32`)"
+        )
+    bad = next((c for c in token if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"token from {source} holds {bad!r} at position {token.index(bad)}: a token is "
+            "printable ASCII without spaces (clients send it as a header)"
         )
     return token
 
@@ -87,29 +98,21 @@ def read_token(token_file: str | Path | None) -> str | None:
 
 
 def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that fails the call with UNAUTHENTICATED."""
+    """A handler that fails the call with UNAUTHENTICATED without reading its request: a
+    client-streaming one, because gRPC reads a unary request whole before calling its handler
+    (a stranger could make the server buffer --max-message-mb per call). On the wire, a
+    client-streaming call and a unary one look the same."""
 
-    async def deny(request, context):
+    async def deny(requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def deny_stream(request, context):
+    async def deny_stream(requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
-    streaming_out = handler.response_streaming
-    if handler.request_streaming:
-        make = (
-            grpc.stream_stream_rpc_method_handler
-            if streaming_out
-            else grpc.stream_unary_rpc_method_handler
-        )
-    else:
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if streaming_out
-            else grpc.unary_unary_rpc_method_handler
-        )
-    return make(deny_stream if streaming_out else deny)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    return grpc.stream_unary_rpc_method_handler(deny)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):

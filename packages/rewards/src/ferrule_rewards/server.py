@@ -1,40 +1,44 @@
 """The reward gRPC server (grpc.aio): Score, health checking, reflection, limits and draining.
 
-    server = await start(scorer, "127.0.0.1:0")          # inside an event loop
+    server = await start(partial(FunctionScorer.load, "my_rewards:score"), "127.0.0.1:0")
     print(server.address); ...; await server.drain(grace=30)
 
-    with BackgroundServer(scorer) as server:              # tests, or embedding in a process
+    with BackgroundServer(make_scorer) as server:        # tests, or embedding in a process
         RewardClient(server.address).score(samples)
 
-`rlhf-rewards serve` (cli.py) builds a scorer (functions.py or model.py) and calls `serve`, which
-drains on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused with UNAVAILABLE, and
-calls in flight finish within the grace period. With `--workers N`, workers.py runs N of these
-on one port. Every limit answers at once with a status
-(RESOURCE_EXHAUSTED, INVALID_ARGUMENT); nothing waits in an unbounded queue.
+The server runs no reward function and decodes no request: it checks the token and the limits,
+hands the request's bytes to a scoring process (processes.py, child.py) and the answer's bytes
+back. So its event loop answers health checks and refusals within milliseconds whatever the
+requests hold or the function does. `make_scorer` (picklable) builds the scorer in each
+scoring process.
+
+`rlhf-rewards serve` (cli.py) calls `serve`, which drains on SIGTERM/SIGINT: health turns
+NOT_SERVING, new calls are refused with UNAVAILABLE, and calls in flight finish within the grace
+period. With `--workers N`, workers.py runs N of these on one port. Every limit answers at once
+with a status (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), before the request's body is read; nothing
+waits in an unbounded queue.
 """
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import threading
 from dataclasses import dataclass
-from operator import attrgetter, methodcaller
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ferrule_rewards import rewards_pb2 as pb
-from ferrule_rewards.records import Scores, Status
+from ferrule_rewards.processes import CallFailed, ScoringProcesses
 from ferrule_rewards.security import TokenInterceptor, check_bind, server_credentials, split_address
+from ferrule_rewards.wire import InvalidRequest
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
-STATUS_TO_WIRE = {
-    status: pb.SampleStatus.Value(f"SAMPLE_STATUS_{status.name}") for status in Status
-}
+MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,27 @@ class Limits:
     max_message_bytes: int = 64 << 20
     """Largest request or response; more is RESOURCE_EXHAUSTED, answered by gRPC itself."""
     max_concurrency: int = 32
-    """Score calls being scored at once; one more is RESOURCE_EXHAUSTED (retry elsewhere)."""
+    """Score calls admitted at once (scored, or waiting for a scoring process); one more is
+    RESOURCE_EXHAUSTED (retry elsewhere). A request's body is read only once a process is free,
+    so requests buffered in memory are at most one per scoring process."""
+    call_timeout: float = 60.0
+    """Seconds a Score call may take, whatever its samples do (a shorter client deadline wins):
+    samples without a result by then get TIMEOUT."""
+    max_health_watches: int = 64
+    """Health Watch streams open at once (they need no token); more are RESOURCE_EXHAUSTED."""
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_message_bytes", "max_concurrency", "max_health_watches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be 1 or more, got {getattr(self, name)}")
+        if self.max_message_bytes > MAX_MESSAGE_MB << 20:
+            raise ValueError(
+                f"max_message_bytes is {self.max_message_bytes}; at most {MAX_MESSAGE_MB} MiB"
+            )
+        if not (self.call_timeout > 0 and math.isfinite(self.call_timeout)):
+            raise ValueError(
+                f"call_timeout must be a number of seconds > 0, got {self.call_timeout}"
+            )
 
 
 @dataclass(frozen=True)
@@ -55,18 +79,43 @@ class TLS:
     """With a client CA, clients must present a certificate it signed (mutual TLS)."""
 
 
+class _Health(health.aio.HealthServicer):
+    """The standard health service, with a bound on Watch streams: they need no token, and
+    each one holds memory for as long as its client keeps it open."""
+
+    def __init__(self, max_watches: int):
+        super().__init__()
+        self.watches, self.max_watches = 0, max_watches
+
+    async def Watch(self, request, context):
+        if self.watches >= self.max_watches:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.watches} health Watch streams are open, this server's limit; use Check",
+            )
+        self.watches += 1
+        try:
+            await super().Watch(request, context)
+        finally:
+            self.watches -= 1
+
+
 class RewardServer:
     """A started server. Create it with `start`."""
 
-    def __init__(self, scorer, limits: Limits):
-        self.scorer, self.limits = scorer, limits
+    def __init__(self, processes: ScoringProcesses, limits: Limits):
+        self.processes, self.limits = processes, limits
         self.address = ""
-        self.health = health.aio.HealthServicer()
-        self.busy = 0  # Score calls in progress
+        self.health = _Health(limits.max_health_watches)
+        self.busy = 0  # Score calls admitted: waiting for a scoring process, or being scored
         self.draining = False
+        self.cut_off = 0  # calls still running when the grace period ended
         self._server: grpc.aio.Server | None = None
-        if hasattr(scorer, "on_health_change"):
-            scorer.on_health_change = self._health_changed
+        processes.on_health_change = self._health_changed
+
+    @property
+    def name(self) -> str:
+        return self.processes.name
 
     def _health_changed(self, healthy: bool) -> None:
         status = (
@@ -81,10 +130,11 @@ class RewardServer:
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
-    async def _score(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        # Limits first, before any work: a refused call costs the server almost nothing.
-        if self.draining or not self.scorer.healthy:
-            why = "shutting down" if self.draining else "stuck in the reward function"
+    async def _score(self, requests, context: grpc.aio.ServicerContext) -> bytes:
+        """Score (registered as client-streaming, which is the same on the wire as unary, so
+        that nothing of the request is read before the checks below pass)."""
+        if self.draining or not self.processes.healthy:
+            why = "shutting down" if self.draining else "unable to start its scoring processes"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reward server is {why}")
         if self.busy >= self.limits.max_concurrency:
             await context.abort(
@@ -92,46 +142,35 @@ class RewardServer:
                 f"reward server is busy: {self.busy} calls in progress, its limit; "
                 "retry with backoff or use another replica",
             )
-        try:
-            samples = pb.ScoreRequest.FromString(request).samples
-        except DecodeError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad ScoreRequest: {error}")
-        n = len(samples)
-        if n == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty batch: no samples")
-        if n > self.limits.max_batch:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"batch of {n} samples is over this server's limit of {self.limits.max_batch}; "
-                "split it into smaller calls",
-            )
         self.busy += 1
         try:
-            return await self._score_samples(samples)
+            loop = asyncio.get_running_loop()
+            budget = self.limits.call_timeout
+            remaining = context.time_remaining()
+            if remaining is not None:  # answer a little before the client stops waiting
+                budget = min(budget, remaining - min(0.1, remaining / 10))
+            deadline = loop.time() + budget
+            async with self.processes.process(deadline) as process:
+                body = await context.read()  # buffered only now, one per scoring process
+                if body is grpc.aio.EOF:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no ScoreRequest sent")
+                return await process.score(body, deadline)
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except CallFailed as error:
+            await context.abort(getattr(grpc.StatusCode, error.code), str(error))
+        except asyncio.CancelledError:
+            if self.draining:
+                self.cut_off += 1
+            raise
         finally:
             self.busy -= 1
 
-    async def _score_samples(self, samples) -> bytes:
-        samples = list(samples)  # one Python wrapper per sample, reused by every pass below
-        missing = [] if all(map(_HAS_RESPONSE, samples)) else _without_response(samples)
-        if missing:  # score the others; these get their own status
-            skip = set(missing)
-            samples = [sample for i, sample in enumerate(samples) if i not in skip]
-        rows = _rows(samples, self.scorer.fields)
-        scores = await self.scorer.score(rows) if rows else Scores([])
-        results = [{"reward": reward} for reward in scores.rewards]
-        for index, (status, message) in scores.errors.items():
-            results[index] = {"status": STATUS_TO_WIRE[status], "error": message}
-        for index, subs in scores.sub_scores.items():
-            results[index]["sub_scores"] = subs
-        for index in missing:
-            results.insert(index, _MISSING_RESPONSE)
-        return pb.ScoreResponse(results=results).SerializeToString()
-
-    async def drain(self, grace: float = 30.0) -> None:
-        """Refuse new calls, let calls in flight finish (up to `grace` seconds), then stop."""
+    async def drain(self, grace: float = 30.0) -> int:
+        """Refuse new calls, let calls in flight finish (up to `grace` seconds), then stop.
+        Returns how many calls were still running when the grace period ended (cancelled)."""
         if self.draining:
-            return
+            return 0
         self.draining = True
         log.info("draining: %d call(s) in progress, grace %gs", self.busy, grace)
         loop = asyncio.get_running_loop()
@@ -144,54 +183,48 @@ class RewardServer:
         while self.busy and loop.time() < deadline:
             await asyncio.sleep(0.01)
         await self._server.stop(max(0.0, deadline - loop.time()))
-        self.scorer.close()
-        log.info("stopped")
+        await self.processes.close()
+        if self.cut_off:
+            log.warning(
+                "stopped: the grace period (%gs) ended with %d call(s) in flight; they were "
+                "cancelled (their clients get CANCELLED)",
+                grace,
+                self.cut_off,
+            )
+        else:
+            log.info("stopped")
+        return self.cut_off
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
 
 
-_HAS_RESPONSE = methodcaller("HasField", "response")
-_MISSING_RESPONSE = {
-    "status": STATUS_TO_WIRE[Status.INVALID_SAMPLE],
-    "error": "sample has no `response` (send an empty string for an empty generation)",
-}
-_CONTAINERS = {"metadata": dict, "prompt_token_ids": list, "response_token_ids": list}
-
-
-def _without_response(samples) -> list[int]:
-    return [index for index, sample in enumerate(samples) if not sample.HasField("response")]
-
-
-def _rows(samples: list, fields: tuple[str, ...]) -> list[tuple]:
-    """The fields a scorer takes, one tuple per sample. Only those fields are read: turning
-    protobuf values into Python ones is most of the server's work on a large batch."""
-    rows = list(map(attrgetter(*fields), samples))
-    if len(fields) == 1:
-        rows = [(value,) for value in rows]
-    converts = [(i, _CONTAINERS[f]) for i, f in enumerate(fields) if f in _CONTAINERS]
-    if converts:  # protobuf containers become plain dicts and lists
-        rows = [list(row) for row in rows]
-        for row in rows:
-            for i, make in converts:
-                row[i] = make(row[i])
-        rows = [tuple(row) for row in rows]
-    return rows
-
-
 async def start(
-    scorer,
+    make_scorer,
     bind: str = "127.0.0.1:50051",
     *,
     token: str | None = None,
     tls: TLS | None = None,
     limits: Limits = Limits(),
+    processes: int = 1,
     reuse_port: bool = False,
 ) -> RewardServer:
-    """Start serving `scorer` on `bind` (port 0 picks a free port; see `.address`). With
-    `reuse_port`, it shares the port with other servers that set it (the workers of workers.py)."""
-    check_bind(bind, token=token, tls=tls is not None)
-    server = RewardServer(scorer, limits)
+    """Start `processes` scoring processes, each building its scorer with `make_scorer()`
+    (processes.StartFailed when they cannot), and serve on `bind` (port 0 picks a free port;
+    see `.address`). With `reuse_port`, it shares the port with other servers that set it
+    (the workers of workers.py)."""
+    check_bind(bind, token=token, client_auth=tls is not None and tls.client_ca is not None)
+    scoring = ScoringProcesses(make_scorer, processes, limits.max_batch)
+    await scoring.start()
+    try:
+        return await _serve_grpc(RewardServer(scoring, limits), bind, token, tls, reuse_port)
+    except BaseException:
+        await scoring.close()
+        raise
+
+
+async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> RewardServer:
+    limits = server.limits
     grpc_server = grpc.aio.server(
         interceptors=[TokenInterceptor(token)] if token else None,
         options=[
@@ -202,7 +235,7 @@ async def start(
             ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
-    handler = grpc.unary_unary_rpc_method_handler(server._score)  # raw bytes in and out
+    handler = grpc.stream_unary_rpc_method_handler(server._score)  # raw bytes in and out
     grpc_server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler(SERVICE, {"Score": handler})]
     )
@@ -232,16 +265,18 @@ async def start(
 
 
 async def serve(
-    scorer, bind: str, *, grace: float = 30.0, address_file: str | None = None, **options
-) -> None:
-    """Serve until SIGTERM or SIGINT, then drain (the `rlhf-rewards serve` main loop)."""
-    server = await start(scorer, bind, **options)
+    make_scorer, bind: str, *, grace: float = 30.0, address_file: str | None = None, **options
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (the `rlhf-rewards serve` main loop). Returns
+    how many calls the grace period cut off."""
+    server = await start(make_scorer, bind, **options)
+    stop = stop_requested((signal.SIGTERM, signal.SIGINT))
     security = "TLS" if options.get("tls") else "plaintext"
     if address_file:  # before the log line: whoever reads the log may look for the file
         write_address(address_file, server.address)
-    log.info("serving %s on %s (%s)", scorer.name, server.address, security)
-    await stop_requested((signal.SIGTERM, signal.SIGINT))
-    await server.drain(grace)
+    log.info("serving %s on %s (%s)", server.name, server.address, security)
+    await stop.wait()
+    return await server.drain(grace)
 
 
 def write_address(path: str, address: str) -> None:
@@ -253,28 +288,29 @@ def write_address(path: str, address: str) -> None:
     os.replace(tmp, path)
 
 
-async def stop_requested(signals: tuple[int, ...], watch: int | None = None) -> None:
-    """Return at the first of `signals`, or once the file descriptor `watch` turns readable
-    (workers watch a pipe whose other end closes when the supervisor dies)."""
+def stop_requested(signals: tuple[int, ...], watch: int | None = None) -> asyncio.Event:
+    """An event set at the first of `signals`, or once the file descriptor `watch` turns
+    readable (workers watch a pipe whose other end closes when the supervisor dies). Call it
+    before saying that the server serves: a signal that comes first would kill the process."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in signals:
         loop.add_signal_handler(signum, stop.set)
     if watch is not None:
         loop.add_reader(watch, stop.set)
-    await stop.wait()
+    return stop
 
 
 class BackgroundServer:
     """A server on its own event loop in a daemon thread, for tests and for embedding in a
     process that is not asyncio. `.address` is where it listens; `.stop()` drains it."""
 
-    def __init__(self, scorer, bind: str = "127.0.0.1:0", **options):
+    def __init__(self, make_scorer, bind: str = "127.0.0.1:0", **options):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         try:
-            self.server = self._run(start(scorer, bind, **options))
+            self.server = self._run(start(make_scorer, bind, **options))
         except BaseException:
             self._close_loop()
             raise

@@ -2,16 +2,13 @@
 
     supervise(partial(make_scorer, args), "127.0.0.1:50051", workers=4, grace=30, token=token)
 
-A Python process scores on one core. The supervisor (the calling process) holds the port and
-spawns N workers; each builds its own scorer (`make_scorer` must pickle: a module-level function,
-or a partial of one) and runs its own grpc.aio server on that port with SO_REUSEPORT, and the
-kernel spreads incoming connections over them. The supervisor logs `serving ... on HOST:PORT`
+A Python process serves gRPC on one core. The supervisor (the calling process) holds the port
+and spawns N workers; each runs its own grpc.aio server on that port with SO_REUSEPORT, with
+its own scoring processes (`make_scorer` must pickle: a module-level function, or a partial of
+one), and the kernel spreads incoming connections over them. The supervisor logs `serving ... on HOST:PORT`
 once every worker accepts calls, drains them all on SIGTERM or SIGINT, and replaces a worker
-that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. A worker with
-more threads stuck in timed-out reward calls than --max-stuck (it reports NOT_SERVING) is
-drained and replaced too, without counting as a death: Python cannot stop those threads, a new
-process is the only way to get them back. Workers exit when the supervisor does, even when it
-is killed: each watches a pipe from it.
+that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. Workers exit
+when the supervisor does, even when it is killed: each watches a pipe from it.
 """
 
 import asyncio
@@ -77,7 +74,8 @@ def supervise(
     fails before all serve, or keeps dying."""
     if bind.startswith("unix:"):
         raise ValueError(f"--workers > 1 needs a host:port to share, not {bind}")
-    check_bind(bind, token=options.get("token"), tls=options.get("tls") is not None)
+    tls = options.get("tls")
+    check_bind(bind, token=options.get("token"), client_auth=bool(tls and tls.client_ca))
     held = reserve_port(bind)
     host, _ = split_address(bind)
     port = held.getsockname()[1]
@@ -92,12 +90,17 @@ def supervise(
     try:
         pool.run(woken)
     finally:
-        pool.stop()
+        unclean = pool.stop()
         signal.set_wakeup_fd(previous_fd)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for sock in (held, woken, wake):
             sock.close()
+    if unclean:
+        raise WorkerFailed(
+            f"worker(s) {', '.join(map(str, unclean))} did not stop cleanly: the grace period "
+            "ended with calls in flight (see their log lines)"
+        )
 
 
 class _Slot:
@@ -109,7 +112,6 @@ class _Slot:
         self.pipe: Connection | None = None
         self.ready = False
         self.error: tuple[str, int] | None = None  # what the worker said when it failed
-        self.retiring = False  # stopped by us because it got stuck: its exit is no death
         self.deaths: deque[float] = deque()
 
 
@@ -125,7 +127,7 @@ class _Pool:
 
     def start(self, slot: _Slot) -> None:
         slot.pipe, child_end = self.context.Pipe()
-        slot.ready, slot.error, slot.retiring = False, None, False
+        slot.ready, slot.error = False, None
         slot.process = self.context.Process(
             target=_worker,
             args=(slot.index, child_end, *self.worker_args),
@@ -161,15 +163,6 @@ class _Pool:
         if message[0] == "error":
             slot.error = message[1:]
             return
-        if message[0] == "stuck":  # past --max-stuck: only a new process gets its threads back
-            log.warning(
-                "worker %d (pid %d) is stuck in the reward function; replacing it",
-                slot.index,
-                slot.process.pid,
-            )
-            slot.retiring = True
-            slot.process.terminate()  # it drains: new calls go to the other workers
-            return
         slot.ready = True
         if self.serving:
             log.info("worker %d serves again (pid %d)", slot.index, slot.process.pid)
@@ -199,9 +192,6 @@ class _Pool:
         text, status = slot.error or (why, 1)
         if not self.serving:
             raise WorkerFailed(f"worker {slot.index}: {text}", status)
-        if slot.retiring:
-            self._restart(slot)
-            return
         now = time.monotonic()
         slot.deaths.append(now)
         while slot.deaths[0] < now - DEATH_WINDOW:
@@ -221,21 +211,27 @@ class _Pool:
             slot.pipe.close()
         self.start(slot)
 
-    def stop(self) -> None:
-        """SIGTERM every worker (each drains), wait for them, kill those past grace + 10 s."""
-        live = [slot.process for slot in self.slots if slot.process and slot.process.is_alive()]
-        for process in live:
-            process.terminate()
+    def stop(self) -> list[int]:
+        """SIGTERM every worker (each drains), wait for them, kill those past grace + 10 s.
+        Returns the slots whose worker did not exit 0 (the grace period cut calls off)."""
+        live = [slot for slot in self.slots if slot.process and slot.process.is_alive()]
+        for slot in live:
+            slot.process.terminate()
         deadline = time.monotonic() + self.grace + 10
-        for process in live:
+        unclean = []
+        for slot in live:
+            process = slot.process
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 log.warning("%s (pid %d) did not stop; killing it", process.name, process.pid)
                 process.kill()
                 process.join()
+            if process.exitcode != 0:
+                unclean.append(slot.index)
         for slot in self.slots:
             if slot.pipe is not None:
                 slot.pipe.close()
+        return unclean
 
 
 def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> None:
@@ -247,33 +243,30 @@ def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> Non
         format=f"%(asctime)s %(levelname)s %(name)s[worker {index}]: %(message)s",
         stream=sys.stderr,
     )
+    from ferrule_rewards.processes import StartFailed
+
     try:
-        scorer = make_scorer()
-        asyncio.run(_serve(scorer, pipe, address, grace, options))
+        cut_off = asyncio.run(_serve(make_scorer, pipe, address, grace, options))
+    except StartFailed as error:  # the scorer could not be built: its own status
+        _tell(pipe, "error", str(error), error.status)
+        sys.exit(error.status)
     except (ValueError, TypeError, OSError) as error:  # bad arguments: exit 2, as cli.py does
         _tell(pipe, "error", str(error), 2)
         sys.exit(2)
     except BaseException:
         _tell(pipe, "error", traceback.format_exc().rstrip(), 1)
         sys.exit(1)
+    sys.exit(1 if cut_off else 0)
 
 
-async def _serve(scorer, pipe: Connection, address: str, grace: float, options: dict) -> None:
+async def _serve(make_scorer, pipe: Connection, address: str, grace: float, options) -> int:
     from ferrule_rewards.server import start, stop_requested
 
-    server = await start(scorer, address, reuse_port=True, **options)
-    turn_health = getattr(scorer, "on_health_change", None)  # set by the server
-    if turn_health is not None:
-
-        def on_health_change(healthy: bool) -> None:
-            turn_health(healthy)  # NOT_SERVING: calls go elsewhere
-            if not healthy:
-                _tell(pipe, "stuck")
-
-        scorer.on_health_change = on_health_change
-    _tell(pipe, "ready", scorer.name)
-    await stop_requested((signal.SIGTERM,), watch=pipe.fileno())
-    await server.drain(grace)
+    server = await start(make_scorer, address, reuse_port=True, **options)
+    stop = stop_requested((signal.SIGTERM,), watch=pipe.fileno())
+    _tell(pipe, "ready", server.name)
+    await stop.wait()
+    return await server.drain(grace)
 
 
 def _tell(pipe: Connection, *message) -> None:

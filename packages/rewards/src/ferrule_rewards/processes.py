@@ -1,0 +1,390 @@
+"""The scoring processes of one server: start them, hand each a request, watch it, replace it.
+
+    pool = ScoringProcesses(partial(FunctionScorer.load, "my_rewards:score"), processes=2)
+    await pool.start()                       # ValueError when the scorer cannot be built
+    async with pool.process(deadline) as process:     # waits for a free one, up to deadline
+        response = await process.score(request_bytes, deadline)
+    await pool.close()
+
+A request runs in a process of child.py, from its bytes to the response's, so that nothing a
+request or a reward function does can hold the server's event loop. The watchdog here kills
+the process and starts another when:
+- a sample runs past the scorer's `hang_after` (the sample gets TIMEOUT, the next process
+  scores the rest; samples it had finished but not yet sent are scored again);
+- the call's deadline passes (the client's, or the server's `call_timeout`): samples without a
+  result get TIMEOUT;
+- the call is cancelled (its client went away): nobody waits for the work any more.
+A process that dies on a sample (a crash in C code, the kernel's OOM killer) fails that sample
+with ERROR, and the next process scores the rest.
+"""
+
+import asyncio
+import contextlib
+import logging
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+
+from ferrule_rewards import child, wire
+from ferrule_rewards.records import Status
+
+log = logging.getLogger(__name__)
+_LENGTH = struct.Struct("!i")  # multiprocessing.Connection's frame header
+_LONG_LENGTH = struct.Struct("!Q")
+RESTART_BACKOFF = (0.1, 5.0)  # seconds between failed starts of a process: first, most
+
+
+class StartFailed(Exception):
+    """A scoring process could not build its scorer; `status` 2 when it was the arguments."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status
+
+
+class CallFailed(Exception):
+    """The call gets no results: `code` names its gRPC status (DEADLINE_EXCEEDED when its
+    deadline passed before the server knew what the request held, or before a process was
+    free; RESOURCE_EXHAUSTED when a process died decoding the request)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _Done(Exception):
+    """Internal: the process answered the request."""
+
+
+class ScoringProcess:
+    """One child process, and the request it is scoring."""
+
+    def __init__(self, pool: "ScoringProcesses"):
+        self.pool = pool
+        self.process: subprocess.Popen | None = None
+        self.mark: child.Mark | None = None  # what the process is doing; see child.py
+        self.frames: asyncio.Queue = asyncio.Queue()
+        self.writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
+        self.recycle = False  # it asked to be replaced after its answer
+        self.killed = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.killed and self.process is not None and self.process.poll() is None
+
+    async def start(self) -> dict:
+        """Start the process; its ready message, or StartFailed with what it said."""
+        self.killed, self.recycle = False, False
+        ours, theirs = socket.socketpair()
+        self.mark = child.Mark.create()
+        # A fresh interpreter, not multiprocessing: a fork of a process that runs gRPC is not
+        # safe, and multiprocessing's spawn runs the parent's __main__ again in the child.
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ferrule_rewards.child",
+                str(theirs.fileno()),
+                str(self.mark.fd),
+            ],
+            pass_fds=(theirs.fileno(), self.mark.fd),
+        )
+        theirs.close()
+        reader, self.writer = await asyncio.open_connection(sock=ours)
+        self.frames = asyncio.Queue()
+        self._reading = asyncio.ensure_future(self._read(reader))
+        # What to build, pickled: from this process to its own child, never from the network.
+        self._send(b"S", None, pickle.dumps(self.pool.make_scorer))
+        kind, meta, _ = await self.frames.get()
+        if kind == b"R":
+            return meta
+        self.kill()
+        if kind == b"X":
+            raise StartFailed(meta[1], meta[0])
+        raise StartFailed(f"the scoring process {await self._exit()} before it was ready")
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        """Frames from the process into `self.frames`; (None, ...) when it has gone."""
+        try:
+            while True:
+                (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+                if size == -1:
+                    (size,) = _LONG_LENGTH.unpack(await reader.readexactly(_LONG_LENGTH.size))
+                self.frames.put_nowait(child.unpack(await reader.readexactly(size)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.frames.put_nowait((None, None, None))
+
+    def _send(self, kind: bytes, meta, body) -> None:
+        head, body = child.pack(kind, meta, body)
+        self.writer.write(_LENGTH.pack(len(head) + len(body)) + head)
+        if body:
+            self.writer.write(body)  # a memoryview or bytes: no copy of a large request
+
+    async def score(self, body, deadline: float) -> bytes:
+        """The serialized ScoreResponse for a serialized ScoreRequest. wire.InvalidRequest when
+        it is not one; CallFailed when `deadline` (event loop time) passes before the
+        request was decoded; otherwise every sample has a result."""
+        job = _Job()
+        try:
+            while True:
+                self._send(b"J", {"max_batch": self.pool.max_batch, "skip": job.skip()}, body)
+                await self.writer.drain()
+                try:
+                    await self._follow(job, deadline)
+                except _Done:
+                    return job.response or wire.encode(job.in_order())
+                # It was killed or died in a sample: a fresh process scores the rest.
+                if not await self._restart_within(deadline, job):
+                    return wire.encode(job.in_order())
+        except BaseException:  # cancelled (the client went away), or the request is invalid
+            if job.running:
+                self.kill()
+            raise
+
+    async def _restart_within(self, deadline: float, job: "_Job") -> bool:
+        """One try at a fresh process before `deadline`; when it fails, the samples without a
+        result fail, and the pool retries in the background once this call is done."""
+        await self.stop()
+        wait = deadline - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(self.start(), max(0.0, wait))
+            return True
+        except (StartFailed, TimeoutError) as error:
+            self.kill()
+            why = str(error) or "the call's deadline passed first"
+            job.fail_rest(Status.ERROR, f"no scoring process could be started: {why}"[:1000])
+            return False
+
+    async def _follow(self, job: "_Job", deadline: float) -> None:
+        """Read the process's frames until it answers (raises _Done) or is gone (returns)."""
+        loop = asyncio.get_running_loop()
+        hang_after, tick = self.pool.hang_after, self.pool.tick
+        counter, since = self.mark[0], loop.time()
+        job.running = True
+        while True:
+            now = loop.time()
+            try:
+                kind, meta, body = await asyncio.wait_for(
+                    self.frames.get(), max(0.0, min(tick, deadline - now))
+                )
+            except TimeoutError:
+                now = loop.time()
+                if now >= deadline:
+                    self._past_deadline(job)
+                if self.mark[0] != counter:
+                    counter, since = self.mark[0], now
+                elif hang_after and now - since >= hang_after and self.mark[1] >= -1:
+                    self._hung(job)
+                    return
+                continue
+            if kind == b"A":
+                job.n, job.missing = meta
+            elif kind == b"P":
+                job.results.update(meta)
+            elif kind in (b"D", b"E"):
+                job.running = False
+                self.recycle = meta["recycle"]
+                if kind == b"D":
+                    job.response = bytes(body)
+                else:
+                    job.results.update(meta["results"])
+                raise _Done
+            elif kind == b"I":
+                job.running = False
+                raise wire.InvalidRequest(meta)
+            else:  # the process died
+                await self._died(job)
+                return
+
+    def _past_deadline(self, job: "_Job") -> None:
+        self.kill()
+        job.running = False
+        if job.n is None:
+            raise CallFailed(
+                "DEADLINE_EXCEEDED", "the call's deadline passed while its request was decoded"
+            )
+        job.fail_rest(Status.TIMEOUT, "the call's deadline passed before this sample was scored")
+        raise _Done
+
+    def _hung(self, job: "_Job") -> None:
+        index = self.mark[1]
+        self.kill()
+        timeout = self.pool.timeout
+        log.warning(
+            "%s ran past its %gs timeout (sample %d); replacing its process",
+            self.pool.name,
+            timeout,
+            index,
+        )
+        if index == -1:  # the whole batch at once: a per-batch or async function
+            job.fail_rest(Status.TIMEOUT, f"no rewards for the batch within {timeout:g}s")
+            raise _Done
+        job.results[index] = wire.failure(Status.TIMEOUT, f"no reward within {timeout:g}s")
+
+    async def _died(self, job: "_Job") -> None:
+        why = await self._exit()
+        index = self.mark[1]
+        log.warning("the scoring process %s (sample %d); replacing it", why, index)
+        message = f"the reward function's process {why} while scoring this sample"
+        if job.n is None:
+            job.running = False
+            raise CallFailed(
+                "RESOURCE_EXHAUSTED",
+                f"the scoring process {why} while decoding the request (out of memory?)",
+            )
+        if index < 0:
+            job.fail_rest(Status.ERROR, message)
+            raise _Done
+        job.results[index] = wire.failure(Status.ERROR, message)
+
+    async def _exit(self) -> str:
+        """How the process ended, in words."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await loop.run_in_executor(None, self.process.wait, 1.0)
+        code = self.process.returncode
+        if code is None:
+            return "stopped answering"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def kill(self) -> None:
+        """SIGKILL: the only way to stop a call that may hold the GIL."""
+        self.killed = True
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(OSError):
+                self.process.kill()
+
+    async def stop(self) -> None:
+        self.kill()
+        if self.writer is not None:
+            self.writer.close()
+        if self._reading is not None:
+            self._reading.cancel()
+        if self.process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
+        if self.mark is not None:
+            self.mark.close()
+
+
+class _Job:
+    """What is known of one request while processes score it."""
+
+    def __init__(self):
+        self.n: int | None = None
+        self.missing: list[int] = []
+        self.results: dict[int, dict] = {}  # index -> wire result
+        self.response: bytes | None = None
+        self.running = False
+
+    def skip(self) -> list[int]:
+        return sorted(self.results)
+
+    def fail_rest(self, status: Status, message: str) -> None:
+        failed = wire.failure(status, message)
+        for index in range(self.n):
+            self.results.setdefault(index, failed)
+
+    def in_order(self) -> list[dict]:
+        for index in self.missing:
+            self.results[index] = wire.MISSING_RESPONSE
+        return [self.results[index] for index in range(self.n)]
+
+
+class ScoringProcesses:
+    def __init__(self, make_scorer: Callable, processes: int = 1, max_batch: int = 4096):
+        if processes < 1:
+            raise ValueError(f"scoring processes must be 1 or more, got {processes}")
+        self.make_scorer, self.count, self.max_batch = make_scorer, processes, max_batch
+        self.name, self.timeout, self.hang_after, self.tick = "?", None, None, 1.0
+        self.healthy = True
+        self.on_health_change: Callable[[bool], None] | None = None  # set by the server
+        self._idle: asyncio.Queue[ScoringProcess] = asyncio.Queue()
+        self._all: list[ScoringProcess] = []
+        self._restarts: set[asyncio.Task] = set()
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start every process; StartFailed (with the first one's message) when one fails."""
+        processes = [ScoringProcess(self) for _ in range(self.count)]
+        self._all = processes
+        outcomes = await asyncio.gather(*(p.start() for p in processes), return_exceptions=True)
+        failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failed:
+            await asyncio.gather(*(p.stop() for p in processes))
+            raise failed[0]
+        ready = outcomes[0]
+        self.name, self.timeout = ready["name"], ready["timeout"]
+        self.hang_after = ready["hang_after"]
+        if self.hang_after:  # how often the watchdog looks: a sample times out in 1-1.1x
+            self.tick = self.hang_after / 10
+        for process in processes:
+            self._idle.put_nowait(process)
+
+    @contextlib.asynccontextmanager
+    async def process(self, deadline: float):
+        """A free process for one request, waiting for one up to `deadline` (loop time)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                process = await asyncio.wait_for(self._idle.get(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise CallFailed(
+                    "DEADLINE_EXCEEDED",
+                    "the call's deadline passed before a scoring process was free",
+                ) from None
+            if process.alive:
+                break
+            self._restart_later(process)  # it died while idle (the OOM killer, say)
+        try:
+            yield process
+        finally:
+            if process.recycle or not process.alive:
+                self._restart_later(process)
+            else:
+                self._idle.put_nowait(process)
+
+    def _restart_later(self, process: ScoringProcess) -> None:
+        task = asyncio.ensure_future(self._restart_and_free(process))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart_and_free(self, process: ScoringProcess) -> None:
+        await self.restart(process)
+        if not self._closed:
+            self._idle.put_nowait(process)
+
+    async def restart(self, process: ScoringProcess) -> None:
+        """Replace `process`'s child with a new one, retrying with backoff until one starts.
+        While starts fail, the pool reports itself unhealthy (NOT_SERVING)."""
+        await process.stop()
+        process.recycle = False
+        delay = RESTART_BACKOFF[0]
+        while not self._closed:
+            try:
+                await process.start()
+                self._set_health(True)
+                return
+            except StartFailed as error:
+                log.error("a scoring process failed to start (retry in %gs): %s", delay, error)
+                self._set_health(False)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESTART_BACKOFF[1])
+
+    def _set_health(self, healthy: bool) -> None:
+        if healthy != self.healthy:
+            self.healthy = healthy
+            if self.on_health_change:
+                self.on_health_change(healthy)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._restarts):
+            task.cancel()
+        await asyncio.gather(*(p.stop() for p in self._all), return_exceptions=True)

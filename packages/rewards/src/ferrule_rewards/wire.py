@@ -1,0 +1,81 @@
+"""The Score call's bytes: a ScoreRequest into rows for a scorer, and results into a
+ScoreResponse. This runs in the scoring processes (child.py), never on the server's event loop:
+decoding a large request takes seconds, and health checks must not wait for it."""
+
+from operator import attrgetter, methodcaller
+
+from google.protobuf.message import DecodeError
+
+from ferrule_rewards import rewards_pb2 as pb
+from ferrule_rewards.records import Scores, Status
+
+STATUS_TO_WIRE = {
+    status: pb.SampleStatus.Value(f"SAMPLE_STATUS_{status.name}") for status in Status
+}
+MISSING_RESPONSE = {
+    "status": STATUS_TO_WIRE[Status.INVALID_SAMPLE],
+    "error": "sample has no `response` (send an empty string for an empty generation)",
+}
+_HAS_RESPONSE = methodcaller("HasField", "response")
+_CONTAINERS = {"metadata": dict, "prompt_token_ids": list, "response_token_ids": list}
+
+
+class InvalidRequest(ValueError):
+    """The request is not one the server scores: INVALID_ARGUMENT, with this message."""
+
+
+def decode(body, max_batch: int) -> list:
+    """The samples of a serialized ScoreRequest; InvalidRequest saying what is wrong."""
+    try:
+        samples = pb.ScoreRequest.FromString(body).samples
+    except DecodeError as error:
+        raise InvalidRequest(f"bad ScoreRequest: {error}") from None
+    if not samples:
+        raise InvalidRequest("empty batch: no samples")
+    if len(samples) > max_batch:
+        raise InvalidRequest(
+            f"batch of {len(samples)} samples is over this server's limit of {max_batch}; "
+            "split it into smaller calls"
+        )
+    return list(samples)  # one Python wrapper per sample, reused by every pass after this
+
+
+def without_response(samples: list) -> list[int]:
+    """Indices of the samples that have no `response` (they get MISSING_RESPONSE)."""
+    if all(map(_HAS_RESPONSE, samples)):
+        return []
+    return [index for index, sample in enumerate(samples) if not sample.HasField("response")]
+
+
+def rows(samples: list, fields: tuple[str, ...]) -> list[tuple]:
+    """The fields a scorer takes, one tuple per sample. Only those fields are read: turning
+    protobuf values into Python ones is most of the work on a large batch."""
+    values = list(map(attrgetter(*fields), samples))
+    if len(fields) == 1:
+        values = [(value,) for value in values]
+    converts = [(i, _CONTAINERS[f]) for i, f in enumerate(fields) if f in _CONTAINERS]
+    if converts:  # protobuf containers become plain dicts and lists
+        values = [list(row) for row in values]
+        for row in values:
+            for i, make in converts:
+                row[i] = make(row[i])
+        values = [tuple(row) for row in values]
+    return values
+
+
+def results(scores: Scores) -> list[dict]:
+    """One wire result (a dict for pb.Result) per score."""
+    out = [{"reward": reward} for reward in scores.rewards]
+    for index, (status, message) in scores.errors.items():
+        out[index] = {"status": STATUS_TO_WIRE[status], "error": message}
+    for index, subs in scores.sub_scores.items():
+        out[index]["sub_scores"] = subs
+    return out
+
+
+def failure(status: Status, message: str) -> dict:
+    return {"status": STATUS_TO_WIRE[status], "error": message}
+
+
+def encode(results_in_order: list[dict]) -> bytes:
+    return pb.ScoreResponse(results=results_in_order).SerializeToString()
