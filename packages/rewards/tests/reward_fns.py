@@ -94,3 +94,17 @@ def pid(response: str) -> dict[str, float]:
     if response:
         time.sleep(float(response))
     return {"reward": 1.0, "pid": float(os.getpid()), "server": float(os.getppid())}
+
+
+def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, float]:
+    """The built-in math_reward (reading the metadata, as a real function may), except for
+    `@gil` (C code that holds the GIL for hours) and `@spin` (5 s of pure Python work)."""
+    from ferrule_rewards.builtin import math_reward
+
+    if response == "@gil":
+        re.match(r"(a|aa)*c", "a" * 60)
+    if response == "@spin":
+        stop = time.monotonic() + 5
+        while time.monotonic() < stop:
+            pass
+    return math_reward(response, label or "0") | {"metadata": float(len(metadata))}

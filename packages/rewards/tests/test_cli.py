@@ -3,12 +3,14 @@ replicas with one killed under load."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import grpc
 import pytest
@@ -55,6 +57,24 @@ def test_serve_and_score_from_the_command_line(spawn):
         (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
         (["--model", "/no/such/model"], "no config.json"),
         (["--bind", "localhost"], "expected host:port"),
+        # Each of these started a server that refused everything, removed a limit, or ended
+        # in a traceback.
+        (["--max-concurrency", "0"], "argument --max-concurrency: 0 is out of range: must be >= 1"),
+        (["--max-batch", "0"], "argument --max-batch: 0 is out of range"),
+        (["--max-message-mb", "0"], "argument --max-message-mb: 0 is out of range: must be > 0"),
+        (["--max-message-mb", "-1"], "argument --max-message-mb: -1 is out of range"),
+        (["--max-message-mb", "4096"], "4096 is out of range: must be > 0 and <= 1024"),
+        (["--grace", "nan"], "argument --grace: nan is out of range: must be >= 0"),
+        (["--grace", "-5"], "argument --grace: -5 is out of range"),
+        (["--timeout", "inf"], "argument --timeout: inf is out of range: must be > 0"),
+        (["--call-timeout", "0"], "argument --call-timeout: 0 is out of range"),
+        (["--processes", "0"], "argument --processes: 0 is out of range"),
+        (["--max-batch", "many"], "argument --max-batch: 'many' is not a int"),
+        (["--max-stuck", "1"], "unrecognized arguments: --max-stuck"),
+        (
+            ["--bind", "0.0.0.0:0", "--tls-cert", "c.pem", "--tls-key", "k.pem"],
+            "TLS alone lets any client in",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_and_say_why(spawn, args, message):
@@ -112,6 +132,52 @@ def test_sigterm_drains(spawn, fn_spec):
     assert server.process.wait(10) == 0
     assert time.monotonic() - started < 5
     assert any("draining: 1 call(s) in progress" in line for line in server.log)
+
+
+def test_a_drain_cut_short_by_the_grace_period_exits_1_and_says_so(spawn, fn_spec):
+    """It logged CancelledError tracebacks and exited 0, as if every call had finished."""
+    server = spawn("--function", fn_spec("slow"), "--grace", "0.5")
+    outcome = {}
+
+    def in_flight():
+        try:
+            RewardClient(server.address).score([{"response": "20"}])
+        except RewardError as error:
+            outcome["error"] = error
+
+    caller = threading.Thread(target=in_flight)
+    caller.start()
+    time.sleep(0.5)  # the call is being scored
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(10) == 1
+    caller.join()
+    assert "error" in outcome  # the client was told: its call did not finish
+    log = "".join(server.log)
+    assert "the grace period (0.5s) ended with 1 call(s) in flight" in log
+    assert "Traceback" not in log
+
+
+def test_the_docker_health_check_works_with_tls_when_told_how(spawn, certs):
+    """The image's HEALTHCHECK spoke plaintext: it failed as soon as TLS was on. It now takes
+    FERRULE_REWARDS_HEALTH_ARGS. Runs the Dockerfile's own command."""
+    dockerfile = (Path(__file__).parents[1] / "deploy" / "Dockerfile").read_text()
+    command = re.search(r"HEALTHCHECK[^\n]*\\\n\s*CMD (.*)", dockerfile)[1]
+    server = spawn(
+        "--function", "ferrule_rewards.builtin:exact_match", "--tls-cert", str(certs.server_cert),
+        "--tls-key", str(certs.server_key), "--tls-client-ca", str(certs.ca),
+    )  # fmt: skip
+    port = server.address.rsplit(":", 1)[1]
+    command = command.replace("rlhf-rewards", f"{sys.executable} -m ferrule_rewards")
+    command = command.replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+    told = (
+        f"--tls-ca {certs.ca} --tls-cert {certs.client_cert} --tls-key {certs.client_key} "
+        "--tls-server-name localhost"
+    )
+    for args, status in (("", 1), (told, 0)):
+        env = {**os.environ, "FERRULE_REWARDS_HEALTH_ARGS": args}
+        done = subprocess.run(command, shell=True, env=env, capture_output=True, timeout=60)
+        assert done.returncode == status, done
+    assert server.stop() == 0
 
 
 @pytest.mark.slow

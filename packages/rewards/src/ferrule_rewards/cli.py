@@ -146,6 +146,11 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-ca", help="CA (PEM) to verify the server; enables TLS")
     add("--tls-cert", help="client certificate (PEM), for mutual TLS")
     add("--tls-key", help="client private key (PEM), for mutual TLS")
+    add(
+        "--tls-server-name",
+        help="the name the server's certificate carries, when not the address's host "
+        "(a health check on 127.0.0.1 of a server whose certificate names its DNS name)",
+    )
     add("--timeout", type=_SECONDS, default=60.0, help="deadline per call in seconds")
 
 
@@ -222,6 +227,7 @@ def _client(args):
         tls_ca=args.tls_ca,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
         timeout=args.timeout,
     )
 

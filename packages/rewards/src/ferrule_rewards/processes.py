@@ -271,6 +271,7 @@ class ScoringProcess:
             await asyncio.get_running_loop().run_in_executor(None, self.process.wait)
         if self.mark is not None:
             self.mark.close()
+            self.mark = None
 
 
 class _Job:

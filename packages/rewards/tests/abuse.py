@@ -1,0 +1,260 @@
+"""Attacks on a reward server, and what a well-behaved client sees meanwhile.
+
+    watch = Watch(server_pid, address, token)       # health checks, normal calls, memory
+    for attack in ATTACKS: outcome = attack(address, token); ...
+    report = watch.stop()
+
+Each attack is bounded in time (seconds), returns how many of its calls were answered the way
+they should be and how many it made, and leaves nothing running on the client side. `Watch`
+meanwhile checks health every 50 ms, makes a normal Score call every 100 ms (retrying a busy
+refusal within its deadline, as RewardClient does), and samples the memory of the server and
+of its scoring processes. tests/test_abuse.py asserts on it; benchmarks/rewards_abuse.py
+records it.
+"""
+
+import os
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ferrule_rewards import rewards_pb2 as pb
+from ferrule_rewards.client import METHOD
+
+NORMAL_DEADLINE = 5.0  # a normal call must get its correct answer within this
+NORMAL = pb.ScoreRequest(samples=[{"response": "#### 4", "label": "4"}]).SerializeToString()
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            todo += [int(child) for child in task.read_text().split()]
+    return pids
+
+
+def rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError):
+        return 0
+
+
+def cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _channel(address: str) -> grpc.Channel:
+    # Each its own connection, and big enough for the attacks' messages.
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    return grpc.insecure_channel(address, options=options)
+
+
+def _auth(token: str | None) -> list:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+@dataclass
+class Watch:
+    server_pid: int
+    address: str
+    token: str
+    health_ms: list[float] = field(default_factory=list)
+    health_failures: list[str] = field(default_factory=list)
+    normal_s: list[float] = field(default_factory=list)
+    normal_failures: list[str] = field(default_factory=list)
+    peak_server_rss: int = 0
+    peak_tree_rss: int = 0
+
+    def __post_init__(self):
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._health, daemon=True),
+            threading.Thread(target=self._normal, daemon=True),
+            threading.Thread(target=self._memory, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def mark(self) -> tuple[int, int, int, int]:
+        """Where each record stands now, to read what happened during one attack."""
+        return (
+            len(self.health_ms),
+            len(self.health_failures),
+            len(self.normal_s),
+            len(self.normal_failures),
+        )
+
+    def _health(self) -> None:
+        with _channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self._stop.wait(0.05):
+                started = time.perf_counter()
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        self.health_failures.append(f"status {reply.status}")
+                except grpc.RpcError as error:
+                    self.health_failures.append(f"{error.code().name}: {error.details()}")
+                self.health_ms.append((time.perf_counter() - started) * 1000)
+
+    def _normal(self) -> None:
+        with _channel(self.address) as channel:
+            call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+            while not self._stop.wait(0.1):
+                started = time.perf_counter()
+                outcome = None
+                while outcome is None:
+                    left = NORMAL_DEADLINE - (time.perf_counter() - started)
+                    try:
+                        reply = call(NORMAL, timeout=max(left, 0.01), metadata=_auth(self.token))
+                        result = reply.results[0]
+                        outcome = "" if result.reward == 1.1 else f"wrong answer: {result}"
+                    except grpc.RpcError as error:
+                        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and left > 0.1:
+                            time.sleep(0.05)  # busy: retry within the deadline
+                            continue
+                        outcome = f"{error.code().name}: {error.details()}"
+                if outcome:
+                    self.normal_failures.append(outcome)
+                else:
+                    self.normal_s.append(time.perf_counter() - started)
+
+    def _memory(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak_server_rss = max(self.peak_server_rss, rss(self.server_pid))
+            self.peak_tree_rss = max(self.peak_tree_rss, sum(map(rss, tree(self.server_pid))))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(NORMAL_DEADLINE + 2)
+
+
+def _calls(address, bodies, *, token, timeout, expect, workers=32) -> tuple[int, int]:
+    """Send `bodies` concurrently; (answered as `expect(reply or error)` says, sent)."""
+    with _channel(address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+
+        def one(body):
+            try:
+                return expect(call(body, timeout=timeout, metadata=_auth(token)))
+            except grpc.RpcError as error:
+                return expect(error)
+
+        with ThreadPoolExecutor(workers) as pool:
+            outcomes = list(pool.map(one, bodies))
+    return sum(outcomes), len(outcomes)
+
+
+def _statuses(*names):
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            return reply.code().name in names
+        return all(pb.SampleStatus.Name(r.status)[14:] in names for r in reply.results)
+
+    return expect
+
+
+def _request(*responses: str, **extra) -> bytes:
+    return pb.ScoreRequest(
+        samples=[{"response": r, "label": "4", **extra} for r in responses]
+    ).SerializeToString()
+
+
+def quadratic_answers(address, token):
+    """math_reward's answer extraction on inputs that were quadratic (minutes to hours)."""
+    bodies = [
+        _request("\n" * (600 << 10)),
+        _request(*["\\boxed{" * 2048] * 16),  # 14 KiB each
+        _request("answer is a" + " " * (1 << 20) + "b"),
+        _request("#### a" + " " * (1 << 20) + "b"),
+    ] * 2
+    return _calls(address, bodies, token=token, timeout=30, expect=_statuses("OK"))
+
+
+def gil_hang(address, token):
+    """A reward function stuck in C code that holds the GIL, next to normal samples."""
+    body = _request("#### 4", "@gil", "#### 4")
+
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            return False
+        statuses = [pb.SampleStatus.Name(r.status)[14:] for r in reply.results]
+        return statuses == ["OK", "TIMEOUT", "OK"] and reply.results[0].reward == 1.1
+
+    return _calls(address, [body] * 4, token=token, timeout=30, expect=expect)
+
+
+def unauthenticated_flood(address, token):
+    """16 concurrent 60 MiB calls without a token: each read whole before being refused."""
+    body = _request("x" * (60 << 20))
+    expect = _statuses("UNAUTHENTICATED")
+    return _calls(address, [body] * 16, token=None, timeout=30, expect=expect, workers=16)
+
+
+def cancel_flood(address, token):
+    """150 calls of CPU-bound work with a 30 ms deadline: the work must stop with them."""
+    body = _request("@spin")
+    expect = _statuses("DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "TIMEOUT")
+    return _calls(address, [body] * 150, token=token, timeout=0.03, expect=expect)
+
+
+def huge_metadata(address, token):
+    """A 60 MiB request carrying a map of millions of entries, which the function reads."""
+    sample = pb.Sample(response="#### 4", label="4")
+    for index in range(4_000_000):
+        sample.metadata[str(index)] = ""
+    body = pb.ScoreRequest(samples=[sample]).SerializeToString()
+    expect = _statuses("OK", "TIMEOUT", "RESOURCE_EXHAUSTED")
+    return _calls(address, [body], token=token, timeout=20, expect=expect)
+
+
+def watch_flood(address, token):
+    """Health Watch streams need no token: 300 of them, held open for a second."""
+    with _channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        streams = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=2) for _ in range(300)]
+        refused = held = 0
+        for stream in streams:
+            try:
+                next(stream)
+                held += 1
+            except grpc.RpcError as error:
+                refused += error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        time.sleep(1.0)
+        for stream in streams:
+            stream.cancel()
+    # Answered as they should: the first 64 served, the rest refused at once.
+    return (held == 64) * held + refused, len(streams)
+
+
+def garbage(address, token):
+    """Bytes that are not a ScoreRequest."""
+    rng = random.Random(0)
+    bodies = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(200)]
+    expect = _statuses("INVALID_ARGUMENT", "OK", "INVALID_SAMPLE", "ERROR")
+    return _calls(address, bodies, token=token, timeout=10, expect=expect)
+
+
+ATTACKS = [
+    quadratic_answers,
+    gil_hang,
+    unauthenticated_flood,
+    cancel_flood,
+    huge_metadata,
+    watch_flood,
+    garbage,
+]
