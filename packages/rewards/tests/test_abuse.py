@@ -69,8 +69,10 @@ def test_no_request_freezes_starves_or_bloats_the_server(spawn, fn_spec):
                 for f in watch.normal_failures[normal_failed_at:]
             ]
             slowest = max(watch.health_ms[health_at:], default=0)
+            normal = max(watch.normal_s[normal_at:], default=0)
             print(
-                f"{attack.__name__}: {answered}/{sent} in {took:.1f}s, health max {slowest:.0f} ms"
+                f"{attack.__name__}: {answered}/{sent} in {took:.1f}s; slowest health check "
+                f"{slowest:.0f} ms, slowest normal call {normal:.2f} s"
             )
     finally:
         watch.stop()
