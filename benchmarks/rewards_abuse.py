@@ -15,10 +15,8 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +29,6 @@ def load_abuse():
     module = sys.modules["abuse"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def percentile(values: list[float], q: float) -> float:
-    if len(values) < 2:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def main() -> None:
@@ -54,37 +46,15 @@ def main() -> None:
     address = (
         next(line for line in server.stderr if " serving " in line).split(" on ")[1].split()[0]
     )
-    watch = abuse.Watch(server.pid, address, TOKEN)
-    rows = []
     try:
-        time.sleep(0.5)
-        for attack in abuse.ATTACKS:
-            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
-            started = time.monotonic()
-            answered, sent = attack(address, TOKEN)
-            took = time.monotonic() - started
-            time.sleep(1.0)  # what the attack left behind shows in the figures too
-            health = watch.health_ms[health_at:]
-            rows.append(
-                {
-                    "attack": attack.__name__,
-                    "answered": answered,
-                    "sent": sent,
-                    "seconds": round(took, 2),
-                    "health_ms_p50": round(percentile(health, 50), 1),
-                    "health_ms_p99": round(percentile(health, 99), 1),
-                    "health_ms_max": round(max(health), 1),
-                    "health_failures": len(watch.health_failures) - health_failed_at,
-                    "normal_calls": len(watch.normal_s) - normal_at,
-                    "normal_s_max": round(max(watch.normal_s[normal_at:], default=0), 3),
-                    "normal_failures": len(watch.normal_failures) - normal_failed_at,
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+        rows, watch = abuse.run_all(server.pid, address, TOKEN, args.processes)
     finally:
-        watch.stop()
         server.terminate()
         server.wait(30)
+    for row in rows:
+        row["health_failures"] = len(row["health_failures"])
+        row["normal_failures"] = len(row["normal_failures"])
+        print(json.dumps(row))
     answered = sum(row["answered"] for row in rows)
     sent = sum(row["sent"] for row in rows)
     print(

@@ -1,8 +1,6 @@
 """Attacks on a reward server, and what a well-behaved client sees meanwhile.
 
-    watch = Watch(server_pid, address, token)       # health checks, normal calls, memory
-    for attack in ATTACKS: outcome = attack(address, token); ...
-    report = watch.stop()
+    rows, watch = run_all(server_pid, address, token, processes=2)   # a row per attack
 
 Each attack is bounded in time (seconds), returns how many of its calls were answered the way
 they should be and how many it made, and leaves nothing running on the client side. `Watch`
@@ -14,6 +12,7 @@ records it.
 
 import os
 import random
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -259,3 +258,59 @@ ATTACKS = [
     watch_flood,
     garbage,
 ]
+
+
+def idle_within(server_pid: int, processes: int, seconds: float) -> bool:
+    """Whether, within `seconds`, the server is down to its `processes` scoring processes and
+    none of them uses the CPU (over 0.3 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        children = tree(server_pid)[1:]
+        before = sum(map(cpu_ticks, children))
+        time.sleep(0.3)
+        after = sum(map(cpu_ticks, tree(server_pid)[1:]))
+        if len(children) == processes and after - before <= 1:
+            return True
+    return False
+
+
+def _percentile(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else 0.0
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[list, Watch]:
+    """Every attack in turn, with a Watch throughout: a row of figures per attack, and the
+    Watch (stopped) for the whole run's."""
+    watch = Watch(server_pid, address, token)
+    rows = []
+    try:
+        time.sleep(0.5)
+        for attack in ATTACKS:
+            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
+            started = time.monotonic()
+            answered, sent = attack(address, token)
+            took = time.monotonic() - started
+            # Every call's deadline has passed: nothing may still be working 1.5 s on.
+            idle = idle_within(server_pid, processes, 1.5)
+            health = watch.health_ms[health_at:]
+            rows.append(
+                {
+                    "attack": attack.__name__,
+                    "answered": answered,
+                    "sent": sent,
+                    "seconds": round(took, 2),
+                    "idle_after": idle,
+                    "health_ms_p50": round(_percentile(health, 50), 1),
+                    "health_ms_p99": round(_percentile(health, 99), 1),
+                    "health_ms_max": round(max(health, default=0), 1),
+                    "health_failures": watch.health_failures[health_failed_at:],
+                    "normal_calls": len(watch.normal_s) - normal_at,
+                    "normal_s_max": round(max(watch.normal_s[normal_at:], default=0), 3),
+                    "normal_failures": watch.normal_failures[normal_failed_at:],
+                }
+            )
+    finally:
+        watch.stop()
+    return rows, watch
