@@ -8,6 +8,7 @@ Output directory layout ([output] dir):
     checkpoint/launcher.json  the last complete checkpoint (step, accuracy_before, ...)
     checkpoint/policy/stepN   the policy's resumable DeepSpeed state (and checkpoint/critic)
     roles.json                where each role runs (node, pid), the reward server's address
+    .run.lock                 held (flock) by the run in progress: one run per directory
     policy/                   the final policy in Hugging Face format
 Every process the run starts (Ray actors, the reward server) stops when it ends, fails or is
 interrupted; a role that dies stops the run with an error that names it.
@@ -18,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from ferrule_launcher import outputs
+from ferrule_launcher import outputs, run_lock
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.loop import Loop
@@ -32,6 +33,13 @@ def run(config: Config, resume: bool = False) -> dict:
     # Read when ray is imported: under `uv run`, Ray would pack the working directory and start
     # every worker through uv again; the workers share this interpreter.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    out = Path(config.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with run_lock.hold(out):  # before anything: a second run on `out` stops here
+        return _run(config, out, resume)
+
+
+def _run(config: Config, out: Path, resume: bool) -> dict:
     import ray
 
     from ferrule_launcher.placement import check_fits, role_env, start_ray
@@ -40,8 +48,6 @@ def run(config: Config, resume: bool = False) -> dict:
     from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
-    out = Path(config.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = outputs.last_checkpoint(out) if resume else None
     if not resume:
         outputs.clear_previous(out)
