@@ -18,7 +18,6 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
-import logging
 import math
 import sys
 import traceback
@@ -35,7 +34,6 @@ from ferrule_rewards.records import (
     check_reward,
 )
 
-log = logging.getLogger(__name__)
 _TIMED_OUT = object()  # marks an output whose call ran past the timeout
 _MAX_ERROR_CHARS = 1000
 

@@ -2,7 +2,8 @@
 
 `Sample` is what a per-batch reward function receives, `Scores` is what a backend hands back to
 the server for one batch, and `Result` is what the client returns for each sample. `Status`
-names the per-sample outcomes of the wire format's `SampleStatus`.
+names the per-sample outcomes of the wire format's `SampleStatus`. `Progress` is how a backend
+tells its scoring process which sample it has started and what it finished.
 """
 
 import math
