@@ -71,6 +71,26 @@ async def async_batch(samples: list[Sample]) -> list[float]:
     return [float(len(s.response)) for s in samples]
 
 
+# Locks bind to the event loop of their first contended wait, as aiohttp sessions and client
+# pools bind to theirs: a second batch on another loop fails with "bound to a different loop".
+_row_lock, _batch_lock = asyncio.Lock(), asyncio.Lock()
+
+
+async def locked_length(response: str) -> float:
+    async with _row_lock:
+        await asyncio.sleep(0.001)
+    return float(len(response))
+
+
+async def locked_batch(samples: list[Sample]) -> list[float]:
+    async def one(sample):
+        async with _batch_lock:
+            await asyncio.sleep(0.001)
+        return float(len(sample.response))
+
+    return list(await asyncio.gather(*map(one, samples)))
+
+
 def slow(response: str) -> float:
     time.sleep(float(response or 0.5))
     return 1.0

@@ -111,6 +111,19 @@ def test_async_functions(scorer):
     assert scores.errors[2][1].startswith("RuntimeError: async raise")
 
 
+def test_an_async_function_keeps_its_event_loop_from_batch_to_batch(scorer):
+    """What a function binds to the loop (here a contended asyncio.Lock; in real functions an
+    aiohttp session) must still work in the next batch: one loop for the scorer's life."""
+    rows = [("", r, [], [], "", {}) for r in ("ab", "abc", "abcd")]
+    for name, batch in (("locked_length", [("ab",), ("abc",), ("abcd",)]), ("locked_batch", rows)):
+        fn = scorer(name)
+        for _ in range(3):
+            scores = score(fn, batch)
+            assert scores.errors == {}, scores.errors
+            assert scores.rewards == [2.0, 3.0, 4.0]
+        fn.close()
+
+
 def test_batch_functions(scorer):
     rows = [("", r, [], [], "", {}) for r in ("ab", "raise", "abcd")]
     scores = score(scorer("batch_lengths"), rows)

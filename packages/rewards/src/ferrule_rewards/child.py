@@ -151,7 +151,7 @@ def _score_request(conn, mark, scorer, meta, body, timeout, ready_rss) -> bool:
             _current = None
     recycle = _rss() > ready_rss + RECYCLE_GROWTH
     if reporter.sent or meta["skip"]:
-        rest = wire.results(scores)[reporter.sent :]
+        rest = wire.results(scores, start=reporter.sent)
         indices = list(todo)[reporter.sent :]
         results = [[index, result] for index, result in zip(indices, rest, strict=True)]
         _send(conn, b"E", {"recycle": recycle, "results": results})

@@ -125,7 +125,8 @@ class FunctionScorer:
     replaces when a sync call runs past `timeout` (`hang_after`). Nothing here can stop a sync
     call, and nothing should try: a thread cannot be stopped, and a hang that holds the GIL
     freezes every thread of its process. An async function's samples run concurrently on the
-    process's event loop and time out here."""
+    scorer's event loop and time out here: one loop for the scorer's life, so that what the
+    function binds to a loop (an aiohttp session, a client's connection pool) outlives a batch."""
 
     def __init__(self, fn: Callable, *, timeout: float = 30.0):
         if not (timeout > 0 and math.isfinite(timeout)):
@@ -137,6 +138,7 @@ class FunctionScorer:
         # Seconds a process may go without starting another sample before the server takes it
         # for hung. An async function times out on its own event loop; the margin is for that.
         self.hang_after = timeout + max(1.0, timeout / 10) if self.is_async else timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def load(cls, spec: str, timeout: float = 30.0) -> "FunctionScorer":
@@ -155,7 +157,7 @@ class FunctionScorer:
                 rows = [dict(zip(self.fields, row, strict=True)) for row in rows]
             if self.is_async:
                 progress.start(-1)
-                outputs = asyncio.run(self._score_rows_async(rows))
+                outputs = self._run(self._score_rows_async(rows))
             else:
                 outputs = self._score_rows(rows, progress)
         if outputs is not None:
@@ -178,7 +180,7 @@ class FunctionScorer:
     def _score_batch(self, samples: list[Sample], scores: Scores) -> list | None:
         try:
             if self.is_async:
-                outputs = asyncio.run(asyncio.wait_for(self.fn(samples), self.timeout))
+                outputs = self._run(asyncio.wait_for(self.fn(samples), self.timeout))
             else:
                 outputs = self.fn(samples)
         except TimeoutError:
@@ -207,8 +209,17 @@ class FunctionScorer:
                 task.cancel()  # no-op for the finished ones
         return [_TIMED_OUT if t in pending else (t.exception() or t.result()) for t in tasks]
 
+    def _run(self, coroutine):
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)  # for code that asks asyncio.get_event_loop()
+        return self._loop.run_until_complete(coroutine)
+
     def close(self) -> None:
-        pass
+        if self._loop is not None:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+            self._loop = None
 
 
 def collect(outputs: list, scores: Scores, timeout: float) -> None:

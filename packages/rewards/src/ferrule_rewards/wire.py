@@ -63,13 +63,15 @@ def rows(samples: list, fields: tuple[str, ...]) -> list[tuple]:
     return values
 
 
-def results(scores: Scores) -> list[dict]:
-    """One wire result (a dict for pb.Result) per score."""
-    out = [{"reward": reward} for reward in scores.rewards]
+def results(scores: Scores, start: int = 0) -> list[dict]:
+    """One wire result (a dict for pb.Result) per score, from the `start`-th on."""
+    out = [{"reward": reward} for reward in scores.rewards[start:]]
     for index, (status, message) in scores.errors.items():
-        out[index] = {"status": STATUS_TO_WIRE[status], "error": message}
+        if index >= start:
+            out[index - start] = {"status": STATUS_TO_WIRE[status], "error": message}
     for index, subs in scores.sub_scores.items():
-        out[index]["sub_scores"] = subs
+        if index >= start:
+            out[index - start]["sub_scores"] = subs
     return out
 
 
