@@ -1,7 +1,5 @@
 """Secure by default: loopback binding, the token on every call, TLS and mutual TLS."""
 
-import re
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -9,53 +7,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from ferrule_grpc_auth import TLS, InsecureBindError
 from ferrule_rewards.client import RewardClient, RewardError, RewardServersUnavailable
-from ferrule_rewards.security import (
-    InsecureBindError,
-    check_bind,
-    is_loopback,
-    read_token,
-    split_address,
-)
-from ferrule_rewards.server import TLS
 
 TOKEN = "s3cret-token-for-tests-0123456789"
-
-
-@pytest.mark.parametrize(
-    ("host", "loopback"),
-    [
-        ("127.0.0.1", True),
-        ("127.8.9.10", True),
-        ("::1", True),
-        ("localhost", True),
-        ("0.0.0.0", False),
-        ("::", False),
-        ("", False),
-        ("192.0.2.7", False),
-        ("no-such-host.invalid", False),
-    ],
-)
-def test_is_loopback(host, loopback):
-    assert is_loopback(host) is loopback
-
-
-def test_split_address():
-    assert split_address("127.0.0.1:50051") == ("127.0.0.1", 50051)
-    assert split_address("[::1]:0") == ("::1", 0)
-    with pytest.raises(ValueError, match="expected host:port"):
-        split_address("localhost")
-
-
-def test_non_loopback_needs_a_token_or_mutual_tls():
-    """Server-only TLS encrypts but lets any client in: it counted as authentication."""
-    check_bind("127.0.0.1:50051", token=None, client_auth=False)
-    check_bind("unix:/tmp/rewards.sock", token=None, client_auth=False)
-    for address in ("0.0.0.0:50051", "[::]:50051", "192.0.2.7:50051"):
-        with pytest.raises(InsecureBindError, match="clients need not authenticate"):
-            check_bind(address, token=None, client_auth=False)
-        check_bind(address, token=TOKEN, client_auth=False)
-        check_bind(address, token=None, client_auth=True)
 
 
 def test_server_only_tls_beyond_loopback_is_refused_and_mutual_tls_is_not(serve, certs):
@@ -77,31 +32,6 @@ def test_server_only_tls_beyond_loopback_is_refused_and_mutual_tls_is_not(serve,
         pytest.raises(RewardServersUnavailable),
     ):
         c.score([{"response": "abc"}])  # TLS without a client certificate: not let in
-
-
-def test_tokens_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    monkeypatch.delenv("FERRULE_REWARDS_TOKEN", raising=False)
-    assert read_token(None) is None
-    monkeypatch.setenv("FERRULE_REWARDS_TOKEN", TOKEN)
-    assert read_token(None) == TOKEN
-    (tmp_path / "token").write_text(TOKEN + "\n")
-    assert read_token(tmp_path / "token") == TOKEN
-    (tmp_path / "short").write_text("hunter2")
-    with pytest.raises(ValueError, match="7 characters; use at least 16"):
-        read_token(tmp_path / "short")
-    with pytest.raises(ValueError, match="cannot read token file"):
-        read_token(tmp_path / "missing")
-
-
-@pytest.mark.parametrize(
-    ("token", "bad"),
-    [("é" * 20, "'é' at position 0"), ("abcdefgh\nijklmnopq", "'\\n' at position 8"),
-     ("abcdefgh ijklmnopq", "' ' at position 8"), ("abcdefghijklmnop\x00", "'\\x00' at position 16")],
-)  # fmt: skip
-def test_a_token_no_client_can_send_is_refused(tmp_path, token, bad):
-    (tmp_path / "token").write_text(token)
-    with pytest.raises(ValueError, match=f"holds {re.escape(bad)}.*printable ASCII"):
-        read_token(tmp_path / "token")
 
 
 def test_every_call_needs_the_token(serve, monkeypatch):

@@ -1,7 +1,8 @@
 """`rlhf-rollout serve` as a user runs it: the real CLI in its own process, driven over gRPC.
 
-One server for the module (its engine start costs 10-40 s). Weight updates come from a
-shared-memory sender in this process, as a colocated trainer's would.
+One server for the module (its engine start costs 10-40 s), with a token, so every call here
+is an authenticated one. Weight updates come from a shared-memory sender in this process, as a
+colocated trainer's would.
 """
 
 import subprocess
@@ -14,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+from ferrule_grpc_auth import bearer
 from ferrule_rollout import SamplingSettings
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout.client import RolloutClient
@@ -23,14 +25,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
 
 pytestmark = pytest.mark.slow
+TOKEN = "rollout-test-token-0123456789abcdef"
 PROMPTS = ["Question: what is 12 + 30? Answer:", [5, 6, 7, 8]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def server(vllm_cpu_env):
+def server(vllm_cpu_env, tmp_path_factory):
+    token_file = tmp_path_factory.mktemp("token") / "token"
+    token_file.write_text(TOKEN)
     args = [sys.executable, "-m", "ferrule_rollout", "serve", "--model", str(tiny_model("qwen2"))]
     args += ["--bind", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256"]
+    args += ["--token-file", str(token_file)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:  # the engine logs first; the ready line names the port
@@ -48,7 +54,7 @@ def server(vllm_cpu_env):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with RolloutClient(server, timeout=120) as client:
+    with RolloutClient(server, timeout=120, token=TOKEN) as client:
         yield client
 
 
@@ -102,7 +108,7 @@ def raw_generate(server, prompts, **sampling):
     with grpc.insecure_channel(server) as channel:
         stub = pb_grpc().RolloutServiceStub(channel)
         request = pb.GenerateRequest(prompts=prompts, sampling=pb.SamplingSettings(**sampling))
-        return stub.Generate(request, timeout=60)
+        return stub.Generate(request, timeout=60, metadata=bearer(TOKEN))
 
 
 def pb_grpc():
@@ -154,6 +160,15 @@ def test_pause_queues_requests_and_resume_serves_them(client):
     client.resume()
     assert len(generating.get()) == 2
     assert client.health()["status"] == "serving"
+
+
+def test_without_the_token_nothing_is_served_and_nothing_changes(server, client):
+    with RolloutClient(server, timeout=30) as stranger:
+        for call in (stranger.health, stranger.pause, lambda: stranger.update_weights(timeout=1)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert client.health()["status"] == "serving"  # the stranger's pause did not happen
 
 
 def test_weight_update_over_grpc(client, policy):

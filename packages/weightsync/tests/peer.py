@@ -47,6 +47,7 @@ def run_receiver(args) -> None:
             args.rank,
             args.num_receivers,
             timeout=args.timeout,
+            secret=args.secret,
             **({"device": args.device} if args.transport == "broadcast" else {}),
         )
         expected = realistic_state_dict() if args.expect else None
@@ -96,6 +97,7 @@ def run_sender(args) -> None:
         args.num_receivers,
         bucket_bytes=args.bucket_bytes,
         timeout=args.timeout,
+        secret=args.secret,
     )
     state = realistic_state_dict()
     specs = [TensorSpec.of(name, t) for name, t in state.items()]
@@ -125,6 +127,7 @@ if __name__ == "__main__":
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
+    parser.add_argument("--secret", help="the group's shared secret")
     parser.add_argument("--out")
     args = parser.parse_args()
     run_sender(args) if args.role == "sender" else run_receiver(args)

@@ -97,15 +97,28 @@ def assert_same(received: dict, sent: dict) -> None:
 
 # gloo's default is several connections with several buckets in flight; one connection is the
 # other path through the same code. Receivers are never told: they learn it from the sender.
+# With a secret, every control message is signed and every receiver proves it knows it.
+SECRET = "weight-sync-test-secret-0123456789"
+
+
 @pytest.mark.parametrize(
     ("transport", "options"),
-    [("broadcast", {}), ("broadcast", {"streams": 1}), ("ipc", {})],
-    ids=["broadcast", "broadcast-1-stream", "ipc"],
+    [
+        ("broadcast", {}),
+        ("broadcast", {"streams": 1}),
+        ("ipc", {}),
+        ("broadcast", {"secret": SECRET}),
+        ("ipc", {"secret": SECRET}),
+    ],
+    ids=["broadcast", "broadcast-1-stream", "ipc", "broadcast-secret", "ipc-secret"],
 )
 @pytest.mark.parametrize("receivers", [1, 3])
 def test_round_trip_with_versions(transport, options, receivers, peers):
     port = free_port()
-    peers.start(receivers, transport=transport, port=port, num_receivers=receivers, updates=3)
+    secret = {"secret": options["secret"]} if "secret" in options else {}
+    peers.start(
+        receivers, transport=transport, port=port, num_receivers=receivers, updates=3, **secret
+    )
     sender = create_sender(
         transport,
         "127.0.0.1",

@@ -20,8 +20,14 @@ import math
 import sys
 from functools import partial
 
+from ferrule_grpc_auth import (
+    add_client_options,
+    add_server_options,
+    client_security,
+    server_security,
+)
 from ferrule_rewards.client import RewardError
-from ferrule_rewards.security import TOKEN_ENV, read_token
+from ferrule_rewards.security import TOKEN_ENV
 
 
 def _number(kind, low, high=math.inf, *, low_included=True):
@@ -69,10 +75,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="host:port to listen on; port 0 picks a free one. Anything but loopback needs a "
         "token or TLS (default: %(default)s)",
     )
-    add("--token-file", help=f"file holding the bearer token clients must send (or ${TOKEN_ENV})")
-    add("--tls-cert", help="server certificate (PEM); enables TLS, with --tls-key")
-    add("--tls-key", help="server private key (PEM)")
-    add("--tls-client-ca", help="CA (PEM) that signs client certificates: mutual TLS")
+    add_server_options(parser, token_env=TOKEN_ENV)
     add(
         "--timeout",
         type=_SECONDS,
@@ -142,15 +145,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("addresses", nargs="+", metavar="ADDRESS", help="host:port of one or more replicas")
-    add("--token-file", help=f"file holding the bearer token (or ${TOKEN_ENV})")
-    add("--tls-ca", help="CA (PEM) to verify the server; enables TLS")
-    add("--tls-cert", help="client certificate (PEM), for mutual TLS")
-    add("--tls-key", help="client private key (PEM), for mutual TLS")
-    add(
-        "--tls-server-name",
-        help="the name the server's certificate carries, when not the address's host "
-        "(a health check on 127.0.0.1 of a server whose certificate names its DNS name)",
-    )
+    add_client_options(parser, token_env=TOKEN_ENV)
     add("--timeout", type=_SECONDS, default=60.0, help="deadline per call in seconds")
 
 
@@ -175,24 +170,15 @@ def make_scorer(args):
 
 def _serve(args) -> None:
     from ferrule_rewards.processes import StartFailed
-    from ferrule_rewards.server import TLS, Limits, serve
+    from ferrule_rewards.server import Limits, serve
 
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    token = read_token(args.token_file)
-    tls = TLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    token, tls = server_security(args, token_env=TOKEN_ENV)
     limits = Limits(
         max_batch=args.max_batch,
         max_message_bytes=int(args.max_message_mb * (1 << 20)),
         max_concurrency=args.max_concurrency,
         call_timeout=args.call_timeout,
     )
-    if token and not tls:
-        logging.getLogger(__name__).warning(
-            "a token without TLS crosses the network in clear text; add --tls-cert/--tls-key"
-        )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
     options["address_file"] = args.address_file
     options["processes"] = args.processes
@@ -223,11 +209,7 @@ def _client(args):
 
     return RewardClient(
         args.addresses,
-        token=read_token(args.token_file),
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_server_name=args.tls_server_name,
+        **client_security(args, token_env=TOKEN_ENV),
         timeout=args.timeout,
     )
 

@@ -27,9 +27,10 @@ from dataclasses import asdict
 
 import grpc
 
+from ferrule_grpc_auth import bearer, channel_credentials
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.records import Result, Sample, Status
-from ferrule_rewards.security import TOKEN_ENV, channel_credentials
+from ferrule_rewards.security import TOKEN_ENV
 
 METHOD = "/{}/Score".format(pb.DESCRIPTOR.services_by_name["RewardService"].full_name)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -98,7 +99,7 @@ class RewardClient:
         self.timeout, self.retry_for, self.batch_size = timeout, retry_for, batch_size
         self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
         token = token or os.environ.get(TOKEN_ENV)
-        self._metadata = (("authorization", f"Bearer {token.strip()}"),) if token else None
+        self._metadata = bearer(token)
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

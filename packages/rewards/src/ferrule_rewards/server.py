@@ -31,9 +31,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ferrule_grpc_auth import TLS, TokenInterceptor, check_bind, split_address
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.processes import CallFailed, ScoringProcesses
-from ferrule_rewards.security import TokenInterceptor, check_bind, server_credentials, split_address
+from ferrule_rewards.security import NO_TOKEN_METHODS, TOKEN_ENV
 from ferrule_rewards.wire import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,6 @@ class Limits:
             raise ValueError(
                 f"call_timeout must be a number of seconds > 0, got {self.call_timeout}"
             )
-
-
-@dataclass(frozen=True)
-class TLS:
-    cert: str
-    key: str
-    client_ca: str | None = None
-    """With a client CA, clients must present a certificate it signed (mutual TLS)."""
 
 
 class _Health(health.aio.HealthServicer):
@@ -213,7 +206,12 @@ async def start(
     (processes.StartFailed when they cannot), and serve on `bind` (port 0 picks a free port;
     see `.address`). With `reuse_port`, it shares the port with other servers that set it
     (the workers of workers.py)."""
-    check_bind(bind, token=token, client_auth=tls is not None and tls.client_ca is not None)
+    check_bind(
+        bind,
+        token=token,
+        client_auth=tls is not None and tls.client_ca is not None,
+        token_env=TOKEN_ENV,
+    )
     scoring = ScoringProcesses(make_scorer, processes, limits.max_batch)
     await scoring.start()
     try:
@@ -226,7 +224,7 @@ async def start(
 async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> RewardServer:
     limits = server.limits
     grpc_server = grpc.aio.server(
-        interceptors=[TokenInterceptor(token)] if token else None,
+        interceptors=[TokenInterceptor(token, NO_TOKEN_METHODS)] if token else None,
         options=[
             ("grpc.max_receive_message_length", limits.max_message_bytes),
             ("grpc.max_send_message_length", limits.max_message_bytes),
@@ -247,9 +245,7 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
         if tls is None:
             port = grpc_server.add_insecure_port(bind)
         else:
-            port = grpc_server.add_secure_port(
-                bind, server_credentials(tls.cert, tls.key, tls.client_ca)
-            )
+            port = grpc_server.add_secure_port(bind, tls.server_credentials())
     except RuntimeError as error:  # gRPC raises this when it cannot bind
         raise OSError(f"cannot listen on {bind}: {error}") from None
     if bind.startswith("unix:"):

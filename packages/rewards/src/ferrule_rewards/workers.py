@@ -23,7 +23,8 @@ import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
-from ferrule_rewards.security import check_bind, split_address
+from ferrule_grpc_auth import check_bind, split_address
+from ferrule_rewards.security import TOKEN_ENV
 
 log = logging.getLogger(__name__)
 MAX_DEATHS, DEATH_WINDOW = 3, 60.0
@@ -75,7 +76,8 @@ def supervise(
     if bind.startswith("unix:"):
         raise ValueError(f"--workers > 1 needs a host:port to share, not {bind}")
     tls = options.get("tls")
-    check_bind(bind, token=options.get("token"), client_auth=bool(tls and tls.client_ca))
+    client_auth = bool(tls and tls.client_ca)
+    check_bind(bind, token=options.get("token"), client_auth=client_auth, token_env=TOKEN_ENV)
     held = reserve_port(bind)
     host, _ = split_address(bind)
     port = held.getsockname()[1]

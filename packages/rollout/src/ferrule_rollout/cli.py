@@ -1,10 +1,12 @@
 """`rlhf-rollout`: run a rollout engine as a standalone gRPC server.
 
     rlhf-rollout serve --model PATH [--bind 127.0.0.1:50051] [--dtype float32] [--tp 2] ...
+    rlhf-rollout serve --model PATH --bind 0.0.0.0:50051 --token-file token --tls-cert ...
 
 Prints one line `rlhf-rollout: serving MODEL on HOST:PORT` once the engine is up (tests and
 launchers wait for it), and shuts down cleanly on SIGINT / SIGTERM. Exit status 2: bad
-arguments or a model that cannot be loaded.
+arguments, an address beyond loopback without client authentication (checked before the
+model loads), or a model that cannot be loaded.
 """
 
 import argparse
@@ -14,13 +16,27 @@ import signal
 import sys
 import threading
 
+from ferrule_grpc_auth import add_server_options, check_bind, server_security
+from ferrule_rollout.server import TOKEN_ENV
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlhf-rollout", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="start a vLLM engine behind a gRPC server")
     serve.add_argument("--model", required=True, help="a local Hugging Face model folder")
-    serve.add_argument("--bind", default="127.0.0.1:50051", help="HOST:PORT (port 0: any free)")
+    serve.add_argument(
+        "--bind",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (port 0: any free). Anything but loopback needs a token or mutual TLS",
+    )
+    add_server_options(serve, token_env=TOKEN_ENV)
+    serve.add_argument(
+        "--engine",
+        choices=("vllm", "transformers"),
+        default="vllm",
+        help="vllm, or the transformers engine for machines without vLLM (default: vllm)",
+    )
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     serve.add_argument("--max-model-len", type=int, help="default: the model's own")
     serve.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
@@ -42,28 +58,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def serve(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace):
+    if args.engine == "transformers":
+        from ferrule_rollout.hf_engine import TransformersEngine
+
+        return TransformersEngine(
+            args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed
+        )
     from ferrule_rollout.engine import RolloutEngine
-    from ferrule_rollout.samples import RolloutError
-    from ferrule_rollout.server import serve as start_server
 
     if args.kv_cache_gib is not None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
-    try:
-        engine = RolloutEngine(
-            args.model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            seed=args.seed,
-            in_process=not args.multiprocess,
-            enable_sleep_mode=args.enable_sleep_mode,
-        )
-    except RolloutError as err:
+    return RolloutEngine(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        in_process=not args.multiprocess,
+        enable_sleep_mode=args.enable_sleep_mode,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    from ferrule_rollout.samples import RolloutError
+    from ferrule_rollout.server import serve as start_server
+
+    try:  # before the engine loads: a refused address costs nothing
+        token, tls = server_security(args, token_env=TOKEN_ENV)
+        client_auth = tls is not None and tls.client_ca is not None
+        check_bind(args.bind, token=token, client_auth=client_auth, token_env=TOKEN_ENV)
+        engine = _engine(args)
+    except (ValueError, RolloutError) as err:
         print(f"rlhf-rollout: error: {err}", file=sys.stderr)
         return 2
-    server, port = start_server(engine, args.bind, max_workers=args.max_workers)
+    server, port = start_server(engine, args.bind, args.max_workers, token=token, tls=tls)
     host = args.bind.rsplit(":", 1)[0]
     print(f"rlhf-rollout: serving {engine.model} on {host}:{port}", flush=True)
 

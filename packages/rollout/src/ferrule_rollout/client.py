@@ -1,6 +1,7 @@
 """A Python client for `rlhf-rollout serve`: the RolloutEngine verbs over gRPC.
 
     client = RolloutClient("127.0.0.1:50051")
+    client = RolloutClient("10.0.0.5:50051", token=token, tls_ca="ca.pem")   # a secured server
     samples = client.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
     client.update_weights()          # after init_weight_sync, while the trainer sends
 
@@ -8,14 +9,16 @@ Errors come back as `grpc.RpcError` with the server's status code and message
 (INVALID_ARGUMENT for bad prompts or settings).
 """
 
+import os
 from collections.abc import Iterator, Sequence
 
 import grpc
 
+from ferrule_grpc_auth import bearer, channel_credentials
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
 from ferrule_rollout.samples import Prompt, Sample, SamplingSettings, VersionSpan
-from ferrule_rollout.server import MAX_MESSAGE_BYTES
+from ferrule_rollout.server import MAX_MESSAGE_BYTES, TOKEN_ENV
 
 STATUS_NAMES = {v: k for k, v in pb.HealthResponse.Status.items()}
 
@@ -54,18 +57,39 @@ def sample_from_proto(message: pb.Sample) -> Sample:
 
 
 class RolloutClient:
-    """One channel to one rollout server. `timeout` (seconds) is each call's deadline."""
+    """One channel to one rollout server. `timeout` (seconds) is each call's deadline.
 
-    def __init__(self, address: str, timeout: float | None = None):
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+    token: sent as `authorization: Bearer <token>` on every call; default $FERRULE_ROLLOUT_TOKEN.
+    tls_ca, tls_cert, tls_key: TLS (on when any is given); `tls_ca` verifies the server
+        (default: the system's roots), `tls_cert` / `tls_key` are for mutual TLS.
+    tls_server_name: the name the server's certificate carries, when not the address's host.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+    ):
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        if any((tls_ca, tls_cert, tls_key)):
+            credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+            self.channel = grpc.secure_channel(address, credentials, options)
+        else:
+            self.channel = grpc.insecure_channel(address, options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.timeout = timeout
+        self._metadata = bearer(token or os.environ.get(TOKEN_ENV))
 
     def _request(self, prompts, settings) -> pb.GenerateRequest:
         return pb.GenerateRequest(
@@ -76,13 +100,17 @@ class RolloutClient:
     def generate(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> list[Sample]:
-        response = self.stub.Generate(self._request(prompts, settings), timeout=self.timeout)
+        response = self.stub.Generate(
+            self._request(prompts, settings), timeout=self.timeout, metadata=self._metadata
+        )
         return [sample_from_proto(s) for s in response.samples]
 
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> Iterator[Sample]:
-        call = self.stub.GenerateStream(self._request(prompts, settings), timeout=self.timeout)
+        call = self.stub.GenerateStream(
+            self._request(prompts, settings), timeout=self.timeout, metadata=self._metadata
+        )
         try:
             for message in call:
                 yield sample_from_proto(message)
@@ -100,31 +128,35 @@ class RolloutClient:
             num_receivers=num_receivers,
             timeout_s=timeout,
         )
-        self.stub.InitWeightSync(request, timeout=self.timeout)
+        self.stub.InitWeightSync(request, timeout=self.timeout, metadata=self._metadata)
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         request = pb.UpdateWeightsRequest(pause_mode=mode)
         if timeout is not None:
             request.timeout_s = timeout
-        return self.stub.UpdateWeights(request, timeout=self.timeout).version
+        return self.stub.UpdateWeights(
+            request, timeout=self.timeout, metadata=self._metadata
+        ).version
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
         request = pb.PauseRequest(mode=mode)
         if timeout is not None:
             request.timeout_s = timeout
-        self.stub.Pause(request, timeout=self.timeout)
+        self.stub.Pause(request, timeout=self.timeout, metadata=self._metadata)
 
     def resume(self) -> None:
-        self.stub.Resume(pb.ResumeRequest(), timeout=self.timeout)
+        self.stub.Resume(pb.ResumeRequest(), timeout=self.timeout, metadata=self._metadata)
 
     def sleep(self, level: int = 1) -> None:
-        self.stub.Sleep(pb.SleepRequest(level=level), timeout=self.timeout)
+        self.stub.Sleep(pb.SleepRequest(level=level), timeout=self.timeout, metadata=self._metadata)
 
     def wake_up(self) -> None:
-        self.stub.WakeUp(pb.WakeUpRequest(), timeout=self.timeout)
+        self.stub.WakeUp(pb.WakeUpRequest(), timeout=self.timeout, metadata=self._metadata)
 
     def health(self) -> dict:
-        response = self.stub.Health(pb.HealthRequest(), timeout=self.timeout)
+        response = self.stub.Health(
+            pb.HealthRequest(), timeout=self.timeout, metadata=self._metadata
+        )
         return {
             "status": STATUS_NAMES[response.status].lower(),
             "detail": response.detail,

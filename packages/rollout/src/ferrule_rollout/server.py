@@ -1,11 +1,16 @@
 """The gRPC front of a RolloutEngine (proto/ferrule/rollout/v1/rollout.proto).
 
-    server = serve(engine, "127.0.0.1:50051")    # returns a started grpc.Server
-    server.wait_for_termination()
+    server, port = serve(engine, "127.0.0.1:50051")      # a started grpc.Server
+    server, port = serve(engine, "0.0.0.0:50051", token=token, tls=TLS(cert, key, client_ca))
 
 `rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
 server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
 input is INVALID_ARGUMENT with the engine's message; the server keeps serving.
+
+Secure by default, as the reward server is (ferrule-grpc-auth): it listens on loopback unless
+clients must authenticate, with a token or mutual TLS. The token is checked on every call,
+weight updates, pause / resume and health included, before the call's request is read: whoever
+can update the weights decides what the engine generates.
 """
 
 import logging
@@ -13,11 +18,14 @@ from concurrent import futures
 
 import grpc
 
+from ferrule_grpc_auth import TLS, SyncTokenInterceptor, check_bind
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 
 logger = logging.getLogger(__name__)
+TOKEN_ENV = "FERRULE_ROLLOUT_TOKEN"
+"""Where the server and its clients read the bearer token when no --token-file is given."""
 MAX_MESSAGE_BYTES = 256 * 2**20  # a batch of long samples can exceed gRPC's 4 MB default
 STATUS = {
     "serving": pb.HealthResponse.SERVING,
@@ -162,17 +170,32 @@ class _status:
         self.context.abort(code, str(error))
 
 
-def serve(engine, bind: str = "127.0.0.1:50051", max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port."""
+def serve(
+    engine,
+    bind: str = "127.0.0.1:50051",
+    max_workers: int = 64,
+    *,
+    token: str | None = None,
+    tls: TLS | None = None,
+) -> tuple[grpc.Server, int]:
+    """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port.
+    InsecureBindError, before anything listens, for an address beyond loopback where clients
+    need not authenticate (neither `token` nor `tls` with a client CA)."""
+    client_auth = tls is not None and tls.client_ca is not None
+    check_bind(bind, token=token, client_auth=client_auth, token_env=TOKEN_ENV)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rollout-grpc"),
+        interceptors=[SyncTokenInterceptor(token)] if token else None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(engine), server)
-    port = server.add_insecure_port(bind)
+    if tls is None:
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, tls.server_credentials())
     if port == 0:
         raise RolloutError(f"could not bind the rollout server to {bind}")
     server.start()

@@ -4,14 +4,21 @@
 
 Two transports with the same verbs (`send`, `receive`, `close`): "broadcast" (NCCL on GPUs, gloo
 on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, shared memory on
-CPU; colocated processes). Depends on torch only. See README.md for a complete example.
+CPU; colocated processes). Depends on torch only. See README.md for a complete example; pass
+the same `secret=` to every rank to authenticate the group.
 """
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ferrule_weightsync.broadcast import BroadcastReceiver, BroadcastSender
-from ferrule_weightsync.errors import MismatchError, PeerTimeoutError, WeightSyncError
+from ferrule_weightsync.errors import (
+    ForgedMessageError,
+    MalformedMessageError,
+    MismatchError,
+    PeerTimeoutError,
+    WeightSyncError,
+)
 from ferrule_weightsync.ipc import IpcReceiver, IpcSender
 from ferrule_weightsync.packing import TensorSpec, digest
 from ferrule_weightsync.update import Update
@@ -43,8 +50,10 @@ __all__ = [
     "TRANSPORTS",
     "BroadcastReceiver",
     "BroadcastSender",
+    "ForgedMessageError",
     "IpcReceiver",
     "IpcSender",
+    "MalformedMessageError",
     "MismatchError",
     "PeerTimeoutError",
     "TensorSpec",

@@ -75,11 +75,13 @@ class _Group:
     The sender chooses `streams`; receivers learn it when they join."""
 
     def __init__(
-        self, host, port, rank, num_receivers, device, timeout, connect_timeout, streams=None
+        self, host, port, rank, num_receivers, device, timeout, connect_timeout, streams, secret
     ):
         self.device = torch.device(device)
         self.timeout = timeout
-        self.control = Control(host, port, rank, num_receivers + 1, timeout, connect_timeout)
+        self.control = Control(
+            host, port, rank, num_receivers + 1, timeout, connect_timeout, secret
+        )
         settings = self.control.join({"streams": streams})
         streams = settings["streams"]
         store = dist.PrefixStore("broadcast", self.control.store)
@@ -189,6 +191,8 @@ class BroadcastSender:
     engine's start-up. `checksums=True` verifies every bucket on every receiver. `bucket_bytes`
     defaults to 512 MB on CUDA and 16 MB on CPU; `streams` (CPU only, default 4) is how many
     TCP connections, and buckets in flight, the gloo group uses. Receivers learn it on joining.
+    `secret` (16+ bytes, the same on every rank): receivers must prove they know it to join,
+    and every control message is signed with it (see messages.py).
     """
 
     def __init__(
@@ -202,13 +206,14 @@ class BroadcastSender:
         timeout: float = 120.0,
         connect_timeout: float = 900.0,
         streams: int | None = None,
+        secret: str | bytes | None = None,
     ):
         device = torch.device(device)
         streams = _streams(device, streams)  # before connecting: a bad value starts nothing
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if device.type == "cuda" else GLOO_BUCKET_BYTES
         self._group = _Group(
-            host, port, 0, num_receivers, device, timeout, connect_timeout, streams
+            host, port, 0, num_receivers, device, timeout, connect_timeout, streams, secret
         )
         self._updates = UpdateSender(self._group.control, bucket_bytes, checksums)
 
@@ -270,10 +275,13 @@ class BroadcastReceiver:
         device: str | torch.device = "cpu",
         timeout: float = 120.0,
         connect_timeout: float = 900.0,
+        secret: str | bytes | None = None,
     ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank must be in [1, {num_receivers}], got {rank}")
-        self._group = _Group(host, port, rank, num_receivers, device, timeout, connect_timeout)
+        self._group = _Group(
+            host, port, rank, num_receivers, device, timeout, connect_timeout, None, secret
+        )
         self._state = ReceiverState()
 
     def receive(

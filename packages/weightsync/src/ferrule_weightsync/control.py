@@ -19,28 +19,63 @@ One update, as both sides see it:
 Once every receiver has accepted a layout, its later updates skip the handshake (two round trips
 before the first byte moves, every step). The broadcast transport also replaces the "done"
 round trip with a one-number all-reduce on its own group; only a failing receiver writes "done".
+
+Every value is JSON, checked on arrival and signed when the group has a secret (messages.py):
+the store is open to anyone who reaches its port, so nothing read from it can run code.
+
+Joining, with a secret: the sender publishes a random nonce; each receiver publishes its own
+and a proof (an HMAC of both under the secret); the sender checks every proof, then publishes
+the list of receiver nonces, signed under the session key they and its own nonce make. Every
+later message of the group, either way, is signed under that key.
 """
 
-import pickle
+import hmac
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
+from ferrule_weightsync import messages
+from ferrule_weightsync.errors import (
+    ForgedMessageError,
+    MalformedMessageError,
+    PeerTimeoutError,
+    WeightSyncError,
+)
+from ferrule_weightsync.messages import Seal, fields, integer
 
-OK = b""
 FORGET_EVERY = 32  # updates between sweeps of old control keys out of the store
 
 
 @dataclass(frozen=True)
 class Manifest:
     version: int
-    layout: str  # key of the pickled `update.Layout` (specs and buckets), published once
+    layout: str  # key of the update's layout (its tensors' specs), published once
     checksums: bool
-    extra: dict  # transport-specific (e.g. which shared buffers to map)
+    generation: int = 0  # ipc: which generation of shared buffers to map (broadcast: 0)
     handshake: bool = True  # receivers ack before data moves (False: layout accepted before)
+
+    def to_wire(self) -> dict:
+        return {
+            "version": self.version,
+            "layout": self.layout,
+            "checksums": self.checksums,
+            "generation": self.generation,
+            "handshake": self.handshake,
+        }
+
+    @classmethod
+    def from_wire(cls, value: object, key: str) -> "Manifest":
+        checks = {
+            "version": integer,
+            "layout": messages.layout_key,
+            "checksums": messages.flag,
+            "generation": integer,
+            "handshake": messages.flag,
+        }
+        return cls(**fields(value, key, checks))
 
 
 class Control:
@@ -54,6 +89,7 @@ class Control:
         world_size: int,
         timeout: float,
         connect_timeout: float,
+        secret: str | bytes | None = None,
     ):
         if world_size < 2:
             raise ValueError(
@@ -63,6 +99,8 @@ class Control:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.connect_timeout = connect_timeout
+        self._secret = messages.as_secret(secret)
+        self._seal = Seal()  # signs from the end of join() on, when there is a secret
         self._buckets: dict[int, int] = {}  # sender: bucket count of each update, for cleanup
         self.where = f"weight-sync group at {host}:{port}"
         try:
@@ -78,25 +116,110 @@ class Control:
 
     # -- membership ------------------------------------------------------------------------
 
-    def join(self, settings: dict | None = None) -> dict:
-        """Register this rank; fail clearly on a second join or a different world size.
+    def join(self, settings: dict[str, int | None] | None = None) -> dict[str, int | None]:
+        """Register this rank; fail clearly on a second join, a different world size, or (with
+        a secret) a peer that does not know it.
 
         The sender passes the group's `settings` (what every rank must agree on, such as the
-        number of connections); every rank gets them back, so receivers need not be told."""
+        number of connections: names to ints or None); every rank gets them back, so receivers
+        need not be told."""
         if self.rank == 0:
-            self.store.set("settings", pickle.dumps(settings or {}))
-            self.store.set("world_size", str(self.world_size))  # last: receivers wait for it
-        declared = int(self._get("world_size", "the sender", self.connect_timeout))
-        if declared != self.world_size:
-            raise WeightSyncError(
-                f"receiver rank {self.rank} expects {self.world_size - 1} receivers, but the sender "
-                f"of the {self.where} was created for {declared - 1}"
-            )
+            hello = {"world_size": self.world_size, "signed": self._secret is not None}
+            if self._secret is not None:
+                self._nonce = os.urandom(messages.NONCE_BYTES)
+                hello["nonce"] = messages.to_b64(self._nonce)
+            self.store.set("hello", messages.encode(hello))  # receivers wait for it
+        hello = self._hello()
         if self.store.add(f"joined/{self.rank}", 1) > 1:
             raise WeightSyncError(f"rank {self.rank} has already joined the {self.where}")
+        if self._secret is not None and self.rank > 0:
+            self._prove(hello)
         if self.rank == 0:
             self._wait_all("joined", "join the group", self.connect_timeout)
-        return pickle.loads(self._get("settings", "the sender"))
+            if self._secret is not None:
+                self._admit()
+            self._put("settings", settings or {})
+        elif self._secret is not None:
+            self._enter()
+        return self._take("settings", "the sender", self._settings)
+
+    def _hello(self) -> dict:
+        """The sender's greeting: the group's size and, with a secret, its nonce."""
+        raw = self._get("hello", "the sender", self.connect_timeout)
+        checks = {"world_size": integer, "signed": messages.flag}
+        value = messages.decode(raw, "hello")
+        if isinstance(value, dict) and "nonce" in value:
+            checks["nonce"] = messages.text
+        hello = fields(value, "hello", checks)
+        if hello["world_size"] != self.world_size:
+            raise WeightSyncError(
+                f"receiver rank {self.rank} expects {self.world_size - 1} receivers, but the sender "
+                f"of the {self.where} was created for {hello['world_size'] - 1}"
+            )
+        if hello["signed"] != (self._secret is not None):
+            mine = "has a secret" if self._secret is not None else "has no secret"
+            raise WeightSyncError(
+                f"rank {self.rank} {mine} but the {self.where} "
+                + ("requires one" if hello["signed"] else "has none: give both sides the same")
+            )
+        if hello["signed"]:
+            nonce = messages.from_b64(hello.get("nonce"), "hello", "nonce", messages.NONCE_BYTES)
+            self._nonce = nonce
+        return hello
+
+    def _prove(self, hello: dict) -> None:
+        """Receiver: publish this rank's nonce and the proof that it knows the secret."""
+        self._my_nonce = os.urandom(messages.NONCE_BYTES)
+        proof = messages.join_proof(self._secret, self.rank, self._nonce, self._my_nonce)
+        value = {"nonce": messages.to_b64(self._my_nonce), "proof": messages.to_b64(proof)}
+        self.store.set(f"proof/{self.rank}", messages.encode(value))
+
+    def _admit(self) -> None:
+        """Sender: check every receiver's proof; sign from now on under the session key."""
+        nonces = []
+        for rank in range(1, self.world_size):
+            key = f"proof/{rank}"
+            value = fields(
+                messages.decode(self._get(key, f"receiver {rank}"), key),
+                key,
+                {"nonce": messages.text, "proof": messages.text},
+            )
+            nonce = messages.from_b64(value["nonce"], key, "nonce", messages.NONCE_BYTES)
+            proof = messages.from_b64(value["proof"], key, "proof", messages.MAC_BYTES)
+            expected = messages.join_proof(self._secret, rank, self._nonce, nonce)
+            if not hmac.compare_digest(proof, expected):
+                raise ForgedMessageError(
+                    f"receiver {rank} joined the {self.where} without the group's secret "
+                    f"(its proof, {key}, does not check out)"
+                )
+            nonces.append(nonce)
+        self._seal = Seal(messages.session_key(self._secret, self._nonce, nonces))
+        self._put("session", [messages.to_b64(n) for n in nonces])
+
+    def _enter(self) -> None:
+        """Receiver: read the sender's list of nonces, check it is signed under the session key
+        they make and holds ours."""
+        raw = self._get("session", "the sender", self.connect_timeout)
+        value = messages.decode(raw[messages.MAC_BYTES :], "session")
+        if not isinstance(value, list) or len(value) != self.world_size - 1:
+            raise MalformedMessageError(
+                f"control message session: expected a list of {self.world_size - 1} nonces"
+            )
+        nonces = [messages.from_b64(n, "session", "nonce", messages.NONCE_BYTES) for n in value]
+        self._seal = Seal(messages.session_key(self._secret, self._nonce, nonces))
+        self._seal.open("session", raw)  # the signature, before anything else of it is used
+        if nonces[self.rank - 1] != self._my_nonce:
+            raise ForgedMessageError(
+                f"rank {self.rank}: the {self.where}'s session does not hold this rank's nonce"
+            )
+
+    @staticmethod
+    def _settings(value: object, key: str) -> dict[str, int | None]:
+        messages._typed(value, dict, key, "settings")
+        for name, setting in value.items():
+            if setting is not None:
+                integer(setting, key, name)
+        return value
 
     # -- one update ------------------------------------------------------------------------
 
@@ -105,21 +228,30 @@ class Control:
         if len(self._buckets) > FORGET_EVERY:  # amortised: ~10 store round trips an update
             for old in sorted(self._buckets)[:-2]:
                 self._forget(old)
-        self.store.set(f"u{seq}/manifest", pickle.dumps(manifest))
+        self._put(f"u{seq}/manifest", manifest.to_wire())
 
-    def publish_layout(self, key: str, blob: bytes) -> None:
-        self.store.set(f"layouts/{key}", blob)
+    def publish_layout(self, key: str, value: object) -> None:
+        self._put(f"layouts/{key}", value)
 
-    def read_layout(self, key: str) -> bytes:
-        return self._get(f"layouts/{key}", "the sender")
+    def read_layout(self, key: str, check):
+        """The layout published under `key`, as `check(value, store key)` makes it."""
+        return self._take(f"layouts/{key}", "the sender", check)
 
     def read_manifest(self, seq: int, timeout: float | None) -> Manifest:
-        return pickle.loads(self._get(f"u{seq}/manifest", "the sender", timeout))
+        return self._take(f"u{seq}/manifest", "the sender", Manifest.from_wire, timeout)
+
+    def publish(self, key: str, value: object) -> None:
+        """Sender: a transport's own message (JSON-able)."""
+        self._put(key, value)
+
+    def read(self, key: str, check, who: str = "the sender"):
+        """A transport's own message, as `check(value, store key)` makes it."""
+        return self._take(key, who, check)
 
     def report(self, seq: int, stage: str, error: str = "") -> None:
         """Receiver: tell the sender this rank passed `stage` ("ack" or "done"), or why not."""
         try:
-            self.store.set(f"u{seq}/{stage}/{self.rank}", error.encode())
+            self._put(f"u{seq}/{stage}/{self.rank}", error)
         except dist.DistError as err:  # the sender, and its store, are gone
             raise WeightSyncError(f"rank {self.rank}: lost the {self.where}: {err}") from err
 
@@ -141,35 +273,54 @@ class Control:
         ranks = list(ranks)
         if not ranks:
             return []
-        messages = self.store.multi_get([f"u{seq}/{stage}/{rank}" for rank in ranks])
-        return [f"receiver {r}: {m.decode()}" for r, m in zip(ranks, messages, strict=True) if m]
+        keys = [f"u{seq}/{stage}/{rank}" for rank in ranks]
+        texts = [self._open(key, raw, messages.text) for key, raw in self._multi_get(keys)]
+        return [f"receiver {r}: {m}" for r, m in zip(ranks, texts, strict=True) if m]
 
     def decide(self, seq: int, errors: list[str]) -> None:
         """Sender: let the receivers go ahead, or abort the update with the collected errors."""
-        self.store.set(f"u{seq}/go", "\n".join(errors).encode())
+        self._put(f"u{seq}/go", "\n".join(errors))
 
     def await_decision(self, seq: int) -> str:
-        return self._get(f"u{seq}/go", "the sender").decode()
+        return self._take(f"u{seq}/go", "the sender", messages.text)
 
-    def signal(self, seq: int, bucket: int, what: str, value: bytes = OK) -> None:
-        self.store.set(self._bucket_key(seq, bucket, what), value)
+    def signal(self, seq: int, bucket: int, what: str, value: object = None) -> None:
+        self._put(self._bucket_key(seq, bucket, what), value)
 
-    def await_signal(self, seq: int, bucket: int, what: str, who: str) -> bytes:
-        return self._get(self._bucket_key(seq, bucket, what), who)
+    def await_signal(self, seq: int, bucket: int, what: str, who: str, check=None):
+        """The value of a signal, as `check(value, store key)` makes it (None: must be null)."""
+        return self._take(self._bucket_key(seq, bucket, what), who, check or _null)
 
     def await_all_signals(self, seq: int, bucket: int, what: str) -> None:
         """Sender: wait until every receiver has signalled `what` for this bucket."""
-        self._wait_all(f"u{seq}/b{bucket}/{what}", f"signal '{what}' for bucket {bucket}")
+        prefix = f"u{seq}/b{bucket}/{what}"
+        self._wait_all(prefix, f"signal '{what}' for bucket {bucket}")
+        if self._seal.key is not None:  # a key anyone could have set: check who did
+            keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
+            for key, raw in self._multi_get(keys):
+                self._open(key, raw, _null)
 
     def signal_mine(self, seq: int, bucket: int, what: str) -> None:
         """Receiver: signal `what` for this bucket under this rank."""
-        self.store.set(f"u{seq}/b{bucket}/{what}/{self.rank}", OK)
+        self._put(f"u{seq}/b{bucket}/{what}/{self.rank}", None)
 
     @staticmethod
     def _bucket_key(seq: int, bucket: int, what: str) -> str:
         return f"u{seq}/b{bucket}/{what}"
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _put(self, key: str, value: object) -> None:
+        self.store.set(key, self._seal.close(key, messages.encode(value)))
+
+    def _take(self, key: str, who: str, check, timeout: float | None = -1.0):
+        return self._open(key, self._get(key, who, timeout), check)
+
+    def _open(self, key: str, raw: bytes, check):
+        return check(messages.decode(self._seal.open(key, raw), key), key)
+
+    def _multi_get(self, keys: list[str]) -> list[tuple[str, bytes]]:
+        return list(zip(keys, self.store.multi_get(keys), strict=True))
 
     def _get(self, key: str, who: str, timeout: float | None = -1.0) -> bytes:
         """Wait for `key`; `timeout` None waits forever (while the store is alive), -1 uses the
@@ -222,3 +373,8 @@ class Control:
 
     def close(self) -> None:
         del self.store
+
+
+def _null(value: object, key: str) -> None:
+    if value is not None:
+        raise MalformedMessageError(f"control message {key} must be null, got {value!r:.80}")

@@ -11,3 +11,11 @@ class PeerTimeoutError(WeightSyncError, TimeoutError):
 
 class MismatchError(WeightSyncError, ValueError):
     """A tensor's name, shape or dtype is not what the receiver expects."""
+
+
+class MalformedMessageError(WeightSyncError, ValueError):
+    """A control message is not what it must be: not JSON, the wrong shape, out of range."""
+
+
+class ForgedMessageError(WeightSyncError):
+    """A control message's signature does not check out: forged, replayed, or another secret."""

@@ -15,14 +15,15 @@ buffer for bucket k+2.
 """
 
 import mmap
-import pickle
 import uuid
 from collections.abc import Iterable, Mapping
 from multiprocessing import shared_memory
 
 import torch
 
+from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control
+from ferrule_weightsync.errors import MalformedMessageError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
 from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
@@ -42,12 +43,26 @@ class _SharedBuffer:
             )
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
 
-    def handle(self) -> bytes:
+    def handle(self) -> dict:
+        """What a receiver needs to map this buffer, as plain data (JSON)."""
         if self.shm is not None:
-            return pickle.dumps(("shm", self.shm.name, self.tensor.numel()))
+            return {"kind": "shm", "name": self.shm.name, "nbytes": self.tensor.numel()}
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return pickle.dumps(("cuda", *reduce_tensor(self.tensor)))
+        _, args = reduce_tensor(self.tensor)
+        cls, size, stride, offset, _, dtype, device, handle, storage_bytes, storage_offset = args[
+            :10
+        ]
+        ref_counter, ref_counter_offset, event, event_sync_required = args[11:]
+        assert cls is torch.Tensor and dtype == torch.uint8 and tuple(stride) == (1,)
+        b64 = messages.to_b64
+        return {
+            "kind": "cuda", "nbytes": int(size[0]), "offset": offset, "device": device,
+            "handle": b64(handle), "storage_bytes": storage_bytes,
+            "storage_offset": storage_offset, "ref_counter": b64(ref_counter),
+            "ref_counter_offset": ref_counter_offset, "event": b64(event),
+            "event_sync_required": event_sync_required,
+        }  # fmt: skip
 
     def close(self) -> None:
         del self.tensor
@@ -59,20 +74,27 @@ class _SharedBuffer:
 class _MappedBuffer:
     """A receiver's mapping of a sender's `_SharedBuffer`."""
 
-    def __init__(self, handle: bytes):
-        kind, *args = pickle.loads(handle)
+    def __init__(self, handle: dict):
         self.mmap = None
-        if kind == "shm":
+        if "name" in handle:
             # Map the segment's file directly rather than through SharedMemory, which (before
             # Python 3.13) registers it with this process's resource tracker and so unlinks it
             # under the sender's feet when the receiver exits.
-            name, nbytes = args
-            with open(f"/dev/shm/{name}", "r+b") as segment:
-                self.mmap = mmap.mmap(segment.fileno(), nbytes)
+            with open(f"/dev/shm/{handle['name']}", "r+b") as segment:
+                self.mmap = mmap.mmap(segment.fileno(), handle["nbytes"])
             self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
         else:
-            rebuild, rebuild_args = args
-            self.tensor = rebuild(*rebuild_args)
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            # torch's own rebuild, with the classes and layout fixed here: only the numbers
+            # and handles come from the sender
+            self.tensor = rebuild_cuda_tensor(
+                torch.Tensor, (handle["nbytes"],), (1,), handle["offset"],
+                torch.storage.TypedStorage, torch.uint8, handle["device"], handle["handle"],
+                handle["storage_bytes"], handle["storage_offset"], False,
+                handle["ref_counter"], handle["ref_counter_offset"], handle["event"],
+                handle["event_sync_required"],
+            )  # fmt: skip
 
     def close(self) -> None:
         del self.tensor
@@ -93,9 +115,10 @@ class IpcSender:
         checksums: bool = False,
         timeout: float = 120.0,
         connect_timeout: float = 900.0,
+        secret: str | bytes | None = None,
     ):
         self.device = torch.device(device)
-        self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout)
+        self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout, secret)
         self._control.join()
         self._updates = UpdateSender(self._control, bucket_bytes, checksums)
         self._buffers: list[_SharedBuffer] = []
@@ -123,8 +146,8 @@ class IpcSender:
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
         largest = max(spec.nbytes for spec in specs) if specs else 0
         self._ensure_buffers(max(self._updates.bucket_bytes, largest))
-        extra = {"generation": self._generation}
-        return self._updates.send(named_tensors, self._send_buckets, version, specs, extra)
+        generation = self._generation
+        return self._updates.send(named_tensors, self._send_buckets, version, specs, generation)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         needed = nbytes + 64  # plan_buckets pads a bucket to 64 bytes
@@ -136,7 +159,7 @@ class IpcSender:
         self._buffers = [_SharedBuffer(needed, self.device) for _ in range(2)]
         self._generation += 1
         handles = [buffer.handle() for buffer in self._buffers]
-        self._control.store.set(f"ipc/handles/{self._generation}", pickle.dumps(handles))
+        self._control.publish(f"ipc/handles/{self._generation}", handles)
 
     def _send_buckets(self, seq, stream) -> None:
         for bucket, tensors in stream:
@@ -167,10 +190,13 @@ class IpcReceiver:
         num_receivers: int,
         timeout: float = 120.0,
         connect_timeout: float = 900.0,
+        secret: str | bytes | None = None,
     ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank must be in [1, {num_receivers}], got {rank}")
-        self._control = Control(host, port, rank, num_receivers + 1, timeout, connect_timeout)
+        self._control = Control(
+            host, port, rank, num_receivers + 1, timeout, connect_timeout, secret
+        )
         self._control.join()
         self._mapped: list[_MappedBuffer] = []
         self._generation = 0
@@ -193,14 +219,14 @@ class IpcReceiver:
             return
         for mapped in self._mapped:
             mapped.close()
-        handles = pickle.loads(self._control.store.get(f"ipc/handles/{generation}"))
+        handles = self._control.read(f"ipc/handles/{generation}", _handles)
         self._state.views.clear()
         self._mapped = [_MappedBuffer(handle) for handle in handles]
         self.handles_opened += len(handles)
         self._generation = generation
 
     def _receive_buckets(self, seq, buckets, manifest):
-        self._map(manifest.extra["generation"])
+        self._map(manifest.generation)
         for bucket in buckets:
             self._control.await_signal(seq, bucket.index, "ready", "the sender")
             buffer = self._mapped[bucket.index % 2].tensor[: bucket.nbytes]
@@ -214,3 +240,33 @@ class IpcReceiver:
             mapped.close()
         self._mapped = []
         self._control.close()
+
+
+_SHM_HANDLE = {"kind": messages.text, "name": messages.shm_name, "nbytes": messages.integer}
+_CUDA_HANDLE = {
+    "kind": messages.text, "nbytes": messages.integer, "offset": messages.integer,
+    "device": messages.integer, "handle": messages.text, "storage_bytes": messages.integer,
+    "storage_offset": messages.integer, "ref_counter": messages.text,
+    "ref_counter_offset": messages.integer, "event": messages.text,
+    "event_sync_required": messages.flag,
+}  # fmt: skip
+
+
+def _handles(value: object, key: str) -> list[dict]:
+    """The two buffers' handles, checked: a shared-memory name must be one of ours (never a
+    path), CUDA handles are bytes and numbers given to torch's rebuild with fixed classes."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise MalformedMessageError(f"control message {key}: expected two buffer handles")
+    handles = []
+    for handle in value:
+        kind = handle.get("kind") if isinstance(handle, dict) else None
+        if kind not in ("shm", "cuda"):
+            raise MalformedMessageError(f"control message {key}: unknown buffer kind {kind!r:.40}")
+        handle = messages.fields(handle, key, _SHM_HANDLE if kind == "shm" else _CUDA_HANDLE)
+        if handle["nbytes"] > messages.MAX_BUCKET_BYTES:
+            raise MalformedMessageError(f"control message {key}: a {handle['nbytes']}-byte buffer")
+        if kind == "cuda":
+            for name in ("handle", "ref_counter", "event"):
+                handle[name] = messages.from_b64(handle[name], key, name)
+        handles.append(handle)
+    return handles

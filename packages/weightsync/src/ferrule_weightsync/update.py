@@ -7,7 +7,6 @@ Everything else (versions, checks against the receiver's expectations, casting, 
 telling the sender who failed) lives here, once.
 """
 
-import pickle
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -16,8 +15,9 @@ from itertools import islice
 
 import torch
 
+from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control, Manifest
-from ferrule_weightsync.errors import MismatchError, WeightSyncError
+from ferrule_weightsync.errors import MalformedMessageError, MismatchError, WeightSyncError
 from ferrule_weightsync.packing import (
     Bucket,
     BucketViews,
@@ -40,11 +40,60 @@ MAX_LISTED = 5  # problems listed in one error message
 @dataclass(frozen=True)
 class Layout:
     """The specs of one update and their buckets. A model sends the same layout every step, so
-    it travels (pickled) and is planned once, then named by its key in each manifest."""
+    it travels once (its specs and the bucket size; a receiver plans the same buckets from
+    them) and is named by its key in each manifest."""
 
     key: str
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+
+    @classmethod
+    def plan(cls, key: str, specs: tuple[TensorSpec, ...], bucket_bytes: int) -> "Layout":
+        return cls(key, specs, tuple(plan_buckets(list(specs), bucket_bytes)), bucket_bytes)
+
+    def to_wire(self) -> dict:
+        specs = [[s.name, list(s.shape), messages.dtype_name(s.dtype)] for s in self.specs]
+        return {"bucket_bytes": self.bucket_bytes, "specs": specs}
+
+    @classmethod
+    def from_wire(cls, layout_key: str):
+        """The check that makes a received layout (Control.read_layout)."""
+
+        def check(value: object, key: str) -> "Layout":
+            value = messages.fields(
+                value,
+                key,
+                {"bucket_bytes": _bucket_bytes, "specs": _specs},
+            )
+            return cls.plan(layout_key, value["specs"], value["bucket_bytes"])
+
+        return check
+
+
+def _bucket_bytes(value, key, what) -> int:
+    return messages.integer(value, key, what, 1, messages.MAX_BUCKET_BYTES)
+
+
+def _specs(value, key, what) -> tuple[TensorSpec, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= messages.MAX_TENSORS:
+        raise MalformedMessageError(f"control message {key}: {what} must be a non-empty list")
+    specs = []
+    for index, item in enumerate(value):
+        where = f"{what}[{index}]"
+        if not isinstance(item, list) or len(item) != 3:
+            raise MalformedMessageError(
+                f"control message {key}: {where} is not [name, shape, dtype]"
+            )
+        spec = TensorSpec(
+            messages.text(item[0], key, f"{where} name"),
+            messages.shape(item[1], key, f"{where} shape"),
+            messages.dtype(item[2], key, f"{where} dtype"),
+        )
+        if spec.nbytes > messages.MAX_BUCKET_BYTES:
+            raise MalformedMessageError(f"control message {key}: {where} is {spec.nbytes} bytes")
+        specs.append(spec)
+    return tuple(specs)
 
 
 class ReceiverState:
@@ -77,9 +126,8 @@ class UpdateSender:
                 raise ValueError(
                     f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}"
                 )
-            buckets = tuple(plan_buckets(list(specs), self.bucket_bytes))
-            known = Layout(f"layout{len(self.layouts)}", specs, buckets)
-            self.control.publish_layout(known.key, pickle.dumps(known))
+            known = Layout.plan(f"layout{len(self.layouts)}", specs, self.bucket_bytes)
+            self.control.publish_layout(known.key, known.to_wire())
             self.layouts[specs] = known
         return known
 
@@ -89,7 +137,7 @@ class UpdateSender:
         send_buckets: SendBuckets,
         version: int | None,
         specs: list[TensorSpec] | None,
-        extra: dict | None = None,
+        generation: int = 0,
     ) -> int:
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
@@ -106,7 +154,7 @@ class UpdateSender:
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs)
         handshake = layout.key not in self.accepted
-        manifest = Manifest(version, layout.key, self.checksums, extra or {}, handshake)
+        manifest = Manifest(version, layout.key, self.checksums, generation, handshake)
         seq = self.seq
         self.control.publish_manifest(seq, manifest, len(layout.buckets))
         rejected = []
@@ -142,7 +190,7 @@ class UpdateSender:
     def packed(self, seq: int, bucket: Bucket, buffer: torch.Tensor) -> None:
         """Transports call this once a bucket is packed: publishes its checksum when enabled."""
         if self.checksums:
-            self.control.signal(seq, bucket.index, "checksum", pickle.dumps(checksum(buffer)))
+            self.control.signal(seq, bucket.index, "checksum", list(checksum(buffer)))
 
 
 def _bucketed(named_tensors: Iterator, buckets: list[Bucket], check: bool):
@@ -266,8 +314,8 @@ class Update:
         return {name: tensor.clone() for name, tensor in self}
 
     def _verify(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        sent = pickle.loads(
-            self.control.await_signal(self.seq, bucket.index, "checksum", "the sender")
+        sent = self.control.await_signal(
+            self.seq, bucket.index, "checksum", "the sender", messages.checksum
         )
         if checksum(buffer) != sent:
             names = [spec.name for spec in bucket.specs]
@@ -303,7 +351,8 @@ def open_update(
     state.seq += 1
     layout = state.layouts.get(manifest.layout)
     if layout is None:
-        layout = state.layouts[manifest.layout] = pickle.loads(control.read_layout(manifest.layout))
+        check = Layout.from_wire(manifest.layout)
+        layout = state.layouts[manifest.layout] = control.read_layout(manifest.layout, check)
     wanted = expected_specs(expected)
     problems = check_specs(layout.specs, wanted, cast)
     finish = finish or partial(_report_done, control)
