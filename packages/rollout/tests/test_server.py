@@ -175,8 +175,11 @@ def test_weight_update_over_grpc(client, policy):
     from ferrule_weightsync import create_sender
 
     port = free_port()
-    joining = in_thread(create_sender, "ipc", "127.0.0.1", port, 1, timeout=60)
-    client.init_weight_sync("ipc", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+    secret = "weight-sync-secret-over-grpc-0123456789"  # the group is authenticated too
+    joining = in_thread(create_sender, "ipc", "127.0.0.1", port, 1, timeout=60, secret=secret)
+    client.init_weight_sync(
+        "ipc", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60, secret=secret
+    )
     sender = joining.get()
     try:
         version = client.health()["version"]

@@ -13,6 +13,7 @@ is waited for before the run goes on, so one that cannot start is named.
 
 import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +61,13 @@ class RankWorker:
             port = s.getsockname()[1]
         return {"host": ray.util.get_node_ip_address(), "port": port}
 
-    def open_sender(self, transport: str, host: str, port: int, num_receivers: int) -> str:
+    def open_sender(
+        self, transport: str, host: str, port: int, num_receivers: int, secret: str
+    ) -> str:
         """Start a weight-sync group as its sender, on this rank's device: NCCL broadcast or CUDA
         IPC on a GPU, gloo or shared memory on CPU ("host": shared memory wherever the weights
-        are). Returns once every receiver joined; returns the device."""
+        are). Returns once every receiver joined, each proving it holds `secret`; returns the
+        device."""
         from ferrule_weightsync import create_sender
 
         device = "cpu" if transport == "host" else self.actor.device
@@ -76,6 +80,7 @@ class RankWorker:
             device=device,
             timeout=300.0,
             connect_timeout=600.0,
+            secret=secret,
         )
         return str(device)
 
@@ -230,7 +235,9 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     """Weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank 0
     sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
     the policy rank on its own bundle, i mod ranks, so each GPU's weights stay on that GPU. An
-    engine with tensor parallelism is `tensor_parallel_size` receivers, one per worker."""
+    engine with tensor parallelism is `tensor_parallel_size` receivers, one per worker.
+    Each group has a fresh secret, handed to its members through Ray: a process that reaches
+    the group's store but is not one of them cannot join it or forge its messages."""
     transport = config.rollout.transport
     if transport == "auto":
         transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
@@ -244,16 +251,24 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
             continue
         here = get(workers[rank].where.remote(), Role("policy", rank).label)
         receivers = len(members) * per_engine
+        secret = secrets.token_hex(32)
         calls.append(
             (
-                workers[rank].open_sender.remote(transport, here["host"], here["port"], receivers),
+                workers[rank].open_sender.remote(
+                    transport, here["host"], here["port"], receivers, secret
+                ),
                 f"policy rank {rank} (weight sync sender)",
             )
         )
         calls += [
             (
                 e.init_weight_sync.remote(
-                    receiving, here["host"], here["port"], 1 + j * per_engine, receivers
+                    receiving,
+                    here["host"],
+                    here["port"],
+                    1 + j * per_engine,
+                    receivers,
+                    secret=secret,
                 ),
                 f"rollout engine {i} (weight sync receiver)",
             )

@@ -118,7 +118,14 @@ class RolloutClient:
             call.cancel()  # a no-op after the last sample; aborts the rest if we stopped early
 
     def init_weight_sync(
-        self, transport, host, port, rank, num_receivers, timeout: float = 300.0
+        self,
+        transport,
+        host,
+        port,
+        rank,
+        num_receivers,
+        timeout: float = 300.0,
+        secret: str | None = None,
     ) -> None:
         request = pb.InitWeightSyncRequest(
             transport=transport,
@@ -127,6 +134,7 @@ class RolloutClient:
             rank=rank,
             num_receivers=num_receivers,
             timeout_s=timeout,
+            secret=secret,
         )
         self.stub.InitWeightSync(request, timeout=self.timeout, metadata=self._metadata)
 

@@ -402,11 +402,13 @@ class RolloutEngine:
         rank: int,
         num_receivers: int,
         timeout: float = 300.0,
+        secret: str | None = None,
     ) -> None:
         """Join the trainer's weight-sync group (blocks until the sender is there too).
 
         With tensor parallelism, worker w of this engine is receiver `rank + w`, and
-        `num_receivers` counts every worker of every engine in the group.
+        `num_receivers` counts every worker of every engine in the group. `secret`: the
+        group's, when its sender has one.
         """
         from ferrule_weightsync import TRANSPORTS
 
@@ -425,6 +427,7 @@ class RolloutEngine:
             rank=rank,
             num_receivers=num_receivers,
             timeout=timeout,
+            secret=secret,
         )
         with self._engine_lock:
             self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group

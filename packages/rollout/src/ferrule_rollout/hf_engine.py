@@ -329,9 +329,11 @@ class TransformersEngine:
         rank: int,
         num_receivers: int,
         timeout: float = 300.0,
+        secret: str | None = None,
     ) -> None:
         """Join the trainer's weight-sync group as receiver `rank` of `num_receivers` (blocks
-        until the sender is there too). A previous group is left first."""
+        until the sender is there too). A previous group is left first. `secret`: the group's,
+        when its sender has one."""
         from ferrule_weightsync import TRANSPORTS, create_receiver
 
         if transport not in TRANSPORTS:
@@ -345,7 +347,14 @@ class TransformersEngine:
                 self._receiver = None
             try:
                 self._receiver = create_receiver(
-                    transport, host, port, rank, num_receivers, timeout=timeout, **options
+                    transport,
+                    host,
+                    port,
+                    rank,
+                    num_receivers,
+                    timeout=timeout,
+                    secret=secret,
+                    **options,
                 )
             except Exception as err:
                 raise RolloutError(

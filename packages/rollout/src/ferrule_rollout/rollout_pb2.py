@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ferrule/rollout/v1/rollout.proto\x12\x12\x66\x65rrule.rollout.v1\")\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xf4\x01\n\x10SamplingSettings\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"v\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.ferrule.rollout.v1.Prompt\x12\x36\n\x08sampling\x18\x02 \x01(\x0b\x32$.ferrule.rollout.v1.SamplingSettings\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xdc\x01\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x31\n\x08versions\x18\x08 \x03(\x0b\x32\x1f.ferrule.rollout.v1.VersionSpan\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"?\n\x10GenerateResponse\x12+\n\x07samples\x18\x01 \x03(\x0b\x32\x1a.ferrule.rollout.v1.Sample\"\x91\x01\n\x15InitWeightSyncRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x15\n\rnum_receivers\x18\x05 \x01(\x05\x12\x16\n\ttimeout_s\x18\x06 \x01(\x02H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x18\n\x16InitWeightSyncResponse\"P\n\x14UpdateWeightsRequest\x12\x12\n\npause_mode\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"(\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"B\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x0f\n\rHealthRequest\"\xe3\x01\n\x0eHealthResponse\x12\x39\n\x06status\x18\x01 \x01(\x0e\x32).ferrule.rollout.v1.HealthResponse.Status\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0e\n\x06queued\x18\x06 \x01(\x05\"E\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\n\n\x06PAUSED\x10\x02\x12\n\n\x06\x42ROKEN\x10\x03\x32\x9a\x06\n\x0eRolloutService\x12U\n\x08Generate\x12#.ferrule.rollout.v1.GenerateRequest\x1a$.ferrule.rollout.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12#.ferrule.rollout.v1.GenerateRequest\x1a\x1a.ferrule.rollout.v1.Sample0\x01\x12g\n\x0eInitWeightSync\x12).ferrule.rollout.v1.InitWeightSyncRequest\x1a*.ferrule.rollout.v1.InitWeightSyncResponse\x12\x64\n\rUpdateWeights\x12(.ferrule.rollout.v1.UpdateWeightsRequest\x1a).ferrule.rollout.v1.UpdateWeightsResponse\x12L\n\x05Pause\x12 .ferrule.rollout.v1.PauseRequest\x1a!.ferrule.rollout.v1.PauseResponse\x12O\n\x06Resume\x12!.ferrule.rollout.v1.ResumeRequest\x1a\".ferrule.rollout.v1.ResumeResponse\x12L\n\x05Sleep\x12 .ferrule.rollout.v1.SleepRequest\x1a!.ferrule.rollout.v1.SleepResponse\x12O\n\x06WakeUp\x12!.ferrule.rollout.v1.WakeUpRequest\x1a\".ferrule.rollout.v1.WakeUpResponse\x12O\n\x06Health\x12!.ferrule.rollout.v1.HealthRequest\x1a\".ferrule.rollout.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n ferrule/rollout/v1/rollout.proto\x12\x12\x66\x65rrule.rollout.v1\")\n\x06Prompt\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xf4\x01\n\x10SamplingSettings\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\"v\n\x0fGenerateRequest\x12+\n\x07prompts\x18\x01 \x03(\x0b\x32\x1a.ferrule.rollout.v1.Prompt\x12\x36\n\x08sampling\x18\x02 \x01(\x0b\x32$.ferrule.rollout.v1.SamplingSettings\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xdc\x01\n\x06Sample\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x14\n\x0csample_index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\x03\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x31\n\x08versions\x18\x08 \x03(\x0b\x32\x1f.ferrule.rollout.v1.VersionSpan\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\"?\n\x10GenerateResponse\x12+\n\x07samples\x18\x01 \x03(\x0b\x32\x1a.ferrule.rollout.v1.Sample\"\xb1\x01\n\x15InitWeightSyncRequest\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x15\n\rnum_receivers\x18\x05 \x01(\x05\x12\x16\n\ttimeout_s\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x06secret\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x0c\n\n_timeout_sB\t\n\x07_secret\"\x18\n\x16InitWeightSyncResponse\"P\n\x14UpdateWeightsRequest\x12\x12\n\npause_mode\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"(\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\"B\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x16\n\ttimeout_s\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\"\x0f\n\rSleepResponse\"\x0f\n\rWakeUpRequest\"\x10\n\x0eWakeUpResponse\"\x0f\n\rHealthRequest\"\xe3\x01\n\x0eHealthResponse\x12\x39\n\x06status\x18\x01 \x01(\x0e\x32).ferrule.rollout.v1.HealthResponse.Status\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0e\n\x06queued\x18\x06 \x01(\x05\"E\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\n\n\x06PAUSED\x10\x02\x12\n\n\x06\x42ROKEN\x10\x03\x32\x9a\x06\n\x0eRolloutService\x12U\n\x08Generate\x12#.ferrule.rollout.v1.GenerateRequest\x1a$.ferrule.rollout.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12#.ferrule.rollout.v1.GenerateRequest\x1a\x1a.ferrule.rollout.v1.Sample0\x01\x12g\n\x0eInitWeightSync\x12).ferrule.rollout.v1.InitWeightSyncRequest\x1a*.ferrule.rollout.v1.InitWeightSyncResponse\x12\x64\n\rUpdateWeights\x12(.ferrule.rollout.v1.UpdateWeightsRequest\x1a).ferrule.rollout.v1.UpdateWeightsResponse\x12L\n\x05Pause\x12 .ferrule.rollout.v1.PauseRequest\x1a!.ferrule.rollout.v1.PauseResponse\x12O\n\x06Resume\x12!.ferrule.rollout.v1.ResumeRequest\x1a\".ferrule.rollout.v1.ResumeResponse\x12L\n\x05Sleep\x12 .ferrule.rollout.v1.SleepRequest\x1a!.ferrule.rollout.v1.SleepResponse\x12O\n\x06WakeUp\x12!.ferrule.rollout.v1.WakeUpRequest\x1a\".ferrule.rollout.v1.WakeUpResponse\x12O\n\x06Health\x12!.ferrule.rollout.v1.HealthRequest\x1a\".ferrule.rollout.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=749
   _globals['_GENERATERESPONSE']._serialized_end=812
   _globals['_INITWEIGHTSYNCREQUEST']._serialized_start=815
-  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=960
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=962
-  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=986
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=988
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1068
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1070
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1110
-  _globals['_PAUSEREQUEST']._serialized_start=1112
-  _globals['_PAUSEREQUEST']._serialized_end=1178
-  _globals['_PAUSERESPONSE']._serialized_start=1180
-  _globals['_PAUSERESPONSE']._serialized_end=1195
-  _globals['_RESUMEREQUEST']._serialized_start=1197
-  _globals['_RESUMEREQUEST']._serialized_end=1212
-  _globals['_RESUMERESPONSE']._serialized_start=1214
-  _globals['_RESUMERESPONSE']._serialized_end=1230
-  _globals['_SLEEPREQUEST']._serialized_start=1232
-  _globals['_SLEEPREQUEST']._serialized_end=1261
-  _globals['_SLEEPRESPONSE']._serialized_start=1263
-  _globals['_SLEEPRESPONSE']._serialized_end=1278
-  _globals['_WAKEUPREQUEST']._serialized_start=1280
-  _globals['_WAKEUPREQUEST']._serialized_end=1295
-  _globals['_WAKEUPRESPONSE']._serialized_start=1297
-  _globals['_WAKEUPRESPONSE']._serialized_end=1313
-  _globals['_HEALTHREQUEST']._serialized_start=1315
-  _globals['_HEALTHREQUEST']._serialized_end=1330
-  _globals['_HEALTHRESPONSE']._serialized_start=1333
-  _globals['_HEALTHRESPONSE']._serialized_end=1560
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1491
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1560
-  _globals['_ROLLOUTSERVICE']._serialized_start=1563
-  _globals['_ROLLOUTSERVICE']._serialized_end=2357
+  _globals['_INITWEIGHTSYNCREQUEST']._serialized_end=992
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_start=994
+  _globals['_INITWEIGHTSYNCRESPONSE']._serialized_end=1018
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1020
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1100
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1102
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1142
+  _globals['_PAUSEREQUEST']._serialized_start=1144
+  _globals['_PAUSEREQUEST']._serialized_end=1210
+  _globals['_PAUSERESPONSE']._serialized_start=1212
+  _globals['_PAUSERESPONSE']._serialized_end=1227
+  _globals['_RESUMEREQUEST']._serialized_start=1229
+  _globals['_RESUMEREQUEST']._serialized_end=1244
+  _globals['_RESUMERESPONSE']._serialized_start=1246
+  _globals['_RESUMERESPONSE']._serialized_end=1262
+  _globals['_SLEEPREQUEST']._serialized_start=1264
+  _globals['_SLEEPREQUEST']._serialized_end=1293
+  _globals['_SLEEPRESPONSE']._serialized_start=1295
+  _globals['_SLEEPRESPONSE']._serialized_end=1310
+  _globals['_WAKEUPREQUEST']._serialized_start=1312
+  _globals['_WAKEUPREQUEST']._serialized_end=1327
+  _globals['_WAKEUPRESPONSE']._serialized_start=1329
+  _globals['_WAKEUPRESPONSE']._serialized_end=1345
+  _globals['_HEALTHREQUEST']._serialized_start=1347
+  _globals['_HEALTHREQUEST']._serialized_end=1362
+  _globals['_HEALTHRESPONSE']._serialized_start=1365
+  _globals['_HEALTHRESPONSE']._serialized_end=1592
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1523
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1592
+  _globals['_ROLLOUTSERVICE']._serialized_start=1595
+  _globals['_ROLLOUTSERVICE']._serialized_end=2389
 # @@protoc_insertion_point(module_scope)

@@ -82,20 +82,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
 class InitWeightSyncRequest(_message.Message):
-    __slots__ = ("transport", "host", "port", "rank", "num_receivers", "timeout_s")
+    __slots__ = ("transport", "host", "port", "rank", "num_receivers", "timeout_s", "secret")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     transport: str
     host: str
     port: int
     rank: int
     num_receivers: int
     timeout_s: float
-    def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., num_receivers: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    secret: str
+    def __init__(self, transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., rank: _Optional[int] = ..., num_receivers: _Optional[int] = ..., timeout_s: _Optional[float] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class InitWeightSyncResponse(_message.Message):
     __slots__ = ()

@@ -102,6 +102,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 rank=request.rank,
                 num_receivers=request.num_receivers,
                 timeout=300.0 if timeout is None else timeout,
+                secret=_optional(request, "secret"),
             )
             return pb.InitWeightSyncResponse()
 

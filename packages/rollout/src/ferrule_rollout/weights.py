@@ -39,6 +39,8 @@ class FerruleInitInfo(WeightTransferInitInfo):
     """Receivers in the whole group (every worker of every engine)."""
     timeout: float = 300.0
     """Seconds any step may wait for a peer before failing with a timeout error."""
+    secret: str | None = None
+    """The group's shared secret, when the sender has one."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         if self.receiver is not None:
             raise RuntimeError("this engine already joined a weight-sync group")
         rank = init_info.rank + get_world_group().rank_in_group
-        options = {"timeout": init_info.timeout}
+        options = {"timeout": init_info.timeout, "secret": init_info.secret}
         if init_info.transport == "broadcast":  # the ipc receiver maps buffers where they live
             options["device"] = self.device
         self.receiver = create_receiver(
