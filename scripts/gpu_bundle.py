@@ -20,7 +20,7 @@ Here (the development machine, which has the network):
       core         always: deepspeed, hjson, einops, py-cpuinfo, pydantic (+ pydantic-core,
                    annotated-types, typing-inspection, typing-extensions), ray (trimmed),
                    jsonschema, jsonschema-specifications, referencing, rpds-py, tqdm,
-                   protobuf, grpcio-health-checking, grpcio-reflection, ferrule-* (6 wheels)
+                   protobuf, grpcio-health-checking, grpcio-reflection, ferrule-* (7 wheels)
       grpcio       on by default (7 MiB): the committed *_pb2_grpc.py need grpcio >= 1.85.1;
                    leave it out (--without grpcio) if `check` shows the image has that
       tensorboard  off by default (5.4 MiB): tensorboard + absl-py, for torch.utils.tensorboard
@@ -950,8 +950,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     try_import("pydantic", "pydantic", "pydantic", True)
     try_import("deepspeed", "deepspeed", "deepspeed", True)
     try_import("ray", "ray", "ray", True)
-    for pkg in ("weightsync", "trainer", "rollout", "rewards", "launcher", "testkit"):
-        try_import(f"ferrule_{pkg}", f"ferrule_{pkg}", f"ferrule-{pkg}", True)
+    for pkg in ("weightsync", "grpc_auth", "trainer", "rollout", "rewards", "launcher", "testkit"):
+        try_import(f"ferrule_{pkg}", f"ferrule_{pkg}", f"ferrule-{pkg.replace('_', '-')}", True)
     print("what the launcher's roles import:")
     try_import("ferrule_rewards.server (gRPC)", "ferrule_rewards.server", "grpcio", False)
     try_import("ferrule_rollout gRPC stubs", "ferrule_rollout.rollout_pb2_grpc", "grpcio", False)

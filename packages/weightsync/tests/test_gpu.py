@@ -45,7 +45,7 @@ def check_results(proc, out, state) -> list[dict]:
     return results
 
 
-def send_two_updates(transport: str, port: int) -> object:
+def send_two_updates(transport: str, port: int, secret: str | None = None) -> object:
     """From cuda:0: the state dict, then the same scaled by 3 (versions 1 and 2)."""
     sender = create_sender(
         transport,
@@ -56,6 +56,7 @@ def send_two_updates(transport: str, port: int) -> object:
         bucket_bytes=4096,
         checksums=True,
         timeout=60,
+        secret=secret,
     )
     for factor in (1.0, 3.0):
         state = scaled(realistic_state_dict(), factor)
@@ -67,16 +68,24 @@ def send_two_updates(transport: str, port: int) -> object:
 @pytest.mark.gpu(count=2)
 def test_nccl_broadcast_between_two_gpus(tmp_path):
     port = free_port()
-    proc, out = start_receiver(tmp_path, transport="broadcast", port=port, device="cuda:1")
-    send_two_updates("broadcast", port)
+    secret = "gpu-test-secret-0123456789abcdef"
+    proc, out = start_receiver(
+        tmp_path, transport="broadcast", port=port, device="cuda:1", secret=secret
+    )
+    send_two_updates("broadcast", port, secret)
     check_results(proc, out, realistic_state_dict())
 
 
 @pytest.mark.gpu(count=1)
-def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path):
+@pytest.mark.parametrize("secret", [None, "gpu-test-secret-0123456789abcdef"])
+def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path, secret):
+    """The buffers' CUDA handles travel as JSON (numbers and bytes, no pickle), signed with
+    the group's secret when it has one."""
     port = free_port()
-    proc, out = start_receiver(tmp_path, transport="ipc", port=port)
-    sender = send_two_updates("ipc", port)
+    proc, out = start_receiver(
+        tmp_path, transport="ipc", port=port, **({"secret": secret} if secret else {})
+    )
+    sender = send_two_updates("ipc", port, secret)
     assert sender.handles_published == 2  # the second update reused both buffers
     results = check_results(proc, out, realistic_state_dict())
     assert results[-1]["handles_opened"] == 2
