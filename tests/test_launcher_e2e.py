@@ -193,6 +193,25 @@ def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
     assert "rollout engine 0" in stderr, stderr[-3000:]
 
 
+def test_a_dead_reward_server_is_restarted_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "rewards-restart"
+    process = subprocess.Popen(
+        command(out, "loop.steps=10"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists(), 300, "the first step")
+        os.kill(json.loads((out / "roles.json").read_text())["rewards"]["pid"], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-4000:]
+    assert "was killed by SIGKILL; restarted as pid" in stderr
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    restarts = [r["rewards/restarts"] for r in records]  # a running count: 0s, then 1s
+    assert restarts == sorted(restarts) and restarts[-1] == 1, restarts
+
+
 def test_unreachable_reward_server_is_retried_then_a_clear_error(tmp_path):
     out = tmp_path / "norewards"
     result = subprocess.run(

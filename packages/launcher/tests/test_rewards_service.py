@@ -1,6 +1,12 @@
 """The run's reward service against a real `rlhf-rewards serve` child process on loopback: failed
-samples are counted by kind and their first error is reported once."""
+samples are counted by kind and their first error is reported once; a dead server is started
+again, up to the limit."""
 
+import signal
+
+import pytest
+
+from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import RewardsConfig
 from ferrule_launcher.rewards_service import RewardService
 
@@ -36,3 +42,47 @@ def test_failures_are_counted_by_kind_and_each_kind_reported_once(tmp_path, caps
         assert clean.failed_fraction == 0 and not clean.first_errors
     finally:
         service.stop()
+
+
+def test_a_dead_server_is_restarted_up_to_the_limit_and_then_stops_the_run(tmp_path, capsys):
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
+    config = RewardsConfig(
+        function=f"{tmp_path / 'fns.py'}:picky", timeout=30, retry_for=2, max_restarts=1
+    )
+    service = RewardService.start(config, tmp_path)
+    try:
+        first = service.process
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        # the call that finds it dead is answered by its successor, on a new address
+        assert service.score([""] * 3, ["ok", "boom", "ok"], [""] * 3).rewards == [1.0, 0.0, 1.0]
+        assert service.restarts == 1 and service.process.pid != first.pid
+        assert service.process.poll() is None
+        err = capsys.readouterr().err
+        assert f"pid {first.pid}) was killed by SIGKILL; restarted as pid" in err
+        assert "restart 1 of at most 1 in 600 s" in err
+        assert (tmp_path / "rewards.log").read_text().count("serving") >= 2  # one log, appended
+        # dead while a call is in flight: the client's retries run out, then the limit answers
+        service.process.send_signal(signal.SIGKILL)
+        service.process.wait(10)
+        with pytest.raises(RunError, match=r"was killed by SIGKILL, after 1 restart\(s\) in the"):
+            service.score([""], ["ok"], [""])
+    finally:
+        service.stop()
+
+
+def test_a_server_given_by_address_is_never_restarted(tmp_path):
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
+    started = RewardService.start(RewardsConfig(function=f"{tmp_path / 'fns.py'}:picky"), tmp_path)
+    given = RewardService.start(
+        RewardsConfig(address=started.addresses, retry_for=1), tmp_path / "given"
+    )
+    try:
+        started.process.send_signal(signal.SIGKILL)
+        started.process.wait(10)
+        with pytest.raises(RunError, match="failed after retries"):
+            given.score([""], ["ok"], [""])
+        assert given.restarts == 0
+    finally:
+        given.stop()
+        started.stop()

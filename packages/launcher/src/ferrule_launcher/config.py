@@ -95,6 +95,11 @@ class RewardsConfig(Table):
     """A sample whose reward function raised, timed out or returned no number scores 0.0 and is
     counted (metric reward/failed); a step where more than this fraction of the samples failed
     stops the run with an error naming the function. 1.0: never stop."""
+    max_restarts: int = Field(3, ge=0)
+    """A reward server this run started that dies is started again, at most this many times
+    within restart_window seconds; one more death stops the run (0: the first death does)."""
+    restart_window: float = Field(600.0, gt=0)
+    """Seconds over which max_restarts counts."""
 
     @field_validator("function")
     @classmethod

@@ -329,6 +329,7 @@ class Loop:
             "time/score": rollout.seconds_score,
             "time/train": seconds_train,
             "time/sync": seconds_sync,
+            "rewards/restarts": self.rewards.restarts,
         }
         metrics.update(trained)
         return metrics

@@ -7,7 +7,9 @@
 The server is ferrule-rewards' own CLI in a child process that dies with the launcher (Linux
 parent-death signal), so even a `kill -9` of the launcher leaves no reward server behind. It
 listens on a free loopback port and writes its address to out/rewards.address once it serves;
-its log goes to out/rewards.log. Failures are RunErrors that say which server and why.
+its log goes to out/rewards.log. A started server that dies is started again, and the call
+that found it dead goes to the new one, up to [rewards] max_restarts times in restart_window
+seconds (metric rewards/restarts). Failures are RunErrors that say which server and why.
 """
 
 import ctypes
@@ -15,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,15 +42,26 @@ class Scored:
 
 
 class RewardService:
+    """The run's reward server: one it was given ([rewards] address), or one it started and
+    restarts when it dies (at most [rewards] max_restarts times in restart_window seconds)."""
+
     def __init__(
         self, addresses: list[str], process=None, timeout=60.0, retry_for=20.0, name: str = ""
     ):
+        self.addresses, self.process = addresses, process
+        self.timeout, self.retry_for = timeout, retry_for
+        self.name = name or f"the reward server at {', '.join(addresses)}"
+        self.client = self._client(addresses)
+        self.kinds_reported: set[str] = set()
+        self.config: RewardsConfig | None = None  # set for a server this run started
+        self.out: Path | None = None
+        self.restarts = 0
+        self._restarted_at: deque[float] = deque()
+
+    def _client(self, addresses: list[str]):
         from ferrule_rewards.client import RewardClient
 
-        self.addresses, self.process = addresses, process
-        self.name = name or f"the reward server at {', '.join(addresses)}"
-        self.client = RewardClient(addresses, timeout=timeout, retry_for=retry_for, backoff=0.2)
-        self.kinds_reported: set[str] = set()
+        return RewardClient(addresses, timeout=self.timeout, retry_for=self.retry_for, backoff=0.2)
 
     @classmethod
     def start(cls, config: RewardsConfig, out: Path) -> "RewardService":
@@ -57,58 +70,16 @@ class RewardService:
         if config.address:
             service = cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
         else:
-            service = cls._spawn(config, out / "rewards.log", out / "rewards.address")
+            address, process = _spawn(config, out, first=True)
+            service = cls([address], process, config.timeout, config.retry_for)
             service.name = config.function or str(config.model)
+            service.config, service.out = config, out
         try:
             service.score([""], [""], ["0"])  # a function that rejects this sample is fine
         except BaseException:
             service.stop()
             raise
         return service
-
-    @classmethod
-    def _spawn(cls, config: RewardsConfig, log_path: Path, address_file: Path):
-        what = (
-            ["--function", config.function] if config.function else ["--model", str(config.model)]
-        )
-        command = [
-            sys.executable,
-            "-m",
-            "ferrule_rewards",
-            "serve",
-            *what,
-            "--bind",
-            "127.0.0.1:0",
-            "--grace",
-            "2",
-            "--address-file",
-            str(address_file),
-        ]
-        address_file.unlink(missing_ok=True)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-            process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
-            )
-        deadline = time.monotonic() + config.start_timeout
-        while time.monotonic() < deadline:
-            if address_file.exists():
-                address = address_file.read_text().strip()
-                return cls([address], process, config.timeout, config.retry_for)
-            if process.poll() is not None:
-                raise RunError(
-                    f"[rewards] the reward server exited with status {process.returncode}: "
-                    f"{log_path.read_text().strip()[-2000:]}"
-                )
-            time.sleep(0.1)
-        process.kill()
-        raise RunError(
-            f"[rewards] the reward server did not start within {config.start_timeout:g} s "
-            f"(start_timeout); its log: {log_path}"
-        )
 
     def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> Scored:
         """One reward per response; a sample the function failed on scores 0.0 and is counted
@@ -119,18 +90,57 @@ class RewardService:
             {"prompt": p, "response": r, "label": a}
             for p, r, a in zip(prompts, responses, labels, strict=True)
         ]
+        if self._died():  # restart now rather than wait out the client's retries
+            self._restart()
         try:
             results = self.client.score(samples)
         except RewardError as err:
-            raise RunError(
-                f"reward server {', '.join(self.addresses)} failed after retries: {err}"
-            ) from None
+            if not self._died():
+                raise RunError(
+                    f"reward server {', '.join(self.addresses)} failed after retries: {err}"
+                ) from None
+            self._restart()
+            try:  # the scores the dead server never returned, from its successor
+                results = self.client.score(samples)
+            except RewardError as again:
+                raise RunError(f"the restarted reward server failed too: {again}") from None
         scored = Scored([r.reward if r.ok else 0.0 for r in results])
         for result in results:
             if not result.ok:
                 scored.failed[str(result.status)] += 1
                 scored.first_errors.setdefault(str(result.status), result.error)
         return scored
+
+    def _died(self) -> bool:
+        """Whether this run started the server and it has exited."""
+        return self.config is not None and self.process.poll() is not None
+
+    def _restart(self) -> None:
+        """Start a new server in place of the dead one, unless it died too often already."""
+        config, died = self.config, self.process
+        how = _exit_status(died.returncode)
+        now = time.monotonic()
+        while self._restarted_at and now - self._restarted_at[0] > config.restart_window:
+            self._restarted_at.popleft()
+        if len(self._restarted_at) >= config.max_restarts:
+            raise RunError(
+                f"the reward server (pid {died.pid}) {how}, after {len(self._restarted_at)} "
+                f"restart(s) in the last {config.restart_window:g} s ([rewards] max_restarts = "
+                f"{config.max_restarts}, restart_window = {config.restart_window:g}); its log: "
+                f"{self.out / 'rewards.log'}"
+            )
+        address, self.process = _spawn(config, self.out, first=False)
+        self.client.close()
+        self.addresses, self.client = [address], self._client([address])
+        self._restarted_at.append(now)
+        self.restarts += 1
+        print(
+            f"the reward server (pid {died.pid}) {how}; restarted as pid {self.process.pid} on "
+            f"{address} (restart {len(self._restarted_at)} of at most {config.max_restarts} in "
+            f"{config.restart_window:g} s; metric rewards/restarts)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def report_new_failures(self, scored: Scored) -> None:
         """Print the first error of each kind of failure once per run (the counts go to the
@@ -154,3 +164,55 @@ class RewardService:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subprocess.Popen]:
+    """Start `rlhf-rewards serve` on a free loopback port; (its address, its process) once it
+    serves. Its log goes to out/rewards.log (appended to by a restart)."""
+    log_path, address_file = out / "rewards.log", out / "rewards.address"
+    what = ["--function", config.function] if config.function else ["--model", str(config.model)]
+    command = [
+        sys.executable,
+        "-m",
+        "ferrule_rewards",
+        "serve",
+        *what,
+        "--bind",
+        "127.0.0.1:0",
+        "--grace",
+        "2",
+        "--address-file",
+        str(address_file),
+    ]
+    address_file.unlink(missing_ok=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # the child keeps its own copy of the log's descriptor
+    with open(log_path, "w" if first else "a") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+    deadline = time.monotonic() + config.start_timeout
+    while time.monotonic() < deadline:
+        if address_file.exists():
+            address = address_file.read_text().strip()
+            return address, process
+        if process.poll() is not None:
+            raise RunError(
+                f"[rewards] the reward server exited with status {process.returncode}: "
+                f"{log_path.read_text().strip()[-2000:]}"
+            )
+        time.sleep(0.1)
+    process.kill()
+    raise RunError(
+        f"[rewards] the reward server did not start within {config.start_timeout:g} s "
+        f"(start_timeout); its log: {log_path}"
+    )
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
