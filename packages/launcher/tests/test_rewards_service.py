@@ -3,6 +3,8 @@ samples are counted by kind and their first error is reported once; a dead serve
 again, up to the limit."""
 
 import signal
+import threading
+import time
 
 import pytest
 
@@ -86,3 +88,23 @@ def test_a_server_given_by_address_is_never_restarted(tmp_path):
     finally:
         given.stop()
         started.stop()
+
+
+def test_a_server_restarted_from_a_thread_outlives_that_thread(tmp_path):
+    """The async loop's producer thread restarts a dead server, then ends; the parent-death
+    signal is per thread, so a server it had started itself would die with it."""
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
+    service = RewardService.start(RewardsConfig(function=f"{tmp_path / 'fns.py'}:picky"), tmp_path)
+    try:
+        service.process.send_signal(signal.SIGKILL)
+        service.process.wait(10)
+        producer = threading.Thread(target=service.score, args=([""], ["ok"], [""]))
+        producer.start()
+        producer.join()
+        assert service.restarts == 1
+        time.sleep(4)  # past the server's 2 s drain, had the thread's end signalled it
+        assert service.process.poll() is None
+        assert service.score([""], ["ok"], [""]).rewards == [1.0]
+        assert service.restarts == 1
+    finally:
+        service.stop()

@@ -18,11 +18,18 @@ import subprocess
 import sys
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import RewardsConfig
+
+# The parent-death signal fires when the *thread* that started the child ends, not the
+# process: a restart from the async loop's producer thread would die with that thread. So
+# every server is started from this one thread, which lives as long as the launcher.
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="rewards-spawner")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -188,12 +195,14 @@ def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subproce
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # the child keeps its own copy of the log's descriptor
     with open(log_path, "w" if first else "a") as log:
-        process = subprocess.Popen(
+        start = partial(
+            subprocess.Popen,
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )
+        process = _SPAWNER.submit(start).result()
     deadline = time.monotonic() + config.start_timeout
     while time.monotonic() < deadline:
         if address_file.exists():
