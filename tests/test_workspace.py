@@ -1,4 +1,4 @@
-"""The workspace's shape: five published members plus the dev kit, each complete and consistent."""
+"""The workspace's shape: six published members plus the dev kit, each complete and consistent."""
 
 import tomllib
 from pathlib import Path
@@ -8,14 +8,14 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).parents[1]
-PUBLISHED = ["weightsync", "rewards", "rollout", "trainer", "launcher"]
+PUBLISHED = ["weightsync", "grpc-auth", "rewards", "rollout", "trainer", "launcher"]
 MEMBERS = {
     path.parent.name: tomllib.loads(path.read_text())
     for path in sorted(ROOT.glob("packages/*/pyproject.toml"))
 }
 
 
-def test_members_are_the_five_packages_and_the_kit():
+def test_members_are_the_six_packages_and_the_kit():
     assert sorted(MEMBERS) == sorted([*PUBLISHED, "testkit"])
 
 
@@ -25,7 +25,12 @@ def test_member_layout(name):
     folder = ROOT / "packages" / name
     assert project["name"] == f"ferrule-{name}"
     Version(project["version"])  # a valid version of its own
-    for required in ["README.md", "CHANGELOG.md", f"src/ferrule_{name}/__init__.py", "tests"]:
+    for required in [
+        "README.md",
+        "CHANGELOG.md",
+        f"src/ferrule_{name.replace('-', '_')}/__init__.py",
+        "tests",
+    ]:
         assert (folder / required).exists(), f"packages/{name}/{required} is missing"
     assert project["version"] in (folder / "CHANGELOG.md").read_text(), (
         "CHANGELOG lacks the version"
