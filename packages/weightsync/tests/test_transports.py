@@ -262,6 +262,23 @@ def test_receiver_killed_mid_transfer_is_an_error_within_the_timeout(transport, 
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_from_another_thread_ends_a_stuck_send_at_once(transport, peers):
+    """A trainer that learns a receiver died (its engine's actor is gone) must not wait out
+    the group's timeout: abort() ends the blocked send at once."""
+    port = free_port()
+    peers.start(1, transport=transport, port=port, updates=0)  # joins, then is gone
+    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=120)
+    threading.Timer(2.0, sender.abort, ["rollout engine 1 died"]).start()
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match="aborted: rollout engine 1 died"):
+        sender.send(realistic_state_dict().items())  # waits for the receiver's ack
+    assert time.monotonic() - started < 2 + 5  # not the 120 s timeout
+    with pytest.raises(WeightSyncError, match="aborted: rollout engine 1 died"):
+        sender.send(realistic_state_dict().items())  # a new group is needed now
+    sender.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sender_killed_mid_transfer_is_an_error_for_receivers(transport, peers):
     port = free_port()
     [proc] = peers.start(1, role="sender", transport=transport, port=port, stall_at=5)

@@ -157,6 +157,7 @@ class _Group:
         started = time.monotonic()
         deadline = started + self.timeout
         while not work.is_completed():
+            self.control.check_aborted()  # a sender's abort() from another thread
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError
@@ -259,6 +260,14 @@ class BroadcastSender:
                 self._group.wait(sent[0], f"broadcast of the last buckets (slot {index})")
         return self._group.count_failures(False) > 0
 
+    def abort(self, reason: str) -> None:
+        """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
+        with `reason` (within a second when it waits on the control plane; the data plane's
+        group is aborted too). The sender is unusable afterwards: close it and create a new
+        group."""
+        self._group.control.abort(reason)
+        self._group.abort(f"aborted: {reason}")
+
     def close(self) -> None:
         self._group.close()
 
@@ -328,6 +337,14 @@ class BroadcastReceiver:
             if ahead < len(buckets):  # its slot held bucket k-1, already consumed
                 post(ahead)
             yield bucket, buffer
+
+    def abort(self, reason: str) -> None:
+        """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
+        with `reason` (within a second when it waits on the control plane; the data plane's
+        group is aborted too). The sender is unusable afterwards: close it and create a new
+        group."""
+        self._group.control.abort(reason)
+        self._group.abort(f"aborted: {reason}")
 
     def close(self) -> None:
         self._group.close()

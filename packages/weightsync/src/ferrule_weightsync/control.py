@@ -102,6 +102,9 @@ class Control:
         self._secret = messages.as_secret(secret)
         self._seal = Seal()  # signs from the end of join() on, when there is a secret
         self._buckets: dict[int, int] = {}  # sender: bucket count of each update, for cleanup
+        self._aborted = ""  # set by abort(), from any thread; every wait checks it
+        self._waiting: list[str] = []  # the keys a _wait_all blocks on, for abort() to set
+        self._address = (host, port)
         self.where = f"weight-sync group at {host}:{port}"
         try:
             self.store = dist.TCPStore(
@@ -310,6 +313,21 @@ class Control:
 
     # -- helpers ---------------------------------------------------------------------------
 
+    def abort(self, reason: str) -> None:
+        """Make this side's current and later waits raise `WeightSyncError` with `reason`: at
+        once for a wait on every receiver, within a second for a wait on one key. For another
+        thread to call while this one waits (it sets a flag, and the keys being waited on)."""
+        self._aborted = reason or "no reason given"
+        if self._waiting:  # a _wait_all in progress: wake it through a connection of our own
+            host, port = self._address
+            waker = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+            for key in self._waiting:
+                waker.set(key, b"")
+
+    def check_aborted(self) -> None:
+        if self._aborted:
+            raise WeightSyncError(f"rank {self.rank}: aborted: {self._aborted} ({self.where})")
+
     def _put(self, key: str, value: object) -> None:
         self.store.set(key, self._seal.close(key, messages.encode(value)))
 
@@ -328,12 +346,12 @@ class Control:
         limit = self.timeout if timeout == -1.0 else timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            step = 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
-            try:  # one round trip: the store's get blocks until the key exists or `step` passes
-                self.store.set_timeout(timedelta(seconds=step))
+            self.check_aborted()
+            try:  # one round trip: the store's get blocks until the key exists or a step passes
+                self.store.set_timeout(timedelta(seconds=_step(deadline)))
                 return self.store.get(key)
             except (RuntimeError, TimeoutError, dist.DistStoreError) as err:
-                if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
+                if not _timed_out(err):
                     raise WeightSyncError(
                         f"rank {self.rank}: lost the {self.where} while waiting for {who} "
                         f"({key}): {err}"
@@ -348,16 +366,22 @@ class Control:
 
     def _wait_all(self, prefix: str, what: str, timeout: float | None = None) -> None:
         """Block (in the store, not by polling: CPU is scarce while data moves) until every
-        receiver has set `prefix/<rank>`; on timeout, name the ranks still missing."""
+        receiver has set `prefix/<rank>`; on timeout, name the ranks still missing. An abort
+        from another thread wakes the wait by setting the keys itself."""
         keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
         timeout = self.timeout if timeout is None else timeout
+        self._waiting = keys  # before the check: abort() sets its flag, then reads this
         try:
+            self.check_aborted()
             self.store.wait(keys, timedelta(seconds=timeout))
         except dist.DistError as err:
             missing = [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
             raise PeerTimeoutError(
                 f"receivers {missing} did not {what} within {timeout:g}s on the {self.where}"
             ) from err
+        finally:
+            self._waiting = []
+        self.check_aborted()  # woken by abort(), not by the receivers
 
     def _forget(self, seq: int) -> None:
         """Drop an old update's keys so the store does not grow with every step."""
@@ -373,6 +397,16 @@ class Control:
 
     def close(self) -> None:
         del self.store
+
+
+def _step(deadline: float | None) -> float:
+    """Seconds of the next blocking store call: a second, or what is left before `deadline`."""
+    return 1.0 if deadline is None else max(0.001, min(1.0, deadline - time.monotonic()))
+
+
+def _timed_out(err: Exception) -> bool:
+    text = str(err).lower()
+    return "timeout" in text or "timed out" in text
 
 
 def _null(value: object, key: str) -> None:

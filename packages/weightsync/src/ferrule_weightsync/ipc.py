@@ -172,6 +172,12 @@ class IpcSender:
             self._updates.packed(seq, bucket, buffer)
             self._control.signal(seq, bucket.index, "ready")
 
+    def abort(self, reason: str) -> None:
+        """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
+        with `reason` within a second. The sender is unusable afterwards: close it and create
+        a new group."""
+        self._control.abort(reason)
+
     def close(self) -> None:
         for buffer in self._buffers:
             buffer.close()
