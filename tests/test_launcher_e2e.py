@@ -176,10 +176,36 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
     assert summary["resumed_from_step"] == saved and summary["steps"] == 12
 
 
-def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
+def test_a_dead_rollout_engine_is_replaced_and_the_run_goes_on(tmp_path):
+    out = tmp_path / "engine-restart"
+    process = subprocess.Popen(
+        command(out, "loop.steps=12"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists(), 300, "the first step")
+        killed = json.loads((out / "roles.json").read_text())["rollout-0"]["pid"]
+        os.kill(killed, signal.SIGKILL)
+        _, stderr = process.communicate(timeout=400)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-4000:]
+    assert "the rollout engine 0 actor died" in stderr and "replaced by a new actor" in stderr
+    records = metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    restarts = [r["rollout/restarts"] for r in records]  # a running count: 0s, then 1s
+    assert restarts == sorted(restarts) and restarts[-1] == 1, restarts
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["weights_digest"]["engine_versions"] == [12]  # the successor is in step
+    assert json.loads((out / "roles.json").read_text())["rollout-0"]["pid"] != killed
+
+
+def test_a_dead_rollout_engine_stops_the_run_naming_it_when_no_restart_is_left(tmp_path):
     out = tmp_path / "dead"
     process = subprocess.Popen(
-        command(out, "loop.steps=400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command(out, "loop.steps=400", "rollout.max_restarts=0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     roles = out / "roles.json"
     try:
@@ -190,7 +216,8 @@ def test_dead_rollout_engine_stops_the_run_naming_it(tmp_path):
     finally:
         process.kill()
     assert process.returncode == 1
-    assert "rollout engine 0" in stderr, stderr[-3000:]
+    assert "the rollout engine 0 actor died" in stderr, stderr[-3000:]
+    assert "[rollout] max_restarts = 0" in stderr, stderr[-3000:]
 
 
 def test_a_dead_reward_server_is_restarted_and_the_run_goes_on(tmp_path):

@@ -5,12 +5,46 @@
 
 A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
 "policy (weight sync sender)") and the first useful line of the remote error, so that the user
-reads which component stopped the run, not a Ray traceback.
+reads which component stopped the run, not a Ray traceback. A dead actor is an `ActorDied`,
+which a caller that can replace the actor catches (engines.py).
 """
+
+import time
+from collections import deque
 
 
 class RunError(RuntimeError):
     """The run cannot continue; the message names the role or component that failed."""
+
+
+class ActorDied(RunError):
+    """A role's actor is gone (killed, out of memory, its node lost): a RunError unless the
+    caller can replace it."""
+
+
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds; `total` counts them all."""
+
+    def __init__(self, limit: int, window: float):
+        self.limit, self.window = limit, window
+        self.total = 0
+        self._times: deque[float] = deque()
+
+    def spend(self) -> bool:
+        """Take one restart if the window has room for it."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        self.total += 1
+        return True
+
+    @property
+    def recent(self) -> int:
+        """Restarts within the current window."""
+        return len(self._times)
 
 
 def get(refs, role: str, timeout: float | None = None):
@@ -25,7 +59,7 @@ def get(refs, role: str, timeout: float | None = None):
     try:
         return ray.get(refs, timeout=timeout)
     except RayActorError as err:
-        raise RunError(f"the {role} actor died: {_first_line(err)}") from None
+        raise ActorDied(f"the {role} actor died: {_first_line(err)}") from None
     except RayTaskError as err:
         raise RunError(f"the {role} failed: {_first_line(err.cause or err)}") from None
     except GetTimeoutError:

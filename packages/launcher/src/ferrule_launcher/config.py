@@ -75,6 +75,12 @@ class RolloutConfig(EngineConfig, Table):  # Table: "none" for None, as everywhe
     memory on CPU; colocated processes on one host only), "auto" (ipc when everything is
     colocated, else broadcast), or "host" (shared memory even on GPUs: every byte through host
     memory; slower, the baseline of benchmarks/e2e_gpu.py)."""
+    max_restarts: int = Field(3, ge=0)
+    """An engine whose actor dies is replaced by a new one (the policy's current weights loaded
+    into it, its prompts sent again), at most this many times within restart_window seconds
+    over all engines; one more death stops the run (0: the first death does)."""
+    restart_window: float = Field(600.0, gt=0)
+    """Seconds over which max_restarts counts."""
 
 
 class RewardsConfig(Table):

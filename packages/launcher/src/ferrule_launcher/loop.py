@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
+from ferrule_launcher.engines import Engines
 from ferrule_launcher.roles import Roles
 from ferrule_launcher.task import accuracy, training_problems
 
@@ -43,10 +44,19 @@ chance, as it may between steps)."""
 
 
 class Loop:
-    def __init__(self, config: Config, roles: Roles, rewards, held_out: list, pad_id: int):
+    def __init__(
+        self,
+        config: Config,
+        roles: Roles,
+        rewards,
+        held_out: list,
+        pad_id: int,
+        on_engine_replaced=None,
+    ):
         self.config, self.roles, self.rewards = config, roles, rewards
         self.held_out, self.pad_id = held_out, pad_id
-        self.version = 0  # of the engines' weights
+        self.engines = Engines(config, roles, on_engine_replaced)
+        self.version = 0  # of the engines' weights, for the producer to wait on
         self.version_changed = threading.Condition()
         # The driver's own state, checkpointed: the adaptive KL coefficient and the moments of
         # every score so far ([trainer] kl_target, reward_norm = "running").
@@ -68,13 +78,7 @@ class Loop:
 
     def generate(self, prompts: list[str], temperature: float, n: int) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
-        settings = self.config.rollout.sampling(n, temperature)
-        engines = self.roles.engines
-        size = -(-len(prompts) // len(engines))
-        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
-        refs = [e.generate.remote(c, settings) for e, c in zip(engines, chunks, strict=False)]
-        results = get_each([(ref, f"rollout engine {i}") for i, ref in enumerate(refs)])
-        return [sample for result in results for sample in result]
+        return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
 
     def rollout(self, step: int) -> Rollout:
         """Generate and score a step's batch. With [loop] keep_group_mean, prompt groups whose
@@ -267,13 +271,8 @@ class Loop:
     def to_train(self) -> None:
         """The engines free their GPU memory (weights kept in host memory); the trainer's
         states come back."""
-        calls = []
         if self.config.rollout.sleep_between_phases:
-            calls += [
-                (e.sleep.remote(), f"rollout engine {i} (sleep)")
-                for i, e in enumerate(self.roles.engines)
-            ]
-        get_each(calls)
+            self.engines.each("sleep", "sleep")
         calls = []
         if self.config.trainer.offload_between_phases:
             calls += [(ref, "policy (reload)") for ref in self.roles.policy.call("reload")]
@@ -284,31 +283,14 @@ class Loop:
     def to_sync(self) -> None:
         """The engines take their memory back, to receive the new weights and generate."""
         if self.config.rollout.sleep_between_phases:
-            get_each(
-                [
-                    (e.wake_up.remote(), f"rollout engine {i} (wake up)")
-                    for i, e in enumerate(self.roles.engines)
-                ]
-            )
+            self.engines.each("wake_up", "wake up")
 
     def sync(self, version: int) -> float:
         """Send the policy's weights to every engine as `version`; returns the seconds taken.
         Running samples wait to finish on the old weights, or with [loop] partial_rollout
         continue on the new ones."""
         start = time.perf_counter()
-        mode = "keep" if self.config.loop.partial_rollout else "wait"
-        receiving = [
-            (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
-            for i, e in enumerate(self.roles.engines)
-        ]
-        sending = [
-            (ref, "policy (weight sync sender)")
-            for ref in self.roles.policy.call("send_weights", version)
-        ]
-        results = get_each(receiving + sending)
-        for index, got in enumerate(results[: len(receiving)]):
-            if got != version:
-                raise RunError(f"rollout engine {index} loaded version {got}, expected {version}")
+        self.engines.sync(version)
         with self.version_changed:
             self.version = version
             self.version_changed.notify_all()
@@ -330,6 +312,7 @@ class Loop:
             "time/train": seconds_train,
             "time/sync": seconds_sync,
             "rewards/restarts": self.rewards.restarts,
+            "rollout/restarts": self.engines.restarts,
         }
         metrics.update(trained)
         return metrics
@@ -352,14 +335,15 @@ class Loop:
     def _finish_step(self, step: int, rollout: Rollout, on_step) -> None:
         start = time.perf_counter()
         memory = {"gpu/used_gb_generate": self._device_memory()}
-        self.to_train()
-        switched = time.perf_counter()
-        trained = self.train(rollout)
-        seconds_train = time.perf_counter() - switched
-        memory["gpu/used_gb_train"] = self._device_memory()
-        self.to_sync()
-        seconds_sync = self.sync(step)
-        self.to_generate()
+        with self.engines.lock:  # an engine replaced meanwhile gets this step's weights
+            self.to_train()
+            switched = time.perf_counter()
+            trained = self.train(rollout)
+            seconds_train = time.perf_counter() - switched
+            memory["gpu/used_gb_train"] = self._device_memory()
+            self.to_sync()
+            seconds_sync = self.sync(step)
+            self.to_generate()
         metrics = self.step_metrics(rollout, trained, seconds_train, seconds_sync)
         metrics["time/switch"] = time.perf_counter() - start - seconds_train - seconds_sync
         if any(memory.values()):

@@ -17,13 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from ferrule_launcher.calls import RunError
+from ferrule_launcher.calls import RestartBudget, RunError
 from ferrule_launcher.config import RewardsConfig
 
 # The parent-death signal fires when the *thread* that started the child ends, not the
@@ -62,8 +62,7 @@ class RewardService:
         self.kinds_reported: set[str] = set()
         self.config: RewardsConfig | None = None  # set for a server this run started
         self.out: Path | None = None
-        self.restarts = 0
-        self._restarted_at: deque[float] = deque()
+        self.budget: RestartBudget | None = None  # set with config
 
     def _client(self, addresses: list[str]):
         from ferrule_rewards.client import RewardClient
@@ -81,6 +80,7 @@ class RewardService:
             service = cls([address], process, config.timeout, config.retry_for)
             service.name = config.function or str(config.model)
             service.config, service.out = config, out
+            service.budget = RestartBudget(config.max_restarts, config.restart_window)
         try:
             service.score([""], [""], ["0"])  # a function that rejects this sample is fine
         except BaseException:
@@ -118,6 +118,11 @@ class RewardService:
                 scored.first_errors.setdefault(str(result.status), result.error)
         return scored
 
+    @property
+    def restarts(self) -> int:
+        """Restarts so far (metric rewards/restarts)."""
+        return self.budget.total if self.budget else 0
+
     def _died(self) -> bool:
         """Whether this run started the server and it has exited."""
         return self.config is not None and self.process.poll() is not None
@@ -126,12 +131,9 @@ class RewardService:
         """Start a new server in place of the dead one, unless it died too often already."""
         config, died = self.config, self.process
         how = _exit_status(died.returncode)
-        now = time.monotonic()
-        while self._restarted_at and now - self._restarted_at[0] > config.restart_window:
-            self._restarted_at.popleft()
-        if len(self._restarted_at) >= config.max_restarts:
+        if not self.budget.spend():
             raise RunError(
-                f"the reward server (pid {died.pid}) {how}, after {len(self._restarted_at)} "
+                f"the reward server (pid {died.pid}) {how}, after {self.budget.recent} "
                 f"restart(s) in the last {config.restart_window:g} s ([rewards] max_restarts = "
                 f"{config.max_restarts}, restart_window = {config.restart_window:g}); its log: "
                 f"{self.out / 'rewards.log'}"
@@ -139,11 +141,9 @@ class RewardService:
         address, self.process = _spawn(config, self.out, first=False)
         self.client.close()
         self.addresses, self.client = [address], self._client([address])
-        self._restarted_at.append(now)
-        self.restarts += 1
         print(
             f"the reward server (pid {died.pid}) {how}; restarted as pid {self.process.pid} on "
-            f"{address} (restart {len(self._restarted_at)} of at most {config.max_restarts} in "
+            f"{address} (restart {self.budget.recent} of at most {config.max_restarts} in "
             f"{config.restart_window:g} s; metric rewards/restarts)",
             file=sys.stderr,
             flush=True,

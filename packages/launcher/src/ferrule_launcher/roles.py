@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class RankWorker:
         device."""
         from ferrule_weightsync import create_sender
 
+        self.close_weight_sync()  # a group cannot take new members: a replaced engine needs a new one
         device = "cpu" if transport == "host" else self.actor.device
         transport = "ipc" if transport == "host" else transport
         self.sender = create_sender(
@@ -83,6 +85,18 @@ class RankWorker:
             secret=secret,
         )
         return str(device)
+
+    def close_weight_sync(self) -> None:
+        """Leave this rank's weight-sync group (receivers still in it see it gone at once)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    def abort_weight_sync(self, reason: str) -> None:
+        """Called in the "control" concurrency group while `send_weights` may be blocked on a
+        receiver that died: that send raises at once with `reason`."""
+        if self.sender is not None:
+            self.sender.abort(reason)
 
     def send_weights(self, version: int) -> int:
         """Every rank exports (ZeRO-3 gathers need all of them); the ranks with a sender send."""
@@ -138,6 +152,7 @@ class Roles:
     reference: RankGroup | None = None
     critic: RankGroup | None = None
     groups: list = field(default_factory=list)  # Ray placement groups, given back at the end
+    start_engine: Callable | None = None  # index -> a new engine actor on that engine's bundle
 
     def handles(self) -> dict[Role, object]:
         """Every actor of the run by its role."""
@@ -187,8 +202,19 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
     if config.critic is not None:
         setup["critic"] = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
 
-    def actor(cls, role: Role, **extra):
-        return ray.remote(cls).options(**options[role], runtime_env={"env_vars": env}, **extra)
+    def actor(cls, role: Role, concurrency_groups=None, **extra):
+        remote = (
+            ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
+        )
+        return remote(cls).options(**options[role], runtime_env={"env_vars": env}, **extra)
+
+    def start_engine(index: int):
+        role = Role("rollout", index)
+        return actor(r.engine_class(), role, max_concurrency=4).remote(
+            model_path, dtype=m.dtype, seed=seed + index, **r.engine_options()
+        )
+
+    roles.start_engine = start_engine
 
     try:
         setups = []
@@ -196,7 +222,11 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
             ranks = [role for role in wanted if role.kind == kind]
             if not ranks:
                 continue
-            workers = [actor(RankWorker, role).remote() for role in ranks]
+            # "control": abort_weight_sync runs while send_weights blocks the default group
+            workers = [
+                actor(RankWorker, role, concurrency_groups={"control": 1}).remote()
+                for role in ranks
+            ]
             setattr(roles, kind, RankGroup(workers))
             master = get(workers[0].where.remote(), ranks[0].label)
             setups += [
@@ -214,13 +244,7 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
                 )
                 for i, w in enumerate(workers)
             ]
-        engine = r.engine_class()
-        roles.engines = [
-            actor(engine, Role("rollout", i), max_concurrency=4).remote(
-                model_path, dtype=m.dtype, seed=seed + i, **r.engine_options()
-            )
-            for i in range(r.engines)
-        ]
+        roles.engines = [start_engine(i) for i in range(r.engines)]
         # Wait for every role to start, naming the one that could not.
         get_each(setups)
         get_each([(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()])

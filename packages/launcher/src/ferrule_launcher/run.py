@@ -11,7 +11,8 @@ Output directory layout ([output] dir):
     .run.lock                 held (flock) by the run in progress: one run per directory
     policy/                   the final policy in Hugging Face format
 Every process the run starts (Ray actors, the reward server) stops when it ends, fails or is
-interrupted; a role that dies stops the run with an error that names it.
+interrupted. A rollout engine or reward server that dies is replaced ([rollout] and [rewards]
+max_restarts); any other role that dies stops the run with an error that names it.
 """
 
 import json
@@ -66,7 +67,14 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
         roles = start_roles(config, model_path, env)
         write_roles(out / "roles.json", roles, rewards)
         held_out = held_out_problems(config.task)
-        loop = Loop(config, roles, rewards, held_out, _pad_id(model_path))
+        loop = Loop(
+            config,
+            roles,
+            rewards,
+            held_out,
+            _pad_id(model_path),
+            on_engine_replaced=lambda: write_roles(out / "roles.json", roles, rewards),
+        )
         first_step = 1
         if state:
             first_step = state["step"] + 1
@@ -105,7 +113,7 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
             loop.run_async(first_step, on_step)
         evaluated = [r for r in log.history if "eval/accuracy" in r]
         accuracy_after = evaluated[-1]["eval/accuracy"] if evaluated else loop.evaluate()
-        digests = _check_weights(config, roles)
+        digests = _check_weights(config, roles, config.loop.steps)
         get(roles.policy.call("save_hf", str(out / "policy")), "policy")
         summary = {
             "accuracy_before": accuracy_before,
@@ -141,23 +149,36 @@ def _pad_id(model_path: str) -> int:
     return 0
 
 
-def _check_weights(config: Config, roles: Roles) -> dict:
-    """After the last sync: the digest of the policy's weights, and of every engine that can
-    report what it holds (the transformers engine; vLLM keeps its weights in its own layout).
-    A RunError names an engine whose weights differ from the policy's."""
+def _check_weights(config: Config, roles: Roles, version: int) -> dict:
+    """After the last sync: every engine holds policy `version`, and the digests of the
+    policy's weights and of every engine that can report what it holds (the transformers
+    engine; vLLM keeps its weights in its own layout). A RunError names an engine that holds
+    another version or other weights."""
+    engines = list(enumerate(roles.engines))
+    versions = get_each(
+        [(e.__ray_call__.remote(_held_version), f"rollout engine {i}") for i, e in engines]
+    )
+    behind = [i for i, held in enumerate(versions) if held != version]
+    if behind:
+        raise RunError(
+            f"rollout engine(s) {behind} hold policy versions {versions} after the last weight "
+            f"sync, not {version}"
+        )
     policy = get(roles.policy.call("weights_digest"), "policy")[0]
     if config.rollout.backend != "transformers":
-        return {"policy": policy}
-    engines = get_each(
-        [(e.weights_digest.remote(), f"rollout engine {i}") for i, e in enumerate(roles.engines)]
-    )
-    differ = [i for i, d in enumerate(engines) if d != policy]
+        return {"policy": policy, "engine_versions": versions}
+    digests = get_each([(e.weights_digest.remote(), f"rollout engine {i}") for i, e in engines])
+    differ = [i for i, d in enumerate(digests) if d != policy]
     if differ:
         raise RunError(
             f"rollout engine(s) {differ} hold weights that differ from the policy's after the "
-            f"last weight sync (digests {engines} against the policy's {policy})"
+            f"last weight sync (digests {digests} against the policy's {policy})"
         )
-    return {"policy": policy, "engines": engines}
+    return {"policy": policy, "engines": digests, "engine_versions": versions}
+
+
+def _held_version(engine) -> int:  # runs inside an engine's actor, through __ray_call__
+    return engine.version
 
 
 def _save_checkpoint(out: Path, roles: Roles, step: int) -> None:

@@ -1,0 +1,188 @@
+"""The run's rollout engines: work split between them, weights loaded into them, and a dead one
+replaced instead of a dead run.
+
+    engines = Engines(config, roles, on_replaced=lambda: write_roles(...))
+    samples = engines.generate(prompts, settings)   # a dead engine's share goes to its successor
+    engines.sync(version)                            # every engine loads the policy's weights
+    engines.each("sleep", "sleep")                   # one method on every engine
+
+An engine whose actor dies (killed, out of memory, its process gone) is replaced by a new actor
+on the same bundle. A weight-sync group cannot take a new member, so every group is opened
+again with a new secret, the policy's weights of the version the engines hold are loaded into
+every engine, and what the dead engine was doing (its share of the prompts, a weight update) is
+done again. A sender blocked on the dead engine is aborted at once rather than left to time
+out. At most [rollout] max_restarts replacements happen in restart_window seconds; one more
+death stops the run with the error it would have stopped with (metric rollout/restarts).
+
+`lock` orders replacements with the trainer's step: the loop holds it from training to the
+weight sync, so a replacement loads exactly the weights of the version the engines hold.
+"""
+
+import sys
+import threading
+
+from ferrule_launcher.calls import ActorDied, RestartBudget, RunError, get, get_each
+from ferrule_launcher.config import Config
+from ferrule_launcher.roles import Roles, open_weight_sync
+
+PROBE_SECONDS = 30.0  # a live engine answers __ray_ready__ at once, even while it generates
+
+
+class Engines:
+    def __init__(self, config: Config, roles: Roles, on_replaced=None):
+        self.config, self.roles = config, roles
+        self.on_replaced = on_replaced or (lambda: None)
+        self.lock = threading.RLock()
+        self.version = 0  # of the weights every engine holds
+        self.budget = RestartBudget(config.rollout.max_restarts, config.rollout.restart_window)
+
+    @property
+    def restarts(self) -> int:
+        return self.budget.total
+
+    # -- work ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[str], settings) -> list:
+        """Samples for `prompts`, split evenly over the engines, in prompt then sample order.
+        The share of an engine that dies is generated again by its successor."""
+        import ray
+
+        size = -(-len(prompts) // len(self.roles.engines))
+        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        pending, results = {}, {}
+
+        def submit(index: int) -> None:
+            engine = self.roles.engines[index]
+            pending[engine.generate.remote(chunks[index], settings)] = (index, engine)
+
+        for index in range(len(chunks)):
+            submit(index)
+        while pending:
+            [ready], _ = ray.wait(list(pending), num_returns=1)
+            index, engine = pending.pop(ready)
+            try:
+                results[index] = get(ready, f"rollout engine {index}")
+            except ActorDied as died:
+                self.replace({index: engine}, died)
+                submit(index)
+        return [sample for index in range(len(chunks)) for sample in results[index]]
+
+    def each(self, method: str, what: str) -> list:
+        """`method()` on every engine (sleep, wake_up, weights_digest); a dead engine is
+        replaced and the call made again on all of them."""
+        with self.lock:
+            try:
+                return self._each(method, what)
+            except ActorDied as died:
+                self.replace(self._dead(), died)
+                return self._each(method, what)
+
+    def _each(self, method: str, what: str) -> list:
+        return get_each(
+            [
+                (getattr(engine, method).remote(), f"rollout engine {i} ({what})")
+                for i, engine in enumerate(self.roles.engines)
+            ]
+        )
+
+    def sync(self, version: int) -> None:
+        """Send the policy's weights to every engine as `version`. Running samples wait to
+        finish on the old weights, or with [loop] partial_rollout continue on the new ones."""
+        with self.lock:
+            try:
+                self._load(version)
+            except RunError as failed:
+                dead = self._dead()
+                if not dead:
+                    raise
+                self._recover(dead, failed, version)
+
+    def _load(self, version: int) -> None:
+        mode = "keep" if self.config.loop.partial_rollout else "wait"
+        receiving = [
+            (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
+            for i, e in enumerate(self.roles.engines)
+        ]
+        sending = [
+            (ref, "policy (weight sync sender)")
+            for ref in self.roles.policy.call("send_weights", version)
+        ]
+        results = get_each(receiving + sending)
+        for index, got in enumerate(results[: len(receiving)]):
+            if got != version:
+                raise RunError(f"rollout engine {index} loaded version {got}, expected {version}")
+        self.version = version
+
+    # -- replacing the dead ------------------------------------------------------------------
+
+    def replace(self, dead: dict, cause: RunError) -> None:
+        """Replace the engines in `dead` ({index: the handle that died}) unless another thread
+        already did, and load the current weights into every engine."""
+        with self.lock:
+            dead = {i: e for i, e in dead.items() if self.roles.engines[i] is e}
+            if dead:
+                self._recover(dead, cause, self.version)
+
+    def _recover(self, dead: dict, cause: RunError, version: int) -> None:
+        """New actors for the dead engines, new weight-sync groups for all, and `version`
+        loaded into every engine; again while engines die meanwhile."""
+        while True:
+            self._abort_senders(f"{cause}")
+            for index in dead:
+                self._restart(index, cause)
+            try:
+                if self.config.rollout.sleep_between_phases:  # the successor is awake
+                    self._each("wake_up", "wake up")
+                open_weight_sync(self.config, self.roles.policy.workers, self.roles.engines)
+                self._load(version)
+                break
+            except RunError as failed:
+                dead, cause = self._dead(), failed
+                if not dead:
+                    raise
+        self.on_replaced()
+
+    def _restart(self, index: int, cause: RunError) -> None:
+        import ray
+
+        c = self.config.rollout
+        if not self.budget.spend():
+            raise RunError(
+                f"{cause}; not replaced: {self.budget.recent} engine restart(s) in the last "
+                f"{c.restart_window:g} s already ([rollout] max_restarts = {c.max_restarts}, "
+                f"restart_window = {c.restart_window:g})"
+            )
+        ray.kill(self.roles.engines[index], no_restart=True)
+        engine = self.roles.start_engine(index)
+        get(engine.__ray_ready__.remote(), f"rollout engine {index} (restarted)")
+        self.roles.engines[index] = engine
+        print(
+            f"{cause}; replaced by a new actor (engine restart {self.budget.recent} of at most "
+            f"{c.max_restarts} in {c.restart_window:g} s; metric rollout/restarts)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _dead(self) -> dict:
+        """{index: handle} of the engines whose actors are gone."""
+        import ray
+
+        probes = {e.__ray_ready__.remote(): (i, e) for i, e in enumerate(self.roles.engines)}
+        ray.wait(list(probes), num_returns=len(probes), timeout=PROBE_SECONDS)
+        dead = {}
+        for ref, (index, engine) in probes.items():
+            try:
+                get(ref, f"rollout engine {index}", timeout=0)
+            except ActorDied:
+                dead[index] = engine
+            except RunError:  # busy past the probe's deadline: alive
+                pass
+        return dead
+
+    def _abort_senders(self, reason: str) -> None:
+        """Senders blocked on a dead receiver give up now instead of after their timeout."""
+        abort = [
+            (w.abort_weight_sync.options(concurrency_group="control").remote(reason), "policy")
+            for w in self.roles.policy.workers
+        ]
+        get_each(abort)  # done before a new group opens: a late abort would end that one
