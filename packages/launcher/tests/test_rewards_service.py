@@ -20,6 +20,10 @@ def picky(response: str) -> float:
     if response == "nan":
         return float("nan")
     return 1.0
+
+
+def step_of(response: str, metadata: dict) -> float:
+    return float(metadata["step"]) + len(metadata["sample_id"]) / 1000
 '''
 
 
@@ -106,5 +110,17 @@ def test_a_server_restarted_from_a_thread_outlives_that_thread(tmp_path):
         assert service.process.poll() is None
         assert service.score([""], ["ok"], [""]).rewards == [1.0]
         assert service.restarts == 1
+    finally:
+        service.stop()
+
+
+def test_metadata_reaches_the_reward_function(tmp_path):
+    (tmp_path / "fns.py").write_text(FUNCTIONS)
+    config = RewardsConfig(function=f"{tmp_path / 'fns.py'}:step_of", timeout=30)
+    service = RewardService.start(config, tmp_path)
+    try:
+        metadata = [{"step": "7", "sample_id": "ab/7/0/0"}, {"step": "8", "sample_id": "ab/8/0/12"}]
+        scored = service.score(["", ""], ["x", "y"], ["", ""], metadata)
+        assert scored.rewards == [7.008, 8.009]
     finally:
         service.stop()

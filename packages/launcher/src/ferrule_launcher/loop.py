@@ -14,6 +14,7 @@ whole prompt groups that are staler than allowed.
 """
 
 import queue
+import secrets
 import threading
 import time
 from collections import Counter
@@ -57,6 +58,7 @@ class Loop:
         self.held_out, self.pad_id = held_out, pad_id
         self.engines = Engines(config, roles, on_engine_replaced)
         self.version = 0  # of the engines' weights, for the producer to wait on
+        self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
         self.version_changed = threading.Condition()
         # The driver's own state, checkpointed: the adaptive KL coefficient and the moments of
         # every score so far ([trainer] kl_target, reward_norm = "running").
@@ -98,7 +100,7 @@ class Loop:
             start = time.perf_counter()
             samples = self.generate([p for p, _ in problems], c.rollout.temperature, n)
             generated = time.perf_counter()
-            scores, failures, penalty = self.score(step, problems, samples)
+            scores, failures, penalty = self.score(step, draws, problems, samples)
             rollout.seconds_generate += generated - start
             rollout.seconds_score += time.perf_counter() - generated
             draws += 1
@@ -132,10 +134,15 @@ class Loop:
             rollout.metrics["filter/kept_groups"] = len(rollout.problems)
         return rollout
 
-    def score(self, step: int, problems: list, samples: list) -> tuple[list, Counter, list]:
+    def score(
+        self, step: int, draw: int, problems: list, samples: list
+    ) -> tuple[list, Counter, list]:
         """The shaped scores of one draw, its failures by kind, and each sample's overlong
         penalty. Shaping: a truncated response scores [trainer] truncated_score when that is
-        set; the others get DAPO's overlong penalty when [trainer] overlong_buffer is set."""
+        set; the others get DAPO's overlong penalty when [trainer] overlong_buffer is set.
+        Every sample goes with metadata the reward function may take: `step`, and a
+        `sample_id` unique to it ("<launch>/<step>/<draw>/<index>"; a new launch id after a
+        resume, whose repeated steps are new samples)."""
         import torch
 
         from ferrule_trainer import rl
@@ -145,6 +152,10 @@ class Loop:
             [problems[i // n][0] for i in range(len(samples))],
             [s.text for s in samples],
             [problems[i // n][1] for i in range(len(samples))],
+            [
+                {"step": str(step), "sample_id": f"{self.launch_id}/{step}/{draw}/{i}"}
+                for i in range(len(samples))
+            ],
         )
         self.rewards.report_new_failures(scored)
         if scored.failed_fraction > c.rewards.max_failed_fraction:

@@ -88,14 +88,21 @@ class RewardService:
             raise
         return service
 
-    def score(self, prompts: list[str], responses: list[str], labels: list[str]) -> Scored:
+    def score(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        labels: list[str],
+        metadata: list[dict[str, str]] | None = None,
+    ) -> Scored:
         """One reward per response; a sample the function failed on scores 0.0 and is counted
         by kind. A server that cannot be reached after every retry raises RunError."""
         from ferrule_rewards.client import RewardError
 
+        metadata = metadata or [{}] * len(prompts)
         samples = [
-            {"prompt": p, "response": r, "label": a}
-            for p, r, a in zip(prompts, responses, labels, strict=True)
+            {"prompt": p, "response": r, "label": a, "metadata": m}
+            for p, r, a, m in zip(prompts, responses, labels, metadata, strict=True)
         ]
         if self._died():  # restart now rather than wait out the client's retries
             self._restart()
