@@ -8,6 +8,7 @@ from packaging.requirements import Requirement
 
 PACKAGES = {  # distribution -> the extras .ci/run relies on
     "ferrule-weightsync": [],
+    "ferrule-grpc-auth": [],
     "ferrule-rewards": ["model"],
     "ferrule-rollout": ["cpu"],
     "ferrule-trainer": [],

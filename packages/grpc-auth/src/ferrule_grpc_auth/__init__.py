@@ -11,6 +11,9 @@ call (but the methods a server exempts, such as standard health checks) before t
 request is read.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from ferrule_grpc_auth.addresses import InsecureBindError, check_bind, is_loopback, split_address
 from ferrule_grpc_auth.options import (
     add_client_options,
@@ -27,6 +30,11 @@ from ferrule_grpc_auth.tokens import (
     check_token,
     read_token,
 )
+
+try:
+    __version__ = _version("ferrule-grpc-auth")
+except PackageNotFoundError:  # copied into another project's tree
+    __version__ = "0+source"
 
 __all__ = [
     "MIN_TOKEN_CHARS",

@@ -52,17 +52,19 @@ class RewardService:
     """The run's reward server: one it was given ([rewards] address), or one it started and
     restarts when it dies (at most [rewards] max_restarts times in restart_window seconds)."""
 
-    def __init__(
-        self, addresses: list[str], process=None, timeout=60.0, retry_for=20.0, name: str = ""
-    ):
+    def __init__(self, config: RewardsConfig, out: Path, addresses: list[str], process=None):
+        """`process`: the server this run started at `addresses[0]` (None: given servers)."""
+        self.config, self.out = config, out
         self.addresses, self.process = addresses, process
-        self.timeout, self.retry_for = timeout, retry_for
-        self.name = name or f"the reward server at {', '.join(addresses)}"
+        self.timeout, self.retry_for = config.timeout, config.retry_for
+        self.name = (
+            f"the reward server at {', '.join(addresses)}"
+            if process is None
+            else config.function or str(config.model)
+        )
         self.client = self._client(addresses)
         self.kinds_reported: set[str] = set()
-        self.config: RewardsConfig | None = None  # set for a server this run started
-        self.out: Path | None = None
-        self.budget: RestartBudget | None = None  # set with config
+        self.budget = RestartBudget(config.max_restarts, config.restart_window)
 
     def _client(self, addresses: list[str]):
         from ferrule_rewards.client import RewardClient
@@ -74,13 +76,10 @@ class RewardService:
         """The service, checked with one call, so that an unreachable server stops the run
         before the heavy roles start."""
         if config.address:
-            service = cls(list(config.address), timeout=config.timeout, retry_for=config.retry_for)
+            service = cls(config, out, list(config.address))
         else:
             address, process = _spawn(config, out, first=True)
-            service = cls([address], process, config.timeout, config.retry_for)
-            service.name = config.function or str(config.model)
-            service.config, service.out = config, out
-            service.budget = RestartBudget(config.max_restarts, config.restart_window)
+            service = cls(config, out, [address], process)
         try:
             service.score([""], [""], ["0"])  # a function that rejects this sample is fine
         except BaseException:
@@ -128,11 +127,11 @@ class RewardService:
     @property
     def restarts(self) -> int:
         """Restarts so far (metric rewards/restarts)."""
-        return self.budget.total if self.budget else 0
+        return self.budget.total
 
     def _died(self) -> bool:
         """Whether this run started the server and it has exited."""
-        return self.config is not None and self.process.poll() is not None
+        return self.process is not None and self.process.poll() is not None
 
     def _restart(self) -> None:
         """Start a new server in place of the dead one, unless it died too often already."""
@@ -217,7 +216,7 @@ def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subproce
             return address, process
         if process.poll() is not None:
             raise RunError(
-                f"[rewards] the reward server exited with status {process.returncode}: "
+                f"[rewards] the reward server {_exit_status(process.returncode)}: "
                 f"{log_path.read_text().strip()[-2000:]}"
             )
         time.sleep(0.1)

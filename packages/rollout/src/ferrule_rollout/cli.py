@@ -17,7 +17,7 @@ import sys
 import threading
 
 from ferrule_grpc_auth import add_server_options, check_bind, server_security
-from ferrule_rollout.server import TOKEN_ENV
+from ferrule_rollout.security import TOKEN_ENV
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,7 +18,8 @@ from ferrule_grpc_auth import bearer, channel_credentials
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
 from ferrule_rollout.samples import Prompt, Sample, SamplingSettings, VersionSpan
-from ferrule_rollout.server import MAX_MESSAGE_BYTES, TOKEN_ENV
+from ferrule_rollout.security import TOKEN_ENV
+from ferrule_rollout.server import MAX_MESSAGE_BYTES
 
 STATUS_NAMES = {v: k for k, v in pb.HealthResponse.Status.items()}
 

@@ -22,10 +22,9 @@ from ferrule_grpc_auth import TLS, SyncTokenInterceptor, check_bind
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
+from ferrule_rollout.security import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
-TOKEN_ENV = "FERRULE_ROLLOUT_TOKEN"
-"""Where the server and its clients read the bearer token when no --token-file is given."""
 MAX_MESSAGE_BYTES = 256 * 2**20  # a batch of long samples can exceed gRPC's 4 MB default
 STATUS = {
     "serving": pb.HealthResponse.SERVING,

@@ -132,11 +132,11 @@ class Control:
                 self._nonce = os.urandom(messages.NONCE_BYTES)
                 hello["nonce"] = messages.to_b64(self._nonce)
             self.store.set("hello", messages.encode(hello))  # receivers wait for it
-        hello = self._hello()
+        self._check_hello()
         if self.store.add(f"joined/{self.rank}", 1) > 1:
             raise WeightSyncError(f"rank {self.rank} has already joined the {self.where}")
         if self._secret is not None and self.rank > 0:
-            self._prove(hello)
+            self._prove()
         if self.rank == 0:
             self._wait_all("joined", "join the group", self.connect_timeout)
             if self._secret is not None:
@@ -146,8 +146,8 @@ class Control:
             self._enter()
         return self._take("settings", "the sender", self._settings)
 
-    def _hello(self) -> dict:
-        """The sender's greeting: the group's size and, with a secret, its nonce."""
+    def _check_hello(self) -> None:
+        """The sender's greeting: the group's size and, with a secret, its nonce (kept)."""
         raw = self._get("hello", "the sender", self.connect_timeout)
         checks = {"world_size": integer, "signed": messages.flag}
         value = messages.decode(raw, "hello")
@@ -168,9 +168,8 @@ class Control:
         if hello["signed"]:
             nonce = messages.from_b64(hello.get("nonce"), "hello", "nonce", messages.NONCE_BYTES)
             self._nonce = nonce
-        return hello
 
-    def _prove(self, hello: dict) -> None:
+    def _prove(self) -> None:
         """Receiver: publish this rank's nonce and the proof that it knows the secret."""
         self._my_nonce = os.urandom(messages.NONCE_BYTES)
         proof = messages.join_proof(self._secret, self.rank, self._nonce, self._my_nonce)
@@ -218,7 +217,7 @@ class Control:
 
     @staticmethod
     def _settings(value: object, key: str) -> dict[str, int | None]:
-        messages._typed(value, dict, key, "settings")
+        messages.mapping(value, key, "settings")
         for name, setting in value.items():
             if setting is not None:
                 integer(setting, key, name)

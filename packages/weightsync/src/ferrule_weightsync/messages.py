@@ -169,6 +169,10 @@ def text(value, key, what="the message") -> str:
     return _typed(value, str, key, what)
 
 
+def mapping(value, key, what) -> dict:
+    return _typed(value, dict, key, what)
+
+
 def flag(value, key, what) -> bool:
     return _typed(value, bool, key, what)
 
