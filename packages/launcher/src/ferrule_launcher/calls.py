@@ -82,7 +82,7 @@ def get_each(pairs: list, timeout: float | None = None) -> list:
 
 
 def _first_line(err) -> str:
-    text = str(err).strip()
+    text = str(err).strip().split(" Some common causes include:")[0]  # Ray's death notice: a guide
     lines = [line for line in text.splitlines() if line.strip()]
     useful = [line for line in lines if "Error" in line or "error" in line]
     return (useful[-1] if useful else lines[-1] if lines else repr(err))[:500]
