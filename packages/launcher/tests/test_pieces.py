@@ -3,6 +3,8 @@ outputs. (The batch layout and the estimators are ferrule-trainer's: its tests/t
 
 import json
 
+from ferrule_launcher import calls
+from ferrule_launcher.calls import RestartBudget
 from ferrule_launcher.placement import Role, groups_for
 from ferrule_launcher.task import eval_problems, problem, step_problems
 
@@ -125,3 +127,14 @@ def test_role_names_and_labels():
         "policy rank 0",
         "rollout engine 2",
     ]
+
+
+def test_restart_budget_counts_restarts_within_the_window_only(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(calls.time, "monotonic", lambda: now[0])
+    budget = RestartBudget(limit=2, window=600)
+    assert budget.spend() and budget.spend()
+    assert not budget.spend()  # a third within 600 s
+    now[0] += 600.5  # both have left the window
+    assert budget.spend() and budget.recent == 1 and budget.total == 3
+    assert not RestartBudget(limit=0, window=600).spend()  # 0: the first death stops the run
