@@ -39,6 +39,13 @@ def launch(out: Path, *overrides: str, resume: bool = False, timeout: float = 42
     return result
 
 
+def start(out: Path, *overrides: str) -> subprocess.Popen:
+    """A launch in the background, its output captured (read it with communicate())."""
+    return subprocess.Popen(
+        command(out, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -178,9 +185,7 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
 
 def test_a_dead_rollout_engine_is_replaced_and_the_run_goes_on(tmp_path):
     out = tmp_path / "engine-restart"
-    process = subprocess.Popen(
-        command(out, "loop.steps=12"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start(out, "loop.steps=12")
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists(), 300, "the first step")
         killed = json.loads((out / "roles.json").read_text())["rollout-0"]["pid"]
@@ -201,12 +206,7 @@ def test_a_dead_rollout_engine_is_replaced_and_the_run_goes_on(tmp_path):
 
 def test_a_dead_rollout_engine_stops_the_run_naming_it_when_no_restart_is_left(tmp_path):
     out = tmp_path / "dead"
-    process = subprocess.Popen(
-        command(out, "loop.steps=400", "rollout.max_restarts=0"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = start(out, "loop.steps=400", "rollout.max_restarts=0")
     roles = out / "roles.json"
     try:
         wait_for(roles.exists, 300, "the roles to start")
@@ -222,9 +222,7 @@ def test_a_dead_rollout_engine_stops_the_run_naming_it_when_no_restart_is_left(t
 
 def test_a_dead_reward_server_is_restarted_and_the_run_goes_on(tmp_path):
     out = tmp_path / "rewards-restart"
-    process = subprocess.Popen(
-        command(out, "loop.steps=10"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start(out, "loop.steps=10")
     try:
         wait_for(lambda: (out / "metrics.jsonl").exists(), 300, "the first step")
         os.kill(json.loads((out / "roles.json").read_text())["rewards"]["pid"], signal.SIGKILL)
@@ -263,9 +261,7 @@ def alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_every_process_the_run_started(tmp_path):
     out = tmp_path / "interrupt"
-    process = subprocess.Popen(
-        command(out, "loop.steps=400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start(out, "loop.steps=400")
     roles = out / "roles.json"
     try:
         wait_for(roles.exists, 300, "the roles to start")

@@ -7,6 +7,8 @@ recorded in benchmarks/RESULTS.md. Same protocol code and checks as the CPU test
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,27 @@ def test_digest_of_gpu_tensors_is_the_digest_of_their_host_copies():
     on_gpu = {name: tensor.to("cuda:0") for name, tensor in state.items()}
     assert digest(on_gpu.items()) == digest(state.items())
     assert digest(on_gpu.items()) == digest(on_gpu.items())
+
+
+@pytest.mark.gpu(count=2)
+def test_nccl_abort_from_another_thread_ends_a_send_stuck_on_a_receiver(tmp_path):
+    """The receiver stops mid-transfer but stays alive, so NCCL would wait out the timeout;
+    abort() (a trainer that knows the receiver's engine died) ends the send at once."""
+    port = free_port()
+    proc, _ = start_receiver(
+        tmp_path, transport="broadcast", port=port, device="cuda:1", updates=1, stall_at=4
+    )
+    try:
+        sender = create_sender(
+            "broadcast", "127.0.0.1", port, 1, device="cuda:0", bucket_bytes=4096, timeout=120
+        )
+        state = {k: v.to("cuda:0") for k, v in realistic_state_dict().items()}
+        threading.Timer(3.0, sender.abort, ["engine 1 died"]).start()
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError, match="aborted: engine 1 died"):
+            sender.send(state.items())
+        assert time.monotonic() - started < 3 + 10  # not the 120 s timeout
+        sender.close()
+    finally:
+        proc.kill()
+        proc.communicate()

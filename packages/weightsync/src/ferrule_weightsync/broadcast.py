@@ -262,9 +262,9 @@ class BroadcastSender:
 
     def abort(self, reason: str) -> None:
         """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
-        with `reason` (within a second when it waits on the control plane; the data plane's
-        group is aborted too). The sender is unusable afterwards: close it and create a new
-        group."""
+        with `reason`: at once when it waits for the receivers' reports, within a poll in an
+        NCCL transfer (the group is aborted); a gloo transfer ends when the dead receiver's
+        connection closes. The sender is unusable afterwards: close it and open a new group."""
         self._group.control.abort(reason)
         self._group.abort(f"aborted: {reason}")
 
@@ -337,14 +337,6 @@ class BroadcastReceiver:
             if ahead < len(buckets):  # its slot held bucket k-1, already consumed
                 post(ahead)
             yield bucket, buffer
-
-    def abort(self, reason: str) -> None:
-        """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
-        with `reason` (within a second when it waits on the control plane; the data plane's
-        group is aborted too). The sender is unusable afterwards: close it and create a new
-        group."""
-        self._group.control.abort(reason)
-        self._group.abort(f"aborted: {reason}")
 
     def close(self) -> None:
         self._group.close()

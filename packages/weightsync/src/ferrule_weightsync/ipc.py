@@ -174,8 +174,8 @@ class IpcSender:
 
     def abort(self, reason: str) -> None:
         """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
-        with `reason` within a second. The sender is unusable afterwards: close it and create
-        a new group."""
+        with `reason` at once. The sender is unusable afterwards: close it and open a new
+        group."""
         self._control.abort(reason)
 
     def close(self) -> None:
