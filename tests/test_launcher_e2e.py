@@ -147,12 +147,12 @@ def test_ppo_with_critic_reference_and_an_sft_stage(tmp_path):
     assert (out / "sft" / "model" / "config.json").exists()
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.5)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -185,16 +185,19 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
 
 def test_a_dead_rollout_engine_is_replaced_and_the_run_goes_on(tmp_path):
     out = tmp_path / "engine-restart"
-    process = start(out, "loop.steps=12")
+    # Killed as soon as the roles are up: the first evaluation's generate call finds it dead
+    # (the soak test's kills, later in a run, mostly land in weight syncs).
+    process = start(out, "loop.steps=12", 'loop.mode="async"')
     try:
-        wait_for(lambda: (out / "metrics.jsonl").exists(), 300, "the first step")
+        wait_for((out / "roles.json").exists, 300, "the roles to start", every=0.05)
         killed = json.loads((out / "roles.json").read_text())["rollout-0"]["pid"]
         os.kill(killed, signal.SIGKILL)
         _, stderr = process.communicate(timeout=400)
     finally:
         process.kill()
     assert process.returncode == 0, stderr[-4000:]
-    assert "the rollout engine 0 actor died" in stderr and "replaced by a new actor" in stderr
+    assert "the rollout engine 0" in stderr and "replaced by a new actor" in stderr
+    assert "Unhandled error" not in stderr  # the aborted sync's calls were fetched
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 13))
     restarts = [r["rollout/restarts"] for r in records]  # a running count: 0s, then 1s

@@ -18,6 +18,7 @@ death stops the run with the error it would have stopped with (metric rollout/re
 weight sync, so a replacement loads exactly the weights of the version the engines hold.
 """
 
+import contextlib
 import sys
 import threading
 
@@ -35,6 +36,7 @@ class Engines:
         self.lock = threading.RLock()
         self.version = 0  # of the weights every engine holds
         self.budget = RestartBudget(config.rollout.max_restarts, config.rollout.restart_window)
+        self._abandoned: list = []  # refs of a failed weight sync's calls, fetched later
 
     @property
     def restarts(self) -> int:
@@ -107,11 +109,30 @@ class Engines:
             (ref, "policy (weight sync sender)")
             for ref in self.roles.policy.call("send_weights", version)
         ]
-        results = get_each(receiving + sending)
+        try:
+            results = get_each(receiving + sending)
+        except RunError:  # fetched once they end, or Ray prints their errors as unhandled
+            self._abandoned += [ref for ref, _ in receiving + sending]
+            raise
+        self._settle()
         for index, got in enumerate(results[: len(receiving)]):
             if got != version:
                 raise RunError(f"rollout engine {index} loaded version {got}, expected {version}")
         self.version = version
+
+    def _settle(self) -> None:
+        """Fetch the calls of failed weight syncs that have ended since, ignoring their errors:
+        the run already acted on the first one."""
+        import ray
+
+        if not self._abandoned:
+            return
+        ready, self._abandoned = ray.wait(
+            self._abandoned, num_returns=len(self._abandoned), timeout=0
+        )
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
 
     # -- replacing the dead ------------------------------------------------------------------
 

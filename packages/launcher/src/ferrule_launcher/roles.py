@@ -319,4 +319,6 @@ def write_roles(path: Path, roles: Roles, rewards) -> None:
     }
     if rewards.process is not None:
         where["rewards"] = {"pid": rewards.process.pid, "address": rewards.addresses[0]}
-    path.write_text(json.dumps(where, indent=2) + "\n")
+    staged = path.with_suffix(".tmp")  # rewritten when an engine is replaced: never half
+    staged.write_text(json.dumps(where, indent=2) + "\n")
+    staged.replace(path)
