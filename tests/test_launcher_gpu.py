@@ -9,8 +9,11 @@ machines have no vLLM). After the last sync every engine must hold exactly the p
 """
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +93,41 @@ def test_separate_policy_and_engine_gpus_nccl(tmp_path):
         tmp_path / "separate", 'ray.placement="separate"', "trainer.kl_coef=0.0"
     )
     assert_learns_and_engines_hold_the_policy(records, summary)
+
+
+@pytest.mark.gpu(count=2)
+def test_a_killed_engine_is_replaced_and_joins_a_new_nccl_group(tmp_path):
+    """separate: the engine's process is killed after a few steps; a new one takes its GPU, a new
+    NCCL group opens (a send blocked on the dead engine is aborted) and the run goes on."""
+    out = tmp_path / "replaced"
+    command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
+    items = [f'model.path="{model_100m()}"', *COMMON, f'output.dir="{out}"']
+    for item in [*items, 'ray.placement="separate"', "trainer.kl_coef=0.0"]:
+        command += ["--set", item]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 900
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and process.poll() is None, "no third step"
+            time.sleep(0.2)
+        os.kill(json.loads((out / "roles.json").read_text())["rollout-0"]["pid"], signal.SIGKILL)
+        _, stderr = process.communicate(timeout=900)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-6000:]
+    assert "replaced by a new actor" in stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    print(
+        json.dumps(
+            {"summary": summary, "restart": [r for r in stderr.splitlines() if "replaced" in r]}
+        )
+    )
+    assert [r["step"] for r in records] == list(range(1, 25))
+    assert records[-1]["rollout/restarts"] == 1
+    digests = summary["weights_digest"]
+    assert digests["engines"] == [digests["policy"]] and digests["engine_versions"] == [24]
 
 
 @pytest.mark.gpu(count=2)
