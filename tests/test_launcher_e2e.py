@@ -69,6 +69,14 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
         assert key in summary and f"{key} = " in result.stdout
     assert summary["steps"] == 16
+    # the held-out evaluation: 4 samples per prompt scored by the run's reward (char_match),
+    # pass@k over exact answers (reward 1.0), and the task's own greedy exact-match accuracy
+    for report in (summary["eval_before"], summary["eval_after"]):
+        assert set(report) == {"reward", "pass@1", "pass@4", "reward_failed", "accuracy"}
+        assert 0 < report["pass@1"] <= report["pass@4"] <= 1 and report["reward_failed"] == 0
+    assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]
+    assert records[-1]["eval/reward"] == summary["eval_after"]["reward"]
+    assert "held-out after RL:  reward" in result.stdout
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert (out / "policy" / "config.json").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -122,7 +130,8 @@ def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_
     )
     records = metrics(out)
     assert len(records) == 4 and all("kl" in r for r in records)
-    assert records[-1]["eval/accuracy"] > 0  # the warm start solves some held-out prompts
+    assert records[-1]["eval/pass@1"] > 0  # the warm start solves some held-out prompts
+    assert "eval/accuracy" not in records[-1]  # exact match is the synthetic tasks' figure only
     roles = json.loads((out / "roles.json").read_text())
     assert {"policy-0", "policy-1", "reference", "rollout-0", "rollout-1"} <= set(roles)
 
@@ -158,7 +167,13 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
 
 def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
     out = tmp_path / "resume"
-    overrides = ["output.checkpoint_every=4", "loop.steps=12"]
+    overrides = [
+        "output.checkpoint_every=4",
+        "loop.steps=12",
+        "output.keep_last=1",
+        'output.keep_best="reward"',
+        "output.export_every=6",
+    ]
     process = subprocess.Popen(
         command(out, *overrides),
         stdout=subprocess.DEVNULL,
@@ -181,6 +196,15 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
     assert steps == list(range(1, 13)), steps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == saved and summary["steps"] == 12
+    # retention: the newest complete checkpoint (8) and the one of the best reward, no others
+    kept = json.loads(checkpoint.read_text())["kept"]
+    rewards = {r["step"]: r["reward"] for r in metrics(out)}
+    best = max((4, 8), key=lambda step: (rewards[step], step))
+    assert [c["step"] for c in kept] == sorted({8, best})
+    on_disk = {p.name for p in (out / "checkpoint" / "policy").glob("step*")}
+    assert on_disk == {f"step{c['step']}" for c in kept}
+    exported = sorted(p.name for p in (out / "exports").iterdir())
+    assert exported == ["step12", "step6"] and (out / "exports/step6/config.json").exists()
 
 
 def test_a_dead_rollout_engine_is_replaced_and_the_run_goes_on(tmp_path):

@@ -195,6 +195,15 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[rewards]\nfunction = 'ferrule_rewards.builtin:exact_text'\nmax_failed_fraction = 1.5\n",
             "[rewards] max_failed_fraction: Input should be less than or equal to 1",
         ),
+        ("[eval]\nsamples = 2\npass_k = 4\n", "[eval] pass_k: must be <= samples = 2, got 4"),
+        ("[eval]\nsamples = 0\n", "[eval] samples: Input should be greater than or equal to 1"),
+        ("[rollout]\nmax_restarts = -1\n", "[rollout] max_restarts: Input should be greater"),
+        (
+            "[output]\nkeep_best = 'eval/pass@1'\ncheckpoint_every = 15\n[loop]\neval_every = 10\n",
+            "[output] keep_best: 'eval/pass@1' is measured every [loop] eval_every = 10 steps: "
+            "checkpoint_every (15) must be a multiple of it",
+        ),
+        ("[output]\nkeep_last = 0\n", "[output] keep_last: Input should be greater than or equal"),
     ],
 )
 def test_contradictory_settings(write, text, expected):

@@ -138,3 +138,21 @@ def test_restart_budget_counts_restarts_within_the_window_only(monkeypatch):
     now[0] += 600.5  # both have left the window
     assert budget.spend() and budget.recent == 1 and budget.total == 3
     assert not RestartBudget(limit=0, window=600).spend()  # 0: the first death stops the run
+
+
+def test_checkpoint_retention_keeps_the_newest_and_the_best(tmp_path):
+    from ferrule_launcher.outputs import drop_checkpoints, retained
+
+    kept = [{"step": s, "value": v} for s, v in [(10, 0.2), (20, 0.7), (30, 0.5), (40, None)]]
+    assert [c["step"] for c in retained(kept, keep_last=2)] == [30, 40]
+    assert [c["step"] for c in retained(kept, 2, "eval/pass@1")] == [20, 30, 40]
+    assert [c["step"] for c in retained(kept, 1, "loss", "min")] == [10, 40]
+    ties = [{"step": 10, "value": 0.7}, {"step": 20, "value": 0.7}, {"step": 30, "value": 0.1}]
+    assert [c["step"] for c in retained(ties, 1, "m")] == [20, 30]  # the newer of equals
+    assert retained([{"step": 5, "value": None}], 1, "m") == [{"step": 5, "value": None}]
+    for role in ("policy", "critic"):
+        for step in (10, 20):
+            (tmp_path / "checkpoint" / role / f"step{step}").mkdir(parents=True)
+    drop_checkpoints(tmp_path, [10])
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("checkpoint/*/*"))
+    assert left == ["checkpoint/critic/step20", "checkpoint/policy/step20"]

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(config))
         return 0
 
+    from ferrule_launcher.outputs import describe_eval
     from ferrule_launcher.run import RunError, run
 
     try:
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     keys = ("accuracy_before", "accuracy_after", "steps", "wall_seconds")
     print("summary: " + ", ".join(f"{k} = {summary[k]}" for k in keys if k in summary))
+    print(f"held-out before RL: {describe_eval(summary['eval_before'])}")
+    print(f"held-out after RL:  {describe_eval(summary['eval_after'])}")
     return 0
 
 

@@ -41,7 +41,7 @@ class TaskConfig(Table):
     train_file: InputPath | None = None
     """jsonl: training prompts, one JSON object per line (relative to the TOML file)."""
     eval_file: InputPath | None = None
-    """jsonl: held-out prompts for greedy accuracy (the first eval_prompts lines)."""
+    """jsonl: held-out prompts for the evaluations (the first eval_prompts lines)."""
     prompt_key: str = "prompt"
     """jsonl: the key of the prompt in each line."""
     label_key: str = "label"
@@ -49,7 +49,7 @@ class TaskConfig(Table):
     length: int = Field(3, ge=1, le=12)
     """Letters per word (reversal) or largest number of digits of the first operand (arithmetic)."""
     eval_prompts: int = Field(100, ge=1, le=10_000)
-    """Held-out prompts for greedy accuracy; never used for training."""
+    """Held-out prompts for the evaluations ([eval]); never used for training."""
     seed: int = 0
     """Seed of the prompt streams (training and held-out)."""
 
@@ -148,7 +148,8 @@ class LoopConfig(Table):
     queue_size: int = Field(1, ge=1)
     """Async: rollout batches generated ahead and waiting for the trainer."""
     eval_every: int = Field(10, ge=0)
-    """Greedy held-out accuracy every this many steps (0: only at the start and the end)."""
+    """The held-out evaluation ([eval]) every this many steps (0: only at the start and the
+    end)."""
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
     partial_rollout: bool = False
@@ -220,12 +221,42 @@ class RayConfig(Table):
         return self
 
 
+class EvalConfig(Table):
+    samples: int = Field(4, ge=1, le=256)
+    """Samples per held-out prompt at each evaluation ([loop] eval_every, the start and the
+    end), scored by the run's reward function."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of the evaluation's samples."""
+    pass_k: int = Field(4, ge=1)
+    """Report pass@1 and pass@pass_k (unbiased estimator over the samples); <= samples."""
+    threshold: float = 1.0
+    """A sample counts as a success for pass@k when its reward reaches this."""
+
+    @model_validator(mode="after")
+    def _k_fits(self):
+        if self.pass_k > self.samples:
+            raise Problems([("pass_k", f"must be <= samples = {self.samples}, got {self.pass_k}")])
+        return self
+
+
 class OutputConfig(Table):
     dir: Path = Path("runs/latest")
     """Where metrics, checkpoints, the final policy and summary.json go (relative to the
     current directory)."""
     checkpoint_every: int = Field(10, ge=0)
     """Save resumable state every this many steps (0: never; --resume then starts over)."""
+    keep_last: int = Field(3, ge=1)
+    """Complete checkpoints kept, the newest; an older one is deleted once a newer one is
+    complete (the one keep_best picks is kept too)."""
+    keep_best: str | None = None
+    """Also keep the checkpoint with the best value of this metric (a metrics.jsonl key, such
+    as "eval/pass@1" or "reward"); an "eval/" metric needs checkpoint_every to be a multiple of
+    [loop] eval_every, so that every checkpoint has one."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether the best value of keep_best is the largest or the smallest."""
+    export_every: int = Field(0, ge=0)
+    """Write the policy in Hugging Face format to dir/exports/stepN every this many steps (0:
+    only the final one, dir/policy)."""
     tensorboard: bool = True
     """Also write TensorBoard event files under dir/tensorboard."""
     progress: bool = True
@@ -241,6 +272,7 @@ class Config(Table):
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig | None = None
     loop: LoopConfig = LoopConfig()
+    eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     output: OutputConfig = OutputConfig()
 
@@ -289,6 +321,19 @@ class Config(Table):
                     "sft.steps",
                     'the SFT warm start needs a synthetic task (its answers); with name = "jsonl" '
                     "start from a warm-started model",
+                )
+            )
+        best, every = self.output.keep_best, self.loop.eval_every
+        if (
+            best
+            and best.startswith("eval/")
+            and (not every or self.output.checkpoint_every % every)
+        ):
+            problems.append(
+                (
+                    "output.keep_best",
+                    f"{best!r} is measured every [loop] eval_every = {every} steps: "
+                    f"checkpoint_every ({self.output.checkpoint_every}) must be a multiple of it",
                 )
             )
         if r.max_tokens >= r.max_model_len:

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ferrule_launcher import evaluation
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
@@ -307,10 +308,31 @@ class Loop:
             self.version_changed.notify_all()
         return time.perf_counter() - start
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out prompts."""
-        samples = self.generate([p for p, _ in self.held_out], 0.0, 1)
-        return accuracy([s.text for s in samples], self.held_out)
+    def evaluate(self, step: int) -> dict:
+        """The held-out evaluation at `step`: [eval] samples per prompt at its temperature,
+        scored by the run's reward function: mean reward, pass@1 and pass@k (evaluation.py);
+        for the synthetic tasks also their own figure, greedy exact-match "accuracy"."""
+        e, prompts = self.config.eval, [p for p, _ in self.held_out]
+        n = e.samples
+        samples = self.generate(prompts, e.temperature, n)
+        scored = self.rewards.score(
+            [prompt for prompt in prompts for _ in range(n)],
+            [s.text for s in samples],
+            [label for _, label in self.held_out for _ in range(n)],
+            [
+                {"step": str(step), "sample_id": f"{self.launch_id}/eval{step}/{i}"}
+                for i in range(len(samples))
+            ],
+        )
+        self.rewards.report_new_failures(scored)
+        groups = [scored.rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
+        sources = [self.config.task.name] * len(prompts)
+        report = evaluation.summarize(groups, sources, e.pass_k, e.threshold)
+        report["reward_failed"] = sum(scored.failed.values())
+        if self.config.task.name != "jsonl":
+            greedy = self.generate(prompts, 0.0, 1)
+            report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
+        return report
 
     def step_metrics(
         self, rollout: Rollout, trained: dict, seconds_train: float, seconds_sync: float
@@ -360,7 +382,7 @@ class Loop:
         if any(memory.values()):
             metrics.update(memory)
         if self._eval_due(step):
-            metrics["eval/accuracy"] = self.evaluate()
+            metrics.update({f"eval/{k}": v for k, v in self.evaluate(step).items()})
         on_step(step, metrics)
 
     def run_async(self, first_step: int, on_step) -> None:

@@ -4,7 +4,7 @@ and the record of its checkpoints.
     out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True)
     out.log(step, {"reward": 0.4, "kl": 0.01, "time/generate": 1.2, ...})
     out.finish(summary)          # reward_curve.png and summary.json
-    mark_checkpoint(Path("runs/tiny"), step=10, accuracy_before=0.3, wall_seconds=61.0)
+    mark_checkpoint(Path("runs/tiny"), step=10, eval_before={"reward": 0.3}, wall_seconds=61.0, ...)
 
 metrics.jsonl holds one JSON object per step. On --resume it is cut back to the checkpoint's
 step first, so every step appears exactly once however often the run was interrupted.
@@ -70,8 +70,8 @@ class Outputs:
         postfix["gen/score/train/sync"] = "/".join(f"{100 * t / total:.0f}" for t in phases) + "%"
         if metrics.get("reward/failed"):
             postfix["reward_failed"] = str(metrics["reward/failed"])
-        if "eval/accuracy" in metrics:
-            postfix["acc"] = f"{metrics['eval/accuracy']:.2f}"
+        if "eval/reward" in metrics:
+            postfix["eval"] = f"{metrics['eval/reward']:.2f}"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
         if self.quiet:
@@ -112,7 +112,8 @@ def _write_lines(path: Path, records: list[dict]) -> None:
 
 
 def plot_rewards(history: list[dict], path: Path) -> None:
-    """Mean reward per step, with held-out greedy accuracy where it was measured."""
+    """Mean reward per step, with the held-out evaluation's mean reward and pass@k where they
+    were measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,9 +122,11 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in history if "reward" in r]
     axis.plot(steps, [r["reward"] for r in history if "reward" in r], label="mean reward")
-    evals = [(r["step"], r["eval/accuracy"]) for r in history if "eval/accuracy" in r]
-    if evals:
-        axis.plot(*zip(*evals, strict=True), "o-", label="held-out greedy accuracy")
+    keys = sorted({k for r in history for k in r if k.startswith("eval/pass@")})
+    for key, label in [("eval/reward", "held-out mean reward"), *[(k, k[5:]) for k in keys]]:
+        evals = [(r["step"], r[key]) for r in history if key in r]
+        if evals:
+            axis.plot(*zip(*evals, strict=True), "o-", label=label)
     axis.set_xlabel("step")
     axis.set_ylim(-0.02, 1.02)
     axis.grid(alpha=0.3)
@@ -154,30 +157,69 @@ def _mean(values: list[float]) -> float | None:
 
 
 def mark_checkpoint(
-    out: Path, step: int, accuracy_before: float, wall_seconds: float, loop_state: dict
+    out: Path,
+    step: int,
+    eval_before: dict,
+    wall_seconds: float,
+    loop_state: dict,
+    kept: list[dict] | None = None,
 ) -> None:
     """Record that the states of `step` are complete: a checkpoint counts once launcher.json
     names it, so a kill while the roles save resumes from the previous one. `loop_state` is
-    the driver's own (`Loop.state`: the KL coefficient, the reward moments)."""
+    the driver's own (`Loop.state`: the KL coefficient, the reward moments); `kept`, the
+    checkpoints on disk ({"step", "value"} each, this one included)."""
     record = {
         "step": step,
-        "accuracy_before": accuracy_before,
+        "eval_before": eval_before,
         "wall_seconds": wall_seconds,
         "loop": loop_state,
+        "kept": kept or [{"step": step, "value": None}],
     }
     tmp = out / "checkpoint" / "launcher.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, out / "checkpoint" / "launcher.json")
 
 
+def retained(
+    kept: list[dict], keep_last: int, best: str | None = None, mode: str = "max"
+) -> list[dict]:
+    """The checkpoints to keep of `kept` ({"step", "value"} each, oldest first): the newest
+    `keep_last`, and the one with the best value when `best` names a metric (the newest of
+    equals; None values never win)."""
+    keep = {c["step"] for c in kept[-keep_last:]}
+    candidates = [c for c in kept if c["value"] is not None]
+    if best and candidates:
+        sign = 1 if mode == "max" else -1
+        keep.add(max(candidates, key=lambda c: (sign * c["value"], c["step"]))["step"])
+    return [c for c in kept if c["step"] in keep]
+
+
+def drop_checkpoints(out: Path, steps: list[int]) -> None:
+    """Delete the roles' states of `steps` (after launcher.json stopped naming them)."""
+    for role in ("policy", "critic"):
+        for step in steps:
+            shutil.rmtree(out / "checkpoint" / role / f"step{step}", ignore_errors=True)
+
+
 def last_checkpoint(out: Path) -> dict | None:
     path = out / "checkpoint" / "launcher.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    if "accuracy_before" in record:  # written before evaluations were reports
+        record["eval_before"] = {"accuracy": record.pop("accuracy_before")}
+    return record
+
+
+def describe_eval(report: dict) -> str:
+    """ "reward 0.412, pass@1 0.250, pass@4 0.610, accuracy 0.330": for the log."""
+    shown = [k for k in report if "/" not in k and k != "reward_failed"]
+    return ", ".join(f"{key} {report[key]:.3f}" for key in shown)
 
 
 def clear_previous(out: Path) -> None:
     """A fresh run (no --resume) does not mix with an old one in the same directory."""
-    for name in ("checkpoint", "sft", "policy", "tensorboard"):
+    for name in ("checkpoint", "sft", "policy", "exports", "tensorboard"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
         (out / name).unlink(missing_ok=True)

@@ -5,8 +5,10 @@
 Output directory layout ([output] dir):
     metrics.jsonl, tensorboard/, reward_curve.png, summary.json, rewards.log
     sft/model                 the warm-started model (sft/state: its resumable state)
-    checkpoint/launcher.json  the last complete checkpoint (step, accuracy_before, ...)
-    checkpoint/policy/stepN   the policy's resumable DeepSpeed state (and checkpoint/critic)
+    checkpoint/launcher.json  the last complete checkpoint (step, eval_before, ...)
+    checkpoint/policy/stepN   the policy's resumable DeepSpeed states (and checkpoint/critic): the
+                              last [output] keep_last, and the best by keep_best
+    exports/stepN             the policy in Hugging Face format every [output] export_every steps
     roles.json                where each role runs (node, pid), the reward server's address
     .run.lock                 held (flock) by the run in progress: one run per directory
     policy/                   the final policy in Hugging Face format
@@ -82,13 +84,13 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
             loop.restore(state.get("loop", {}))
             loop.sync(state["step"])  # the engines started from the warm start's weights
             loop.to_generate()
-            accuracy_before = state["accuracy_before"]
+            before = state["eval_before"]
         else:
             loop.to_generate()
-            accuracy_before = loop.evaluate()
+            before = loop.evaluate(0)
             print(
-                f"accuracy_before = {accuracy_before:.3f} (greedy, {len(held_out)} held-out "
-                "prompts)",
+                f"before RL: {outputs.describe_eval(before)} ({len(held_out)} held-out prompts, "
+                f"{config.eval.samples} samples each)",
                 flush=True,
             )
         log = outputs.Outputs(
@@ -99,25 +101,38 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
         def wall_seconds() -> float:
             return elapsed_before + time.monotonic() - started
 
+        o = config.output
+        kept = state.get("kept", []) if state else []  # checkpoints on disk, oldest first
+
         def on_step(step: int, metrics: dict) -> None:
+            nonlocal kept
             metrics["wall_seconds"] = round(wall_seconds(), 3)
             log.log(step, metrics)
-            every = config.output.checkpoint_every
+            if o.export_every and step % o.export_every == 0:
+                path = out / "exports" / f"step{step}"
+                get(roles.policy.call("save_hf", str(path)), "policy (export)")
+            every = o.checkpoint_every
             if every and step % every == 0 and step < config.loop.steps:
                 _save_checkpoint(out, roles, step)
-                outputs.mark_checkpoint(out, step, accuracy_before, wall_seconds(), loop.state())
+                value = metrics.get(o.keep_best) if o.keep_best else None
+                now = [*kept, {"step": step, "value": value}]
+                keep = outputs.retained(now, o.keep_last, o.keep_best, o.keep_best_mode)
+                outputs.mark_checkpoint(out, step, before, wall_seconds(), loop.state(), keep)
+                outputs.drop_checkpoints(out, [c["step"] for c in now if c not in keep])
+                kept = keep
 
         if config.loop.mode == "sync":
             loop.run_sync(first_step, on_step)
         else:
             loop.run_async(first_step, on_step)
-        evaluated = [r for r in log.history if "eval/accuracy" in r]
-        accuracy_after = evaluated[-1]["eval/accuracy"] if evaluated else loop.evaluate()
+        evaluated = [r for r in log.history if "eval/reward" in r]  # the last step always is
+        after = {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
         digests = _check_weights(config, roles, config.loop.steps)
         get(roles.policy.call("save_hf", str(out / "policy")), "policy")
         summary = {
-            "accuracy_before": accuracy_before,
-            "accuracy_after": accuracy_after,
+            "eval_before": before,
+            "eval_after": after,
+            **_task_accuracy(before, after),
             "steps": config.loop.steps,
             "wall_seconds": round(wall_seconds(), 1),
             "resumed_from_step": state["step"] if state else 0,
@@ -138,6 +153,13 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
         if rewards is not None:
             rewards.stop()
         ray.shutdown()
+
+
+def _task_accuracy(before: dict, after: dict) -> dict:
+    """The synthetic tasks' own figure, greedy exact-match accuracy, at the top of the summary."""
+    if "accuracy" not in after:
+        return {}
+    return {"accuracy_before": before.get("accuracy"), "accuracy_after": after["accuracy"]}
 
 
 def _pad_id(model_path: str) -> int:
