@@ -122,11 +122,9 @@ def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_
         "trainer.kl_coef=0.01",
         "loop.steps=4",
         "ray.cpus_per_role=0.5",
-        'task.name="jsonl"',
-        f'task.train_file="{tmp_path / "train.jsonl"}"',
-        f'task.eval_file="{tmp_path / "eval.jsonl"}"',
-        'task.prompt_key="question"',
-        'task.label_key="answer"',
+        'task.name="data"',
+        f'task.sources=[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "eval.jsonl"}", '
+        'prompt_key="question", label_key="answer"}]',
     )
     records = metrics(out)
     assert len(records) == 4 and all("kl" in r for r in records)

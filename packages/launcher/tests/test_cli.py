@@ -55,6 +55,8 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     gpu_example = EXAMPLE.parent / "grpo-gsm8k-gpu.toml"
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the data's lengths need one
+        shutil.copy(EXAMPLE.parent / "tiny" / "model" / name, tmp_path / "model" / name)
     for name in ("train", "test"):
         (tmp_path / f"{name}.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
     result = run(
@@ -63,9 +65,7 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
         "--set",
         f'model.path="{tmp_path / "model"}"',
         "--set",
-        f'task.train_file="{tmp_path / "train.jsonl"}"',
-        "--set",
-        f'task.eval_file="{tmp_path / "test.jsonl"}"',
+        f'task.sources=[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]',
     )
     assert result.returncode == 0, result.stderr
     assert "configuration is valid" in result.stdout

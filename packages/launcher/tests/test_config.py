@@ -67,8 +67,11 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
     assert "[rewards] model: no reward model folder" in error_of(path)
     path = write('[rewards]\nfunction = "missing.py:f"\n', base='[model]\npath = "model"\n')
     assert "[rewards] function: no file" in error_of(path)
-    path = write("[task]\nname = 'jsonl'\ntrain_file = 't.jsonl'\neval_file = 'e.jsonl'\n")
-    assert "[task] train_file: no file" in error_of(path)
+    path = write("[task]\nname = 'data'\n[[task.sources]]\npath = 't.jsonl'\neval_path = 'e'\n")
+    assert "[task] sources.0.path: no file or folder" in error_of(path)
+    assert "[task] sources.0.eval_path: no file or folder" in error_of(path)
+    path = write("[sft]\nsteps = 2\ndata = 's.jsonl'\n")
+    assert "[sft] data: the warm start of a 'reversal' task uses its own answers" in error_of(path)
     path = write('[rewards]\nfunction = "no_such_module:f"\n', base='[model]\npath = "model"\n')
     assert "[rewards] function: no module 'no_such_module'" in error_of(path)
 
@@ -92,8 +95,32 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ("[rollout]\ntransport = 'ipc'\n[ray]\nplacement = 'separate'\n", "[rollout] transport:"),
         ("[loop]\nmax_staleness = 3\n", "[loop] max_staleness: only applies"),
         ("[ray]\nroles_on_nodes = {rollout = 'w'}\n", "[ray] roles_on_nodes: cannot pin"),
-        ("[task]\nname = 'jsonl'\n", '[task] train_file: "jsonl" needs train_file'),
-        ("[task]\neval_file = 'e.jsonl'\n", '[task] eval_file: only read by name = "jsonl"'),
+        ("[task]\nname = 'jsonl'\n", "[task] name: Input should be 'reversal', 'arithmetic'"),
+        ("[task]\nname = 'data'\n", '[task] sources: "data" needs at least one [[task.sources]]'),
+        ("[[task.sources]]\npath = 'e.jsonl'\n", '[task] sources: only read by name = "data"'),
+        (
+            "[task]\nname = 'data'\n[[task.sources]]\npath = 'e.jsonl'\n",
+            "[task] sources: no source has an eval_path",
+        ),
+        (
+            "[task]\nname = 'data'\n[[task.sources]]\npath = 'a/t.jsonl'\neval_path = 'e'\n"
+            "[[task.sources]]\npath = 'b/t.parquet'\n",
+            "[task] sources: two sources are named 't': set name",
+        ),
+        (
+            "[task]\nname = 'data'\n[[task.sources]]\npath = 't'\neval_path = 'e'\nweight = 0\n",
+            "[task] sources.0.weight: Input should be greater than 0",
+        ),
+        (
+            "[task]\nname = 'data'\n[[task.sources]]\npath = 't'\neval_path = 'e'\n[sft]\nsteps = 5\n",
+            '[sft] data: with name = "data" the warm start needs a data file',
+        ),
+        (
+            "[task]\nname = 'data'\nmax_prompt_tokens = 121\n[[task.sources]]\npath = 't'\n"
+            "eval_path = 'e'\n",
+            "[task] max_prompt_tokens: must leave max_tokens (8) within max_model_len (128): at "
+            "most 120, got 121",
+        ),
         (
             "[trainer]\nzero_stage = 2\noffload_between_phases = true\n[ray]\nplacement = 'separate'\n",
             '[trainer] offload_between_phases: needs placement = "colocate_all"',

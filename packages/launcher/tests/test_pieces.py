@@ -3,6 +3,8 @@ outputs. (The batch layout and the estimators are ferrule-trainer's: its tests/t
 
 import json
 
+import pytest
+
 from ferrule_launcher import calls
 from ferrule_launcher.calls import RestartBudget
 from ferrule_launcher.placement import Role, groups_for
@@ -21,25 +23,6 @@ def test_tasks_are_deterministic_and_held_out_prompts_never_train():
     import random
 
     assert problem("arithmetic", 2, random.Random(1))[0].startswith("Question: what is")
-
-
-def test_jsonl_task_reads_prompts_and_labels(tmp_path):
-    from ferrule_launcher.config import TaskConfig
-    from ferrule_launcher.task import held_out_problems, training_problems
-
-    rows = [json.dumps({"prompt": f"p{i}", "label": str(i)}) for i in range(10)]
-    (tmp_path / "train.jsonl").write_text("\n".join(rows))
-    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:3]))
-    task = TaskConfig(
-        name="jsonl",
-        train_file=tmp_path / "train.jsonl",
-        eval_file=tmp_path / "eval.jsonl",
-        eval_prompts=2,
-    )
-    assert held_out_problems(task) == [("p0", "0"), ("p1", "1")]
-    batch = training_problems(task, 4, seed=0, step=3, held_out=[])
-    assert batch == training_problems(task, 4, seed=0, step=3, held_out=[]) and len(batch) == 4
-    assert len(training_problems(task, 25, seed=0, step=1, held_out=[])) == 25
 
 
 def test_placement_groups_and_bundles_for_each_mode():
@@ -156,3 +139,53 @@ def test_checkpoint_retention_keeps_the_newest_and_the_best(tmp_path):
     drop_checkpoints(tmp_path, [10])
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("checkpoint/*/*"))
     assert left == ["checkpoint/critic/step20", "checkpoint/policy/step20"]
+
+
+def test_outputs_log_sample_tables_and_weights_and_biases_offline(tmp_path, monkeypatch):
+    """Every log gets the metrics and an evaluation's sample table: metrics.jsonl and
+    eval_samples.jsonl, TensorBoard (scalars, markdown text), and W&B in offline mode (no
+    account, no network); a resumed run cuts both files back to its checkpoint."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ferrule_launcher.outputs import Outputs
+
+    monkeypatch.setenv("WANDB_API_KEY", "")  # offline must not need one
+    rows = [
+        {
+            "source": "a",
+            "prompt": "1 + 1 =",
+            "response": " 2 | two\nok",
+            "label": "2",
+            "reward": 1.0,
+        },
+        {"source": "b", "prompt": "2 + 2 =", "response": " 5", "label": "4", "reward": 0.0},
+    ]
+    wandb = {"project": "test", "mode": "offline", "dir": str(tmp_path), "name": "t", "config": {}}
+    out = Outputs(tmp_path, 3, 1, tensorboard=True, progress=False, wandb=wandb)
+    out.samples(0, rows)
+    for step in (1, 2, 3):
+        out.log(step, {"reward": 0.1 * step, "eval/pass@1": 0.5})
+    out.samples(2, rows[:1])
+    out.close()
+
+    logged = [
+        json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+    ]
+    assert [(r["step"], r["source"]) for r in logged] == [(0, "a"), (0, "b"), (2, "a")]
+    assert logged[0]["response"] == " 2 | two\nok" and logged[1]["reward"] == 0.0
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("reward")] == pytest.approx([0.1, 0.2, 0.3])
+    texts = events.Tensors("eval/samples/text_summary")
+    table = texts[0].tensor_proto.string_val[0].decode()
+    assert [t.step for t in texts] == [0, 2] and "| source | prompt |" in table
+    assert "2 \\| two ⏎ ok" in table  # one row per sample, whatever the response holds
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    (records,) = run.glob("run-*.wandb")
+    data = records.read_bytes()
+    assert b"eval/pass@1" in data and b"eval/samples" in data and b"two" in data
+
+    resumed = Outputs(tmp_path, 3, first_step=2, tensorboard=False, progress=False)
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "eval_samples.jsonl").open()]
+    assert steps == [0, 0] and [r["step"] for r in resumed.history] == [1]

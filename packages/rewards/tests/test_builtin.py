@@ -14,6 +14,7 @@ from ferrule_rewards.builtin import (
     final_answer,
     format_reward,
     math_reward,
+    number_match,
 )
 
 
@@ -250,3 +251,47 @@ def test_math_reward_takes_linear_time_on_hostile_responses(make_response, label
     result = math_reward(response, label)
     assert time.perf_counter() - began < 2.0
     assert result["reward"] == reward
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        ("3 boxes of 12 is 36; she gives away 5, so 36 - 5 = 31 apples.", "31", 1.0),
+        ("The total comes to $1,234.50 in all", "1234.5", 1.0),
+        ("x = 10-3 = 7", "7", 1.0),  # "-3" is not a number here: 10 minus 3
+        ("It fell to -7 degrees", "-7", 1.0),
+        ("3,4,5 are the sides", "345", 0.0),  # a list, not 345: the last number is 5
+        ("3,4,5 are the sides; the longest is 5", "5", 1.0),
+        ("#### 12\nlater I thought 99", "12", 1.0),  # a marked answer wins over the last number
+        ("\\boxed{1/2} or 0.7", "0.5", 1.0),
+        ("It is 42.", "42.0", 1.0),
+        ("no number at all", "4", 0.0),
+        ("", "4", 0.0),
+    ],
+)
+def test_number_match_reads_the_final_number_of_free_form_reasoning(response, label, reward):
+    assert number_match(response, label) == reward
+
+
+def test_number_match_needs_a_number_label():
+    with pytest.raises(ValueError, match="number_match needs a number as the sample's `label`"):
+        number_match("42", "forty-two")
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "1," * _MIB,
+        "9" * _MIB,
+        "-" * _MIB,
+        "1,234" * (_MIB // 5),
+        "1." * _MIB,
+        "-1" * _MIB,
+        ",000" * (_MIB // 4),
+    ],
+    ids=["commas", "digits", "minus", "groups", "dots", "minus-ones", "comma-groups"],
+)
+def test_number_match_takes_linear_time_on_hostile_responses(response):
+    began = time.perf_counter()
+    number_match(response, "4")
+    assert time.perf_counter() - began < 2.0

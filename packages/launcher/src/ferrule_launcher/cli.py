@@ -61,23 +61,26 @@ def parse_overrides(items: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from ferrule_launcher.config import ConfigError, describe, load_config
+    from ferrule_launcher.task import make_prompts
 
     args = parse_args(argv)
     try:
         config = load_config(args.config, parse_overrides(args.set))
+        prompts = make_prompts(config)  # data files are read and checked here, before any process
     except (ConfigError, ValueError) as err:
         print(f"rlhf-launch: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(f"# {args.config}: configuration is valid; resolved values:\n")
         print(describe(config))
+        print(f"\n# prompts: {prompts.describe()}")
         return 0
 
     from ferrule_launcher.outputs import describe_eval
     from ferrule_launcher.run import RunError, run
 
     try:
-        summary = run(config, resume=args.resume)
+        summary = run(config, resume=args.resume, prompts=prompts)
     except KeyboardInterrupt:
         print(
             "rlhf-launch: interrupted; every process the run started was stopped", file=sys.stderr

@@ -34,29 +34,72 @@ from ferrule_trainer.config import load_config as load_file
 __all__ = ["Config", "ConfigError", "describe", "load_config"]
 
 
-class TaskConfig(Table):
-    name: Literal["reversal", "arithmetic", "jsonl"] = "reversal"
-    """"reversal" (reverse a short word), "arithmetic" (add two numbers), or "jsonl": your
-    prompts and labels from train_file / eval_file."""
-    train_file: InputPath | None = None
-    """jsonl: training prompts, one JSON object per line (relative to the TOML file)."""
-    eval_file: InputPath | None = None
-    """jsonl: held-out prompts for the evaluations (the first eval_prompts lines)."""
+class SourceConfig(Table):
+    """One [[task.sources]] entry: a dataset of prompts (data.py)."""
+
+    path: InputPath
+    """Training prompts: a .jsonl file (one JSON object per line), a .parquet file, or a
+    `datasets.save_to_disk` folder (relative to the TOML file)."""
+    eval_path: InputPath | None = None
+    """Held-out prompts of this source for the evaluations, in any of those formats (its first
+    [task] eval_prompts rows); at least one source needs it."""
+    name: str = ""
+    """Where this source's figures go (eval/<name>/..., reward/<name>); empty: the file's stem.
+    A row's own `source_key` column, where present, wins."""
+    weight: float = Field(1.0, gt=0)
+    """Mixing weight: a training prompt comes from this source with probability weight / the
+    sum of the weights."""
     prompt_key: str = "prompt"
-    """jsonl: the key of the prompt in each line."""
+    """The column of the prompt (a string)."""
     label_key: str = "label"
-    """jsonl: the key of the label (the reward function's `label`; may be absent)."""
+    """The column of the label: the reward function's `label` (may be absent; not a string:
+    sent as JSON)."""
+    metadata_key: str | None = None
+    """A column of JSON objects passed to the reward function as `metadata` (values as
+    strings), beside the run's own `source`, `step` and `sample_id`, which win."""
+    source_key: str = "source"
+    """The column naming a row's source for grouped figures, where a row has it."""
+    split: str = "train"
+    """The split of path when it is a DatasetDict folder."""
+    eval_split: str = "test"
+    """The split of eval_path when it is a DatasetDict folder."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data):
+        if isinstance(data, dict) and not data.get("name") and data.get("path"):
+            return {**data, "name": Path(data["path"]).stem}
+        return data
+
+
+class TaskConfig(Table):
+    name: Literal["reversal", "arithmetic", "data"] = "reversal"
+    """"reversal" (reverse a short word), "arithmetic" (add two numbers), or "data": your
+    prompts and labels from [[task.sources]]."""
+    sources: list[SourceConfig] = Field(default_factory=list)
+    """data: the datasets, mixed by weight, in epochs (one [[task.sources]] table each)."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """data: prompts longer than this many tokens are dropped when loaded, and counted (none:
+    [rollout] max_model_len - max_tokens, what leaves room for a full response)."""
     length: int = Field(3, ge=1, le=12)
     """Letters per word (reversal) or largest number of digits of the first operand (arithmetic)."""
     eval_prompts: int = Field(100, ge=1, le=10_000)
-    """Held-out prompts for the evaluations ([eval]); never used for training."""
+    """Held-out prompts for the evaluations ([eval]), per source; never used for training."""
     seed: int = 0
-    """Seed of the prompt streams (training and held-out)."""
+    """Seed of the prompt streams (training order and held-out)."""
 
 
 class WarmStartConfig(Table):
     steps: int = Field(60, ge=0)
-    """Supervised warm-start steps on the task's answers before RL (0: none)."""
+    """Supervised warm-start steps before RL (0: none), on data, or else on the synthetic
+    task's answers."""
+    data: InputPath | None = None
+    """A JSONL file of examples for the warm start, as `rlhf-train sft` reads (a prompt and a
+    response per line); needed with [task] name = "data"."""
+    prompt_key: str = "prompt"
+    """data: the key of the prompt in each line."""
+    response_key: str = "response"
+    """data: the key of the response in each line."""
     batch_size: int = Field(32, ge=1)
     """Examples per SFT step."""
     learning_rate: float = Field(1e-3, gt=0)
@@ -259,6 +302,17 @@ class OutputConfig(Table):
     only the final one, dir/policy)."""
     tensorboard: bool = True
     """Also write TensorBoard event files under dir/tensorboard."""
+    wandb: bool = False
+    """Also log to Weights & Biases (the `wandb` extra: pip install 'ferrule-launcher[wandb]'),
+    files under dir/wandb; each launch is a run of its own, grouped by the dir's name."""
+    wandb_project: str = "ferrule"
+    """The W&B project."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """"offline" needs no account or network (`wandb sync dir/wandb/offline-run-*` uploads
+    later); "online" logs as the run goes (WANDB_API_KEY or `wandb login`)."""
+    sample_rows: int = Field(8, ge=0)
+    """Held-out prompts whose first sample (prompt, response, reward) each evaluation logs:
+    dir/eval_samples.jsonl, TensorBoard text "eval/samples", a W&B table."""
     progress: bool = True
     """Show a progress bar (a log line per step when off or when not on a terminal)."""
 
@@ -306,22 +360,10 @@ class Config(Table):
             problems.append(
                 ("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {r.max_tokens}")
             )
-        if task.name == "jsonl" and (task.train_file is None or task.eval_file is None):
-            problems.append(("task.train_file", '"jsonl" needs train_file and eval_file'))
-        if task.name != "jsonl" and (task.train_file or task.eval_file):
+        problems += self._data_problems()
+        if self.output.wandb and importlib.util.find_spec("wandb") is None:
             problems.append(
-                (
-                    "task.train_file" if task.train_file else "task.eval_file",
-                    f'only read by name = "jsonl", not {task.name!r}',
-                )
-            )
-        if task.name == "jsonl" and self.sft.steps:
-            problems.append(
-                (
-                    "sft.steps",
-                    'the SFT warm start needs a synthetic task (its answers); with name = "jsonl" '
-                    "start from a warm-started model",
-                )
+                ("output.wandb", "needs the wandb package: pip install 'ferrule-launcher[wandb]'")
             )
         best, every = self.output.keep_best, self.loop.eval_every
         if (
@@ -363,13 +405,48 @@ class Config(Table):
         problems += self._device_problems()
         if not problems:  # files last: a contradiction is the first thing to mend
             problems += [(f"rewards.{key}", message) for key, message in w.missing()]
-            for key in ("train_file", "eval_file"):
-                path = getattr(task, key)
-                if path is not None and not path.is_file():
-                    problems.append((f"task.{key}", f"no file {path}"))
+            for i, source in enumerate(task.sources):
+                for key in ("path", "eval_path"):
+                    path = getattr(source, key)
+                    if path is not None and not path.exists():
+                        problems.append((f"task.sources.{i}.{key}", f"no file or folder {path}"))
+            if self.sft.data is not None and not self.sft.data.is_file():
+                problems.append(("sft.data", f"no file {self.sft.data}"))
         if problems:
             raise Problems(problems)
         return self
+
+    def _data_problems(self) -> list[tuple[str, str]]:
+        """[task] sources against the task's name, and what the warm start trains on."""
+        task, problems = self.task, []
+        if task.name != "data":
+            if task.sources:
+                problems.append(("task.sources", f'only read by name = "data", not {task.name!r}'))
+            if self.sft.data is not None:
+                problems.append(
+                    ("sft.data", f"the warm start of a {task.name!r} task uses its own answers")
+                )
+            return problems
+        if not task.sources:
+            problems.append(("task.sources", '"data" needs at least one [[task.sources]] table'))
+        elif all(s.eval_path is None for s in task.sources):
+            problems.append(("task.sources", "no source has an eval_path: nothing to evaluate on"))
+        names = [s.name for s in task.sources]
+        for name in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(("task.sources", f"two sources are named {name!r}: set name"))
+        if self.sft.steps and self.sft.data is None:
+            problems.append(("sft.data", 'with name = "data" the warm start needs a data file'))
+        limit = task.max_prompt_tokens
+        if limit is not None and limit > self.rollout.max_model_len - self.rollout.max_tokens:
+            problems.append(
+                (
+                    "task.max_prompt_tokens",
+                    f"must leave max_tokens ({self.rollout.max_tokens}) within max_model_len "
+                    f"({self.rollout.max_model_len}): at most "
+                    f"{self.rollout.max_model_len - self.rollout.max_tokens}, got {limit}",
+                )
+            )
+        return problems
 
     def _device_problems(self) -> list[tuple[str, str]]:
         """How the roles share devices: the hybrid engine's switches and GPU bundles."""

@@ -1,6 +1,6 @@
 """The RL loop's schedule: rollout -> rewards -> the trainer's RL step -> weight sync, sync or async.
 
-    loop = Loop(config, roles, scorer, held_out, pad_id)
+    loop = Loop(config, roles, scorer, prompts, pad_id)   # prompts: task.make_prompts
     loop.run_sync(first_step, on_step)      # generate, score, train, sync; next step
     loop.run_async(first_step, on_step)     # generation of step k+1 overlaps training of step k
 
@@ -25,7 +25,7 @@ from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.roles import Roles
-from ferrule_launcher.task import accuracy, training_problems
+from ferrule_launcher.task import Prompt, accuracy
 
 
 @dataclass
@@ -39,24 +39,18 @@ class Rollout:
     seconds_score: float = 0.0
 
 
-DRAW_SEED_STRIDE = 1_000_003
-"""Replacement draws of a step (DAPO's dynamic sampling) take their prompts with seed + stride x
-draw: a stream of prompts of its own, not the dropped groups again (a prompt may still recur by
-chance, as it may between steps)."""
-
-
 class Loop:
     def __init__(
         self,
         config: Config,
         roles: Roles,
         rewards,
-        held_out: list,
+        prompts,
         pad_id: int,
         on_engine_replaced=None,
     ):
         self.config, self.roles, self.rewards = config, roles, rewards
-        self.held_out, self.pad_id = held_out, pad_id
+        self.prompts, self.held_out, self.pad_id = prompts, prompts.held_out, pad_id
         self.engines = Engines(config, roles, on_engine_replaced)
         self.version = 0  # of the engines' weights, for the producer to wait on
         self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
@@ -94,12 +88,11 @@ class Loop:
         c, n = self.config, self.config.rollout.samples_per_prompt
         want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
         rollout = Rollout(step)
-        drawn, drawn_scores, failed, penalties, draws = [], [], Counter(), [], 0
+        drawn, drawn_scores, drawn_sources, failed, penalties, draws = [], [], [], Counter(), [], 0
         while len(rollout.problems) < want and draws < c.loop.max_draws:
-            seed = c.task.seed + c.loop.seed + DRAW_SEED_STRIDE * draws
-            problems = training_problems(c.task, want, seed, step, self.held_out)
+            problems = self.prompts.draw(step, draws, want)
             start = time.perf_counter()
-            samples = self.generate([p for p, _ in problems], c.rollout.temperature, n)
+            samples = self.generate([p.text for p in problems], c.rollout.temperature, n)
             generated = time.perf_counter()
             scores, failures, penalty = self.score(step, draws, problems, samples)
             rollout.seconds_generate += generated - start
@@ -107,6 +100,7 @@ class Loop:
             draws += 1
             drawn += samples
             drawn_scores += scores
+            drawn_sources += [p.source for p in problems for _ in range(n)]
             failed.update(failures)
             penalties += penalty
             keep = range(len(problems))
@@ -125,6 +119,7 @@ class Loop:
             / max(rollout.seconds_generate, 1e-9),
             "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
         }
+        rollout.metrics.update(_per_source(drawn_scores, drawn_sources))
         if c.trainer.overlong_buffer is not None:
             rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
         if c.loop.partial_rollout:
@@ -149,15 +144,7 @@ class Loop:
         from ferrule_trainer import rl
 
         c, n = self.config, self.config.rollout.samples_per_prompt
-        scored = self.rewards.score(
-            [problems[i // n][0] for i in range(len(samples))],
-            [s.text for s in samples],
-            [problems[i // n][1] for i in range(len(samples))],
-            [
-                {"step": str(step), "sample_id": f"{self.launch_id}/{step}/{draw}/{i}"}
-                for i in range(len(samples))
-            ],
-        )
+        scored = self.score_samples(problems, samples, n, step, f"{step}/{draw}")
         self.rewards.report_new_failures(scored)
         if scored.failed_fraction > c.rewards.max_failed_fraction:
             kinds = ", ".join(f"{k}: {v}" for k, v in sorted(scored.failed.items()))
@@ -308,31 +295,55 @@ class Loop:
             self.version_changed.notify_all()
         return time.perf_counter() - start
 
-    def evaluate(self, step: int) -> dict:
-        """The held-out evaluation at `step`: [eval] samples per prompt at its temperature,
-        scored by the run's reward function: mean reward, pass@1 and pass@k (evaluation.py);
-        for the synthetic tasks also their own figure, greedy exact-match "accuracy"."""
-        e, prompts = self.config.eval, [p for p, _ in self.held_out]
-        n = e.samples
-        samples = self.generate(prompts, e.temperature, n)
-        scored = self.rewards.score(
-            [prompt for prompt in prompts for _ in range(n)],
+    def score_samples(
+        self, prompts: list[Prompt], samples: list, n: int, step: int, where: str
+    ) -> object:
+        """The reward server's scores of `samples` (n per prompt, in order). Each sample's
+        metadata: the prompt's own, its `source`, the `step`, and a `sample_id` unique to it
+        ("<launch>/<where>/<index>")."""
+        return self.rewards.score(
+            [prompts[i // n].text for i in range(len(samples))],
             [s.text for s in samples],
-            [label for _, label in self.held_out for _ in range(n)],
+            [prompts[i // n].label for i in range(len(samples))],
             [
-                {"step": str(step), "sample_id": f"{self.launch_id}/eval{step}/{i}"}
+                {
+                    **dict(prompts[i // n].metadata),
+                    "source": prompts[i // n].source,
+                    "step": str(step),
+                    "sample_id": f"{self.launch_id}/{where}/{i}",
+                }
                 for i in range(len(samples))
             ],
         )
+
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
+        """The held-out evaluation at `step`: [eval] samples per prompt at its temperature,
+        scored by the run's reward function: mean reward, pass@1 and pass@k (evaluation.py);
+        for the synthetic tasks also their own figure, greedy exact-match "accuracy". And the
+        first sample of the first [output] sample_rows prompts, for the logs' sample tables."""
+        e, held_out = self.config.eval, self.held_out
+        n, prompts = e.samples, [p.text for p in held_out]
+        samples = self.generate(prompts, e.temperature, n)
+        scored = self.score_samples(held_out, samples, n, step, f"eval{step}")
         self.rewards.report_new_failures(scored)
         groups = [scored.rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
-        sources = [self.config.task.name] * len(prompts)
+        sources = [p.source for p in held_out]
         report = evaluation.summarize(groups, sources, e.pass_k, e.threshold)
         report["reward_failed"] = sum(scored.failed.values())
-        if self.config.task.name != "jsonl":
+        shown = [
+            {
+                "source": p.source,
+                "prompt": p.text,
+                "response": samples[i * n].text,
+                "label": p.label,
+                "reward": scored.rewards[i * n],
+            }
+            for i, p in enumerate(held_out[: self.config.output.sample_rows])
+        ]
+        if self.config.task.name != "data":
             greedy = self.generate(prompts, 0.0, 1)
             report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
-        return report
+        return report, shown
 
     def step_metrics(
         self, rollout: Rollout, trained: dict, seconds_train: float, seconds_sync: float
@@ -347,6 +358,11 @@ class Loop:
             "rewards/restarts": self.rewards.restarts,
             "rollout/restarts": self.engines.restarts,
         }
+        epochs = self.prompts.epochs(rollout.step * self.config.rollout.prompts_per_step)
+        if len(epochs) == 1:
+            metrics["data/epoch"] = next(iter(epochs.values()))
+        else:
+            metrics.update({f"data/epoch/{name}": e for name, e in epochs.items()})
         metrics.update(trained)
         return metrics
 
@@ -381,9 +397,11 @@ class Loop:
         metrics["time/switch"] = time.perf_counter() - start - seconds_train - seconds_sync
         if any(memory.values()):
             metrics.update(memory)
+        shown = None
         if self._eval_due(step):
-            metrics.update({f"eval/{k}": v for k, v in self.evaluate(step).items()})
-        on_step(step, metrics)
+            report, shown = self.evaluate(step)
+            metrics.update({f"eval/{k}": v for k, v in report.items()})
+        on_step(step, metrics, shown)
 
     def run_async(self, first_step: int, on_step) -> None:
         """A producer thread generates and scores ahead, at most `max_staleness` versions ahead
@@ -423,3 +441,13 @@ class Loop:
             with self.version_changed:
                 self.version_changed.notify_all()
             producer.join(timeout=60)
+
+
+def _per_source(scores: list[float], sources: list[str]) -> dict:
+    """Mean reward per source, "reward/<source>", when the samples come from more than one."""
+    by_source: dict[str, list[float]] = {}
+    for score, source in zip(scores, sources, strict=True):
+        by_source.setdefault(source, []).append(score)
+    if len(by_source) < 2:
+        return {}
+    return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(by_source.items())}

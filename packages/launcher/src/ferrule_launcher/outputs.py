@@ -1,13 +1,16 @@
 """What a run writes and shows: progress bar, metrics.jsonl, TensorBoard, reward curve, summary,
 and the record of its checkpoints.
 
-    out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True)
+    out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True, progress=True)
     out.log(step, {"reward": 0.4, "kl": 0.01, "time/generate": 1.2, ...})
+    out.samples(step, [{"prompt": ..., "response": ..., "reward": 1.0, ...}])  # an evaluation's
     out.finish(summary)          # reward_curve.png and summary.json
     mark_checkpoint(Path("runs/tiny"), step=10, eval_before={"reward": 0.3}, wall_seconds=61.0, ...)
 
-metrics.jsonl holds one JSON object per step. On --resume it is cut back to the checkpoint's
-step first, so every step appears exactly once however often the run was interrupted.
+metrics.jsonl holds one JSON object per step, eval_samples.jsonl one per logged sample. On
+--resume both are cut back to the checkpoint's step first, so every step appears exactly once
+however often the run was interrupted. The same go to TensorBoard and, when asked, to Weights &
+Biases (`wandb` holds wandb.init's arguments).
 """
 
 import json
@@ -23,18 +26,32 @@ PHASES = ("generate", "score", "train", "sync")
 
 class Outputs:
     def __init__(
-        self, directory: Path, total_steps: int, first_step: int, tensorboard: bool, progress: bool
+        self,
+        directory: Path,
+        total_steps: int,
+        first_step: int,
+        tensorboard: bool,
+        progress: bool,
+        wandb: dict | None = None,
     ):
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "eval_samples.jsonl"
         self.history = _read_history(self.metrics_path, before=first_step)
         _write_lines(self.metrics_path, self.history)  # drop steps after the checkpoint
+        _write_lines(self.samples_path, _read_history(self.samples_path, before=first_step))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=first_step)
+        self.wandb = None
+        if wandb is not None:
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb as wandb_module
+
+            self.wandb = wandb_module.init(**wandb)
         from tqdm import tqdm
 
         self.bar = tqdm(
@@ -57,11 +74,17 @@ class Outputs:
         self.history.append(record)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        numbers = {
+            k: v
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    self.writer.add_scalar(key, value, step)
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
         postfix = {label: f"{metrics[key]:.3g}" for key, label in SHOWN.items() if key in metrics}
         if "kl" in postfix:  # KL to the reference says more than the step's own policy change
             postfix.pop("kl_old", None)
@@ -81,13 +104,30 @@ class Outputs:
                 flush=True,
             )
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """An evaluation's sample rows ({"source", "prompt", "response", "label", "reward"}),
+        as a table in every log."""
+        if not rows:
+            return
+        with open(self.samples_path, "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        columns = list(rows[0])
+        if self.writer is not None:  # TensorBoard's text tab renders markdown
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
+            self.writer.add_text("eval/samples", "\n".join(lines), step)
+            self.writer.flush()
+        if self.wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=columns, data=[[row[c] for c in columns] for row in rows])
+            self.wandb.log({"eval/samples": table}, step=step)
+
     def message(self, text: str) -> None:
         self.bar.write(text, file=sys.stderr)
 
     def finish(self, summary: dict) -> None:
-        self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.close()
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         try:  # the picture last: nothing a run learned hangs on a plotting library
             plot_rewards(self.history, self.dir / "reward_curve.png")
@@ -98,6 +138,15 @@ class Outputs:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _cell(value) -> str:
+    """A markdown table cell: the value on one line, its pipes escaped."""
+    text = f"{value:.3f}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ⏎ ")
 
 
 def _read_history(path: Path, before: int) -> list[dict]:

@@ -27,22 +27,25 @@ from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.loop import Loop
 from ferrule_launcher.roles import Roles
-from ferrule_launcher.task import held_out_problems
+from ferrule_launcher.task import make_prompts
 
 __all__ = ["RunError", "run"]
 
 
-def run(config: Config, resume: bool = False) -> dict:
+def run(config: Config, resume: bool = False, prompts=None) -> dict:
+    """Run `config` (resuming from its last checkpoint); `prompts`: task.make_prompts(config),
+    which the CLI reads before anything starts."""
+    prompts = prompts or make_prompts(config)
     # Read when ray is imported: under `uv run`, Ray would pack the working directory and start
     # every worker through uv again; the workers share this interpreter.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     out = Path(config.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     with run_lock.hold(out):  # before anything: a second run on `out` stops here
-        return _run(config, out, resume)
+        return _run(config, out, resume, prompts)
 
 
-def _run(config: Config, out: Path, resume: bool) -> dict:
+def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     import ray
 
     from ferrule_launcher.placement import check_fits, role_env, start_ray
@@ -60,6 +63,7 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
     where = start_ray(config.ray, env)
     print(f"ray: {where}; placement {config.ray.placement}", flush=True)
+    print(f"prompts: {prompts.describe()}", flush=True)
     rewards = log = roles = None
     try:
         if not config.ray.address:  # a joined cluster's nodes may still be joining
@@ -68,12 +72,11 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
         model_path = warm_start(config, out)
         roles = start_roles(config, model_path, env)
         write_roles(out / "roles.json", roles, rewards)
-        held_out = held_out_problems(config.task)
         loop = Loop(
             config,
             roles,
             rewards,
-            held_out,
+            prompts,
             _pad_id(model_path),
             on_engine_replaced=lambda: write_roles(out / "roles.json", roles, rewards),
         )
@@ -87,27 +90,36 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
             before = state["eval_before"]
         else:
             loop.to_generate()
-            before = loop.evaluate(0)
+            before, shown_before = loop.evaluate(0)
             print(
-                f"before RL: {outputs.describe_eval(before)} ({len(held_out)} held-out prompts, "
+                f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
                 f"{config.eval.samples} samples each)",
                 flush=True,
             )
+        o = config.output
         log = outputs.Outputs(
-            out, config.loop.steps, first_step, config.output.tensorboard, config.output.progress
+            out,
+            config.loop.steps,
+            first_step,
+            o.tensorboard,
+            o.progress,
+            wandb=_wandb_settings(config, out, loop.launch_id) if o.wandb else None,
         )
+        if not state:
+            log.samples(0, shown_before)
         elapsed_before = state["wall_seconds"] if state else 0.0
 
         def wall_seconds() -> float:
             return elapsed_before + time.monotonic() - started
 
-        o = config.output
         kept = state.get("kept", []) if state else []  # checkpoints on disk, oldest first
 
-        def on_step(step: int, metrics: dict) -> None:
+        def on_step(step: int, metrics: dict, shown: list[dict] | None) -> None:
             nonlocal kept
             metrics["wall_seconds"] = round(wall_seconds(), 3)
             log.log(step, metrics)
+            if shown:
+                log.samples(step, shown)
             if o.export_every and step % o.export_every == 0:
                 path = out / "exports" / f"step{step}"
                 get(roles.policy.call("save_hf", str(path)), "policy (export)")
@@ -138,6 +150,7 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
             "resumed_from_step": state["step"] if state else 0,
             "mode": config.loop.mode,
             "estimator": config.trainer.estimator,
+            **prompts.summary(),
             **outputs.reward_summary(log.history),
             "weights_digest": digests,
             "policy": str(out / "policy"),
@@ -153,6 +166,19 @@ def _run(config: Config, out: Path, resume: bool) -> dict:
         if rewards is not None:
             rewards.stop()
         ray.shutdown()
+
+
+def _wandb_settings(config: Config, out: Path, launch_id: str) -> dict:
+    """wandb.init's arguments: one W&B run per launch, grouped by the output directory."""
+    o = config.output
+    return {
+        "project": o.wandb_project,
+        "mode": o.wandb_mode,
+        "dir": str(out),
+        "group": out.resolve().name,
+        "name": f"{out.resolve().name}-{launch_id}",
+        "config": config.model_dump(mode="json"),
+    }
 
 
 def _task_accuracy(before: dict, after: dict) -> dict:

@@ -1,23 +1,39 @@
-"""Prompts and answers of a run: synthetic tasks (the tiny example) or your own JSONL files.
+"""The prompts of a run: synthetic tasks (the tiny example), or your own data (data.py).
 
-    held_out = held_out_problems(config.task)                     # greedy-accuracy prompts
-    problems = training_problems(config.task, 16, seed=0, step=7, held_out=held_out)
+    prompts = make_prompts(config)                    # SyntheticPrompts or data.DataPrompts
+    prompts.held_out                                  # the evaluations' prompts
+    batch = prompts.draw(step=7, draw=0, count=16)    # list[Prompt]
     write_sft_data("sft.jsonl", config.task, steps=60, batch_size=32)  # the SFT warm start's
 
-The problems of a step depend only on (seed, step), so a resumed run sees exactly the prompts it
-would have seen without the interruption. Held-out prompts never appear in training. A JSONL
-task reads {"prompt": ..., "label": ...} lines (keys configurable); the label goes to the reward
-function as the sample's `label`. The rewards that fit the synthetic tasks are ferrule-rewards'
+The prompts of a step depend only on (seed, step, draw), so a resumed run sees exactly the
+prompts it would have seen without the interruption. Held-out prompts never appear in a
+synthetic task's training. The rewards that fit the synthetic tasks are ferrule-rewards'
 `builtin:char_match` (partial credit) and `builtin:exact_text` (what `accuracy` counts).
 """
 
-import functools
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 Problem = tuple[str, str]  # (prompt, answer)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt, its label (the reward function's `label`), the source its figures go under,
+    and metadata for the reward function (string pairs)."""
+
+    text: str
+    label: str = ""
+    source: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+
+
+DRAW_SEED_STRIDE = 1_000_003
+"""Replacement draws of a step (DAPO's dynamic sampling) take their problems with seed + stride x
+draw: a stream of their own, not the dropped groups again."""
 
 
 def problem(name: str, length: int, rng: random.Random) -> Problem:
@@ -54,48 +70,50 @@ def step_problems(
     return chosen
 
 
-def accuracy(responses: list[str], problems: list[Problem]) -> float:
+def accuracy(responses: list[str], prompts: list[Prompt]) -> float:
     from ferrule_rewards.builtin import exact_text
 
-    hits = sum(exact_text(r, a) for r, (_, a) in zip(responses, problems, strict=True))
-    return hits / max(len(problems), 1)
+    hits = sum(exact_text(r, p.label) for r, p in zip(responses, prompts, strict=True))
+    return hits / max(len(prompts), 1)
 
 
-@functools.cache
-def read_jsonl(path: Path, prompt_key: str, label_key: str) -> tuple[Problem, ...]:
-    """(prompt, label) rows; an error names the file and the line."""
-    rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not JSON: {err}") from None
-        if not isinstance(record.get(prompt_key), str):
-            raise ValueError(f"{path}:{number}: needs a string {prompt_key!r}")
-        rows.append((record[prompt_key], str(record.get(label_key, ""))))
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    return tuple(rows)
+class SyntheticPrompts:
+    """The prompts of a synthetic task ([task] name = "reversal" or "arithmetic"): the same
+    interface as data.DataPrompts. Every step draws fresh problems, so there are no epochs."""
+
+    def __init__(self, task, seed: int):
+        self.task, self.seed = task, seed
+        problems = eval_problems(task.name, task.length, task.eval_prompts, task.seed)
+        self.held_out = [Prompt(p, a, task.name) for p, a in problems]
+        self._excluded = problems
+
+    def draw(self, step: int, draw: int, count: int) -> list[Prompt]:
+        seed = self.seed + DRAW_SEED_STRIDE * draw
+        problems = step_problems(
+            self.task.name, self.task.length, count, seed, step, self._excluded
+        )
+        return [Prompt(p, a, self.task.name) for p, a in problems]
+
+    def epochs(self, position: int) -> dict[str, float]:
+        return {}
+
+    def describe(self) -> str:
+        return f"{self.task.name}: fresh problems every step, {len(self.held_out)} held-out"
+
+    def summary(self) -> dict:
+        return {}
 
 
-def held_out_problems(task) -> list[Problem]:
-    """The held-out problems of a [task] table (config.TaskConfig)."""
-    if task.name == "jsonl":
-        return list(read_jsonl(task.eval_file, task.prompt_key, task.label_key))[
-            : task.eval_prompts
-        ]
-    return eval_problems(task.name, task.length, task.eval_prompts, task.seed)
+def make_prompts(config):
+    """The prompts of a run: SyntheticPrompts, or data.DataPrompts for name = "data" (lengths
+    counted with [model] path's tokenizer, which the warm start keeps)."""
+    task, seed = config.task, config.task.seed + config.loop.seed
+    if task.name != "data":
+        return SyntheticPrompts(task, seed)
+    from ferrule_launcher.data import DataPrompts
 
-
-def training_problems(task, count: int, seed: int, step: int, held_out) -> list[Problem]:
-    """The `count` training problems of `step` for a [task] table."""
-    if task.name == "jsonl":
-        rows = read_jsonl(task.train_file, task.prompt_key, task.label_key)
-        rng = random.Random(f"train-{seed}-{step}")
-        return rng.sample(rows, count) if count <= len(rows) else rng.choices(rows, k=count)
-    return step_problems(task.name, task.length, count, seed, step, held_out)
+    limit = task.max_prompt_tokens or config.rollout.max_model_len - config.rollout.max_tokens
+    return DataPrompts.load(task, str(config.model.path), limit, seed)
 
 
 def write_sft_data(path: Path, task, steps: int, batch_size: int) -> None:

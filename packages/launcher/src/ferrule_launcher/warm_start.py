@@ -2,8 +2,8 @@
 
     model_path = warm_start(config, out)     # [model] path itself when [sft] steps = 0
 
-The examples come from the synthetic task (never its RL or held-out prompts); the training is
-ferrule-trainer's SFT in a Ray task of its own, resumable: a run killed during the warm start
+The examples come from [sft] data, a JSONL file as `rlhf-train sft` reads it, or else from the
+synthetic task (never its RL or held-out prompts); the training is ferrule-trainer's SFT in a Ray task of its own, resumable: a run killed during the warm start
 continues it on --resume, and a finished one (out/sft/model) is not redone.
 """
 
@@ -24,10 +24,12 @@ def warm_start(config: Config, out: Path) -> str:
         return str(target)
     import ray
 
-    data = out / "sft" / "data.jsonl"
-    data.parent.mkdir(parents=True, exist_ok=True)
-    write_sft_data(data, config.task, config.sft.steps, config.sft.batch_size)
-    print(f"sft: {config.sft.steps} steps of warm start on {config.task.name}", flush=True)
+    data = config.sft.data
+    if data is None:
+        data = out / "sft" / "data.jsonl"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        write_sft_data(data, config.task, config.sft.steps, config.sft.batch_size)
+    print(f"sft: {config.sft.steps} steps of warm start on {data}", flush=True)
     start = time.monotonic()
     task = ray.remote(num_cpus=0.5, max_calls=1)(run_sft)
     get(task.remote(config, str(data), str(out / "sft")), "sft warm start")
@@ -45,7 +47,12 @@ def run_sft(config: Config, data_path: str, out_dir: str) -> None:
             model=sft.SFTModelConfig(
                 path=config.model.path, dtype=config.model.dtype, zero_stage=0
             ),
-            data=sft.SFTDataConfig(path=data_path, max_length=config.rollout.max_model_len),
+            data=sft.SFTDataConfig(
+                path=data_path,
+                prompt_key=config.sft.prompt_key,
+                response_key=config.sft.response_key,
+                max_length=config.rollout.max_model_len,
+            ),
             train=sft.SFTTrainConfig(
                 batch_size=config.sft.batch_size,
                 micro_batch_size=config.sft.batch_size,

@@ -6,6 +6,9 @@ exact_match(response, label)   1.0 when the response's final answer equals the l
 format_reward(response)        1.0 when the response gives exactly one marked final answer
                                (after its <think> block, if it has one), else 0.0
 math_reward(response, label)   exact_match + 0.1 * format_reward, with both as sub-scores
+number_match(response, label)  1.0 when the response's final number equals the label as a
+                               number: free-form reasoning that never marks its answer scores
+                               too (GSM8K style), else 0.0
 exact_text(response, label)    1.0 when the whole response, stripped, is the label, else 0.0
 char_match(response, label)    the fraction of the label's characters the response has in place
                                (partial credit; the tiny example's reward)
@@ -38,6 +41,10 @@ _BOXED = "\\boxed{"
 # Linear under fullmatch too: a failed match backtracks over each run of digits once, testing
 # one character per step (and it only ever sees _MAX_NUMBER_CHARS characters).
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(/\d+)?")
+# A number in running text: "1,234.5" (thousands separated by commas), "42", "-3", "0.25". Linear:
+# no quantified group contains another, and at each start position the first alternative gives
+# up within three digits. A minus sign counts only where it cannot be a binary minus ("10-3").
+_NUMBER_IN_TEXT = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 # Python's default int_max_str_digits: int() of more digits raises ValueError, and takes
 # superlinear time where a process lifts that limit. A longer "number" compares as text.
 _MAX_NUMBER_CHARS = 4300
@@ -120,6 +127,24 @@ def exact_match(response: str, label: str) -> float:
     if not label:
         raise ValueError("exact_match needs the reference answer in the sample's `label`")
     answer = final_answer(response)
+    return float(answer is not None and answers_match(answer, label))
+
+
+def final_number(text: str) -> str | None:
+    """The marked final answer of `text` where it has one (see final_answer), else the last
+    number written in it, or None."""
+    if (marked := final_answer(text)) is not None:
+        return marked
+    last = None
+    for last in _NUMBER_IN_TEXT.finditer(text):  # noqa: B007 (the last one is wanted)
+        pass
+    return last.group() if last else None
+
+
+def number_match(response: str, label: str) -> float:
+    if _as_number(_normalize(label)) is None:
+        raise ValueError(f"number_match needs a number as the sample's `label`, got {label!r:.40}")
+    answer = final_number(response)
     return float(answer is not None and answers_match(answer, label))
 
 

@@ -1,0 +1,258 @@
+"""Prompt datasets of a run: files of your own, mixed, in epochs, resumable mid-epoch exactly.
+
+    prompts = DataPrompts.load(config.task, tokenizer_path, max_prompt_tokens=250, seed=0)
+    prompts.held_out                          # every source's evaluation prompts
+    batch = prompts.draw(step=7, draw=0, count=16)
+    prompts.epochs(step=7)                    # {"gsm8k": 1.31, ...}: passes made over each source
+
+A source ([[task.sources]]) is a JSONL file, a Parquet file or a `datasets.save_to_disk` folder.
+Each row gives a prompt, a label (the reward function's `label`), optionally a metadata column
+(a JSON object: the reward function's `metadata`, beside `step` and `sample_id`) and a `source`
+column (the name its figures go under; the source's `name` otherwise).
+
+Order. The first draw of step s takes positions (s-1)P .. sP-1 of one endless mixed stream
+(P = the step's prompt count). Position i belongs to a source picked by a seeded draw weighted
+by the sources' `weight`; the k-th position of a source is row k mod N of that source's shuffle
+of epoch k div N, a seeded permutation of its N rows. So within an epoch every row comes once,
+and the whole order is a function of (seed, position): a resumed run continues mid-epoch with
+exactly the prompts the interrupted one would have drawn, and needs no saved cursor. The
+replacement draws of DAPO's dynamic sampling (draw > 0) pick rows at random from a seeded
+stream of their own and do not advance the epochs.
+
+Prompts longer than `max_prompt_tokens` (by the model's tokenizer) are dropped when the data is
+loaded, and counted (`dropped`): in training they would leave no room for a response.
+"""
+
+import bisect
+import functools
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ferrule_launcher.task import Prompt
+
+BLOCK = 4096  # positions of the mixed stream whose sources are drawn at once
+
+
+class DataError(ValueError):
+    """A data file that cannot be used, naming the file (and the row) and what is wrong."""
+
+
+def read_rows(path: Path, split: str | None = None) -> list[dict]:
+    """The rows of a JSONL file, a Parquet file, or a `datasets.save_to_disk` folder (a
+    DatasetDict folder needs `split`)."""
+    path = Path(path)
+    if path.is_dir():
+        return _read_saved_dataset(path, split)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            return pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow's errors have no common base worth naming
+            raise DataError(f"{path}: not a readable Parquet file: {err}") from None
+    return _read_jsonl(path)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not JSON: {err}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{number}: expected a JSON object, got {row!r:.60}")
+            rows.append(row)
+    return rows
+
+
+def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except FileNotFoundError as err:
+        raise DataError(f"{path}: not a datasets.save_to_disk folder: {err}") from None
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DataError(
+                f"{path}: a DatasetDict with splits {sorted(saved)}; split {split!r} is not one"
+            )
+        saved = saved[split]
+    return saved.to_list()
+
+
+def prompts_of(rows: list[dict], where: str, source) -> list[Prompt]:
+    """Prompt objects of a source's rows ([[task.sources]] entry `source`); an error names
+    the file, the row and the key."""
+    prompts = []
+    for number, row in enumerate(rows, 1):
+        text = row.get(source.prompt_key)
+        if not isinstance(text, str) or not text:
+            raise DataError(
+                f"{where}: row {number}: needs a non-empty string {source.prompt_key!r} "
+                f"(keys: {sorted(row)})"
+            )
+        label = row.get(source.label_key)
+        metadata = row.get(source.metadata_key) if source.metadata_key else None
+        if metadata is not None and not isinstance(metadata, dict):
+            raise DataError(
+                f"{where}: row {number}: {source.metadata_key!r} must be an object, got "
+                f"{type(metadata).__name__}"
+            )
+        name = row.get(source.source_key)
+        prompts.append(
+            Prompt(
+                text,
+                "" if label is None else label if isinstance(label, str) else json.dumps(label),
+                name if isinstance(name, str) and name else source.name,
+                tuple((str(k), _as_text(v)) for k, v in (metadata or {}).items()),
+            )
+        )
+    return prompts
+
+
+def _as_text(value) -> str:
+    """Metadata travels as strings; anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+@dataclass(eq=False)  # hashed by identity: order() caches per source
+class Source:
+    name: str
+    weight: float
+    train: list[Prompt]
+    held_out: list[Prompt]
+    dropped: dict[str, int] = field(default_factory=dict)  # {"train": n, "held_out": n}
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (a few Sources per process; the recent epochs)
+    def order(self, epoch: int, seed: int) -> list[int]:
+        """The row order of `epoch`: a seeded shuffle, its own for each epoch and source."""
+        order = list(range(len(self.train)))
+        random.Random(f"epoch-{seed}-{self.name}-{epoch}").shuffle(order)
+        return order
+
+    def row(self, k: int, seed: int) -> Prompt:
+        """The source's k-th prompt in training order."""
+        epoch, offset = divmod(k, len(self.train))
+        return self.train[self.order(epoch, seed)[offset]]
+
+
+def _load_part(source, path: Path, split: str, tokenizer, max_prompt_tokens: int):
+    """The prompts of one file of a source that fit max_prompt_tokens, and how many did not."""
+    where = f"{path}" + (f" [{split}]" if Path(path).is_dir() else "")
+    prompts = prompts_of(read_rows(path, split), where, source)
+    if not prompts:
+        raise DataError(f"{where}: no prompts")
+    lengths = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]]
+    kept = [p for p, n in zip(prompts, lengths, strict=True) if n <= max_prompt_tokens]
+    if not kept:
+        raise DataError(
+            f"{where}: no prompts left: all {len(prompts)} are longer than {max_prompt_tokens} "
+            "tokens ([task] max_prompt_tokens)"
+        )
+    return kept, len(prompts) - len(kept)
+
+
+class DataPrompts:
+    """The prompts of a `[task] name = "data"` run (see the module docstring)."""
+
+    def __init__(self, sources: list[Source], seed: int):
+        self.sources, self.seed = sources, seed
+        total = sum(s.weight for s in sources)
+        self.cumulative = [
+            sum(s.weight for s in sources[: i + 1]) / total for i in range(len(sources))
+        ]
+        self.held_out = [p for s in sources for p in s.held_out]
+        self._counts: list[list[int]] = [[0] * len(sources)]  # per source, before each block
+
+    @classmethod
+    def load(cls, task, tokenizer_path: str, max_prompt_tokens: int, seed: int) -> "DataPrompts":
+        """Read, check and length-filter every source of a [task] table (config.TaskConfig)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        sources = []
+        for entry in task.sources:
+            train, dropped_train = _load_part(
+                entry, entry.path, entry.split, tokenizer, max_prompt_tokens
+            )
+            held_out, dropped_held_out = [], 0
+            if entry.eval_path is not None:
+                held_out, dropped_held_out = _load_part(
+                    entry, entry.eval_path, entry.eval_split, tokenizer, max_prompt_tokens
+                )
+            dropped = {"train": dropped_train, "held_out": dropped_held_out}
+            sources.append(
+                Source(entry.name, entry.weight, train, held_out[: task.eval_prompts], dropped)
+            )
+        return cls(sources, seed)
+
+    def draw(self, step: int, draw: int, count: int) -> list[Prompt]:
+        """The `count` prompts of draw `draw` of `step` (steps count from 1)."""
+        if draw > 0:  # replacements: a stream of their own, at random
+            rng = random.Random(f"replace-{self.seed}-{step}-{draw}")
+            picked = [self.sources[self._pick(rng.random())] for _ in range(count)]
+            return [s.train[rng.randrange(len(s.train))] for s in picked]
+        first = (step - 1) * count
+        seen, batch = self._seen(first), []
+        for i in range(first, first + count):
+            source = self._block(i // BLOCK)[i % BLOCK]
+            batch.append(self.sources[source].row(seen[source], self.seed))
+            seen[source] += 1
+        return batch
+
+    def epochs(self, position: int) -> dict[str, float]:
+        """Passes made over each source's rows by the first `position` positions."""
+        counts = self._seen(position)
+        return {s.name: counts[i] / len(s.train) for i, s in enumerate(self.sources)}
+
+    def describe(self) -> str:
+        parts = []
+        for s in self.sources:
+            dropped = sum(s.dropped.values())
+            parts.append(
+                f"{s.name}: {len(s.train)} training / {len(s.held_out)} held-out prompts, "
+                f"weight {s.weight:g}" + (f", {dropped} too long dropped" if dropped else "")
+            )
+        return "; ".join(parts)
+
+    def summary(self) -> dict:
+        """For summary.json: each source's prompts, and those dropped as too long."""
+        return {
+            "data": {
+                s.name: {
+                    "train": len(s.train),
+                    "held_out": len(s.held_out),
+                    "dropped_too_long": s.dropped,
+                }
+                for s in self.sources
+            }
+        }
+
+    def _pick(self, u: float) -> int:
+        return min(bisect.bisect_right(self.cumulative, u), len(self.sources) - 1)
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (a few DataPrompts per process at most)
+    def _block(self, b: int) -> tuple[int, ...]:
+        """The source of each position of block `b`."""
+        rng = random.Random(f"mix-{self.seed}-{b}")
+        return tuple(self._pick(rng.random()) for _ in range(BLOCK))
+
+    def _seen(self, position: int) -> list[int]:
+        """How many of the first `position` positions each source had."""
+        b, offset = divmod(position, BLOCK)
+        while len(self._counts) <= b:  # per-source totals before each block, computed once
+            counts = list(self._counts[-1])
+            for source in self._block(len(self._counts) - 1):
+                counts[source] += 1
+            self._counts.append(counts)
+        counts = list(self._counts[b])
+        for source in self._block(b)[:offset]:
+            counts[source] += 1
+        return counts
