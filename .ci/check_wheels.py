@@ -12,7 +12,7 @@ PACKAGES = {  # distribution -> the extras .ci/run relies on
     "ferrule-rewards": ["model"],
     "ferrule-rollout": ["cpu"],
     "ferrule-trainer": [],
-    "ferrule-launcher": ["cpu"],
+    "ferrule-launcher": ["cpu", "wandb"],
 }
 problems = []
 for name, extras in PACKAGES.items():

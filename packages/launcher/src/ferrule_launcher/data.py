@@ -27,6 +27,7 @@ import bisect
 import functools
 import json
 import random
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,6 +171,7 @@ class DataPrompts:
         ]
         self.held_out = [p for s in sources for p in s.held_out]
         self._counts: list[list[int]] = [[0] * len(sources)]  # per source, before each block
+        self._counting = threading.Lock()  # async mode: the producer draws, the trainer reports
 
     @classmethod
     def load(cls, task, tokenizer_path: str, max_prompt_tokens: int, seed: int) -> "DataPrompts":
@@ -247,12 +249,13 @@ class DataPrompts:
     def _seen(self, position: int) -> list[int]:
         """How many of the first `position` positions each source had."""
         b, offset = divmod(position, BLOCK)
-        while len(self._counts) <= b:  # per-source totals before each block, computed once
-            counts = list(self._counts[-1])
-            for source in self._block(len(self._counts) - 1):
-                counts[source] += 1
-            self._counts.append(counts)
-        counts = list(self._counts[b])
+        with self._counting:
+            while len(self._counts) <= b:  # per-source totals before each block, computed once
+                counts = list(self._counts[-1])
+                for source in self._block(len(self._counts) - 1):
+                    counts[source] += 1
+                self._counts.append(counts)
+            counts = list(self._counts[b])
         for source in self._block(b)[:offset]:
             counts[source] += 1
         return counts
