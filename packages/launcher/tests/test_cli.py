@@ -74,3 +74,19 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     # as shipped, without the user's files, it says what is missing
     missing = run(str(gpu_example), "--dry-run")
     assert missing.returncode == 2 and "[model] path: no Hugging Face model at" in missing.stderr
+
+
+def test_bad_data_stops_before_anything_starts_naming_the_file_and_row(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1 + 1 ="}\n{"question": "2 + 2 ="}\n')
+    (tmp_path / "test.jsonl").write_text('{"prompt": "3 + 3 ="}\n')
+    data = f'[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]'
+    result = run(str(EXAMPLE), "--set", 'task.name="data"', "--set", f"task.sources={data}")
+    assert result.returncode == 2
+    assert f"{tmp_path / 'train.jsonl'}: row 2: needs a non-empty string 'prompt'" in result.stderr
+    assert "ray" not in result.stdout.lower()  # nothing started
+    good = f'[{{path="{tmp_path / "test.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]'
+    dry = run(
+        str(EXAMPLE), "--dry-run", "--set", 'task.name="data"', "--set", f"task.sources={good}"
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert "# prompts: test: 1 training / 1 held-out prompts, weight 1" in dry.stdout
