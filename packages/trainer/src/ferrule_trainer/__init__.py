@@ -1,4 +1,4 @@
-"""ferrule-trainer: DeepSpeed training for the PPO family (PPO, GRPO, REINFORCE++, RLOO) and SFT, with weights exported for sync."""
+"""ferrule-trainer: DeepSpeed training for the PPO family (PPO, GRPO, REINFORCE++, RLOO), SFT, reward models and DPO, with weights exported for sync."""
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version

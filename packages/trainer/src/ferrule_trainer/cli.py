@@ -1,32 +1,46 @@
 """The `rlhf-train` command: training entry points that run without the launcher.
 
     rlhf-train sft config.toml        # supervised fine-tuning (sft.py documents the config)
+    rlhf-train rm config.toml         # a Bradley-Terry reward model on preference pairs (rm.py)
+    rlhf-train dpo config.toml        # DPO / IPO / conservative DPO on preference pairs (dpo.py)
 
 Runs in one process by default; under torchrun or the deepspeed launcher every rank runs it.
+A bad config or data file exits with status 2, naming the file, the table and key or the line.
 """
 
 import argparse
+import importlib
 import sys
 
 from ferrule_trainer.config import ConfigError, load_config
+
+COMMANDS = {  # name: (module, config class, help)
+    "sft": ("sft", "SFTConfig", "supervised fine-tuning on JSONL prompt/response pairs"),
+    "rm": ("rm", "RMConfig", "reward-model training on JSONL preference pairs"),
+    "dpo": ("dpo", "DPOConfig", "DPO on JSONL preference pairs, against a frozen reference"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf-train", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    sft = commands.add_parser("sft", help="supervised fine-tuning on JSONL prompt/response pairs")
-    sft.add_argument("config", help="TOML file with [model], [data], [train], [output] tables")
+    for name, (module, _, text) in COMMANDS.items():
+        command = commands.add_parser(name, help=text)
+        command.add_argument("config", help=f"TOML file (ferrule_trainer/{module}.py documents it)")
     args = parser.parse_args(argv)
 
-    if args.command == "sft":
-        from ferrule_trainer.sft import SFTConfig, train
-
-        try:
-            config = load_config(args.config, SFTConfig)
-        except ConfigError as error:
-            print(f"rlhf-train: {error}", file=sys.stderr)
-            return 2
-        train(config)
+    module_name, config_class, _ = COMMANDS[args.command]
+    module = importlib.import_module(f"ferrule_trainer.{module_name}")
+    try:
+        config = load_config(args.config, getattr(module, config_class))
+    except ConfigError as error:
+        print(f"rlhf-train: {error}", file=sys.stderr)
+        return 2
+    try:
+        module.train(config)
+    except ValueError as error:  # the data: a line that is not JSON, a missing key, too few rows
+        print(f"rlhf-train {args.command}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,191 @@
+"""Preference pairs for reward-model training and DPO (rm.py, dpo.py): the [data] table, reading,
+tokenizing, batching, and the training loop both share.
+
+    pairs = load_pairs("pairs.jsonl", config.data)     # {"prompt", "chosen", "rejected"} per line
+    batch = pair_batch(tokenizer, pairs[:8], max_length=512, pad_id=0)
+    # batch["input_ids"]: (2B, T), the B chosen sequences then the B rejected ones
+
+A sequence is the prompt followed by the response, tokenized as one text without special
+tokens (as ferrule-rewards' model backend scores them), cut to max_length; its response mask
+marks the response's tokens (what DPO's log-probabilities sum over). The order of the pairs in
+each epoch is seeded by (seed, epoch), so a resumed run continues with the same batches.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from ferrule_trainer import engine
+from ferrule_trainer.config import InputPath, Table
+from ferrule_trainer.sft import epoch_order
+
+
+class PreferenceDataConfig(Table):
+    """[data]: the preference pairs."""
+
+    path: InputPath
+    """JSONL file of training pairs, one object per line (relative to the TOML file)."""
+    eval_path: InputPath | None = None
+    """JSONL file of held-out pairs, evaluated every [eval] every steps and at the end."""
+    prompt_key: str = "prompt"
+    """Key of the prompt (a string)."""
+    chosen_key: str = "chosen"
+    """Key of the preferred response (a string)."""
+    rejected_key: str = "rejected"
+    """Key of the other response (a string)."""
+    margin_key: str | None = None
+    """Reward models only: key of a per-pair margin (a number, Llama 2's m(r)); none: no margin."""
+    max_length: int = Field(512, ge=2)
+    """Prompt + response is cut to this many tokens."""
+
+
+class PreferenceEvalConfig(Table):
+    """[eval]: the held-out pairs of [data] eval_path."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps (0: only at the end)."""
+    batch_size: int = Field(32, ge=1)
+    """Pairs per forward pass."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: str
+    chosen: str
+    rejected: str
+    margin: float = 0.0
+
+
+def load_pairs(path: str | Path, data: PreferenceDataConfig) -> list[Pair]:
+    """The pairs of a JSONL file; an error names the line and the key that is missing or wrong."""
+    pairs = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON: {error}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object")
+            for key in (data.prompt_key, data.chosen_key, data.rejected_key):
+                if not isinstance(record.get(key), str):
+                    raise ValueError(f"{path}:{number}: needs a string {key!r}")
+            margin = record.get(data.margin_key, 0.0) if data.margin_key else 0.0
+            if isinstance(margin, bool) or not isinstance(margin, int | float):
+                raise ValueError(f"{path}:{number}: {data.margin_key!r} must be a number")
+            pairs.append(
+                Pair(
+                    record[data.prompt_key],
+                    record[data.chosen_key],
+                    record[data.rejected_key],
+                    float(margin),
+                )
+            )
+    if not pairs:
+        raise ValueError(f"{path}: no pairs")
+    return pairs
+
+
+def _sequence(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list, list]:
+    prompt_len = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer(prompt + response, add_special_tokens=False)["input_ids"][:max_length]
+    return ids, [0] * min(prompt_len, len(ids)) + [1] * max(len(ids) - prompt_len, 0)
+
+
+def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> dict:
+    """Right-padded input_ids, attention_mask and response_mask, (2B, T) each, the chosen
+    sequences first; margin (B,)."""
+    sequences = [
+        _sequence(tokenizer, p.prompt, response, max_length)
+        for responses in ([p.chosen for p in pairs], [p.rejected for p in pairs])
+        for p, response in zip(pairs, responses, strict=True)
+    ]
+    length = max(len(ids) for ids, _ in sequences)
+    batch = {
+        key: torch.zeros(len(sequences), length, dtype=torch.long)
+        for key in ("input_ids", "attention_mask", "response_mask")
+    }
+    batch["input_ids"].fill_(pad_id)
+    for row, (ids, mask) in enumerate(sequences):
+        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
+        batch["attention_mask"][row, : len(ids)] = 1
+        batch["response_mask"][row, : len(ids)] = torch.tensor(mask)
+    batch["margin"] = torch.tensor([p.margin for p in pairs])
+    return batch
+
+
+def chosen_and_rejected(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (2B,) tensor of a pair batch split into its chosen and rejected halves."""
+    half = values.shape[0] // 2
+    return values[:half], values[half:]
+
+
+def train_pairs(
+    model,
+    pairs: list[Pair],
+    *,
+    tokenizer,
+    pad_id: int,
+    config,
+    pair_loss,
+    evaluate,
+    log,
+) -> list[float]:
+    """The loop of rm.py and dpo.py: seeded epochs of [train] batch_size pairs split over the
+    ranks and into micro-batches, `pair_loss(micro_batch, step_pairs)` -> (the micro-batch's
+    share of the step's loss, metrics), resumable state every [output] save_every steps,
+    `evaluate()` -> metrics every [eval] every steps and at the end. Returns each step's loss."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    t, out = config.train, Path(config.output.dir)
+    if t.batch_size % (t.micro_batch_size * world):
+        raise ValueError(
+            f"[train] batch_size {t.batch_size} must be a multiple of micro_batch_size "
+            f"{t.micro_batch_size} x {world} ranks"
+        )
+    steps_per_epoch = len(pairs) // t.batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{config.data.path}: {len(pairs)} pairs < batch_size {t.batch_size}")
+    total = steps_per_epoch * t.epochs
+    total = min(total, t.max_steps) if t.max_steps else total
+    step = 0
+    if config.output.resume and (out / "state" / "latest").exists():
+        step = model.load_state(out / "state")["step"]
+        log(f"resumed from {out / 'state'} at step {step}")
+    losses = []
+    while step < total:
+        epoch, index = divmod(step, steps_per_epoch)
+        order = epoch_order(len(pairs), t.seed, epoch)
+        chosen = order[index * t.batch_size : (index + 1) * t.batch_size][rank::world]
+        micro_batches = [
+            {
+                k: v.to(engine.device())
+                for k, v in pair_batch(
+                    tokenizer,
+                    [pairs[i] for i in chosen[first : first + t.micro_batch_size]],
+                    config.data.max_length,
+                    pad_id,
+                ).items()
+            }
+            for first in range(0, len(chosen), t.micro_batch_size)
+        ]
+        started = time.perf_counter()
+        metrics = engine.optimizer_step(
+            model.engine, micro_batches, lambda mb: pair_loss(mb, t.batch_size)
+        )
+        step += 1
+        losses.append(metrics["loss"])
+        if config.eval.every and step % config.eval.every == 0 and step < total:
+            metrics.update(evaluate())
+        if rank == 0:
+            shown = " ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
+            log(f"step {step}/{total} epoch {epoch} {shown} s {time.perf_counter() - started:.2f}")
+        if config.output.save_every and step % config.output.save_every == 0 and step < total:
+            model.save_state(out / "state", step=step)
+    model.save_state(out / "state", step=step)
+    return losses

@@ -1,0 +1,180 @@
+"""Reward-model training on preference pairs: `rlhf-train rm config.toml`.
+
+    [model]
+    path = "models/sft"             # a causal LM (a new scalar head) or a saved reward model
+    [data]
+    path = "data/pairs.jsonl"       # {"prompt", "chosen", "rejected"} per line (preference.py)
+    eval_path = "data/pairs_test.jsonl"
+    [rm]
+    loss = "sigmoid"                # Bradley-Terry (pairwise.reward_model_loss)
+    [train]
+    batch_size = 32                 # pairs per step
+    [output]
+    dir = "out/rm"                  # out/rm/model: the reward model; out/rm/state: resumable
+
+The model is `AutoModelForSequenceClassification` with one label: the score of a sequence is
+the head at its last token, as ferrule-rewards' model backend reads it (`rlhf-rewards serve
+--model out/rm/model`). The loss is the mean over the step's pairs of -log sigmoid(chosen -
+rejected - margin). Every [eval] every steps and at the end, the held-out pairs give the
+pairwise accuracy and the mean margin; at the end the mean and standard deviation of every
+held-out score are saved beside the model (reward_stats.json), for normalising at serving time.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ferrule_trainer import engine
+from ferrule_trainer.config import Table
+from ferrule_trainer.pairwise import RM_LOSSES, reward_model_loss
+from ferrule_trainer.preference import (
+    PreferenceDataConfig,
+    PreferenceEvalConfig,
+    chosen_and_rejected,
+    load_pairs,
+    pair_batch,
+    train_pairs,
+)
+from ferrule_trainer.sft import SFTModelConfig, SFTOutputConfig, SFTTrainConfig
+from ferrule_trainer.trained import TrainedModel
+
+STATS_FILE = "reward_stats.json"
+
+
+class RMLossConfig(Table):
+    """[rm]: the loss."""
+
+    loss: str = "sigmoid"
+    """"sigmoid" (-log sigmoid(chosen - rejected - margin)) or "log_exp" (the same function)."""
+
+
+class RMConfig(Table):
+    """A `rlhf-train rm` run: one TOML file with these tables."""
+
+    model: SFTModelConfig
+    data: PreferenceDataConfig
+    rm: RMLossConfig = RMLossConfig()
+    train: SFTTrainConfig = SFTTrainConfig()
+    eval: PreferenceEvalConfig = PreferenceEvalConfig()
+    output: SFTOutputConfig = SFTOutputConfig(dir=Path("out/rm"))
+
+
+class RewardModel(TrainedModel):
+    """A sequence scorer under DeepSpeed (a causal LM's body with a one-output linear head)."""
+
+    def __init__(self, config: RMConfig, total_steps: int):
+        engine.init_distributed()
+        m, t = config.model, config.train
+        torch.manual_seed(t.seed)  # the new head starts the same on every rank
+        self.model_path = str(m.path)
+        ds_config = engine.deepspeed_config(
+            zero_stage=m.zero_stage, dtype=m.dtype, max_grad_norm=t.max_grad_norm
+        )
+        module = engine.load_model(
+            m.path,
+            kind="reward",
+            dtype=m.dtype,
+            ds_config=ds_config,
+            gradient_checkpointing=m.gradient_checkpointing,
+            lora_rank=m.lora_rank,
+            lora_alpha=m.lora_alpha,
+            attn_implementation=m.attn_implementation,
+        )
+        self.pad_id = module.config.pad_token_id
+        self.engine = engine.build_engine(
+            module,
+            learning_rate=t.learning_rate,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=total_steps,
+            ds_config=ds_config,
+        )
+
+    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows,) the score of each sequence (the head at its last non-padding token)."""
+        output = self.engine(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        )
+        return output.logits[:, 0].float()
+
+
+def train(config: RMConfig, log=print) -> dict:
+    """Trains as configured; returns the last held-out evaluation (accuracy, margin, mean, std)."""
+    from transformers import AutoTokenizer
+
+    if config.rm.loss not in RM_LOSSES:
+        raise ValueError(f"[rm] loss must be one of {RM_LOSSES}, got {config.rm.loss!r}")
+    engine.init_distributed()
+    pairs = load_pairs(config.data.path, config.data)
+    held_out = load_pairs(config.data.eval_path, config.data) if config.data.eval_path else []
+    t = config.train
+    total = (len(pairs) // t.batch_size) * t.epochs
+    model = RewardModel(config, min(total, t.max_steps) if t.max_steps else total)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    use_margin = config.data.margin_key is not None
+
+    def pair_loss(micro_batch, step_pairs):
+        chosen, rejected = chosen_and_rejected(model.scores(micro_batch))
+        out = reward_model_loss(
+            chosen,
+            rejected,
+            kind=config.rm.loss,
+            margin=micro_batch["margin"] if use_margin else None,
+        )
+        metrics = {"accuracy": out.correct.mean(), "margin": out.margin.mean()}
+        return out.loss.sum() / step_pairs, metrics
+
+    def evaluate() -> dict:
+        return evaluate_pairs(model, tokenizer, held_out, config) if held_out else {}
+
+    train_pairs(
+        model,
+        pairs,
+        tokenizer=tokenizer,
+        pad_id=model.pad_id,
+        config=config,
+        pair_loss=pair_loss,
+        evaluate=evaluate,
+        log=log,
+    )
+    final = evaluate()
+    out = Path(config.output.dir) / "model"
+    model.save_hf(out)
+    if torch.distributed.get_rank() == 0:
+        if final:
+            stats = {"mean": final["eval/score_mean"], "std": final["eval/score_std"]}
+            (out / STATS_FILE).write_text(json.dumps({**stats, "pairs": len(held_out)}) + "\n")
+        log(f"saved {out}" + (f": {json.dumps(final)}" if final else ""))
+    return final
+
+
+@torch.no_grad()
+def evaluate_pairs(model: RewardModel, tokenizer, pairs, config: RMConfig) -> dict:
+    """Pairwise accuracy, mean margin, and the mean and std of all scores, over `pairs`."""
+    was_training = model.engine.training
+    model.engine.eval()
+    chosen_all, rejected_all = [], []
+    try:
+        for first in range(0, len(pairs), config.eval.batch_size):
+            batch = pair_batch(
+                tokenizer,
+                pairs[first : first + config.eval.batch_size],
+                config.data.max_length,
+                model.pad_id,
+            )
+            batch = {k: v.to(engine.device()) for k, v in batch.items()}
+            chosen, rejected = chosen_and_rejected(model.scores(batch).cpu())
+            chosen_all.append(chosen)
+            rejected_all.append(rejected)
+    finally:
+        model.engine.train(was_training)
+    chosen, rejected = torch.cat(chosen_all), torch.cat(rejected_all)
+    scores = torch.cat([chosen, rejected]).double()
+    return {
+        "eval/accuracy": float((chosen > rejected).float().mean()),
+        "eval/margin": float((chosen - rejected).mean()),
+        "eval/score_mean": float(scores.mean()),
+        "eval/score_std": float(scores.std()) if len(scores) > 1 else math.nan,
+    }

@@ -1,0 +1,166 @@
+"""Preference pairs (preference.py), and reward-model training and DPO on a synthetic preference
+task of our own: the correct reversal of a word is preferred to another order of its letters."""
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_trainer.cli import main
+from ferrule_trainer.preference import Pair, PreferenceDataConfig, load_pairs, pair_batch
+
+# the tiny example's policy: the testkit's tiny Qwen2 after a short SFT on word reversal
+WARM = Path(__file__).parents[3] / "examples" / "tiny" / "model"
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def reversal_pairs(count: int, seed: int) -> list[dict]:
+    rng, rows = random.Random(seed), []
+    while len(rows) < count:
+        word = "".join(rng.sample(LETTERS, 3))
+        if rng.random() < 0.5:  # the right letters in a wrong order
+            wrong = [w for w in map("".join, itertools.permutations(word)) if w != word[::-1]]
+            rejected = rng.choice(wrong)
+        else:  # the reversal of another word
+            rejected = "".join(rng.sample(LETTERS, 3))[::-1]
+        rows.append(
+            {
+                "prompt": f"Reverse the string {word}. Answer:",
+                "chosen": f" {word[::-1]}",
+                "rejected": f" {rejected}",
+            }
+        )
+    return rows
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_pairs_names_the_bad_line(tmp_path):
+    data = PreferenceDataConfig(path=tmp_path / "p.jsonl", margin_key="m")
+    for text, message in [
+        (
+            '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n',
+            r"p.jsonl:2: needs a string 'rejected'",
+        ),
+        ("{not json\n", r"p.jsonl:1: not JSON"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "c", "m": "big"}\n', r"'m' must be a number"),
+        ("\n", r"p.jsonl: no pairs"),
+    ]:
+        (tmp_path / "p.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_pairs(tmp_path / "p.jsonl", data)
+
+
+def test_pair_batch_puts_chosen_first_and_masks_the_prompt():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(WARM)
+    pairs = [Pair("Reverse abc:", " cba", " abcabc", 0.5), Pair("Q:", " x", " y", 1.0)]
+    batch = pair_batch(tokenizer, pairs, max_length=64, pad_id=tokenizer.pad_token_id)
+    assert batch["input_ids"].shape[0] == 4 and batch["margin"].tolist() == [0.5, 1.0]
+    first = tokenizer("Reverse abc: cba", add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("Reverse abc:", add_special_tokens=False)["input_ids"]
+    assert batch["input_ids"][0, : len(first)].tolist() == first
+    assert batch["response_mask"][0].tolist()[: len(first)] == [0] * len(prompt) + [1] * (
+        len(first) - len(prompt)
+    )
+    rejected = tokenizer("Reverse abc: abcabc", add_special_tokens=False)["input_ids"]
+    assert batch["input_ids"][2, : len(rejected)].tolist() == rejected  # rows 2-3: rejected
+
+
+def test_cli_reports_bad_pairs_with_status_2(tmp_path, capsys):
+    write(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b"}])
+    config = tmp_path / "dpo.toml"
+    config.write_text(f'[model]\npath = "{WARM}"\n[data]\npath = "pairs.jsonl"\n')
+    assert main(["dpo", str(config)]) == 2
+    assert "pairs.jsonl:1: needs a string 'rejected'" in capsys.readouterr().err
+    (tmp_path / "rm.toml").write_text(
+        f'[model]\npath = "{WARM}"\n[data]\npath = "p"\n[rm]\nlos = 1\n'
+    )
+    assert main(["rm", str(tmp_path / "rm.toml")]) == 2
+    assert "[rm] los: unknown key" in capsys.readouterr().err
+
+
+def config_file(tmp_path: Path, kind: str, extra: str, pairs: int = 512) -> Path:
+    train = write(tmp_path / "train.jsonl", reversal_pairs(pairs, seed=1))
+    test = write(tmp_path / "test.jsonl", reversal_pairs(100, seed=2))
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(
+        f'[model]\npath = "{WARM}"\ndtype = "float32"\nzero_stage = 0\n'
+        f'[data]\npath = "{train}"\neval_path = "{test}"\nmax_length = 32\n'
+        f'[output]\ndir = "{tmp_path / kind}"\n' + extra
+    )
+    return path
+
+
+@pytest.mark.slow
+def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
+    from ferrule_rewards.model import ModelScorer
+    from ferrule_trainer.config import load_config
+    from ferrule_trainer.rm import RMConfig, train
+
+    path = config_file(
+        tmp_path,
+        "rm",
+        "[train]\nepochs = 6\nbatch_size = 32\nmicro_batch_size = 16\nlearning_rate = 3e-3\n"
+        "warmup_steps = 10\n[eval]\nevery = 16\n",
+        pairs=1024,
+    )
+    lines = []
+    final = train(load_config(path, RMConfig), log=lines.append)
+    print(f"rm: held-out {final}")
+    # 0.5 is chance. The 2-layer tiny model levels off at 0.85-0.91 on this task however long
+    # it trains (issue 20 asks for 0.9: not yet met, see its notes)
+    assert final["eval/accuracy"] >= 0.8, lines
+    assert final["eval/margin"] > 0
+    saved = tmp_path / "rm" / "model"
+    stats = json.loads((saved / "reward_stats.json").read_text())
+    assert stats["pairs"] == 100 and stats["std"] > 0
+    # ferrule-rewards' model backend loads it as saved and ranks held-out pairs the same way
+    scorer = ModelScorer(saved, device="cpu", dtype="float32")
+    held_out = reversal_pairs(100, seed=2)[:20]
+    chosen = scorer.score([(r["prompt"], r["chosen"]) for r in held_out]).rewards
+    rejected = scorer.score([(r["prompt"], r["rejected"]) for r in held_out]).rewards
+    agree = sum(c > r for c, r in zip(chosen, rejected, strict=True))
+    assert agree >= 15, agree
+
+
+@pytest.mark.slow
+def test_dpo_raises_the_margin_and_the_greedy_accuracy(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ferrule_trainer.config import load_config
+    from ferrule_trainer.dpo import DPOConfig, train
+
+    path = config_file(
+        tmp_path,
+        "dpo",
+        "[dpo]\nbeta = 0.1\n[train]\nepochs = 2\nbatch_size = 32\nmicro_batch_size = 16\n"
+        "learning_rate = 5e-4\n[eval]\nevery = 8\n",
+    )
+    lines = []
+    final = train(load_config(path, DPOConfig), log=lines.append)
+    first_eval = next(line for line in lines if "eval/margin" in line)
+    # the policy starts as the reference: every implicit reward, and so the margin, is 0
+    assert final["eval/accuracy"] > 0.8 and final["eval/margin"] > 0.1, lines
+
+    def greedy_accuracy(model_path) -> float:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        rows, hits = reversal_pairs(100, seed=2), 0
+        for row in rows:
+            ids = tokenizer(row["prompt"], return_tensors="pt", add_special_tokens=False)
+            out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+            text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+            hits += text.strip() == row["chosen"].strip()
+        return hits / len(rows)
+
+    before, after = greedy_accuracy(WARM), greedy_accuracy(tmp_path / "dpo" / "model")
+    print(f"dpo: greedy accuracy {before:.2f} -> {after:.2f}; held-out {final}")
+    assert after > before + 0.1, (before, after, first_eval)
