@@ -82,7 +82,10 @@ def test_bad_data_stops_before_anything_starts_naming_the_file_and_row(tmp_path)
     data = f'[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]'
     result = run(str(EXAMPLE), "--set", 'task.name="data"', "--set", f"task.sources={data}")
     assert result.returncode == 2
-    assert f"{tmp_path / 'train.jsonl'}: row 2: needs a non-empty string 'prompt'" in result.stderr
+    assert (
+        f"{tmp_path / 'train.jsonl'}: row 2: needs a non-empty string or chat messages 'prompt'"
+        in (result.stderr)
+    )
     assert "ray" not in result.stdout.lower()  # nothing started
     good = f'[{{path="{tmp_path / "test.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]'
     dry = run(

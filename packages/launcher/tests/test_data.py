@@ -132,8 +132,26 @@ def test_prompts_over_the_length_limit_are_dropped_and_counted(tmp_path):
     [
         ('{"prompt": "a"}\n{"prompt": \n', {}, r"t.jsonl:2: not JSON"),
         ('["a"]\n', {}, r"t.jsonl:1: expected a JSON object"),
-        ('{"prompt": "a"}\n{"question": "b"}\n', {}, r"t.jsonl: row 2: needs a non-empty string"),
-        ('{"prompt": ""}\n', {}, r"row 1: needs a non-empty string 'prompt' \(keys: \['prompt'\]"),
+        (
+            '{"prompt": "a"}\n{"question": "b"}\n',
+            {},
+            r"t.jsonl: row 2: needs a non-empty string or chat",
+        ),
+        (
+            '{"prompt": ""}\n',
+            {},
+            r"row 1: needs a non-empty string or chat messages 'prompt' \(keys: \['prompt'\]",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "hi"}]}\n',
+            {},
+            r"t.jsonl: row 1: chat messages need a tokenizer with a chat template",
+        ),
+        (
+            '{"prompt": [{"role": "robot", "content": "hi"}]}\n',
+            {},
+            r"t.jsonl: row 1: message 1 must be",
+        ),
         ('{"prompt": "a", "m": [1]}\n', {"metadata_key": "m"}, r"row 1: 'm' must be an object"),
         ("\n\n", {}, r"t.jsonl: no prompts$"),
     ],
@@ -159,3 +177,22 @@ def test_bad_files_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=r"empty: not a datasets.save_to_disk folder"):
         read_rows(tmp_path / "empty")
+
+
+def test_chat_message_prompts_render_as_the_trainer_renders_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from ferrule_trainer.chat import prompt_text
+
+    model = tmp_path / "model"
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+    )
+    tokenizer.save_pretrained(model)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": messages, "label": "5"}])
+    task = TaskConfig(name="data", sources=[SourceConfig(path=path, eval_path=path)])
+    prompts = DataPrompts.load(task, str(model), 100, seed=0)
+    assert prompts.held_out[0].text == prompt_text(tokenizer, messages, "x")
+    assert prompts.held_out[0].text.startswith("[user] What is 2 + 3?")

@@ -88,17 +88,24 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
     return saved.to_list()
 
 
-def prompts_of(rows: list[dict], where: str, source) -> list[Prompt]:
+def prompts_of(rows: list[dict], where: str, source, tokenizer=None) -> list[Prompt]:
     """Prompt objects of a source's rows ([[task.sources]] entry `source`); an error names
-    the file, the row and the key."""
+    the file, the row and the key. A prompt may be chat messages, rendered with `tokenizer`'s
+    chat template (ferrule-trainer's chat.py, as every entry point renders them)."""
+    from ferrule_trainer.chat import prompt_text
+
     prompts = []
     for number, row in enumerate(rows, 1):
         text = row.get(source.prompt_key)
-        if not isinstance(text, str) or not text:
+        if not text or not isinstance(text, str | list):
             raise DataError(
-                f"{where}: row {number}: needs a non-empty string {source.prompt_key!r} "
-                f"(keys: {sorted(row)})"
+                f"{where}: row {number}: needs a non-empty string or chat messages "
+                f"{source.prompt_key!r} (keys: {sorted(row)})"
             )
+        try:
+            text = prompt_text(tokenizer, text, f"{where}: row {number}")
+        except ValueError as err:
+            raise DataError(str(err)) from None
         label = row.get(source.label_key)
         metadata = row.get(source.metadata_key) if source.metadata_key else None
         if metadata is not None and not isinstance(metadata, dict):
@@ -147,7 +154,7 @@ class Source:
 def _load_part(source, path: Path, split: str, tokenizer, max_prompt_tokens: int):
     """The prompts of one file of a source that fit max_prompt_tokens, and how many did not."""
     where = f"{path}" + (f" [{split}]" if Path(path).is_dir() else "")
-    prompts = prompts_of(read_rows(path, split), where, source)
+    prompts = prompts_of(read_rows(path, split), where, source, tokenizer)
     if not prompts:
         raise DataError(f"{where}: no prompts")
     lengths = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]]

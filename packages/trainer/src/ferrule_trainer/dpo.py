@@ -76,6 +76,33 @@ def response_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     return (per_token * mask).sum(-1), mask.sum(-1)
 
 
+def dpo_pair_loss(policy, reference, micro_batch: dict, step_pairs: int, d: DPOLossConfig):
+    """A micro-batch's share of the step's DPO loss (the mean over the step's `step_pairs`
+    pairs), and its metrics. `policy` and `reference` are the models (DeepSpeed engines)."""
+    with torch.no_grad():
+        reference.eval()
+        ref_sums, counts = response_logprobs(reference, micro_batch)
+    sums, counts = response_logprobs(policy, micro_batch)
+    per_token = d.loss == "ipo"  # IPO compares length-averaged log-probabilities
+    scale = counts.clamp(min=1) if per_token else 1.0
+    (pc, pr), (rc, rr) = chosen_and_rejected(sums / scale), chosen_and_rejected(ref_sums / scale)
+    out = dpo_loss(pc, pr, rc, rr, beta=d.beta, kind=d.loss, label_smoothing=d.label_smoothing)
+    loss = out.loss.sum() / step_pairs
+    chosen_sums, rejected_sums = chosen_and_rejected(sums)
+    if d.nll_coef:  # per pair: the chosen response's mean NLL per token; over the step's pairs
+        chosen_nll = -chosen_sums / chosen_and_rejected(counts)[0].clamp(min=1)
+        loss = loss + d.nll_coef * chosen_nll.sum() / step_pairs
+    metrics = {
+        "accuracy": out.correct.mean(),
+        "margin": (out.chosen_reward - out.rejected_reward).mean(),
+        "chosen_reward": out.chosen_reward.mean(),
+        "rejected_reward": out.rejected_reward.mean(),
+        "chosen_logp": chosen_sums.detach().mean(),
+        "rejected_logp": rejected_sums.detach().mean(),
+    }
+    return loss, metrics
+
+
 def train(config: DPOConfig, log=print) -> dict:
     """Trains as configured; returns the last held-out evaluation (empty without eval_path)."""
     from transformers import AutoTokenizer
@@ -88,8 +115,11 @@ def train(config: DPOConfig, log=print) -> dict:
     if d.loss == "ipo" and d.label_smoothing:
         raise ValueError("[dpo] label_smoothing is conservative DPO's; IPO has none")
     engine.init_distributed()
-    pairs = load_pairs(config.data.path, config.data)
-    held_out = load_pairs(config.data.eval_path, config.data) if config.data.eval_path else []
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    pairs = load_pairs(config.data.path, config.data, tokenizer)
+    held_out = (
+        load_pairs(config.data.eval_path, config.data, tokenizer) if config.data.eval_path else []
+    )
     m, t = config.model, config.train
     total = (len(pairs) // t.batch_size) * t.epochs
     common = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=t.seed)
@@ -107,38 +137,12 @@ def train(config: DPOConfig, log=print) -> dict:
         **common,
     )
     reference = Actor(m.path, train=False, zero_stage=m.zero_stage, **common)
-    tokenizer = AutoTokenizer.from_pretrained(m.path)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
 
     def pair_loss(micro_batch, step_pairs):
-        with torch.no_grad():
-            reference.engine.eval()
-            ref_sums, counts = response_logprobs(reference.engine, micro_batch)
-        sums, counts = response_logprobs(policy.engine, micro_batch)
-        per_token = d.loss == "ipo"  # IPO compares length-averaged log-probabilities
-        scale = counts.clamp(min=1) if per_token else 1.0
-        (pc, pr), (rc, rr) = (
-            chosen_and_rejected(sums / scale),
-            chosen_and_rejected(ref_sums / scale),
-        )
-        out = dpo_loss(pc, pr, rc, rr, beta=d.beta, kind=d.loss, label_smoothing=d.label_smoothing)
-        loss = out.loss.sum() / step_pairs
-        chosen_sums, chosen_counts = chosen_and_rejected(sums)[0], chosen_and_rejected(counts)[0]
-        if d.nll_coef:
-            # per pair: the chosen response's mean NLL per token, averaged over the step's pairs
-            nll = -(chosen_sums / chosen_counts.clamp(min=1))
-            loss = loss + d.nll_coef * nll.sum() / step_pairs
-        metrics = {
-            "accuracy": out.correct.mean(),
-            "margin": (out.chosen_reward - out.rejected_reward).mean(),
-            "chosen_reward": out.chosen_reward.mean(),
-            "rejected_reward": out.rejected_reward.mean(),
-            "chosen_logp": chosen_sums.detach().mean(),
-            "rejected_logp": chosen_and_rejected(sums)[1].detach().mean(),
-        }
-        return loss, metrics
+        return dpo_pair_loss(policy.engine, reference.engine, micro_batch, step_pairs, d)
 
     @torch.no_grad()
     def evaluate() -> dict:

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 
 from ferrule_trainer import engine
+from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import InputPath, Table
 from ferrule_trainer.sft import epoch_order
 
@@ -32,7 +33,7 @@ class PreferenceDataConfig(Table):
     eval_path: InputPath | None = None
     """JSONL file of held-out pairs, evaluated every [eval] every steps and at the end."""
     prompt_key: str = "prompt"
-    """Key of the prompt (a string)."""
+    """Key of the prompt: a string, or chat messages rendered with the tokenizer's template."""
     chosen_key: str = "chosen"
     """Key of the preferred response (a string)."""
     rejected_key: str = "rejected"
@@ -60,8 +61,9 @@ class Pair:
     margin: float = 0.0
 
 
-def load_pairs(path: str | Path, data: PreferenceDataConfig) -> list[Pair]:
-    """The pairs of a JSONL file; an error names the line and the key that is missing or wrong."""
+def load_pairs(path: str | Path, data: PreferenceDataConfig, tokenizer=None) -> list[Pair]:
+    """The pairs of a JSONL file; an error names the line and the key that is missing or wrong.
+    A prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
     pairs = []
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
@@ -73,15 +75,17 @@ def load_pairs(path: str | Path, data: PreferenceDataConfig) -> list[Pair]:
                 raise ValueError(f"{path}:{number}: not JSON: {error}") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{number}: expected a JSON object")
-            for key in (data.prompt_key, data.chosen_key, data.rejected_key):
+            for key in (data.chosen_key, data.rejected_key):
                 if not isinstance(record.get(key), str):
                     raise ValueError(f"{path}:{number}: needs a string {key!r}")
+            if data.prompt_key not in record:
+                raise ValueError(f"{path}:{number}: needs a prompt {data.prompt_key!r}")
             margin = record.get(data.margin_key, 0.0) if data.margin_key else 0.0
             if isinstance(margin, bool) or not isinstance(margin, int | float):
                 raise ValueError(f"{path}:{number}: {data.margin_key!r} must be a number")
             pairs.append(
                 Pair(
-                    record[data.prompt_key],
+                    prompt_text(tokenizer, record[data.prompt_key], f"{path}:{number}"),
                     record[data.chosen_key],
                     record[data.rejected_key],
                     float(margin),

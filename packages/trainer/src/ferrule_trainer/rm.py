@@ -107,12 +107,14 @@ def train(config: RMConfig, log=print) -> dict:
     if config.rm.loss not in RM_LOSSES:
         raise ValueError(f"[rm] loss must be one of {RM_LOSSES}, got {config.rm.loss!r}")
     engine.init_distributed()
-    pairs = load_pairs(config.data.path, config.data)
-    held_out = load_pairs(config.data.eval_path, config.data) if config.data.eval_path else []
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    pairs = load_pairs(config.data.path, config.data, tokenizer)
+    held_out = (
+        load_pairs(config.data.eval_path, config.data, tokenizer) if config.data.eval_path else []
+    )
     t = config.train
     total = (len(pairs) // t.batch_size) * t.epochs
     model = RewardModel(config, min(total, t.max_steps) if t.max_steps else total)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     use_margin = config.data.margin_key is not None
 
     def pair_loss(micro_batch, step_pairs):

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from ferrule_trainer import engine
 from ferrule_trainer.aggregation import aggregate_loss
+from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import InputPath, ModelConfig, Table, TrainDType
 
 
@@ -48,8 +49,8 @@ class SFTDataConfig(Table):
     """[data]: the examples."""
 
     path: InputPath
-    """JSONL file, one object per line with a prompt and a response string (relative to the
-    TOML file)."""
+    """JSONL file, one object per line with a prompt (a string, or chat messages rendered with
+    the tokenizer's chat template) and a response string (relative to the TOML file)."""
     prompt_key: str = "prompt"
     """Key of the prompt in each line."""
     response_key: str = "response"
@@ -102,8 +103,11 @@ class SFTConfig(Table):
     output: SFTOutputConfig = SFTOutputConfig()
 
 
-def load_examples(path: str | Path, prompt_key: str, response_key: str) -> list[tuple[str, str]]:
-    """(prompt, response) pairs; an error names the line that lacks a key or is not JSON."""
+def load_examples(
+    path: str | Path, prompt_key: str, response_key: str, tokenizer=None
+) -> list[tuple[str, str]]:
+    """(prompt, response) pairs; an error names the line that lacks a key or is not JSON. A
+    prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
     examples = []
     with open(path) as lines:
         for number, line in enumerate(lines, 1):
@@ -113,12 +117,11 @@ def load_examples(path: str | Path, prompt_key: str, response_key: str) -> list[
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not JSON: {error}") from None
-            for key in (prompt_key, response_key):
-                if not isinstance(record.get(key), str):
-                    raise ValueError(
-                        f"{path}:{number}: needs a string {key!r}, got {record!r:.200}"
-                    )
-            examples.append((record[prompt_key], record[response_key]))
+            if not isinstance(record.get(response_key), str) or prompt_key not in record:
+                key = prompt_key if prompt_key not in record else response_key
+                raise ValueError(f"{path}:{number}: needs a string {key!r}, got {record!r:.200}")
+            prompt = prompt_text(tokenizer, record[prompt_key], f"{path}:{number}")
+            examples.append((prompt, record[response_key]))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
@@ -185,7 +188,9 @@ def train(config: SFTConfig, log=print) -> list[float]:
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
-    examples = load_examples(config.data.path, config.data.prompt_key, config.data.response_key)
+    examples = load_examples(
+        config.data.path, config.data.prompt_key, config.data.response_key, tokenizer
+    )
     steps_per_epoch = len(examples) // cfg_t.batch_size
     if steps_per_epoch == 0:
         raise ValueError(
