@@ -231,6 +231,14 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "checkpoint_every (15) must be a multiple of it",
         ),
         ("[output]\nkeep_last = 0\n", "[output] keep_last: Input should be greater than or equal"),
+        (
+            "[trainer]\nestimator = 'gae'\n[critic]\ninit = 'reward_model'\n",
+            '[critic] init: "reward_model" starts the critic from [rewards] model, which is not set',
+        ),
+        (
+            "[rewards]\nfunction = 'json:b'\nnormalize = true\n",
+            "[rewards] normalize: needs [rewards] model",
+        ),
     ],
 )
 def test_contradictory_settings(write, text, expected):

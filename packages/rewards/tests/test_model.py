@@ -119,3 +119,23 @@ def test_gpu_matches_cpu(reward_model):
     assert gpu.rewards == pytest.approx(cpu.rewards, abs=1e-3)
     half = ModelScorer(reward_model, device="cuda").score_texts(TEXTS)  # bf16 by default
     assert half.rewards == pytest.approx(cpu.rewards, abs=0.1)
+
+
+def test_normalize_uses_the_moments_saved_beside_the_model(tmp_path):
+    import json
+    import shutil
+
+    from ferrule_rewards.model import STATS_FILE, ModelScorer
+
+    folder = build(tmp_path / "rm")
+    raw = ModelScorer(folder, device="cpu").score_texts(TEXTS).rewards
+    with pytest.raises(ValueError, match=f"--normalize needs {STATS_FILE} beside it"):
+        ModelScorer(folder, device="cpu", normalize=True)
+    (folder / STATS_FILE).write_text(json.dumps({"mean": 0.1, "std": 0.3}))
+    normalized = ModelScorer(folder, device="cpu", normalize=True).score_texts(TEXTS).rewards
+    assert normalized == pytest.approx([(r - 0.1) / 0.3 for r in raw], abs=1e-5)
+    for bad, message in [({"mean": 0.0, "std": 0.0}, "a std > 0"), ({"mean": 1}, "'std'")]:
+        (folder / STATS_FILE).write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            ModelScorer(folder, device="cpu", normalize=True)
+    shutil.rmtree(folder)

@@ -164,3 +164,20 @@ def test_dpo_raises_the_margin_and_the_greedy_accuracy(tmp_path):
     before, after = greedy_accuracy(WARM), greedy_accuracy(tmp_path / "dpo" / "model")
     print(f"dpo: greedy accuracy {before:.2f} -> {after:.2f}; held-out {final}")
     assert after > before + 0.1, (before, after, first_eval)
+
+
+def test_a_critic_started_from_a_reward_model_takes_its_body_and_head(tmp_path):
+    """[critic] init = "reward_model": the critic (a value per token) loads the reward model's
+    folder; its head is the reward model's scalar head, not a new one."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from ferrule_trainer import engine
+
+    torch.manual_seed(3)
+    config = AutoConfig.from_pretrained(WARM, num_labels=1)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(WARM, config=config)
+    reward_model.save_pretrained(tmp_path / "rm")
+    critic = engine.load_model(tmp_path / "rm", kind="value", dtype="float32")
+    assert torch.equal(critic.score.weight, reward_model.score.weight)
+    body = dict(reward_model.model.named_parameters())
+    assert all(torch.equal(p, body[name]) for name, p in critic.model.named_parameters())

@@ -131,6 +131,9 @@ class RewardsConfig(Table):
     """Reward function `module:function` or `file.py:function` served by ferrule-rewards."""
     model: InputPath | None = None
     """Hugging Face reward-model folder served by ferrule-rewards (relative to the TOML file)."""
+    normalize: bool = False
+    """model: score (score - mean) / std with the held-out moments saved beside the model
+    (reward_stats.json, written by `rlhf-train rm`)."""
     address: list[str] = Field(default_factory=list)
     """host:port of running ferrule-rewards servers to use instead of starting one."""
     timeout: float = Field(60.0, gt=0)
@@ -361,6 +364,22 @@ class Config(Table):
                 ("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {r.max_tokens}")
             )
         problems += self._data_problems()
+        if w.normalize and not w.model:
+            problems.append(("rewards.normalize", "needs [rewards] model (a reward model folder)"))
+        elif w.normalize and not (w.model / "reward_stats.json").is_file():
+            problems.append(
+                (
+                    "rewards.normalize",
+                    f"no reward_stats.json in {w.model} (`rlhf-train rm` writes one)",
+                )
+            )
+        if self.critic is not None and self.critic.init == "reward_model" and not w.model:
+            problems.append(
+                (
+                    "critic.init",
+                    '"reward_model" starts the critic from [rewards] model, which is not set',
+                )
+            )
         if self.output.wandb and importlib.util.find_spec("wandb") is None:
             problems.append(
                 ("output.wandb", "needs the wandb package: pip install 'ferrule-launcher[wandb]'")

@@ -184,6 +184,8 @@ def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subproce
     serves. Its log goes to out/rewards.log (appended to by a restart)."""
     log_path, address_file = out / "rewards.log", out / "rewards.address"
     what = ["--function", config.function] if config.function else ["--model", str(config.model)]
+    if config.normalize:
+        what.append("--normalize")
     command = [
         sys.executable,
         "-m",

@@ -199,8 +199,11 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
         ),
         "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model),
     }
+    critic_path = model_path
     if config.critic is not None:
         setup["critic"] = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
+        if config.critic.init == "reward_model":  # the config check ensured [rewards] model
+            critic_path = str(config.rewards.model)
 
     def actor(cls, role: Role, concurrency_groups=None, **extra):
         remote = (
@@ -233,7 +236,7 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
                 (
                     w.setup.remote(
                         kind,
-                        model_path,
+                        critic_path if kind == "critic" else model_path,
                         i,
                         len(workers),
                         master["host"],

@@ -140,6 +140,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
     add("--model-batch-size", type=_COUNT, default=32, help="samples per model forward pass")
     add("--max-length", type=_COUNT, help="longest prompt + response the model scores, in tokens")
+    add(
+        "--normalize",
+        action="store_true",
+        help="reward model: report (score - mean) / std, with the held-out mean and std saved "
+        "beside it (reward_stats.json, written by `rlhf-train rm`)",
+    )
 
 
 def _client_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,6 +171,7 @@ def make_scorer(args):
         dtype=args.dtype,
         batch_size=args.model_batch_size,
         max_length=args.max_length,
+        normalize=args.normalize,
     )
 
 

@@ -42,6 +42,30 @@ def _pick_dtype(dtype: str, device: str):
         ) from None
 
 
+STATS_FILE = "reward_stats.json"
+"""Beside a reward model: {"mean": ..., "std": ...} of its scores on held-out data."""
+
+
+def _saved_moments(path: Path) -> tuple[float, float]:
+    """The mean and std saved beside the model (what --normalize divides by)."""
+    import json
+
+    stats_path = path / STATS_FILE
+    try:
+        stats = json.loads(stats_path.read_text())
+        mean, std = float(stats["mean"]), float(stats["std"])
+    except FileNotFoundError:
+        raise ValueError(
+            f"reward model {path}: --normalize needs {STATS_FILE} beside it (`rlhf-train rm` "
+            "writes one)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{stats_path}: needs numbers 'mean' and 'std': {error}") from None
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise ValueError(f"{stats_path}: needs a finite mean and a std > 0, got {mean}, {std}")
+    return mean, std
+
+
 class ModelScorer:
     fields = ("prompt", "response")
     hang_after = None  # a forward has no per-sample timeout; the call's deadline bounds it
@@ -54,10 +78,12 @@ class ModelScorer:
         dtype: str = "auto",
         batch_size: int = 32,
         max_length: int | None = None,
+        normalize: bool = False,
     ):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"reward model {path}: no config.json there (a local model folder)")
+        self.shift, self.scale = (_saved_moments(path)) if normalize else (0.0, 1.0)
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -112,7 +138,7 @@ class ModelScorer:
                 continue
             for index, value in zip(chunk, values, strict=True):
                 if math.isfinite(value):
-                    scores.rewards[index] = value
+                    scores.rewards[index] = (value - self.shift) / self.scale
                 else:
                     scores.fail(index, Status.INVALID_REWARD, f"the model's reward is {value}")
         return scores

@@ -452,6 +452,9 @@ class CriticConfig(Table):
     """Critic learning rate (AdamW)."""
     value_clip: float | None = Field(0.2, gt=0)
     """Clip of the value update around the old values (None: off)."""
+    init: Literal["policy", "reward_model"] = "policy"
+    """Start the critic from the policy's weights (a new value head), or from the reward model
+    the run scores with (its body and its scalar head: classic RLHF's critic)."""
 
 
 def rl_batch_problems(
