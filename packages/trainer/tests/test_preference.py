@@ -1,39 +1,18 @@
 """Preference pairs (preference.py), and reward-model training and DPO on a synthetic preference
 task of our own: the correct reversal of a word is preferred to another order of its letters."""
 
-import itertools
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from ferrule_testkit import reversal_pairs
 from ferrule_trainer.cli import main
 from ferrule_trainer.preference import Pair, PreferenceDataConfig, load_pairs, pair_batch
 
 # the tiny example's policy: the testkit's tiny Qwen2 after a short SFT on word reversal
 WARM = Path(__file__).parents[3] / "examples" / "tiny" / "model"
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def reversal_pairs(count: int, seed: int) -> list[dict]:
-    rng, rows = random.Random(seed), []
-    while len(rows) < count:
-        word = "".join(rng.sample(LETTERS, 3))
-        if rng.random() < 0.5:  # the right letters in a wrong order
-            wrong = [w for w in map("".join, itertools.permutations(word)) if w != word[::-1]]
-            rejected = rng.choice(wrong)
-        else:  # the reversal of another word
-            rejected = "".join(rng.sample(LETTERS, 3))[::-1]
-        rows.append(
-            {
-                "prompt": f"Reverse the string {word}. Answer:",
-                "chosen": f" {word[::-1]}",
-                "rejected": f" {rejected}",
-            }
-        )
-    return rows
 
 
 def write(path: Path, rows: list[dict]) -> Path:

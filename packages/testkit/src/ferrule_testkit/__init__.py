@@ -6,5 +6,13 @@ tokenizers and transformers load when a model is first built.
 
 from ferrule_testkit.corpus import synthetic_corpus
 from ferrule_testkit.models import SPECS, cache_root, tiny_model, tiny_tokenizer
+from ferrule_testkit.preferences import reversal_pairs
 
-__all__ = ["SPECS", "cache_root", "synthetic_corpus", "tiny_model", "tiny_tokenizer"]
+__all__ = [
+    "SPECS",
+    "cache_root",
+    "reversal_pairs",
+    "synthetic_corpus",
+    "tiny_model",
+    "tiny_tokenizer",
+]
