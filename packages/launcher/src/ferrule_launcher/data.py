@@ -57,19 +57,12 @@ def read_rows(path: Path, split: str | None = None) -> list[dict]:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not JSON: {err}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got {row!r:.60}")
-            rows.append(row)
-    return rows
+    from ferrule_trainer.jsonl import records
+
+    try:
+        return [row for _, row in records(path)]
+    except ValueError as err:
+        raise DataError(str(err)) from None
 
 
 def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:

@@ -11,7 +11,6 @@ marks the response's tokens (what DPO's log-probabilities sum over). The order o
 each epoch is seeded by (seed, epoch), so a resumed run continues with the same batches.
 """
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from pydantic import Field
 from ferrule_trainer import engine
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import InputPath, Table
-from ferrule_trainer.sft import epoch_order
+from ferrule_trainer.jsonl import records
+from ferrule_trainer.sft import collate, epoch_order
 
 
 class PreferenceDataConfig(Table):
@@ -65,32 +65,17 @@ def load_pairs(path: str | Path, data: PreferenceDataConfig, tokenizer=None) -> 
     """The pairs of a JSONL file; an error names the line and the key that is missing or wrong.
     A prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
     pairs = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON: {error}") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object")
-            for key in (data.chosen_key, data.rejected_key):
-                if not isinstance(record.get(key), str):
-                    raise ValueError(f"{path}:{number}: needs a string {key!r}")
-            if data.prompt_key not in record:
-                raise ValueError(f"{path}:{number}: needs a prompt {data.prompt_key!r}")
-            margin = record.get(data.margin_key, 0.0) if data.margin_key else 0.0
-            if isinstance(margin, bool) or not isinstance(margin, int | float):
-                raise ValueError(f"{path}:{number}: {data.margin_key!r} must be a number")
-            pairs.append(
-                Pair(
-                    prompt_text(tokenizer, record[data.prompt_key], f"{path}:{number}"),
-                    record[data.chosen_key],
-                    record[data.rejected_key],
-                    float(margin),
-                )
-            )
+    for number, record in records(path):
+        for key in (data.chosen_key, data.rejected_key):
+            if not isinstance(record.get(key), str):
+                raise ValueError(f"{path}:{number}: needs a string {key!r}")
+        if data.prompt_key not in record:
+            raise ValueError(f"{path}:{number}: needs a prompt {data.prompt_key!r}")
+        margin = record.get(data.margin_key, 0.0) if data.margin_key else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise ValueError(f"{path}:{number}: {data.margin_key!r} must be a number")
+        prompt = prompt_text(tokenizer, record[data.prompt_key], f"{path}:{number}")
+        pairs.append(Pair(prompt, record[data.chosen_key], record[data.rejected_key], margin))
     if not pairs:
         raise ValueError(f"{path}: no pairs")
     return pairs
@@ -110,16 +95,7 @@ def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> di
         for responses in ([p.chosen for p in pairs], [p.rejected for p in pairs])
         for p, response in zip(pairs, responses, strict=True)
     ]
-    length = max(len(ids) for ids, _ in sequences)
-    batch = {
-        key: torch.zeros(len(sequences), length, dtype=torch.long)
-        for key in ("input_ids", "attention_mask", "response_mask")
-    }
-    batch["input_ids"].fill_(pad_id)
-    for row, (ids, mask) in enumerate(sequences):
-        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][row, : len(ids)] = 1
-        batch["response_mask"][row, : len(ids)] = torch.tensor(mask)
+    batch = collate(sequences, pad_id, mask_key="response_mask")
     batch["margin"] = torch.tensor([p.margin for p in pairs])
     return batch
 

@@ -16,7 +16,6 @@ shuffles with seed + epoch; a restart with `resume = true` continues from the la
 was never interrupted. Run it on more processes with any launcher that sets RANK / WORLD_SIZE.
 """
 
-import json
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from ferrule_trainer import engine
 from ferrule_trainer.aggregation import aggregate_loss
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import InputPath, ModelConfig, Table, TrainDType
+from ferrule_trainer.jsonl import records
 
 
 class SFTModelConfig(ModelConfig):
@@ -109,19 +109,12 @@ def load_examples(
     """(prompt, response) pairs; an error names the line that lacks a key or is not JSON. A
     prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
     examples = []
-    with open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON: {error}") from None
-            if not isinstance(record.get(response_key), str) or prompt_key not in record:
-                key = prompt_key if prompt_key not in record else response_key
-                raise ValueError(f"{path}:{number}: needs a string {key!r}, got {record!r:.200}")
-            prompt = prompt_text(tokenizer, record[prompt_key], f"{path}:{number}")
-            examples.append((prompt, record[response_key]))
+    for number, record in records(path):
+        if not isinstance(record.get(response_key), str) or prompt_key not in record:
+            key = prompt_key if prompt_key not in record else response_key
+            raise ValueError(f"{path}:{number}: needs a string {key!r}, got {record!r:.200}")
+        prompt = prompt_text(tokenizer, record[prompt_key], f"{path}:{number}")
+        examples.append((prompt, record[response_key]))
     if not examples:
         raise ValueError(f"{path}: no examples")
     return examples
@@ -137,18 +130,21 @@ def tokenize(tokenizer, prompt: str, response: str, max_length: int) -> tuple[li
     return ids, mask
 
 
-def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and loss_mask, (B, T) each."""
+def collate(
+    examples: list[tuple[list[int], list[int]]], pad_id: int, mask_key: str = "loss_mask"
+) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and the examples' own masks (as `mask_key`),
+    (B, T) each."""
     length = max(len(ids) for ids, _ in examples)
     batch = {
         key: torch.zeros(len(examples), length, dtype=torch.long)
-        for key in ("input_ids", "attention_mask", "loss_mask")
+        for key in ("input_ids", "attention_mask", mask_key)
     }
     batch["input_ids"].fill_(pad_id)
     for row, (ids, mask) in enumerate(examples):
         batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
         batch["attention_mask"][row, : len(ids)] = 1
-        batch["loss_mask"][row, : len(ids)] = torch.tensor(mask)
+        batch[mask_key][row, : len(ids)] = torch.tensor(mask)
     return batch
 
 
