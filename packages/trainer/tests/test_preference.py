@@ -64,6 +64,12 @@ def test_cli_reports_bad_pairs_with_status_2(tmp_path, capsys):
     )
     assert main(["rm", str(tmp_path / "rm.toml")]) == 2
     assert "[rm] los: unknown key" in capsys.readouterr().err
+    config.write_text(
+        f'[model]\npath = "{WARM}"\n[data]\npath = "pairs.jsonl"\n'
+        "[dpo]\nloss = 'ipo'\nlabel_smoothing = 0.1\n"
+    )
+    assert main(["dpo", str(config)]) == 2
+    assert "[dpo] label_smoothing: is conservative DPO's; IPO has none" in capsys.readouterr().err
 
 
 def config_file(tmp_path: Path, kind: str, extra: str, pairs: int = 512) -> Path:

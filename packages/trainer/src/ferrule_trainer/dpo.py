@@ -23,19 +23,21 @@ rewards and log-probabilities; on the held-out pairs every [eval] every steps an
 """
 
 from pathlib import Path
+from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ferrule_trainer import engine
-from ferrule_trainer.config import Table
-from ferrule_trainer.pairwise import DPO_LOSSES, dpo_loss
+from ferrule_trainer.config import Problems, Table
+from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,
     PreferenceEvalConfig,
     chosen_and_rejected,
     load_pairs,
     pair_batch,
+    total_steps,
     train_pairs,
 )
 from ferrule_trainer.sequences import token_logprobs
@@ -47,12 +49,18 @@ class DPOLossConfig(Table):
 
     beta: float = Field(0.1, gt=0)
     """Strength of the pull toward the reference (the KL coefficient of the implicit reward)."""
-    loss: str = "sigmoid"
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """"sigmoid" (DPO) or "ipo" (squared loss on length-averaged log-ratios)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Conservative DPO: the chance a pair's label is wrong (sigmoid only)."""
     nll_coef: float = Field(0.0, ge=0)
     """Weight of the chosen responses' per-token NLL added to the loss (0: none)."""
+
+    @model_validator(mode="after")
+    def _smoothing_is_dpo_only(self):
+        if self.loss == "ipo" and self.label_smoothing:
+            raise Problems([("label_smoothing", "is conservative DPO's; IPO has none")])
+        return self
 
 
 class DPOConfig(Table):
@@ -110,10 +118,6 @@ def train(config: DPOConfig, log=print) -> dict:
     from ferrule_trainer.actor import Actor
 
     d = config.dpo
-    if d.loss not in DPO_LOSSES:
-        raise ValueError(f"[dpo] loss must be one of {DPO_LOSSES}, got {d.loss!r}")
-    if d.loss == "ipo" and d.label_smoothing:
-        raise ValueError("[dpo] label_smoothing is conservative DPO's; IPO has none")
     engine.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     pairs = load_pairs(config.data.path, config.data, tokenizer)
@@ -121,7 +125,6 @@ def train(config: DPOConfig, log=print) -> dict:
         load_pairs(config.data.eval_path, config.data, tokenizer) if config.data.eval_path else []
     )
     m, t = config.model, config.train
-    total = (len(pairs) // t.batch_size) * t.epochs
     common = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=t.seed)
     policy = Actor(
         m.path,
@@ -130,7 +133,7 @@ def train(config: DPOConfig, log=print) -> dict:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         warmup_steps=t.warmup_steps,
-        total_steps=min(total, t.max_steps) if t.max_steps else total,
+        total_steps=total_steps(len(pairs), t),
         gradient_checkpointing=m.gradient_checkpointing,
         lora_rank=m.lora_rank,
         lora_alpha=m.lora_alpha,

@@ -106,6 +106,12 @@ def chosen_and_rejected(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return values[:half], values[half:]
 
 
+def total_steps(pairs: int, train) -> int:
+    """Optimizer steps of a run over `pairs` pairs as [train] asks (epochs, max_steps)."""
+    total = (pairs // train.batch_size) * train.epochs
+    return min(total, train.max_steps) if train.max_steps else total
+
+
 def train_pairs(
     model,
     pairs: list[Pair],
@@ -131,8 +137,7 @@ def train_pairs(
     steps_per_epoch = len(pairs) // t.batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{config.data.path}: {len(pairs)} pairs < batch_size {t.batch_size}")
-    total = steps_per_epoch * t.epochs
-    total = min(total, t.max_steps) if t.max_steps else total
+    total = total_steps(len(pairs), t)
     step = 0
     if config.output.resume and (out / "state" / "latest").exists():
         step = model.load_state(out / "state")["step"]

@@ -23,18 +23,20 @@ held-out score are saved beside the model (reward_stats.json), for normalising a
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from ferrule_trainer import engine
 from ferrule_trainer.config import Table
-from ferrule_trainer.pairwise import RM_LOSSES, reward_model_loss
+from ferrule_trainer.pairwise import reward_model_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,
     PreferenceEvalConfig,
     chosen_and_rejected,
     load_pairs,
     pair_batch,
+    total_steps,
     train_pairs,
 )
 from ferrule_trainer.sft import SFTModelConfig, SFTOutputConfig, SFTTrainConfig
@@ -46,7 +48,7 @@ STATS_FILE = "reward_stats.json"
 class RMLossConfig(Table):
     """[rm]: the loss."""
 
-    loss: str = "sigmoid"
+    loss: Literal["sigmoid", "log_exp"] = "sigmoid"
     """"sigmoid" (-log sigmoid(chosen - rejected - margin)) or "log_exp" (the same function)."""
 
 
@@ -104,17 +106,13 @@ def train(config: RMConfig, log=print) -> dict:
     """Trains as configured; returns the last held-out evaluation (accuracy, margin, mean, std)."""
     from transformers import AutoTokenizer
 
-    if config.rm.loss not in RM_LOSSES:
-        raise ValueError(f"[rm] loss must be one of {RM_LOSSES}, got {config.rm.loss!r}")
     engine.init_distributed()
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     pairs = load_pairs(config.data.path, config.data, tokenizer)
     held_out = (
         load_pairs(config.data.eval_path, config.data, tokenizer) if config.data.eval_path else []
     )
-    t = config.train
-    total = (len(pairs) // t.batch_size) * t.epochs
-    model = RewardModel(config, min(total, t.max_steps) if t.max_steps else total)
+    model = RewardModel(config, total_steps(len(pairs), config.train))
     use_margin = config.data.margin_key is not None
 
     def pair_loss(micro_batch, step_pairs):
