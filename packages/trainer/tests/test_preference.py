@@ -166,3 +166,45 @@ def test_a_critic_started_from_a_reward_model_takes_its_body_and_head(tmp_path):
     assert torch.equal(critic.score.weight, reward_model.score.weight)
     body = dict(reward_model.model.named_parameters())
     assert all(torch.equal(p, body[name]) for name, p in critic.model.named_parameters())
+
+
+@pytest.mark.slow
+def test_preference_and_likelihood_steps_on_the_rl_layout():
+    """The recipes' steps (rlhf-launch's rejection sampling and iterative DPO) on the RL batch
+    layout: a policy equal to its reference starts at DPO loss log 2, and steps raise the
+    margin; SFT on the chosen responses lowers their NLL."""
+    import math
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from ferrule_trainer.actor import Actor
+    from ferrule_trainer.rl import build_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(WARM)
+    rows = []
+    for pair in reversal_pairs(16, seed=5):  # chosen in even rows, rejected in odd ones
+        prompt = tokenizer(pair["prompt"], add_special_tokens=False)["input_ids"]
+        for response in (pair["chosen"], pair["rejected"]):
+            ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+            rows.append(SimpleNamespace(prompt_token_ids=prompt, token_ids=ids))
+    batch = build_batch(rows, tokenizer.pad_token_id)
+    common = dict(dtype="float32", zero_stage=0, seed=0, temperature=0.7)
+    reference = Actor(WARM, train=False, **common)
+    batch["ref_logprobs"] = reference.logprobs(batch, temperature=1.0)
+    policy = Actor(WARM, learning_rate=1e-3, **common)
+    first = policy.preference_epochs(
+        batch, epochs=1, mini_batches=1, micro_batch_size=6, beta=0.5
+    )  # micro-batches of 3 rows would split a pair: 6 rows, 3 pairs each
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # h = 0 for every pair
+    assert first["margin"] == pytest.approx(0.0, abs=1e-5)
+    later = policy.preference_epochs(batch, epochs=3, mini_batches=2, micro_batch_size=8, beta=0.5)
+    assert later["margin"] > 0 and later["loss"] < math.log(2)
+
+    chosen = {k: v[0::2] for k, v in batch.items() if k != "ref_logprobs"}
+    sft = Actor(WARM, learning_rate=1e-3, **common)
+    losses = [
+        sft.likelihood_epochs(chosen, epochs=1, mini_batches=1, micro_batch_size=8)["loss"]
+        for _ in range(4)
+    ]
+    assert losses[-1] < losses[0]

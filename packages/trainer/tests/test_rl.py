@@ -130,3 +130,18 @@ def test_keep_groups_drops_groups_whose_mean_is_on_or_outside_the_bounds():
     # an all-equal group of a value that binary floats cannot hold: its mean is that value
     assert rl.keep_groups(scores, 2, 0.1, 1.0) == [2, 4]
     assert rl.keep_groups(torch.full((8,), 0.7), 8, 0.0, 0.7) == []
+
+
+def test_ppo_epochs_keeps_units_of_rows_together():
+    """unit=2 (preference pairs): mini- and micro-batches hold whole pairs, however the counts
+    divide the rows."""
+    batch = {"input_ids": torch.arange(10).view(10, 1)}  # 5 pairs
+    seen = []
+
+    def step(micro_batches):
+        seen.append([mb["input_ids"].flatten().tolist() for mb in micro_batches])
+        return {"loss": 1.0}
+
+    ppo_epochs(step, batch, epochs=1, mini_batches=2, micro_batch_size=3, unit=2)
+    assert seen == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]  # 4-row steps of 2-row parts
+    assert all(len(part) % 2 == 0 for step_parts in seen for part in step_parts)

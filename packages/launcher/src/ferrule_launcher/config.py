@@ -186,6 +186,13 @@ def _importable(module: str) -> bool:
 class LoopConfig(Table):
     steps: int = Field(40, ge=1)
     """RL steps (one rollout batch, its training and a weight sync each)."""
+    algorithm: Literal["rl", "rejection_sampling", "iterative_dpo"] = "rl"
+    """What a step trains on its samples: "rl" ([trainer] estimator's RL step),
+    "rejection_sampling" (SFT on each prompt's best sample by reward, best-of-n), or
+    "iterative_dpo" (DPO on each prompt's best and worst sample as a pair, against the
+    starting model as the reference)."""
+    dpo_beta: float = Field(0.1, gt=0)
+    """iterative_dpo: DPO's beta."""
     mode: Literal["sync", "async"] = "sync"
     """"sync": generate, then train, then sync. "async": generation of step k+1 overlaps
     training of step k."""
@@ -364,6 +371,12 @@ class Config(Table):
                 ("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {r.max_tokens}")
             )
         problems += self._data_problems()
+        if self.loop.algorithm != "rl":
+            recipe = f"[loop] algorithm = {self.loop.algorithm!r}"
+            if self.loop.mode != "sync":
+                problems.append(("loop.mode", f'{recipe} runs in mode = "sync"'))
+            if self.critic is not None:
+                problems.append(("critic.learning_rate", f"{recipe} trains no critic"))
         if w.normalize and not w.model:
             problems.append(("rewards.normalize", "needs [rewards] model (a reward model folder)"))
         elif w.normalize and not (w.model / "reward_stats.json").is_file():

@@ -13,6 +13,7 @@ that produced it, the producer waits before generating too far ahead, and the tr
 whole prompt groups that are staler than allowed.
 """
 
+import math
 import queue
 import secrets
 import threading
@@ -172,7 +173,13 @@ class Loop:
 
     def train(self, rollout: Rollout) -> dict:
         """The trainer's RL step on one rollout batch: reference / critic passes, advantages,
-        PPO epochs of the policy and the critic (in parallel)."""
+        PPO epochs of the policy and the critic (in parallel). Or a recipe's step ([loop]
+        algorithm): train_best_of_n, train_best_against_worst."""
+        recipe = self.config.loop.algorithm
+        if recipe == "rejection_sampling":
+            return self.train_best_of_n(rollout)
+        if recipe == "iterative_dpo":
+            return self.train_best_against_worst(rollout)
         import torch
 
         from ferrule_trainer import rl
@@ -294,6 +301,86 @@ class Loop:
             self.version = version
             self.version_changed.notify_all()
         return time.perf_counter() - start
+
+    def _groups(self, rollout: Rollout) -> list[list[int]]:
+        """The sample indices of each prompt group, the scored ones only, whole groups."""
+        n = self.config.rollout.samples_per_prompt
+        return [list(range(g * n, (g + 1) * n)) for g in range(len(rollout.samples) // n)]
+
+    def train_best_of_n(self, rollout: Rollout) -> dict:
+        """Rejection sampling: SFT on the best sample of each prompt (by reward), one optimizer
+        step; the step's chosen samples are written to <output dir>/rejection_sampling/."""
+        from ferrule_trainer import rl
+
+        best = [max(group, key=lambda i: rollout.scores[i]) for group in self._groups(rollout)]
+        best = best[: len(best) - len(best) % len(self.roles.policy.workers)]
+        if not best:
+            return {"train/chosen": 0}
+        self._write_chosen(rollout, best)
+        batch = rl.build_batch([rollout.samples[i] for i in best], self.pad_id)
+        calls = self.roles.policy.shard(
+            "likelihood_epochs", batch, **self.config.trainer.epoch_options()
+        )
+        metrics = get(calls, "policy")[0]
+        result = {f"train/{k}": v for k, v in metrics.items()}
+        result["train/chosen"] = len(best)
+        result["train/chosen_reward"] = sum(rollout.scores[i] for i in best) / len(best)
+        return result
+
+    def train_best_against_worst(self, rollout: Rollout) -> dict:
+        """Iterative DPO: each prompt's best and worst sample by reward as a preference pair
+        (prompts whose samples all scored the same give none), one DPO optimizer step against
+        the reference (the starting model)."""
+        import torch
+
+        from ferrule_trainer import rl
+
+        pairs = []
+        for group in self._groups(rollout):
+            best = max(group, key=lambda i: rollout.scores[i])
+            worst = min(group, key=lambda i: rollout.scores[i])
+            if rollout.scores[best] > rollout.scores[worst]:
+                pairs.append((best, worst))
+        ranks = math.lcm(len(self.roles.policy.workers), len(self.roles.reference.workers))
+        pairs = pairs[: len(pairs) - len(pairs) % ranks]
+        if not pairs:
+            return {"train/pairs": 0}
+        rows = [i for pair in pairs for i in pair]  # chosen in even rows, rejected in odd ones
+        batch = rl.build_batch([rollout.samples[i] for i in rows], self.pad_id)
+        refs = self.roles.reference.shard(
+            "logprobs",
+            batch,
+            micro_batch_size=self.config.trainer.micro_batch_size,
+            temperature=1.0,
+        )
+        batch["ref_logprobs"] = torch.cat(get(refs, "reference"))
+        calls = self.roles.policy.shard(
+            "preference_epochs",
+            batch,
+            **self.config.trainer.epoch_options(),
+            beta=self.config.loop.dpo_beta,
+        )
+        metrics = get(calls, "policy")[0]
+        result = {f"train/{k}": v for k, v in metrics.items()}
+        result["train/pairs"] = len(pairs)
+        return result
+
+    def _write_chosen(self, rollout: Rollout, chosen: list[int]) -> None:
+        """The samples rejection sampling trains on, as SFT data (prompt, response, reward)."""
+        import json
+        from pathlib import Path
+
+        folder = Path(self.config.output.dir) / "rejection_sampling"
+        folder.mkdir(parents=True, exist_ok=True)
+        n = self.config.rollout.samples_per_prompt
+        with open(folder / f"step{rollout.step}.jsonl", "w") as f:
+            for i in chosen:
+                row = {
+                    "prompt": rollout.problems[i // n].text,
+                    "response": rollout.samples[i].text,
+                    "reward": rollout.scores[i],
+                }
+                f.write(json.dumps(row) + "\n")
 
     def score_samples(
         self, prompts: list[Prompt], samples: list, n: int, step: int, where: str

@@ -107,14 +107,22 @@ class RankWorker:
             return version
         return self.sender.send(weights, version=version, specs=self.actor.weight_specs())
 
-    def logprobs(self, batch: dict, micro_batch_size: int | None = None):
-        return self.actor.logprobs(batch, micro_batch_size)
+    def logprobs(
+        self, batch: dict, micro_batch_size: int | None = None, temperature: float | None = None
+    ):
+        return self.actor.logprobs(batch, micro_batch_size, temperature)
 
     def values(self, batch: dict, micro_batch_size: int | None = None):
         return self.actor.values(batch, micro_batch_size)
 
     def train_epochs(self, batch: dict, **options) -> dict:
         return self.actor.train_epochs(batch, **options)
+
+    def likelihood_epochs(self, batch: dict, **options) -> dict:
+        return self.actor.likelihood_epochs(batch, **options)
+
+    def preference_epochs(self, batch: dict, **options) -> dict:
+        return self.actor.preference_epochs(batch, **options)
 
     def save(self, directory: str, step: int) -> None:
         self.actor.save_state(directory, step=step)
@@ -178,7 +186,8 @@ def wanted_roles(config: Config) -> list[Role]:
     """Every role the configuration asks for."""
     t = config.trainer
     wanted = [Role("policy", i) for i in range(t.ranks)]
-    wanted += [Role("reference", i) for i in range(t.reference_ranks if t.kl_coef > 0 else 0)]
+    with_reference = t.kl_coef > 0 or config.loop.algorithm == "iterative_dpo"
+    wanted += [Role("reference", i) for i in range(t.reference_ranks if with_reference else 0)]
     wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
     return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
 

@@ -5,6 +5,8 @@
     batch["ref_logprobs"] = reference.logprobs(batch)          # layout: sequences.py
     metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
     metrics = actor.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8, clip_low=0.2)
+    metrics = actor.likelihood_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=8)  # SFT
+    metrics = actor.preference_epochs(pairs, epochs=1, mini_batches=1, micro_batch_size=8, beta=0.1)
     sender.send(actor.export_weights(dtype=torch.bfloat16), specs=actor.weight_specs(torch.bfloat16))
     actor.save_hf("out/policy"); actor.save_state("out/state", step=10, data_position=640)
 
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine, export
+from ferrule_trainer.aggregation import aggregate_loss
 from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.kl import kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
+from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.rl import ppo_epochs
 from ferrule_trainer.sequences import (
     check_batch,
@@ -112,16 +116,22 @@ class Actor(TrainedModel):
 
     @torch.no_grad()
     def logprobs(
-        self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int | None = None,
+        temperature: float | None = None,
     ) -> torch.Tensor:
         """(B, R) log-probabilities of the response tokens (the reference's or the old policy's),
-        on the host; the forward passes take `micro_batch_size` rows at a time (None: all)."""
+        on the host; the forward passes take `micro_batch_size` rows at a time (None: all).
+        `temperature`: of the softmax (None: the rollout's, as the sampler drew the tokens;
+        1.0: the model's own distribution, what DPO compares)."""
         was_training = self.engine.training
         self.engine.eval()
+        temperature = self.temperature if temperature is None else temperature
 
         def forward(micro_batch):
             logits = response_logits(self.engine, micro_batch)
-            return token_logprobs(logits, response_tokens(micro_batch), self.temperature)
+            return token_logprobs(logits, response_tokens(micro_batch), temperature)
 
         try:
             return forward_in_micro_batches(forward, batch, micro_batch_size, self.device)
@@ -192,6 +202,93 @@ class Actor(TrainedModel):
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
         metrics["tokens"] = float(tokens)
         return metrics
+
+    def likelihood_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+        """SFT on chosen samples (rejection sampling): `rl.ppo_epochs` of `likelihood_step` over
+        this rank's share of the batch (layout of sequences.py); options: epochs, mini_batches,
+        micro_batch_size."""
+        return ppo_epochs(self.likelihood_step, batch, **options)
+
+    def likelihood_step(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step of the responses' negative log-likelihood, the mean over the valid
+        response tokens of the step on all ranks."""
+        micro_batches = self._on_device(micro_batches)
+        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+
+        def loss_fn(micro_batch):
+            logits = response_logits(self.engine, micro_batch)
+            logprobs = token_logprobs(logits, response_tokens(micro_batch))
+            nll = aggregate_loss(-logprobs, micro_batch["response_mask"], num_tokens=tokens)
+            return nll, {}
+
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+
+    def preference_epochs(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        epochs: int,
+        mini_batches: int,
+        micro_batch_size: int,
+        **loss_options: Any,
+    ) -> dict[str, float]:
+        """DPO on preference pairs (iterative DPO): `rl.ppo_epochs` of `preference_step`, its
+        mini- and micro-batches cut at whole pairs. `batch` (this rank's share, the layout of
+        sequences.py) holds each pair's chosen response in an even row and its rejected one in
+        the next, and "ref_logprobs" (B, R): the frozen reference's, at temperature 1."""
+        rows = batch["input_ids"].shape[0]
+        if rows % 2:
+            raise ValueError(f"preference pairs take two rows each, got {rows} rows")
+        return ppo_epochs(
+            self.preference_step,
+            batch,
+            epochs=epochs,
+            mini_batches=mini_batches,
+            micro_batch_size=micro_batch_size,
+            unit=2,
+            **loss_options,
+        )
+
+    def preference_step(
+        self,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        *,
+        beta: float,
+        kind: str = "sigmoid",
+        label_smoothing: float = 0.0,
+    ) -> dict[str, float]:
+        """One optimizer step of DPO (pairwise.dpo_loss) over the pairs of `micro_batches` (see
+        preference_epochs), the mean over the step's pairs on all ranks."""
+        for micro_batch in micro_batches:
+            check_batch(micro_batch, "ref_logprobs")
+        micro_batches = self._on_device(micro_batches)
+        pairs = engine.global_sum(sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches))
+
+        def loss_fn(micro_batch):
+            mask = micro_batch["response_mask"].float()
+            logits = response_logits(self.engine, micro_batch)
+            sums = (token_logprobs(logits, response_tokens(micro_batch)) * mask).sum(-1)
+            ref = (micro_batch["ref_logprobs"].float() * mask).sum(-1)
+            if kind == "ipo":  # IPO compares length-averaged log-probabilities
+                sums, ref = sums / mask.sum(-1).clamp(min=1), ref / mask.sum(-1).clamp(min=1)
+            out = dpo_loss(
+                sums[0::2], sums[1::2], ref[0::2], ref[1::2],
+                beta=beta, kind=kind, label_smoothing=label_smoothing,
+            )  # fmt: skip
+            metrics = {
+                "accuracy": out.correct.mean(),
+                "margin": (out.chosen_reward - out.rejected_reward).mean(),
+            }
+            return out.loss.sum() / pairs, metrics
+
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+
+    def _on_device(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict]:
+        if not self.train:
+            raise RuntimeError("a train step on a frozen Actor (train=False, e.g. the reference)")
+        for micro_batch in micro_batches:
+            check_batch(micro_batch)
+        return [to_device(mb, self.device) for mb in micro_batches]
 
     def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
         """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see

@@ -223,16 +223,19 @@ def ppo_epochs(
     epochs: int,
     mini_batches: int,
     micro_batch_size: int,
+    unit: int = 1,
     **loss_options,
 ) -> dict[str, float]:
     """`epochs` passes over `batch`, `mini_batches` optimizer steps each, every step in
-    micro-batches of `micro_batch_size`; returns each metric's mean over the steps."""
-    size = max(batch["input_ids"].shape[0] // mini_batches, 1)
+    micro-batches of `micro_batch_size`; returns each metric's mean over the steps. `unit`:
+    rows that stay together in every mini- and micro-batch (2: preference pairs)."""
+    size = max(batch["input_ids"].shape[0] // unit // mini_batches, 1) * unit
+    micro = max(micro_batch_size // unit, 1) * unit
     totals: dict[str, float] = {}
     steps = 0
     for _ in range(epochs):
         for mini in split(batch, size):
-            for key, value in train_step(split(mini, micro_batch_size), **loss_options).items():
+            for key, value in train_step(split(mini, micro), **loss_options).items():
                 totals[key] = totals.get(key, 0.0) + value
             steps += 1
     return {key: value / steps for key, value in totals.items()}
