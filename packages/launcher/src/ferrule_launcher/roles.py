@@ -186,7 +186,8 @@ def wanted_roles(config: Config) -> list[Role]:
     """Every role the configuration asks for."""
     t = config.trainer
     wanted = [Role("policy", i) for i in range(t.ranks)]
-    with_reference = t.kl_coef > 0 or config.loop.algorithm == "iterative_dpo"
+    algorithm = config.loop.algorithm  # RL's KL needs the reference, and so does DPO
+    with_reference = (algorithm == "rl" and t.kl_coef > 0) or algorithm == "iterative_dpo"
     wanted += [Role("reference", i) for i in range(t.reference_ranks if with_reference else 0)]
     wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
     return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
