@@ -193,6 +193,13 @@ class LoopConfig(Table):
     starting model as the reference)."""
     dpo_beta: float = Field(0.1, gt=0)
     """iterative_dpo: DPO's beta."""
+    dpo_nll_coef: float = Field(0.0, ge=0)
+    """iterative_dpo: weight of the chosen samples' mean NLL per token added to the loss (RPO;
+    0: plain DPO, which may lower the likelihood of the chosen samples too)."""
+    chosen_min_reward: float | None = None
+    """rejection_sampling / iterative_dpo: a prompt's best sample is trained on (SFT data, or
+    the chosen side of a pair) only when its reward reaches this; none: always. With a
+    partial-credit reward, best-of-n is often still wrong: training on it teaches the error."""
     mode: Literal["sync", "async"] = "sync"
     """"sync": generate, then train, then sync. "async": generation of step k+1 overlaps
     training of step k."""

@@ -25,6 +25,7 @@ from ferrule_launcher import evaluation
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
+from ferrule_launcher.evaluation import succeeded
 from ferrule_launcher.roles import Roles
 from ferrule_launcher.task import Prompt, accuracy
 
@@ -302,17 +303,24 @@ class Loop:
             self.version_changed.notify_all()
         return time.perf_counter() - start
 
-    def _groups(self, rollout: Rollout) -> list[list[int]]:
-        """The sample indices of each prompt group, the scored ones only, whole groups."""
-        n = self.config.rollout.samples_per_prompt
-        return [list(range(g * n, (g + 1) * n)) for g in range(len(rollout.samples) // n)]
+    def _best(self, rollout: Rollout) -> list[tuple[int, int]]:
+        """(best, worst) sample index of each prompt group by reward, for the groups whose best
+        reaches [loop] chosen_min_reward."""
+        n, floor = self.config.rollout.samples_per_prompt, self.config.loop.chosen_min_reward
+        found = []
+        for g in range(len(rollout.samples) // n):
+            group = range(g * n, (g + 1) * n)
+            best = max(group, key=lambda i: rollout.scores[i])
+            if floor is None or succeeded(rollout.scores[best], floor):
+                found.append((best, min(group, key=lambda i: rollout.scores[i])))
+        return found
 
     def train_best_of_n(self, rollout: Rollout) -> dict:
         """Rejection sampling: SFT on the best sample of each prompt (by reward), one optimizer
         step; the step's chosen samples are written to <output dir>/rejection_sampling/."""
         from ferrule_trainer import rl
 
-        best = [max(group, key=lambda i: rollout.scores[i]) for group in self._groups(rollout)]
+        best = [b for b, _ in self._best(rollout)]
         best = best[: len(best) - len(best) % len(self.roles.policy.workers)]
         if not best:
             return {"train/chosen": 0}
@@ -335,12 +343,7 @@ class Loop:
 
         from ferrule_trainer import rl
 
-        pairs = []
-        for group in self._groups(rollout):
-            best = max(group, key=lambda i: rollout.scores[i])
-            worst = min(group, key=lambda i: rollout.scores[i])
-            if rollout.scores[best] > rollout.scores[worst]:
-                pairs.append((best, worst))
+        pairs = [(b, w) for b, w in self._best(rollout) if rollout.scores[b] > rollout.scores[w]]
         ranks = math.lcm(len(self.roles.policy.workers), len(self.roles.reference.workers))
         pairs = pairs[: len(pairs) - len(pairs) % ranks]
         if not pairs:
@@ -359,6 +362,7 @@ class Loop:
             batch,
             **self.config.trainer.epoch_options(),
             beta=self.config.loop.dpo_beta,
+            nll_coef=self.config.loop.dpo_nll_coef,
         )
         metrics = get(calls, "policy")[0]
         result = {f"train/{k}": v for k, v in metrics.items()}

@@ -256,9 +256,12 @@ class Actor(TrainedModel):
         beta: float,
         kind: str = "sigmoid",
         label_smoothing: float = 0.0,
+        nll_coef: float = 0.0,
     ) -> dict[str, float]:
         """One optimizer step of DPO (pairwise.dpo_loss) over the pairs of `micro_batches` (see
-        preference_epochs), the mean over the step's pairs on all ranks."""
+        preference_epochs), the mean over the step's pairs on all ranks; nll_coef > 0 adds the
+        chosen responses' mean NLL per token (RPO), which keeps DPO from lowering the chosen
+        responses' own likelihood."""
         for micro_batch in micro_batches:
             check_batch(micro_batch, "ref_logprobs")
         micro_batches = self._on_device(micro_batches)
@@ -267,10 +270,12 @@ class Actor(TrainedModel):
         def loss_fn(micro_batch):
             mask = micro_batch["response_mask"].float()
             logits = response_logits(self.engine, micro_batch)
+            lengths = mask.sum(-1).clamp(min=1)
             sums = (token_logprobs(logits, response_tokens(micro_batch)) * mask).sum(-1)
             ref = (micro_batch["ref_logprobs"].float() * mask).sum(-1)
+            chosen_nll = -(sums[0::2] / lengths[0::2])
             if kind == "ipo":  # IPO compares length-averaged log-probabilities
-                sums, ref = sums / mask.sum(-1).clamp(min=1), ref / mask.sum(-1).clamp(min=1)
+                sums, ref = sums / lengths, ref / lengths
             out = dpo_loss(
                 sums[0::2], sums[1::2], ref[0::2], ref[1::2],
                 beta=beta, kind=kind, label_smoothing=label_smoothing,
@@ -278,8 +283,9 @@ class Actor(TrainedModel):
             metrics = {
                 "accuracy": out.correct.mean(),
                 "margin": (out.chosen_reward - out.rejected_reward).mean(),
+                "chosen_nll": chosen_nll.detach().mean(),
             }
-            return out.loss.sum() / pairs, metrics
+            return (out.loss + nll_coef * chosen_nll).sum() / pairs, metrics
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
