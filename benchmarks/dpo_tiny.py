@@ -81,14 +81,22 @@ def main() -> None:
     common = dict(dtype="float32", zero_stage=0, seed=0)
     ours = Actor(args.model, learning_rate=lr, betas=betas, max_grad_norm=1.0, **common)
     our_reference = Actor(args.model, train=False, **common)
-    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).train()
-    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    device = engine.device()  # both on the same device: a GPU where there is one
+    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    policy.train()
+    reference.eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=betas, weight_decay=0.0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = pairs(args.pairs * args.steps, seed=1)
     steps = [
         [
-            pair_batch(tokenizer, data[i + j : i + j + args.micro], 64, tokenizer.pad_token_id)
+            {
+                k: v.to(device)
+                for k, v in pair_batch(
+                    tokenizer, data[i + j : i + j + args.micro], 64, tokenizer.pad_token_id
+                ).items()
+            }
             for j in range(0, args.pairs, args.micro)
         ]
         for i in range(0, len(data), args.pairs)
@@ -109,14 +117,21 @@ def main() -> None:
             baseline_step(policy, reference, optimizer, mbs, args.pairs, d.beta) for mbs in steps
         ]
 
+    def timed(run) -> tuple[list[float], float]:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        losses = run()  # each step's loss is read on the host, which waits for the step
+        return losses, time.perf_counter() - started
+
     timings = {"ours": [], "baseline": []}
     losses = {}
     for round_ in range(args.rounds):
         for name, run in (("ours", ours_round), ("baseline", baseline_round)):
-            started = time.perf_counter()
-            losses.setdefault(name, run())
+            round_losses, seconds = timed(run)
+            losses.setdefault(name, round_losses)
             if round_:  # the first round of each warms up (allocations, first kernels)
-                timings[name].append(time.perf_counter() - started)
+                timings[name].append(seconds)
     per_round = args.pairs * args.steps
     ours_rate = per_round / statistics.median(timings["ours"])
     baseline_rate = per_round / statistics.median(timings["baseline"])
