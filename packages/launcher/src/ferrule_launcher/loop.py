@@ -316,8 +316,9 @@ class Loop:
         return found
 
     def train_best_of_n(self, rollout: Rollout) -> dict:
-        """Rejection sampling: SFT on the best sample of each prompt (by reward), one optimizer
-        step; the step's chosen samples are written to <output dir>/rejection_sampling/."""
+        """Rejection sampling: SFT on the best sample of each prompt (by reward), [trainer]
+        epochs x mini_batches optimizer steps; the step's chosen samples are written to
+        <output dir>/rejection_sampling/."""
         from ferrule_trainer import rl
 
         best = [b for b, _ in self._best(rollout)]
@@ -337,8 +338,8 @@ class Loop:
 
     def train_best_against_worst(self, rollout: Rollout) -> dict:
         """Iterative DPO: each prompt's best and worst sample by reward as a preference pair
-        (prompts whose samples all scored the same give none), one DPO optimizer step against
-        the reference (the starting model)."""
+        (prompts whose samples all scored the same give none), [trainer] epochs x
+        mini_batches DPO optimizer steps against the reference (the starting model)."""
         import torch
 
         from ferrule_trainer import rl

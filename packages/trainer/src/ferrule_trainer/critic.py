@@ -7,8 +7,10 @@
 
 The critic is the policy's architecture with a linear value head on the last hidden state
 (`AutoModelForTokenClassification`, one label): started from a causal LM checkpoint the head is
-new, started from a saved critic it is the trained one. Reward models are served by
-ferrule-rewards (its `model` backend), not trained or run here.
+new, started from a saved critic it is the trained one, and started from a reward model
+(`rlhf-train rm`; the launcher's `[critic] init = "reward_model"`) it takes that model's body
+and scalar head. Reward models are trained by rm.py and served by ferrule-rewards (its `model`
+backend), not run here.
 """
 
 import os
