@@ -239,6 +239,14 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[rewards]\nfunction = 'json:b'\nnormalize = true\n",
             "[rewards] normalize: needs [rewards] model",
         ),
+        (
+            "[rewards]\nfunction = 'json:b'\ngpus = 1\n",
+            "[rewards] gpus: sizes the reward model's role: needs [rewards] model",
+        ),
+        (
+            "[ray]\nplacement = 'separate'\nroles_on_nodes = {judge = 'x'}\n",
+            "unknown role 'judge'; roles are policy, rollout, critic, rewards",
+        ),
     ],
 )
 def test_contradictory_settings(write, text, expected):

@@ -83,6 +83,12 @@ def test_a_cluster_too_small_is_an_error_naming_the_keys_before_anything_starts(
         check_fits(separate, roles, {"GPU": 2.0, "CPU": 8.0})
     with pytest.raises(RunError, match=r"\[ray\] cpus_per_role: 4 bundles x 0.5 CPUs = 2"):
         check_fits(separate, roles, {"GPU": 4.0, "CPU": 1.0})
+    # a reward model's role asks for its own device, outside the bundles
+    check_fits(hybrid, roles, {"GPU": 3.0, "CPU": 4.0}, rewards=(1.0, 1.0))
+    with pytest.raises(
+        RunError, match=r"2 bundles x 1 GPUs \+ the reward model's 1 \(\[rewards\] gpus\) = 3, but"
+    ):
+        check_fits(hybrid, roles, {"GPU": 2.0, "CPU": 4.0}, rewards=(1.0, 1.0))
 
 
 def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):

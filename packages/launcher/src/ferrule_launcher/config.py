@@ -130,7 +130,12 @@ class RewardsConfig(Table):
     function: str = ""
     """Reward function `module:function` or `file.py:function` served by ferrule-rewards."""
     model: InputPath | None = None
-    """Hugging Face reward-model folder served by ferrule-rewards (relative to the TOML file)."""
+    """Hugging Face reward-model folder served by ferrule-rewards (relative to the TOML file),
+    in a Ray role of its own (resources: gpus, cpus; [ray] roles_on_nodes can pin "rewards")."""
+    gpus: float | None = Field(None, ge=0)
+    """model: GPUs of the reward model's role (default [ray] gpus_per_role; 0: on CPU)."""
+    cpus: float | None = Field(None, gt=0)
+    """model: CPUs of the reward model's role (default [ray] cpus_per_role)."""
     normalize: bool = False
     """model: score (score - mean) / std with the held-out moments saved beside the model
     (reward_stats.json, written by `rlhf-train rm`)."""
@@ -237,7 +242,7 @@ class LoopConfig(Table):
         return self
 
 
-ROLE_KINDS = ("policy", "rollout", "critic")
+ROLE_KINDS = ("policy", "rollout", "critic", "rewards")
 """The kinds of role that `roles_on_nodes` can pin (the reference goes with the policy)."""
 
 
@@ -257,7 +262,7 @@ class RayConfig(Table):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the groups that hold several bundles."""
     roles_on_nodes: dict[str, str] = Field(default_factory=dict)
-    """Pin a role ("policy", "rollout", "critic") to a node by a custom resource name the node
+    """Pin a role ("policy", "rollout", "critic", "rewards": a [rewards] model) to a node by a custom resource name the node
     was started with (e.g. {rollout = "node:worker"} needs `--resources '{"worker": 1}'`)."""
 
     @model_validator(mode="after")
@@ -384,6 +389,11 @@ class Config(Table):
                 problems.append(("loop.mode", f'{recipe} runs in mode = "sync"'))
             if self.critic is not None:
                 problems.append(("critic.learning_rate", f"{recipe} trains no critic"))
+        for key in ("gpus", "cpus"):
+            if getattr(w, key) is not None and not w.model:
+                problems.append(
+                    (f"rewards.{key}", "sizes the reward model's role: needs [rewards] model")
+                )
         if w.normalize and not w.model:
             problems.append(("rewards.normalize", "needs [rewards] model (a reward model folder)"))
         elif w.normalize and not (w.model / "reward_stats.json").is_file():

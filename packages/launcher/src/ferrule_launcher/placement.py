@@ -124,18 +124,27 @@ def bundles(config: RayConfig, roles: list[Role]) -> dict[str, dict[int, list[Ro
     return plan
 
 
-def check_fits(config: RayConfig, roles: list[Role], cluster: dict[str, float]) -> None:
-    """A RunError naming the keys when the bundles ask for more CPUs or GPUs than the cluster
-    has, before any role starts (Ray would otherwise wait for resources that never come)."""
+def check_fits(
+    config: RayConfig,
+    roles: list[Role],
+    cluster: dict[str, float],
+    rewards: tuple[float, float] = (0.0, 0.0),
+) -> None:
+    """A RunError naming the keys when the bundles (and the reward model's role: `rewards`,
+    its GPUs and CPUs) ask for more CPUs or GPUs than the cluster has, before any role starts
+    (Ray would otherwise wait for resources that never come)."""
     count = sum(len(b) for b in bundles(config, roles).values())
-    for resource, each, key in (
-        ("GPU", config.gpus_per_role, "gpus_per_role"),
-        ("CPU", config.cpus_per_role, "cpus_per_role"),
+    for resource, each, key, extra in (
+        ("GPU", config.gpus_per_role, "gpus_per_role", rewards[0]),
+        ("CPU", config.cpus_per_role, "cpus_per_role", rewards[1]),
     ):
-        have = cluster.get(resource, 0.0)
-        if count * each > have + 1e-9:
+        have, asked = cluster.get(resource, 0.0), count * each + extra
+        if asked > have + 1e-9:
+            also = (
+                f" + the reward model's {extra:g} ([rewards] {resource.lower()}s)" if extra else ""
+            )
             raise RunError(
-                f"[ray] {key}: {count} bundles x {each:g} {resource}s = {count * each:g}, but the "
+                f"[ray] {key}: {count} bundles x {each:g} {resource}s{also} = {asked:g}, but the "
                 f"Ray cluster has {have:g} (placement {config.placement!r}; [trainer] ranks, "
                 "[rollout] engines and the critic / reference set how many bundles)"
             )

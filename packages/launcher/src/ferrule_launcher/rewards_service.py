@@ -1,15 +1,18 @@
-"""The reward service of a run: start `rlhf-rewards serve` (or use given addresses) and score.
+"""The reward service of a run: start a ferrule-rewards server (or use given addresses), score.
 
-    service = RewardService.start(config.rewards, out)    # a subprocess on loopback, checked
+    service = RewardService.start(config.rewards, config.ray, out)   # started and checked
     scored = service.score(prompts, responses, labels)    # rewards and failures, retries inside
     service.stop()
 
-The server is ferrule-rewards' own CLI in a child process that dies with the launcher (Linux
-parent-death signal), so even a `kill -9` of the launcher leaves no reward server behind. It
-listens on a free loopback port and writes its address to out/rewards.address once it serves;
-its log goes to out/rewards.log. A started server that dies is started again, and the call
-that found it dead goes to the new one, up to [rewards] max_restarts times in restart_window
-seconds (metric rewards/restarts). Failures are RunErrors that say which server and why.
+A reward function ([rewards] function) is served by ferrule-rewards' own CLI in a child process
+that dies with the launcher (Linux parent-death signal), so even a `kill -9` of the launcher
+leaves no reward server behind. It listens on a free loopback port and writes its address to
+out/rewards.address once it serves. A reward model ([rewards] model) is served in a Ray role of
+its own, on its own device (reward_model_role.py). Either way the log goes to out/rewards.log
+(the role's, when it runs on the driver's node). A started server that dies is started again,
+and the call that found it dead goes to the new one, up to [rewards] max_restarts times in
+restart_window seconds (metric rewards/restarts). Failures are RunErrors that say which server
+and why.
 """
 
 import ctypes
@@ -24,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from ferrule_launcher.calls import RestartBudget, RunError
-from ferrule_launcher.config import RewardsConfig
+from ferrule_launcher.config import RayConfig, RewardsConfig
 
 # The parent-death signal fires when the *thread* that started the child ends, not the
 # process: a restart from the async loop's producer thread would die with that thread. So
@@ -52,34 +55,40 @@ class RewardService:
     """The run's reward server: one it was given ([rewards] address), or one it started and
     restarts when it dies (at most [rewards] max_restarts times in restart_window seconds)."""
 
-    def __init__(self, config: RewardsConfig, out: Path, addresses: list[str], process=None):
-        """`process`: the server this run started at `addresses[0]` (None: given servers)."""
-        self.config, self.out = config, out
-        self.addresses, self.process = addresses, process
+    def __init__(self, config: RewardsConfig, ray_config: RayConfig, out: Path, server=None):
+        """`server`: the one this run started (ServerProcess or RewardModelRole); None: the
+        servers at [rewards] address."""
+        self.config, self.ray_config, self.out = config, ray_config, out
+        self.server = server
+        self.addresses = list(config.address) if server is None else [server.address]
         self.timeout, self.retry_for = config.timeout, config.retry_for
         self.name = (
-            f"the reward server at {', '.join(addresses)}"
-            if process is None
+            f"the reward server at {', '.join(self.addresses)}"
+            if server is None
             else config.function or str(config.model)
         )
-        self.client = self._client(addresses)
+        self.client = self._client()
         self.kinds_reported: set[str] = set()
         self.budget = RestartBudget(config.max_restarts, config.restart_window)
 
-    def _client(self, addresses: list[str]):
+    def _client(self):
         from ferrule_rewards.client import RewardClient
 
-        return RewardClient(addresses, timeout=self.timeout, retry_for=self.retry_for, backoff=0.2)
+        token = self.server.token if self.server is not None else None
+        return RewardClient(
+            self.addresses,
+            token=token,
+            timeout=self.timeout,
+            retry_for=self.retry_for,
+            backoff=0.2,
+        )
 
     @classmethod
-    def start(cls, config: RewardsConfig, out: Path) -> "RewardService":
+    def start(cls, config: RewardsConfig, ray_config: RayConfig, out: Path) -> "RewardService":
         """The service, checked with one call, so that an unreachable server stops the run
         before the heavy roles start."""
-        if config.address:
-            service = cls(config, out, list(config.address))
-        else:
-            address, process = _spawn(config, out, first=True)
-            service = cls(config, out, [address], process)
+        server = None if config.address else _start_server(config, ray_config, out, first=True)
+        service = cls(config, ray_config, out, server)
         try:
             service.score([""], [""], ["0"])  # a function that rejects this sample is fine
         except BaseException:
@@ -131,26 +140,28 @@ class RewardService:
 
     def _died(self) -> bool:
         """Whether this run started the server and it has exited."""
-        return self.process is not None and self.process.poll() is not None
+        return self.server is not None and self.server.dead()
 
     def _restart(self) -> None:
         """Start a new server in place of the dead one, unless it died too often already."""
-        config, died = self.config, self.process
-        how = _exit_status(died.returncode)
+        config, died = self.config, self.server
+        how = f"{died.describe()} {died.how_it_ended()}"
         if not self.budget.spend():
             raise RunError(
-                f"the reward server (pid {died.pid}) {how}, after {self.budget.recent} "
+                f"{how}, after {self.budget.recent} "
                 f"restart(s) in the last {config.restart_window:g} s ([rewards] max_restarts = "
                 f"{config.max_restarts}, restart_window = {config.restart_window:g}); its log: "
                 f"{self.out / 'rewards.log'}"
             )
-        address, self.process = _spawn(config, self.out, first=False)
+        died.stop()
+        self.server = _start_server(config, self.ray_config, self.out, first=False)
         self.client.close()
-        self.addresses, self.client = [address], self._client([address])
+        self.addresses = [self.server.address]
+        self.client = self._client()
         print(
-            f"the reward server (pid {died.pid}) {how}; restarted as pid {self.process.pid} on "
-            f"{address} (restart {self.budget.recent} of at most {config.max_restarts} in "
-            f"{config.restart_window:g} s; metric rewards/restarts)",
+            f"{how}; restarted as {self.server.describe()} on "
+            f"{self.server.address} (restart {self.budget.recent} of at most "
+            f"{config.max_restarts} in {config.restart_window:g} s; metric rewards/restarts)",
             file=sys.stderr,
             flush=True,
         )
@@ -169,9 +180,38 @@ class RewardService:
                     flush=True,
                 )
 
+    def where(self) -> dict | None:
+        """Where the server this run started runs (for roles.json); None for given servers."""
+        return None if self.server is None else self.server.where()
+
     def stop(self) -> None:
         self.client.close()
-        if self.process is not None and self.process.poll() is None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class ServerProcess:
+    """A reward function's server: `rlhf-rewards serve` in a child process of the launcher."""
+
+    token = None  # loopback only
+
+    def __init__(self, process: subprocess.Popen, address: str):
+        self.process, self.address = process, address
+
+    def describe(self) -> str:
+        return f"the reward server (pid {self.process.pid})"
+
+    def dead(self) -> bool:
+        return self.process.poll() is not None
+
+    def how_it_ended(self) -> str:
+        return _exit_status(self.process.returncode)
+
+    def where(self) -> dict:
+        return {"pid": self.process.pid, "address": self.address}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(5)
@@ -179,19 +219,26 @@ class RewardService:
                 self.process.kill()
 
 
-def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subprocess.Popen]:
-    """Start `rlhf-rewards serve` on a free loopback port; (its address, its process) once it
-    serves. Its log goes to out/rewards.log (appended to by a restart)."""
+def _start_server(config: RewardsConfig, ray_config: RayConfig, out: Path, first: bool):
+    """A reward model's Ray role, or a reward function's server process; serving."""
+    if config.model is not None:
+        from ferrule_launcher.reward_model_role import RewardModelRole
+
+        return RewardModelRole.start(config, ray_config, out, first)
+    return _spawn(config, out, first)
+
+
+def _spawn(config: RewardsConfig, out: Path, first: bool) -> ServerProcess:
+    """Start `rlhf-rewards serve` on a free loopback port; the server once it serves. Its log
+    goes to out/rewards.log (appended to by a restart)."""
     log_path, address_file = out / "rewards.log", out / "rewards.address"
-    what = ["--function", config.function] if config.function else ["--model", str(config.model)]
-    if config.normalize:
-        what.append("--normalize")
     command = [
         sys.executable,
         "-m",
         "ferrule_rewards",
         "serve",
-        *what,
+        "--function",
+        config.function,
         "--bind",
         "127.0.0.1:0",
         "--grace",
@@ -214,8 +261,7 @@ def _spawn(config: RewardsConfig, out: Path, first: bool) -> tuple[str, subproce
     deadline = time.monotonic() + config.start_timeout
     while time.monotonic() < deadline:
         if address_file.exists():
-            address = address_file.read_text().strip()
-            return address, process
+            return ServerProcess(process, address_file.read_text().strip())
         if process.poll() is not None:
             raise RunError(
                 f"[rewards] the reward server {_exit_status(process.returncode)}: "

@@ -330,8 +330,8 @@ def write_roles(path: Path, roles: Roles, rewards) -> None:
         role.name: get(handle.__ray_call__.remote(_whereabouts), role.label)
         for role, handle in roles.handles().items()
     }
-    if rewards.process is not None:
-        where["rewards"] = {"pid": rewards.process.pid, "address": rewards.addresses[0]}
+    if (server := rewards.where()) is not None:
+        where["rewards"] = server
     staged = path.with_suffix(".tmp")  # rewritten when an engine is replaced: never half
     staged.write_text(json.dumps(where, indent=2) + "\n")
     staged.replace(path)

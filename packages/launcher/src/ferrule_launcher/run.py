@@ -49,6 +49,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     import ray
 
     from ferrule_launcher.placement import check_fits, role_env, start_ray
+    from ferrule_launcher.reward_model_role import resources
     from ferrule_launcher.rewards_service import RewardService
     from ferrule_launcher.roles import start_roles, wanted_roles, write_roles
     from ferrule_launcher.warm_start import warm_start
@@ -67,8 +68,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     rewards = log = roles = None
     try:
         if not config.ray.address:  # a joined cluster's nodes may still be joining
-            check_fits(config.ray, wanted_roles(config), ray.cluster_resources())
-        rewards = RewardService.start(config.rewards, out)
+            model_role = resources(config.rewards, config.ray) if config.rewards.model else (0, 0)
+            check_fits(config.ray, wanted_roles(config), ray.cluster_resources(), model_role)
+        rewards = RewardService.start(config.rewards, config.ray, out)
         model_path = warm_start(config, out)
         roles = start_roles(config, model_path, env)
         write_roles(out / "roles.json", roles, rewards)
