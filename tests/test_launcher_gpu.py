@@ -173,3 +173,55 @@ def test_lora_rollout_correction_running_norm_adaptive_kl_and_dapo_on_one_gpu(tm
     assert all(0 <= r["vllm_kl"] < 0.05 for r in records), [r["vllm_kl"] for r in records]
     assert len({r["kl_coef"] for r in records}) > 1  # the controller moved the coefficient
     assert (out / "policy" / "adapter" / "adapter_config.json").exists()
+
+
+@pytest.mark.gpu(count=2)
+def test_classic_rlhf_reward_model_on_its_own_gpu(tmp_path):
+    """The ladder on GPUs: `rlhf-train rm` trains a reward model on preference pairs, then PPO
+    in `rlhf-launch` against it: the policy, its engine and the critic (started from the reward
+    model) share GPU 0; the reward model is served by its own Ray role on the other GPU."""
+    from ferrule_testkit import reversal_pairs
+
+    def write(path: Path, rows: list[dict]) -> Path:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    train = write(tmp_path / "pairs.jsonl", reversal_pairs(2048, seed=1))
+    test = write(tmp_path / "pairs_test.jsonl", reversal_pairs(200, seed=2))
+    (tmp_path / "rm.toml").write_text(
+        f'[model]\npath = "{model_100m()}"\ndtype = "bfloat16"\nzero_stage = 0\n'
+        f'[data]\npath = "{train}"\neval_path = "{test}"\nmax_length = 32\n'
+        "[train]\nepochs = 3\nbatch_size = 64\nmicro_batch_size = 64\nlearning_rate = 1e-4\n"
+        f'warmup_steps = 10\n[output]\ndir = "{tmp_path / "rm"}"\n'
+    )
+    trained = subprocess.run(
+        [sys.executable, "-m", "ferrule_trainer.cli", "rm", str(tmp_path / "rm.toml")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    saved = [line for line in trained.stdout.splitlines() if line.startswith("saved ")][-1]
+    reward_model_accuracy = json.loads(saved.split(": ", 1)[1])["eval/accuracy"]
+    out = tmp_path / "classic"
+    records, summary = launch(
+        out,
+        'ray.placement="colocate_all"',
+        'trainer.estimator="gae"',
+        'critic.init="reward_model"',
+        "critic.learning_rate=1e-5",
+        'rewards.function=""',
+        f'rewards.model="{tmp_path / "rm" / "model"}"',
+        "rewards.normalize=true",
+        "rewards.gpus=1",
+    )
+    roles = json.loads((out / "roles.json").read_text())
+    print(json.dumps({"reward_model_accuracy": reward_model_accuracy, "roles": roles}))
+    assert reward_model_accuracy >= 0.9
+    assert roles["rewards"]["gpus"] and roles["policy-0"]["gpus"]
+    assert not set(roles["rewards"]["gpus"]) & set(roles["policy-0"]["gpus"])  # its own GPU
+    assert roles["critic"]["gpus"] == roles["policy-0"]["gpus"]
+    assert all("critic/loss" in r for r in records)
+    digests = summary["weights_digest"]
+    assert digests["engines"] and all(d == digests["policy"] for d in digests["engines"])
+    assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]  # the RM's score

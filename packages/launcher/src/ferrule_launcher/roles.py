@@ -321,6 +321,7 @@ def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
         "node_id": ray.get_runtime_context().get_node_id(),
         "pid": os.getpid(),
         "node_ip": ray.util.get_node_ip_address(),
+        "gpus": [str(gpu) for gpu in ray.get_gpu_ids()],  # Ray's ids of the GPUs it holds
     }
 
 
