@@ -206,7 +206,9 @@ class Loop:
         )
         batch = rl.build_batch(samples, self.pad_id)
         rows_per_pass = t.forward_batch_size or t.micro_batch_size
-        passes = {"policy": roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass)}
+        passes = {}
+        if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
+            passes["policy"] = roles.policy.shard("logprobs", batch, micro_batch_size=rows_per_pass)
         if roles.reference is not None:
             passes["reference"] = roles.reference.shard(
                 "logprobs", batch, micro_batch_size=rows_per_pass
@@ -214,7 +216,7 @@ class Loop:
         if roles.critic is not None:
             passes["critic"] = roles.critic.shard("values", batch, micro_batch_size=rows_per_pass)
         done = {kind: torch.cat(get(refs, kind)) for kind, refs in passes.items()}
-        old, ref, values = done["policy"], done.get("reference"), done.get("critic")
+        old, ref, values = done.get("policy"), done.get("reference"), done.get("critic")
         advantages, returns = rl.estimate(
             t.estimator,
             scores,
@@ -226,18 +228,18 @@ class Loop:
             **dict(t.estimate_options(), kl_coef=self.kl_coef),
         )
         rollout_lp = rl.rollout_logprobs(samples, batch)
-        weights, correction = rl.rollout_correction(
-            old, rollout_lp, batch, **t.correction_options()
-        )
         loss = t.loss_options()
         loss["kl_coef"] = self.kl_coef if loss["kl_coef"] else 0.0  # 0: the KL is in the reward
-        policy_calls = roles.policy.shard(
-            "train_epochs",
-            rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"], weights),
-            **t.epoch_options(),
-            **loss,
-        )
-        result = dict(correction)
+        if old is None:  # on-policy: train_step reports vllm_kl and kl from its own forward
+            weights, result = None, {}
+            policy = rl.policy_batch(batch, None, advantages, ref, loss["kl_coef"])
+            policy["rollout_logprobs"] = rollout_lp
+        else:
+            weights, result = rl.rollout_correction(
+                old, rollout_lp, batch, **t.correction_options()
+            )
+            policy = rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"], weights)
+        policy_calls = roles.policy.shard("train_epochs", policy, **t.epoch_options(), **loss)
         if roles.critic is not None:
             critic = roles.critic.shard(
                 "train_epochs",
@@ -247,10 +249,15 @@ class Loop:
             )
             result.update({f"critic/{k}": v for k, v in get(critic, "critic")[0].items()})
         metrics = get(policy_calls, "policy")[0]  # losses and norms are already global
+        if old is None:  # measured by the training forward, over every rank
+            result["vllm_kl"] = metrics.pop("vllm_kl")
+            if ref is not None:
+                result["kl"] = metrics.pop("kl")
+        elif ref is not None:
+            result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
         result.update({f"train/{k}": v for k, v in metrics.items()})
         result["approx_kl"] = metrics.get("approx_kl", 0.0)
         if ref is not None:
-            result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
             result["kl_coef"] = self.kl_coef
             if t.kl_target is not None:  # the coefficient for the next step
                 self.kl_coef = rl.adapt_kl_coef(

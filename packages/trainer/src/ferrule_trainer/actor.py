@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine, export
-from ferrule_trainer.aggregation import aggregate_loss
+from ferrule_trainer.aggregation import aggregate_loss, masked_sum
 from ferrule_trainer.config import LORA_TARGETS
-from ferrule_trainer.kl import kl_loss
+from ferrule_trainer.kl import kl_estimate, kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.rl import ppo_epochs
@@ -159,10 +159,18 @@ class Actor(TrainedModel):
         trainer importance weights). The loss is aggregated over the valid tokens (or sequences)
         of the whole step on all ranks, so the split into micro-batches and ranks does not change
         the gradient.
+
+        Without "old_logprobs" the step is on-policy: the batch's only optimizer step, so this
+        forward runs at the weights that would have computed them, and its own log-probabilities
+        (detached) are the old ones; no separate forward pass. The step then also reports what
+        the caller would have computed from them, over all ranks: "vllm_kl" (k3 of the engine's
+        "rollout_logprobs", when given) and "kl" (k1 to "ref_logprobs", when given).
         """
         if not self.train:
             raise RuntimeError("train_step on a frozen Actor (train=False, e.g. the reference)")
-        required = ["old_logprobs", "advantages"] + (["ref_logprobs"] if kl_coef else [])
+        on_policy = "old_logprobs" not in micro_batches[0]
+        required = ["advantages"] + ([] if on_policy else ["old_logprobs"])
+        required += ["ref_logprobs"] if kl_coef else []
         for micro_batch in micro_batches:
             check_batch(micro_batch, *required)
         micro_batches = [to_device(mb, self.device) for mb in micro_batches]
@@ -174,9 +182,10 @@ class Actor(TrainedModel):
             mask = micro_batch["response_mask"]
             logits = response_logits(self.engine, micro_batch)
             logprobs = token_logprobs(logits, response_tokens(micro_batch), self.temperature)
+            old = logprobs.detach() if on_policy else micro_batch["old_logprobs"]
             pg = policy_loss(
                 logprobs,
-                micro_batch["old_logprobs"],
+                old,
                 micro_batch["advantages"],
                 mask,
                 clip_low=clip_low,
@@ -188,6 +197,14 @@ class Actor(TrainedModel):
             )
             loss = pg.loss
             metrics = {"clip_fraction": pg.clip_fraction, "approx_kl": pg.approx_kl}
+            if on_policy:  # this rank's token sums over the step's global count, summed below
+                share = len(micro_batches) / tokens
+                if "rollout_logprobs" in micro_batch:
+                    k3 = kl_estimate(micro_batch["rollout_logprobs"], old, mask, kind="k3")
+                    metrics["vllm_kl"] = masked_sum(k3, mask) * share
+                if "ref_logprobs" in micro_batch:
+                    k1 = kl_estimate(old, micro_batch["ref_logprobs"], mask, kind="k1")
+                    metrics["kl"] = masked_sum(k1, mask) * share
             if kl_coef:
                 ref_logprobs = micro_batch["ref_logprobs"]
                 kl = kl_loss(
@@ -200,6 +217,9 @@ class Actor(TrainedModel):
             return loss, metrics
 
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        for key in ("vllm_kl", "kl"):  # global means: every rank's sum over the global count
+            if key in metrics:
+                metrics[key] = float(engine.global_sum(metrics[key]))
         metrics["tokens"] = float(tokens)
         return metrics
 
@@ -298,7 +318,14 @@ class Actor(TrainedModel):
 
     def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
         """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see
-        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, then train_step's keywords)."""
+        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, then train_step's keywords).
+        A batch without "old_logprobs" must take exactly one optimizer step (see train_step)."""
+        steps = options.get("epochs", 1) * options.get("mini_batches", 1)
+        if "old_logprobs" not in batch and steps != 1:
+            raise ValueError(
+                f"a batch without old_logprobs is trained on-policy, in one optimizer step; "
+                f"epochs x mini_batches = {steps}"
+            )
         return ppo_epochs(self.train_step, batch, **options)
 
     def weight_specs(self, dtype: torch.dtype | None = None):

@@ -407,6 +407,18 @@ class TrainerConfig(Table):
             multiple = math.lcm(multiple, critic.ranks * self.mini_batches)
         return multiple
 
+    def needs_old_logprobs(self) -> bool:
+        """Whether the RL step needs the policy's log-probabilities before it trains ("old"):
+        a batch trained in more than one optimizer step, rollout correction's weights and a KL
+        penalty in the reward read them. Otherwise the first training forward runs at the same
+        weights and `Actor.train_step` takes them from it, saving a forward pass per step."""
+        return (
+            self.epochs * self.mini_batches > 1
+            or self.rollout_correction != "none"
+            or self.sequence_mask is not None
+            or (self.kl_in == "reward" and self.kl_coef > 0)
+        )
+
     def estimate_options(self) -> dict:
         """The keyword arguments of `rl.estimate` that this table sets."""
         return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "kl_max", "gamma", "lam"})

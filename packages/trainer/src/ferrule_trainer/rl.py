@@ -193,16 +193,18 @@ def estimate(
 
 def policy_batch(
     batch: Batch,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     kl_coef_in_loss: float,
     is_weights: torch.Tensor | None = None,
 ) -> Batch:
-    """What `Actor.train_step` reads: the layout, the old log-probs, the advantages, the
-    reference's log-probs when the loss carries a KL term, and the rollout correction's
-    weights when there are any."""
-    out = dict(batch, old_logprobs=old_logprobs, advantages=advantages)
+    """What `Actor.train_step` reads: the layout, the old log-probs (None: an on-policy step
+    takes them from its own forward), the advantages, the reference's log-probs when the loss
+    carries a KL term, and the rollout correction's weights when there are any."""
+    out = dict(batch, advantages=advantages)
+    if old_logprobs is not None:
+        out["old_logprobs"] = old_logprobs
     if kl_coef_in_loss and ref_logprobs is not None:
         out["ref_logprobs"] = ref_logprobs
     if is_weights is not None:
