@@ -1,0 +1,202 @@
+"""A ZeRO-3 policy's weight update, end to end: gathered by ferrule-trainer's export, sent by
+ferrule-weightsync, loaded by a receiver, against a raw broadcast of the same bytes.
+
+    python benchmarks/weightsync_zero3.py nccl      # 2 GPUs: ranks on cuda:0 / cuda:1, receiver on cuda:1
+    python benchmarks/weightsync_zero3.py ipc       # 1 GPU: a ZeRO-3 policy of one rank, receiver beside it
+    python benchmarks/weightsync_zero3.py nccl --device cpu --layers 2 --hidden 64   # plumbing, gloo
+
+The policy is ferrule-trainer's `Actor` (DeepSpeed ZeRO-3, bf16) on ferrule-testkit's Qwen2 of
+the given shape (default ~0.6B parameters). One update: every rank iterates
+`Actor.export_weights(bucket_bytes=...)` (the gathers are collectives), rank 0 hands the stream
+to the sender, and the receiver copies every tensor into its own preallocated copy of the model
+(an engine's load). Timed on rank 0 from the start of the export until the sender's `send`
+returns, which is after every receiver reported its load done. Each export bucket size given is
+timed in the same rounds, beside `gather_only` (the export iterated without sending) and the
+baseline: one raw broadcast of a flat buffer of the same bytes in the sender's own group (nccl),
+or one device-to-device copy of them (ipc). Rounds alternate between all of them; the first
+warms up; medians are reported.
+
+ratio = baseline / ours at the best bucket size (goal >= 0.6). Last line: one JSON object.
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+MB = 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(ports["policy"]),
+    )
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    from ferrule_trainer.actor import Actor
+    from ferrule_weightsync import create_sender
+
+    actor = Actor(args.model, zero_stage=3, dtype=args.dtype, learning_rate=1e-5)
+    device = actor.device
+    specs = actor.weight_specs()
+    nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs)
+    sender = None
+    if rank == 0:
+        transport = "broadcast" if args.mode == "nccl" else "ipc"
+        sender = create_sender(transport, "127.0.0.1", ports["sync"], 1, device=device)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        copy = torch.empty_like(flat) if args.mode == "ipc" else None
+
+    def ours(bucket_mb: int) -> None:
+        weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
+        if sender is None:
+            for _ in weights:
+                pass
+        else:
+            sender.send(weights, specs=specs)
+
+    def gather_only(bucket_mb: int) -> None:
+        for _ in actor.export_weights(bucket_bytes=bucket_mb * MB):
+            pass
+
+    def baseline() -> None:
+        if rank != 0:
+            return
+        if args.mode == "ipc":
+            copy.copy_(flat)
+        else:
+            sender._group.broadcast(flat).wait()
+
+    work = [(f"ours_{mb}mb", ours, mb) for mb in args.bucket_mb]
+    work += [(f"gather_only_{mb}mb", gather_only, mb) for mb in args.bucket_mb]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in work}
+    times["baseline"] = []
+    for round_ in range(args.repeats + 1):
+        for name, fn, *options in [*work, ("baseline", baseline)]:
+            torch.distributed.barrier()
+            synchronize(device)
+            started = time.perf_counter()
+            fn(*options)
+            synchronize(device)
+            if round_:
+                times[name].append(time.perf_counter() - started)
+    if rank == 0:
+        out.put({"bytes": nbytes, "tensors": len(specs), "times": times})
+        sender.close()
+    torch.distributed.barrier()
+
+
+def receiver_worker(ports: dict, args, out) -> None:
+    from ferrule_weightsync import create_receiver
+
+    device = torch.device("cuda", 1 if args.mode == "nccl" else 0)
+    if args.device == "cpu":
+        device = torch.device("cpu")
+    else:
+        torch.cuda.set_device(device)
+    if args.mode == "nccl":
+        receiver = create_receiver("broadcast", "127.0.0.1", ports["sync"], 1, 1, device=device)
+    else:
+        receiver = create_receiver("ipc", "127.0.0.1", ports["sync"], 1, 1)
+    model: dict[str, torch.Tensor] = {}  # the engine's weights, allocated by the first update
+    flat = None
+    for _ in range(args.repeats + 1):
+        for _ in args.bucket_mb:
+            for name, tensor in receiver.receive():
+                if name not in model:
+                    model[name] = torch.empty_like(tensor, device=device)
+                model[name].copy_(tensor)
+        if args.mode == "nccl":
+            if flat is None:
+                nbytes = sum(t.numel() * t.element_size() for t in model.values())
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            receiver._group.broadcast(flat).wait()
+            synchronize(device)
+    out.put({"received_tensors": len(model)})
+    receiver.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["nccl", "ipc"])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--hidden", type=int, default=1280)
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    if args.bucket_mb is None:
+        args.bucket_mb = [512, 128, 32]
+    if args.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if args.mode == "ipc":
+            raise SystemExit("ipc needs a GPU")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    from ferrule_testkit import tiny_model
+
+    heads = max(args.hidden // 128, 1)
+    args.model = str(
+        tiny_model(
+            "qwen2",
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(heads // 4, 1),
+        )
+    )
+    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = {"policy": free_port(), "sync": free_port()}
+    world = 2 if args.mode == "nccl" else 1
+    procs = [
+        ctx.Process(target=policy_worker, args=(r, world, ports, args, out)) for r in range(world)
+    ]
+    procs.append(ctx.Process(target=receiver_worker, args=(ports, args, out)))
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(2):
+        results |= out.get(timeout=560)
+    for p in procs:
+        p.join(60)
+    median = {key: statistics.median(times) for key, times in results["times"].items()}
+    best_bucket = min(args.bucket_mb, key=lambda mb: median[f"ours_{mb}mb"])
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    line = {
+        "name": f"weightsync_zero3_{args.mode}",
+        "device": f"{world} x {device}",
+        "gb": round(results["bytes"] / 1e9, 3),
+        "tensors": results["tensors"],
+        "ms": {key: round(value * 1e3, 2) for key, value in median.items()},
+        "best_bucket_mb": best_bucket,
+        "ratio": round(median["baseline"] / median[f"ours_{best_bucket}mb"], 3),
+    }
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
