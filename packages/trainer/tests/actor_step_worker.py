@@ -43,20 +43,31 @@ size = 2
 micro_batches = [{k: v[i : i + size] for k, v in mine.items()} for i in range(0, B // world, size)]
 metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
 
-gathers = 0
-original = deepspeed.zero.GatheredParameters
+gathers = 0  # collectives of the export: all-gathers of buckets, and GatheredParameters (LoRA)
+original_gather, original_context = (
+    torch.distributed.all_gather_into_tensor,
+    deepspeed.zero.GatheredParameters,
+)
 
 
-class CountingGather(original):
+def counting_gather(*args, **kwargs):
+    global gathers
+    gathers += 1
+    return original_gather(*args, **kwargs)
+
+
+class CountingContext(original_context):
     def __enter__(self):
         global gathers
         gathers += 1
         return super().__enter__()
 
 
-deepspeed.zero.GatheredParameters = CountingGather
+torch.distributed.all_gather_into_tensor = counting_gather
+deepspeed.zero.GatheredParameters = CountingContext
 exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
-deepspeed.zero.GatheredParameters = original
+torch.distributed.all_gather_into_tensor = original_gather
+deepspeed.zero.GatheredParameters = original_context
 specs = actor.weight_specs()
 assert [s.name for s in specs] == list(exported), "specs and export disagree on names/order"
 for spec in specs:

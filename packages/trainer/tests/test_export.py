@@ -1,4 +1,4 @@
-"""Weight export without DeepSpeed: Hugging Face names, tied weights once, LoRA merged."""
+"""Weight export: Hugging Face names, tied weights once, LoRA merged, ZeRO-3 partitions joined."""
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -51,3 +51,26 @@ def test_lora_export_equals_merged_model():
     )
     for name, tensor in merged.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_zero3_export_of_one_rank_is_the_model_in_any_bucket_size():
+    """Under ZeRO-3 with one rank each partition is the whole (padded) parameter: the export
+    cuts the padding off and yields the model's weights, whatever the bucket size (a bucket
+    smaller than one tensor included), cast when asked."""
+    import deepspeed
+
+    from ferrule_trainer.actor import Actor
+
+    actor = Actor(tiny_model("qwen2"), zero_stage=3, dtype="float32", learning_rate=1e-3)
+    expected = {}
+    for name, param in actor.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            expected[name] = param.detach().clone()
+    for bucket_bytes in (1 << 30, 4096, 1):
+        exported = dict(actor.export_weights(bucket_bytes=bucket_bytes))
+        assert exported.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(exported[name], tensor), (bucket_bytes, name)
+    cast = dict(actor.export_weights(dtype=torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in cast.values())
+    assert torch.equal(cast["model.norm.weight"], expected["model.norm.weight"].bfloat16())
