@@ -69,6 +69,13 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
     for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds"):
         assert key in summary and f"{key} = " in result.stdout
     assert summary["steps"] == 16
+    # the start-up timeline: each phase's seconds add up to its total; each role's readiness
+    startup = summary["startup_seconds"]
+    phases = [startup[k] for k in ("ray", "reward server", "roles", "evaluation")]
+    assert all(t > 0 for t in phases) and sum(phases) == pytest.approx(startup["total"], abs=0.05)
+    assert set(startup["roles_ready"]) == {"policy rank 0", "reference", "rollout engine 0"}
+    assert max(startup["roles_ready"].values()) <= startup["roles"] + 0.05
+    assert "start-up " in result.stdout and "(ready at: policy rank 0" in result.stdout
     # the held-out evaluation: 4 samples per prompt scored by the run's reward (char_match),
     # pass@k over exact answers (reward 1.0), and the task's own greedy exact-match accuracy
     for report in (summary["eval_before"], summary["eval_after"]):

@@ -66,8 +66,9 @@ def get(refs, role: str, timeout: float | None = None):
         raise RunError(f"the {role} did not answer within {timeout:g} s") from None
 
 
-def get_each(pairs: list, timeout: float | None = None) -> list:
-    """Results of [(ref, role), ...] in order, raising for the first one that fails."""
+def get_each(pairs: list, timeout: float | None = None, arrivals: dict | None = None) -> list:
+    """Results of [(ref, role), ...] in order, raising for the first one that fails.
+    `arrivals`: gets {role: time.monotonic() when its last result came}."""
     import ray
 
     results, pending = {}, {ref: index for index, (ref, _) in enumerate(pairs)}
@@ -78,6 +79,8 @@ def get_each(pairs: list, timeout: float | None = None) -> list:
             raise RunError(f"{', '.join(roles)} did not answer within {timeout:g} s")
         index = pending.pop(ready[0])
         results[index] = get(ready[0], pairs[index][1])
+        if arrivals is not None:
+            arrivals[pairs[index][1]] = time.monotonic()
     return [results[i] for i in range(len(pairs))]
 
 

@@ -272,3 +272,37 @@ def clear_previous(out: Path) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
         (out / name).unlink(missing_ok=True)
+
+
+class StartupTimeline:
+    """Where a run's seconds go before its first step: each phase's seconds, in order, and when
+    each role was ready after the roles began to start (they start concurrently). `describe()`
+    is the line the run prints before step 1; `as_dict()` goes to summary.json."""
+
+    def __init__(self):
+        import time
+
+        self._clock = time.monotonic
+        self.started = self.last = self._clock()
+        self.phases: dict[str, float] = {}
+        self.roles_ready: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """`phase` took the time since the previous mark."""
+        now = self._clock()
+        self.phases[phase] = round(now - self.last, 2)
+        self.last = now
+
+    def as_dict(self) -> dict:
+        total = round(self.last - self.started, 2)
+        return {**self.phases, "total": total, "roles_ready": dict(self.roles_ready)}
+
+    def describe(self) -> str:
+        parts = []
+        for phase, seconds in self.phases.items():
+            part = f"{phase} {seconds:.1f} s"
+            if phase == "roles" and self.roles_ready:
+                ready = ", ".join(f"{role} {t:.1f}" for role, t in self.roles_ready.items())
+                part += f" (ready at: {ready})"
+            parts.append(part)
+        return f"start-up {self.last - self.started:.1f} s: " + "; ".join(parts)

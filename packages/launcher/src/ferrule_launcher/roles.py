@@ -193,9 +193,14 @@ def wanted_roles(config: Config) -> list[Role]:
     return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
 
 
-def start_roles(config: Config, model_path: str, env: dict) -> Roles:
-    """Every actor of the run, started, placed and waited for; the weight sync opened."""
+def start_roles(config: Config, model_path: str, env: dict, ready: dict | None = None) -> Roles:
+    """Every actor of the run, started, placed and waited for; the weight sync opened.
+    `ready` gets {role: seconds after this call began when it was ready}."""
+    import time
+
     import ray
+
+    began, arrivals = time.monotonic(), {}
 
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
     wanted = wanted_roles(config)
@@ -259,8 +264,16 @@ def start_roles(config: Config, model_path: str, env: dict) -> Roles:
             ]
         roles.engines = [start_engine(i) for i in range(r.engines)]
         # Wait for every role to start, naming the one that could not.
-        get_each(setups)
-        get_each([(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()])
+        get_each(setups, arrivals=arrivals)
+        waits = [(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()]
+        get_each([w for w in waits if w[1] not in arrivals], arrivals=arrivals)
+        if ready is not None:
+            ready.update(
+                {
+                    role: round(t - began, 1)
+                    for role, t in sorted(arrivals.items(), key=lambda x: x[1])
+                }
+            )
         open_weight_sync(config, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()

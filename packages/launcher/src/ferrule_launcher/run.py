@@ -55,6 +55,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
+    startup = outputs.StartupTimeline()
     state = outputs.last_checkpoint(out) if resume else None
     if not resume:
         outputs.clear_previous(out)
@@ -63,6 +64,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     env = role_env()
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
     where = start_ray(config.ray, env)
+    startup.mark("ray")
     print(f"ray: {where}; placement {config.ray.placement}", flush=True)
     print(f"prompts: {prompts.describe()}", flush=True)
     rewards = log = roles = None
@@ -71,8 +73,12 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             model_role = resources(config.rewards, config.ray) if config.rewards.model else (0, 0)
             check_fits(config.ray, wanted_roles(config), ray.cluster_resources(), model_role)
         rewards = RewardService.start(config.rewards, config.ray, out)
+        startup.mark("reward server")
         model_path = warm_start(config, out)
-        roles = start_roles(config, model_path, env)
+        if config.sft.steps:
+            startup.mark("SFT warm start")
+        roles = start_roles(config, model_path, env, ready=startup.roles_ready)
+        startup.mark("roles")
         write_roles(out / "roles.json", roles, rewards)
         loop = Loop(
             config,
@@ -90,14 +96,17 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             loop.sync(state["step"])  # the engines started from the warm start's weights
             loop.to_generate()
             before = state["eval_before"]
+            startup.mark("checkpoint")
         else:
             loop.to_generate()
             before, shown_before = loop.evaluate(0)
+            startup.mark("evaluation")
             print(
                 f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
                 f"{config.eval.samples} samples each)",
                 flush=True,
             )
+        print(startup.describe(), flush=True)
         o = config.output
         log = outputs.Outputs(
             out,
@@ -150,6 +159,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             "steps": config.loop.steps,
             "wall_seconds": round(wall_seconds(), 1),
             "resumed_from_step": state["step"] if state else 0,
+            "startup_seconds": startup.as_dict(),
             "mode": config.loop.mode,
             "estimator": config.trainer.estimator,
             **prompts.summary(),
