@@ -10,7 +10,7 @@ import ferrule_launcher
 PUBLIC = {
     "ferrule_trainer": {"config", "rl", "actor", "critic", "sft", "chat", "jsonl"},
     "ferrule_rollout": {"", "config", "engine"},
-    "ferrule_rewards": {"", "client", "builtin"},
+    "ferrule_rewards": {"", "client", "builtin", "server", "model"},
     "ferrule_weightsync": {""},
 }
 
