@@ -262,7 +262,7 @@ def test_a_dead_reward_server_is_restarted_and_the_run_goes_on(tmp_path):
     finally:
         process.kill()
     assert process.returncode == 0, stderr[-4000:]
-    assert "was killed by SIGKILL; restarted as pid" in stderr
+    assert "was killed by SIGKILL; restarted as the reward server (pid" in stderr
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 11))
     restarts = [r["rewards/restarts"] for r in records]  # a running count: 0s, then 1s
