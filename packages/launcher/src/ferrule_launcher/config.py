@@ -262,8 +262,9 @@ class RayConfig(Table):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the groups that hold several bundles."""
     roles_on_nodes: dict[str, str] = Field(default_factory=dict)
-    """Pin a role ("policy", "rollout", "critic", "rewards": a [rewards] model) to a node by a custom resource name the node
-    was started with (e.g. {rollout = "node:worker"} needs `--resources '{"worker": 1}'`)."""
+    """Pin a role ("policy", "rollout", "critic", "rewards": a [rewards] model) to a node by a
+    custom resource name the node was started with (e.g. {rollout = "node:worker"} needs
+    `--resources '{"worker": 1}'`)."""
 
     @model_validator(mode="after")
     def _pinnable(self):

@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 SHOWN = {"reward": "reward", "kl": "kl", "approx_kl": "kl_old", "tokens_per_s": "tok/s"}
@@ -280,16 +281,13 @@ class StartupTimeline:
     is the line the run prints before step 1; `as_dict()` goes to summary.json."""
 
     def __init__(self):
-        import time
-
-        self._clock = time.monotonic
-        self.started = self.last = self._clock()
+        self.started = self.last = time.monotonic()
         self.phases: dict[str, float] = {}
         self.roles_ready: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:
         """`phase` took the time since the previous mark."""
-        now = self._clock()
+        now = time.monotonic()
         self.phases[phase] = round(now - self.last, 2)
         self.last = now
 

@@ -268,12 +268,8 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
         waits = [(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()]
         get_each([w for w in waits if w[1] not in arrivals], arrivals=arrivals)
         if ready is not None:
-            ready.update(
-                {
-                    role: round(t - began, 1)
-                    for role, t in sorted(arrivals.items(), key=lambda x: x[1])
-                }
-            )
+            in_order = sorted(arrivals.items(), key=lambda item: item[1])
+            ready.update({role: round(when - began, 1) for role, when in in_order})
         open_weight_sync(config, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()
