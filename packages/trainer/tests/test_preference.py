@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_testkit import reversal_pairs
+from ferrule_testkit import reversal_pairs, reversal_sft_rows, tiny_model
 from ferrule_trainer.cli import main
 from ferrule_trainer.preference import Pair, PreferenceDataConfig, load_pairs, pair_batch
 
@@ -72,16 +72,34 @@ def test_cli_reports_bad_pairs_with_status_2(tmp_path, capsys):
     assert "[dpo] label_smoothing: is conservative DPO's; IPO has none" in capsys.readouterr().err
 
 
-def config_file(tmp_path: Path, kind: str, extra: str, pairs: int = 512) -> Path:
+def config_file(
+    tmp_path: Path, kind: str, extra: str, pairs: int = 512, held_out: int = 100, model=WARM
+) -> Path:
     train = write(tmp_path / "train.jsonl", reversal_pairs(pairs, seed=1))
-    test = write(tmp_path / "test.jsonl", reversal_pairs(100, seed=2))
+    test = write(tmp_path / "test.jsonl", reversal_pairs(held_out, seed=2))
     path = tmp_path / f"{kind}.toml"
     path.write_text(
-        f'[model]\npath = "{WARM}"\ndtype = "float32"\nzero_stage = 0\n'
+        f'[model]\npath = "{model}"\ndtype = "float32"\nzero_stage = 0\n'
         f'[data]\npath = "{train}"\neval_path = "{test}"\nmax_length = 32\n'
         f'[output]\ndir = "{tmp_path / kind}"\n' + extra
     )
     return path
+
+
+def sft_on_the_task(tmp_path: Path, model: Path, steps: int) -> Path:
+    """`rlhf-train sft` on the reversal task for `steps` steps of 32 examples."""
+    from ferrule_trainer.config import load_config
+    from ferrule_trainer.sft import SFTConfig, train
+
+    data = write(tmp_path / "sft.jsonl", reversal_sft_rows(steps * 32, seed=7))
+    path = tmp_path / "sft.toml"
+    path.write_text(
+        f'[model]\npath = "{model}"\ndtype = "float32"\nzero_stage = 0\n[data]\npath = "{data}"\n'
+        "[train]\nbatch_size = 32\nmicro_batch_size = 32\nlearning_rate = 1e-3\nwarmup_steps = 20\n"
+        f'[output]\ndir = "{tmp_path / "sft"}"\n'
+    )
+    train(load_config(path, SFTConfig), log=lambda line: None)
+    return tmp_path / "sft" / "model"
 
 
 @pytest.mark.slow
@@ -90,23 +108,27 @@ def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
     from ferrule_trainer.config import load_config
     from ferrule_trainer.rm import RMConfig, train
 
+    # The scorer is a 4-layer, 4-head tiny model SFT'd on the task: the 2-layer, 2-head policy
+    # levels off at 0.85-0.91 held-out accuracy here however long it trains; this one reaches
+    # 0.94 (400 held-out pairs).
+    body = tiny_model("qwen2", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)
     path = config_file(
         tmp_path,
         "rm",
-        "[train]\nepochs = 6\nbatch_size = 32\nmicro_batch_size = 16\nlearning_rate = 3e-3\n"
-        "warmup_steps = 10\n[eval]\nevery = 16\n",
-        pairs=1024,
+        "[train]\nepochs = 3\nbatch_size = 32\nmicro_batch_size = 16\nlearning_rate = 1e-3\n"
+        "warmup_steps = 10\n[eval]\nevery = 64\n",
+        pairs=4096,
+        held_out=400,
+        model=sft_on_the_task(tmp_path, body, steps=1200),
     )
     lines = []
     final = train(load_config(path, RMConfig), log=lines.append)
     print(f"rm: held-out {final}")
-    # 0.5 is chance. The 2-layer tiny model levels off at 0.85-0.91 on this task however long
-    # it trains (issue 20 asks for 0.9: not yet met, see its notes)
-    assert final["eval/accuracy"] >= 0.8, lines
+    assert final["eval/accuracy"] >= 0.9, lines  # 0.5 is chance
     assert final["eval/margin"] > 0
     saved = tmp_path / "rm" / "model"
     stats = json.loads((saved / "reward_stats.json").read_text())
-    assert stats["pairs"] == 100 and stats["std"] > 0
+    assert stats["pairs"] == 400 and stats["std"] > 0
     # ferrule-rewards' model backend loads it as saved and ranks held-out pairs the same way
     scorer = ModelScorer(saved, device="cpu", dtype="float32")
     held_out = reversal_pairs(100, seed=2)[:20]

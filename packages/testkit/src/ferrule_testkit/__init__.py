@@ -6,12 +6,14 @@ tokenizers and transformers load when a model is first built.
 
 from ferrule_testkit.corpus import synthetic_corpus
 from ferrule_testkit.models import SPECS, cache_root, tiny_model, tiny_tokenizer
-from ferrule_testkit.preferences import reversal_pairs
+from ferrule_testkit.preferences import policy_reversal_pairs, reversal_pairs, reversal_sft_rows
 
 __all__ = [
     "SPECS",
     "cache_root",
+    "policy_reversal_pairs",
     "reversal_pairs",
+    "reversal_sft_rows",
     "synthetic_corpus",
     "tiny_model",
     "tiny_tokenizer",
