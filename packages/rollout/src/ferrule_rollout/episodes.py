@@ -225,7 +225,9 @@ class _Runner:
         try:
             if what == "reset":
                 state.env, first = value
-                ids = self._render(check_observation(first, allow_none=False), first=True)
+                ids = observation_ids(
+                    self.tokenizer, check_observation(first, allow_none=False), first=True
+                )
                 state.episode.prompt_ids, state.ids = list(ids), list(ids)
                 if len(ids) >= self.max_model_len:
                     raise TypeError(
@@ -246,7 +248,9 @@ class _Runner:
             self._finish(state, "max_turns")
         else:
             try:
-                ids = self._render(step.observation, first=False, after_eos=state.last_eos)
+                ids = observation_ids(
+                    self.tokenizer, step.observation, first=False, after_eos=state.last_eos
+                )
             except (TypeError, ValueError) as err:
                 self._fail(state, "env_bad_output", f"step: {err}")
                 return
@@ -315,41 +319,39 @@ class _Runner:
         self._finish(state, "failed")
         state.episode.failure, state.episode.detail = reason, detail[:2000]
 
-    # -- observations as tokens -----------------------------------------------------------
 
-    def _render(self, observation: Observation, *, first: bool, after_eos: bool = False):
-        """Token ids of an observation. Text: `tokenizer.encode(text)` (special tokens added
-        only to the first, as the engine does for a text prompt). Messages: the chat template's
-        text for them after a finished assistant turn, ending in the generation prompt (with no
-        template: "role: content" lines and "assistant:")."""
-        tok = self.tokenizer
-        if isinstance(observation, str):
-            return (
-                tok.encode(observation)
-                if first
-                else tok.encode(observation, add_special_tokens=False)
-            )
-        if not getattr(tok, "chat_template", None):
-            text = "".join(f"\n{m['role']}: {m['content']}" for m in observation) + "\nassistant:"
-            return tok.encode(text.lstrip("\n") if first else text, add_special_tokens=False)
+def observation_ids(
+    tokenizer, observation: Observation, *, first: bool, after_eos: bool = False
+) -> list[int]:
+    """The token ids of an observation, tokenized on its own.
+
+    Text: `tokenizer.encode(text)`, special tokens added only to the first (as the engine does
+    for a text prompt). Chat messages, with a chat template: for the first, the template of the
+    messages with the generation prompt; later, the text the template puts after a finished
+    assistant turn, for the messages and the next generation prompt, including the template's
+    end of the assistant's turn (minus its end-of-sequence token when the model ended there
+    itself, `after_eos`). Without a template: "role: content" lines, then "assistant:".
+    """
+    tok = tokenizer
+    if isinstance(observation, str):
         if first:
-            text = tok.apply_chat_template(observation, tokenize=False, add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
-        before = tok.apply_chat_template(base, tokenize=False)
-        after = tok.apply_chat_template(
-            base + observation, tokenize=False, add_generation_prompt=True
-        )
-        if not after.startswith(before):
-            raise ValueError(
-                "the chat template renders earlier messages differently once more follow"
-            )
-        # The template closes the assistant's turn (e.g. "<|im_end|>\n"); the model wrote the
-        # end-of-sequence token of that closing itself when it stopped there.
-        closing = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]
-        ended = [t for t in map(tok.decode, [[e] for e in self.eos]) if after_eos and t]
-        eos_text = next((t for t in ended if closing.startswith(t)), "")
-        return tok.encode(closing[len(eos_text) :] + after[len(before) :], add_special_tokens=False)
+            return tok.encode(observation)
+        return tok.encode(observation, add_special_tokens=False)
+    if not getattr(tok, "chat_template", None):
+        text = "".join(f"\n{m['role']}: {m['content']}" for m in observation) + "\nassistant:"
+        return tok.encode(text.lstrip("\n") if first else text, add_special_tokens=False)
+    if first:
+        text = tok.apply_chat_template(observation, tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}]
+    before = tok.apply_chat_template(base, tokenize=False)
+    after = tok.apply_chat_template(base + observation, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders earlier messages differently once more follow")
+    closing = before[before.rindex(_SENTINEL) + len(_SENTINEL) :]  # e.g. "<|im_end|>\n"
+    ended = [tok.decode([e]) for e in sorted(_eos_ids(tok))] if after_eos else []
+    eos_text = next((t for t in ended if t and closing.startswith(t)), "")
+    return tok.encode(closing[len(eos_text) :] + after[len(before) :], add_special_tokens=False)
 
 
 def _eos_ids(tokenizer) -> set[int]:
