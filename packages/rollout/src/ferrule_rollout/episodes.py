@@ -165,17 +165,18 @@ class _Runner:
         while active:
             while waiting and in_flight < self.max_calls:
                 in_flight += self._dispatch(waiting)
-            timeout = min((s.deadline for s in states if s.deadline and not s.done), default=None)
-            try:
-                event = self.events.get(
-                    timeout=None if timeout is None else max(0, timeout - time.monotonic())
-                )
-            except queue.Empty:
-                now = time.monotonic()
+            first = min((s.deadline for s in states if s.deadline and not s.done), default=None)
+            if first is not None and first <= time.monotonic():  # even while events keep coming
                 for state in states:
-                    if not state.done and state.deadline and state.deadline <= now:
+                    if not state.done and state.deadline and state.deadline <= time.monotonic():
                         self._fail(state, "env_timeout", f"no answer in {self.step_timeout:g}s")
                         active -= 1
+                continue
+            try:
+                event = self.events.get(
+                    timeout=None if first is None else max(0, first - time.monotonic())
+                )
+            except queue.Empty:
                 continue
             kind, state, *payload = event
             if kind == "call_done":
