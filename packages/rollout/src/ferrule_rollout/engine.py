@@ -127,6 +127,9 @@ class SampleStream:
 class RolloutEngine:
     """A vLLM engine with policy versions, pause / resume and weightsync weight updates."""
 
+    continuous_batching = True
+    """Calls from many threads share one step loop (episodes.py sends turns as they come)."""
+
     def __init__(
         self,
         model: str | os.PathLike,

@@ -81,6 +81,9 @@ class ComputedStream:
 class TransformersEngine:
     """A transformers model with policy versions, pause / resume and weightsync weight updates."""
 
+    continuous_batching = False
+    """Calls run one at a time (episodes.py batches waiting turns into the next call)."""
+
     def __init__(
         self,
         model: str | os.PathLike,
