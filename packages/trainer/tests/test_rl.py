@@ -32,6 +32,32 @@ def test_build_batch_left_pads_prompts_and_right_pads_responses():
     assert [len(mb["input_ids"]) for mb in split(batch, 1)] == [1, 1]
 
 
+def test_a_multi_turn_samples_mask_keeps_environment_tokens_out_of_every_loss():
+    # tokens 8 and 9 were inserted by an environment between two model turns
+    turns = SimpleNamespace(prompt_token_ids=[4], token_ids=[7, 8, 9, 6], mask=[1, 0, 0, 1])
+    batch = build_batch([turns, sample([5, 6], [7])], pad_id=1)
+    assert batch["input_ids"].tolist() == [[1, 4, 7, 8, 9, 6], [5, 6, 7, 1, 1, 1]]
+    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[1, 0, 0, 1], [1, 0, 0, 0]]
+    # the score sits on the last model token; the environment's tokens get no advantage
+    for estimator in ("gae", "reinforce_plus_plus", "grpo"):
+        advantages, _ = estimate(
+            estimator,
+            torch.tensor([1.0, 0.0]),
+            batch,
+            group_size=2,
+            old_logprobs=torch.zeros(2, 4),
+            ref_logprobs=torch.zeros(2, 4),
+            values=torch.zeros(2, 4),
+            kl_coef=0.0,
+        )
+        assert advantages[0, 1:3].tolist() == [0.0, 0.0], estimator
+        assert advantages[0, 0] != 0 and advantages[0, 3] != 0, estimator
+    bad = SimpleNamespace(prompt_token_ids=[4], token_ids=[7, 8], mask=[1])
+    with pytest.raises(ValueError, match="sample 0: mask has 1 entries for 2 tokens"):
+        build_batch([bad], pad_id=1)
+
+
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
     mask = torch.ones(4, 3, dtype=torch.long)

@@ -229,6 +229,14 @@ class RolloutEngine:
         samples = list(self.generate_stream(prompts, settings))
         return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
 
+    def run_episodes(self, environment, prompts, settings=None, **options):
+        """Multi-turn episodes of `environment` on this engine, one per prompt
+        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
+        next to its engine)."""
+        from ferrule_rollout.episodes import run_episodes
+
+        return run_episodes(self, environment, prompts, settings, **options)
+
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> "SampleStream":

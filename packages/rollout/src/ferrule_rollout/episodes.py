@@ -36,7 +36,7 @@ from ferrule_rollout.environments import (
     environment_name,
     load_environment,
 )
-from ferrule_rollout.samples import BadRequestError, RolloutError, SamplingSettings
+from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 
 _SENTINEL = "FERRULE_ASSISTANT_TURN"  # stands for the model's text when rendering templates
 
@@ -74,6 +74,23 @@ class Episode:
     @property
     def reward(self) -> float:
         return sum(self.rewards)
+
+    def sample(self, tokenizer) -> Sample:
+        """The episode as one Sample for scoring and training: the whole transcript after the
+        first observation is its response (`text` decoded from it), `mask` says which tokens
+        the model sampled, and `version` is the oldest policy version among them."""
+        model_versions = [v for v in self.versions if v >= 0]
+        return Sample(
+            prompt_index=self.index,
+            sample_index=0,
+            prompt_token_ids=list(self.prompt_ids),
+            token_ids=list(self.response_ids),
+            logprobs=list(self.logprobs),
+            finish_reason="length" if self.finish_reason == "max_tokens" else "stop",
+            version=min(model_versions, default=0),
+            text=tokenizer.decode(self.response_ids, skip_special_tokens=True),
+            mask=list(self.mask),
+        )
 
 
 @dataclass

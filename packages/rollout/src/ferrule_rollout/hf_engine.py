@@ -195,6 +195,14 @@ class TransformersEngine:
                 self._running -= len(rows)
                 self._cv.notify_all()
 
+    def run_episodes(self, environment, prompts, settings=None, **options):
+        """Multi-turn episodes of `environment` on this engine, one per prompt
+        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
+        next to its engine)."""
+        from ferrule_rollout.episodes import run_episodes
+
+        return run_episodes(self, environment, prompts, settings, **options)
+
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> ComputedStream:

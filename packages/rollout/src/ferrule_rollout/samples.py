@@ -138,3 +138,6 @@ class Sample:
     text: str = ""
     versions: list[VersionSpan] = field(default_factory=list)
     """The version of every stretch of tokens; one span unless an update landed mid-sample."""
+    mask: list[int] | None = None
+    """Multi-turn episodes only (episodes.py): 1 on the tokens the model sampled, 0 on those an
+    environment inserted (no loss, no gradient); None when every token was sampled."""

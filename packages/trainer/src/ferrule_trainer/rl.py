@@ -49,7 +49,9 @@ __all__ = [
 
 def build_batch(samples: Sequence, pad_id: int) -> Batch:
     """input_ids, attention_mask and response_mask from samples: left-padded prompts and
-    right-padded responses, so every response starts at the same column."""
+    right-padded responses, so every response starts at the same column. A sample's `mask`
+    (multi-turn episodes: 0 on the tokens an environment inserted) is its response_mask; those
+    tokens are attended to but get no loss, no KL and no advantage."""
     prompt_len = max(len(s.prompt_token_ids) for s in samples)
     response_len = max(max(len(s.token_ids) for s in samples), 1)
     rows = len(samples)
@@ -63,7 +65,15 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
         if response:
             input_ids[row, prompt_len : prompt_len + len(response)] = torch.tensor(response)
             attention_mask[row, prompt_len : prompt_len + len(response)] = 1
-            response_mask[row, : len(response)] = 1
+            mask = getattr(sample, "mask", None)
+            if mask is None:
+                response_mask[row, : len(response)] = 1
+            elif len(mask) == len(response):
+                response_mask[row, : len(response)] = torch.tensor(mask)
+            else:
+                raise ValueError(
+                    f"sample {row}: mask has {len(mask)} entries for {len(response)} tokens"
+                )
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
