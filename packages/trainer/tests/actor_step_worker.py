@@ -15,6 +15,7 @@ from pathlib import Path
 import deepspeed
 import torch
 
+from ferrule_trainer import export
 from ferrule_trainer.actor import Actor
 
 model_path, out_dir, zero_stage, lora_rank = (
@@ -43,17 +44,14 @@ size = 2
 micro_batches = [{k: v[i : i + size] for k, v in mine.items()} for i in range(0, B // world, size)]
 metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
 
-gathers = 0  # collectives of the export: all-gathers of buckets, and GatheredParameters (LoRA)
-original_gather, original_context = (
-    torch.distributed.all_gather_into_tensor,
-    deepspeed.zero.GatheredParameters,
-)
+gathers = 0  # collectives of the export: a bucket's (coalesced) all-gathers, GatheredParameters
+original_coalesced, original_context = export._coalesced, deepspeed.zero.GatheredParameters
 
 
-def counting_gather(*args, **kwargs):
+def counting_coalesced(*args, **kwargs):
     global gathers
     gathers += 1
-    return original_gather(*args, **kwargs)
+    return original_coalesced(*args, **kwargs)
 
 
 class CountingContext(original_context):
@@ -63,10 +61,10 @@ class CountingContext(original_context):
         return super().__enter__()
 
 
-torch.distributed.all_gather_into_tensor = counting_gather
+export._coalesced = counting_coalesced
 deepspeed.zero.GatheredParameters = CountingContext
 exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
-torch.distributed.all_gather_into_tensor = original_gather
+export._coalesced = original_coalesced
 deepspeed.zero.GatheredParameters = original_context
 specs = actor.weight_specs()
 assert [s.name for s in specs] == list(exported), "specs and export disagree on names/order"
