@@ -321,3 +321,37 @@ def test_none_only_turns_off_keys_that_may_be_none(write):
         load_config(write('[trainer]\nclip_low = "none"\n'))
     with pytest.raises(ConfigError, match=r"\[trainer\] kl_max: Input should be greater than 0"):
         load_config(write("[trainer]\nkl_max = 0\n"))
+
+
+def test_an_environment_is_checked_before_anything_starts(write, tmp_path):
+    (tmp_path / "env.py").write_text(
+        "from ferrule_rollout.environments import Environment\n"
+        "class Good(Environment):\n"
+        "    def reset(self, prompt, label, metadata):\n        return prompt\n"
+        "    def step(self, model_output):\n        return None, 1.0, {}\n"
+        "class NotOne:\n    pass\n"
+    )
+    model = '[model]\npath = "model"\n'
+    config = load_config(write("[environment]\nname = 'env.py:Good'\n", base=model))
+    assert config.environment.name == f"{tmp_path / 'env.py'}:Good"  # near the TOML file
+    assert not config.needs_reward_server()  # scored by the environment: no [rewards] needed
+    path = write("[environment]\nname = 'env.py:Missing'\n", base=model)
+    assert "[environment] name: environment" in error_of(path)
+    assert "has no 'Missing'" in error_of(path)
+    path = write("[environment]\nname = 'env.py:NotOne'\n", base=model)
+    assert "not a subclass of ferrule_rollout.environments.Environment" in error_of(path)
+    path = write("[environment]\nname = 'nowhere.py:Good'\n", base=model)
+    assert "no file" in error_of(path)
+    # reward = "environment" leaves [rewards] unused: a function given anyway is a mistake
+    path = write("[environment]\nname = 'env.py:Good'\n")
+    assert '[rewards] function: unused: [environment] reward = "environment"' in error_of(path)
+    # the reward server's score, or both: [rewards] as for single-turn runs
+    for reward in ("reward_server", "sum"):
+        config = load_config(write(f"[environment]\nname = 'env.py:Good'\nreward = '{reward}'\n"))
+        assert config.needs_reward_server()
+        path = write(f"[environment]\nname = 'env.py:Good'\nreward = '{reward}'\n", base=model)
+        assert "[rewards] function: give exactly one of" in error_of(path)
+    path = write(
+        "[environment]\nname = 'env.py:Good'\n[loop]\nalgorithm = 'iterative_dpo'\n", base=model
+    )
+    assert '[environment] name: [loop] algorithm must be "rl"' in error_of(path)

@@ -94,10 +94,10 @@ def test_two_turn_episodes_match_a_transformers_forward(engine):
         torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=0)
         assert not got[~mask].any()  # 0.0 on environment tokens
         # As one sample for scoring and training: the transcript is its response.
-        sample = e.sample(tok)
+        sample = e.sample()
         assert (sample.prompt_token_ids, sample.token_ids) == (e.prompt_ids, e.response_ids)
         assert (sample.mask, sample.logprobs, sample.version) == (e.mask, e.logprobs, 0)
-        assert sample.text == tok.decode(e.response_ids, skip_special_tokens=True)
+        assert sample.text == e.text == tok.decode(e.response_ids, skip_special_tokens=True)
     # A decode / encode round trip would have changed some of these turns' ids.
     assert round_trip_changes > 0
 

@@ -161,12 +161,7 @@ class RewardsConfig(Table):
     @field_validator("function")
     @classmethod
     def _near_the_file(cls, function: str, info: ValidationInfo) -> str:
-        """`file.py:name` becomes absolute, taken from the TOML file's folder."""
-        module, _, name = function.rpartition(":")
-        base = (info.context or {}).get("base")
-        if module.endswith(".py") and base is not None and not Path(module).is_absolute():
-            return f"{(base / module).resolve()}:{name}"
-        return function
+        return _near_the_toml(function, info)
 
     def missing(self) -> list[tuple[str, str]]:
         """What the table names that is not there: (key, message)."""
@@ -240,6 +235,58 @@ class LoopConfig(Table):
                 [("keep_group_mean", f"needs low < high, got {list(self.keep_group_mean)}")]
             )
         return self
+
+
+class EnvironmentConfig(Table):
+    """[environment]: multi-turn episodes instead of one generation per sample (ferrule-rollout's
+    episodes.py). Each of a step's prompts x samples_per_prompt is an episode: the environment's
+    first observation, then model turns and its answers until it says done or the budget ends.
+    The episode trains as one sample whose response is the whole transcript, the environment's
+    tokens masked out of every loss."""
+
+    name: str
+    """The environment class, `module:Class` or `file.py:Class` (relative to the TOML file), a
+    subclass of ferrule_rollout.environments.Environment (ToolEnvironment for tool calls)."""
+    options: dict = Field(default_factory=dict)
+    """Keyword arguments of the class, one instance per episode."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per episode at most."""
+    max_tokens: int = Field(256, ge=1)
+    """Tokens per episode after the first observation (the model's and the environment's) at
+    most; each turn also stops at [rollout] max_tokens."""
+    step_timeout: float = Field(60.0, gt=0)
+    """Seconds each reset / step may take; a slower one fails its episode (env_timeout)."""
+    reward: Literal["environment", "reward_server", "sum"] = "environment"
+    """An episode's score: the sum of the environment's rewards, the reward server's score of
+    the transcript ([rewards] as for single-turn runs), or both added."""
+    max_failed_fraction: float = Field(0.1, ge=0, le=1)
+    """A failed episode (the environment or a tool raised, hung or answered garbage) is not
+    trained on: its prompt group is dropped and counted (episodes/failed_<reason>). A step
+    where more than this fraction failed stops the run with an error naming the environment."""
+
+    @field_validator("name")
+    @classmethod
+    def _near_the_file(cls, name: str, info: ValidationInfo) -> str:
+        return _near_the_toml(name, info)
+
+    def missing(self) -> list[tuple[str, str]]:
+        """The class must load (before any process starts): (key, message)."""
+        from ferrule_rollout.environments import EnvironmentLoadError, load_environment
+
+        try:
+            load_environment(self.name)
+        except EnvironmentLoadError as err:
+            return [("name", str(err))]
+        return []
+
+
+def _near_the_toml(spec: str, info: ValidationInfo) -> str:
+    """`file.py:name` becomes absolute, taken from the TOML file's folder."""
+    module, _, name = spec.rpartition(":")
+    base = (info.context or {}).get("base")
+    if module.endswith(".py") and base is not None and not Path(module).is_absolute():
+        return f"{(base / module).resolve()}:{name}"
+    return spec
 
 
 ROLE_KINDS = ("policy", "rollout", "critic", "rewards")
@@ -349,6 +396,7 @@ class Config(Table):
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig | None = None
     loop: LoopConfig = LoopConfig()
+    environment: EnvironmentConfig | None = None
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     output: OutputConfig = OutputConfig()
@@ -359,7 +407,16 @@ class Config(Table):
         r, w, task = self.rollout, self.rewards, self.task
         given = [name for name in ("function", "model", "address") if getattr(w, name)]
         problems = []
-        if len(given) != 1:
+        if not self.needs_reward_server():
+            if given:
+                problems.append(
+                    (
+                        f"rewards.{given[0]}",
+                        'unused: [environment] reward = "environment" scores episodes with the '
+                        "environment alone",
+                    )
+                )
+        elif len(given) != 1:
             problems.append(
                 (
                     "rewards.function",
@@ -453,8 +510,13 @@ class Config(Table):
         if self.loop.mode == "sync" and self.loop.max_staleness != LoopConfig().max_staleness:
             problems.append(("loop.max_staleness", 'only applies to mode = "async"'))
         problems += self._device_problems()
+        problems += self._environment_problems()
         if not problems:  # files last: a contradiction is the first thing to mend
             problems += [(f"rewards.{key}", message) for key, message in w.missing()]
+            if self.environment is not None:
+                problems += [
+                    (f"environment.{key}", message) for key, message in self.environment.missing()
+                ]
             for i, source in enumerate(task.sources):
                 for key in ("path", "eval_path"):
                     path = getattr(source, key)
@@ -465,6 +527,21 @@ class Config(Table):
         if problems:
             raise Problems(problems)
         return self
+
+    def needs_reward_server(self) -> bool:
+        """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""
+        return self.environment is None or self.environment.reward != "environment"
+
+    def _environment_problems(self) -> list[tuple[str, str]]:
+        """What multi-turn episodes do not run with (yet)."""
+        if self.environment is None:
+            return []
+        problems = []
+        if self.loop.algorithm != "rl":
+            problems.append(("environment.name", '[loop] algorithm must be "rl" with episodes'))
+        if self.loop.partial_rollout:
+            problems.append(("loop.partial_rollout", "is not supported with [environment]"))
+        return problems
 
     def _data_problems(self) -> list[tuple[str, str]]:
         """[task] sources against the task's name, and what the warm start trains on."""

@@ -47,15 +47,42 @@ class Engines:
     def generate(self, prompts: list[str], settings) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order.
         The share of an engine that dies is generated again by its successor."""
+        return self._spread("generate", prompts, lambda chunk: ((chunk, settings), {}))
+
+    def run_episodes(self, prompts: list, settings, environment) -> list:
+        """One multi-turn episode (ferrule_rollout.episodes.Episode) per prompt (a task.Prompt)
+        on the engines, in order, `environment` being the [environment] table. The episodes
+        run inside the engines' actors, next to their engines; an engine that dies has its
+        share run again by its successor."""
+        from ferrule_rollout.environments import EpisodeBudget
+
+        budget = EpisodeBudget(environment.max_turns, environment.max_tokens)
+
+        def arguments(chunk):
+            options = {
+                "labels": [p.label for p in chunk],
+                "metadata": [dict(p.metadata) for p in chunk],
+                "budget": budget,
+                "options": environment.options,
+                "step_timeout": environment.step_timeout,
+            }
+            return (environment.name, [p.text for p in chunk], settings), options
+
+        return self._spread("run_episodes", prompts, arguments)
+
+    def _spread(self, method: str, items: list, arguments) -> list:
+        """`method` of each engine on an even share of `items` (its call's arguments from
+        `arguments(share)`: positional and keyword), the results joined in order."""
         import ray
 
-        size = -(-len(prompts) // len(self.roles.engines))
-        chunks = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+        size = -(-len(items) // len(self.roles.engines))
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
         pending, results = {}, {}
 
         def submit(index: int) -> None:
             engine = self.roles.engines[index]
-            pending[engine.generate.remote(chunks[index], settings)] = (index, engine)
+            args, kwargs = arguments(chunks[index])
+            pending[getattr(engine, method).remote(*args, **kwargs)] = (index, engine)
 
         for index in range(len(chunks)):
             submit(index)
@@ -67,7 +94,7 @@ class Engines:
             except ActorDied as died:
                 self.replace({index: engine}, died)
                 submit(index)
-        return [sample for index in range(len(chunks)) for sample in results[index]]
+        return [result for index in range(len(chunks)) for result in results[index]]
 
     def each(self, method: str, what: str) -> list:
         """`method()` on every engine (sleep, wake_up, weights_digest); a dead engine is

@@ -79,6 +79,41 @@ class Loop:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
         return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
 
+    def play(self, problems: list[Prompt], temperature: float, n: int) -> tuple[list, list | None]:
+        """`n` samples of each problem, in prompt then sample order: one generation each, or
+        with [environment] one multi-turn episode each (an Episode's `sample()`: the transcript
+        as the response, the environment's tokens masked), then also the episodes."""
+        environment = self.config.environment
+        if environment is None:
+            return self.generate([p.text for p in problems], temperature, n), None
+        settings = self.config.rollout.sampling(1, temperature)
+        episodes = self.engines.run_episodes(
+            [p for p in problems for _ in range(n)], settings, environment
+        )
+        return [e.sample() for e in episodes], episodes
+
+    def episode_scores(
+        self, problems: list[Prompt], samples: list, episodes: list | None, n: int, step, where
+    ) -> tuple[list[float], Counter, dict]:
+        """Each sample's score before shaping, the reward server's failures by kind and its
+        first errors: the reward server's (single-turn runs; [environment] reward =
+        "reward_server"), the environment's (reward = "environment"), or both added ("sum").
+        A failed episode scores 0."""
+        environment = self.config.environment
+        scores, failed, first_errors = [0.0] * len(samples), Counter(), {}
+        if self.rewards is not None:
+            scored = self.score_samples(problems, samples, n, step, where)
+            self.rewards.report_new_failures(scored)
+            scores, failed, first_errors = list(scored.rewards), scored.failed, scored.first_errors
+        if episodes is not None:
+            with_environment = environment.reward != "reward_server"
+            for i, episode in enumerate(episodes):
+                if episode.failure is not None:
+                    scores[i] = 0.0
+                elif with_environment:
+                    scores[i] += episode.reward
+        return scores, Counter(failed), first_errors
+
     def rollout(self, step: int) -> Rollout:
         """Generate and score a step's batch. With [loop] keep_group_mean, prompt groups whose
         mean score is outside the range are dropped and new prompts drawn in their place, up to
@@ -91,16 +126,18 @@ class Loop:
         want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
         rollout = Rollout(step)
         drawn, drawn_scores, drawn_sources, failed, penalties, draws = [], [], [], Counter(), [], 0
+        drawn_episodes = []
         while len(rollout.problems) < want and draws < c.loop.max_draws:
             problems = self.prompts.draw(step, draws, want)
             start = time.perf_counter()
-            samples = self.generate([p.text for p in problems], c.rollout.temperature, n)
+            samples, episodes = self.play(problems, c.rollout.temperature, n)
             generated = time.perf_counter()
-            scores, failures, penalty = self.score(step, draws, problems, samples)
+            scores, failures, penalty = self.score(step, draws, problems, samples, episodes)
             rollout.seconds_generate += generated - start
             rollout.seconds_score += time.perf_counter() - generated
             draws += 1
             drawn += samples
+            drawn_episodes += episodes or []
             drawn_scores += scores
             drawn_sources += [p.source for p in problems for _ in range(n)]
             failed.update(failures)
@@ -108,6 +145,10 @@ class Loop:
             keep = range(len(problems))
             if bounds is not None:
                 keep = rl.keep_groups(torch.tensor(scores), n, *bounds)
+            if episodes is not None:  # a failed episode is not trained on, nor is its group
+                keep = [
+                    g for g in keep if all(e.failure is None for e in episodes[g * n : (g + 1) * n])
+                ]
             for g in keep[: want - len(rollout.problems)]:
                 rollout.problems.append(problems[g])
                 rollout.samples += samples[g * n : (g + 1) * n]
@@ -122,6 +163,8 @@ class Loop:
             "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
         }
         rollout.metrics.update(_per_source(drawn_scores, drawn_sources))
+        if c.environment is not None:
+            rollout.metrics.update(_episode_metrics(drawn_episodes))
         if c.trainer.overlong_buffer is not None:
             rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
         if c.loop.partial_rollout:
@@ -133,7 +176,7 @@ class Loop:
         return rollout
 
     def score(
-        self, step: int, draw: int, problems: list, samples: list
+        self, step: int, draw: int, problems: list, samples: list, episodes: list | None = None
     ) -> tuple[list, Counter, list]:
         """The shaped scores of one draw, its failures by kind, and each sample's overlong
         penalty. Shaping: a truncated response scores [trainer] truncated_score when that is
@@ -146,17 +189,26 @@ class Loop:
         from ferrule_trainer import rl
 
         c, n = self.config, self.config.rollout.samples_per_prompt
-        scored = self.score_samples(problems, samples, n, step, f"{step}/{draw}")
-        self.rewards.report_new_failures(scored)
-        if scored.failed_fraction > c.rewards.max_failed_fraction:
-            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(scored.failed.items()))
+        scores, failed, first_errors = self.episode_scores(
+            problems, samples, episodes, n, step, f"{step}/{draw}"
+        )
+        if sum(failed.values()) / len(samples) > c.rewards.max_failed_fraction:
+            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
             raise RunError(
                 f"step {step}: reward function {self.rewards.name} failed on "
-                f"{sum(scored.failed.values())} of {len(samples)} samples ({kinds}), more than "
+                f"{sum(failed.values())} of {len(samples)} samples ({kinds}), more than "
                 f"[rewards] max_failed_fraction = {c.rewards.max_failed_fraction:g}; first "
-                f"error: {next(iter(scored.first_errors.values()))}"
+                f"error: {next(iter(first_errors.values()))}"
             )
-        t, scores, penalties = c.trainer, list(scored.rewards), [0.0] * len(samples)
+        if episodes is not None:
+            from ferrule_rollout.episodes import EpisodeFailuresError, check_failures
+
+            environment = c.environment
+            try:
+                check_failures(episodes, environment.name, environment.max_failed_fraction)
+            except EpisodeFailuresError as err:
+                raise RunError(f"step {step}: {err}") from None
+        t, penalties = c.trainer, [0.0] * len(samples)
         if t.overlong_buffer is not None:
             lengths = torch.tensor([len(s.token_ids) for s in samples])
             penalties = rl.overlong_penalty(
@@ -170,7 +222,7 @@ class Loop:
                 scores[i] = t.truncated_score
             else:
                 scores[i] += penalties[i]
-        return scores, scored.failed, penalties
+        return scores, failed, penalties
 
     def train(self, rollout: Rollout) -> dict:
         """The trainer's RL step on one rollout batch: reference / critic passes, advantages,
@@ -422,24 +474,35 @@ class Loop:
         first sample of the first [output] sample_rows prompts, for the logs' sample tables."""
         e, held_out = self.config.eval, self.held_out
         n, prompts = e.samples, [p.text for p in held_out]
-        samples = self.generate(prompts, e.temperature, n)
-        scored = self.score_samples(held_out, samples, n, step, f"eval{step}")
-        self.rewards.report_new_failures(scored)
-        groups = [scored.rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
+        samples, episodes = self.play(held_out, e.temperature, n)
+        rewards, failed, _ = self.episode_scores(
+            held_out, samples, episodes, n, step, f"eval{step}"
+        )
+        groups = [rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
         sources = [p.source for p in held_out]
         report = evaluation.summarize(groups, sources, e.pass_k, e.threshold)
-        report["reward_failed"] = sum(scored.failed.values())
+        report["reward_failed"] = sum(failed.values())
+        if episodes is not None:
+            report.update(_episode_metrics(episodes))
         shown = [
             {
                 "source": p.source,
                 "prompt": p.text,
                 "response": samples[i * n].text,
                 "label": p.label,
-                "reward": scored.rewards[i * n],
+                "reward": rewards[i * n],
             }
             for i, p in enumerate(held_out[: self.config.output.sample_rows])
         ]
-        if self.config.task.name != "data":
+        if episodes is not None:  # the greedy episodes' success: a score reaching the threshold
+            greedy, greedy_episodes = self.play(held_out, 0.0, 1)
+            scores, _, _ = self.episode_scores(
+                held_out, greedy, greedy_episodes, 1, step, f"eval{step}/greedy"
+            )
+            report["accuracy"] = sum(evaluation.succeeded(s, e.threshold) for s in scores) / len(
+                scores
+            )
+        elif self.config.task.name != "data":
             greedy = self.generate(prompts, 0.0, 1)
             report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
         return report, shown
@@ -454,7 +517,7 @@ class Loop:
             "time/score": rollout.seconds_score,
             "time/train": seconds_train,
             "time/sync": seconds_sync,
-            "rewards/restarts": self.rewards.restarts,
+            "rewards/restarts": self.rewards.restarts if self.rewards is not None else 0,
             "rollout/restarts": self.engines.restarts,
         }
         epochs = self.prompts.epochs(rollout.step * self.config.rollout.prompts_per_step)
@@ -540,6 +603,21 @@ class Loop:
             with self.version_changed:
                 self.version_changed.notify_all()
             producer.join(timeout=60)
+
+
+def _episode_metrics(episodes: list) -> dict:
+    """Multi-turn figures over a batch of episodes: turns, the environment's reward, and the
+    failed ones, overall and by reason (episodes/failed_<reason>, zeros included)."""
+    from ferrule_rollout.episodes import failure_counts
+
+    count = max(len(episodes), 1)
+    by_reason = failure_counts(episodes)
+    return {
+        "episodes/turns": sum(e.turns for e in episodes) / count,
+        "episodes/env_reward": sum(e.reward for e in episodes) / count,
+        "episodes/failed": sum(by_reason.values()),
+        **{f"episodes/failed_{reason}": n for reason, n in by_reason.items()},
+    }
 
 
 def _per_source(scores: list[float], sources: list[str]) -> dict:

@@ -335,12 +335,13 @@ def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
 
 
 def write_roles(path: Path, roles: Roles, rewards) -> None:
-    """Which node and process each role runs in (for people, and for the placement tests)."""
+    """Which node and process each role runs in (for people, and for the placement tests);
+    `rewards`: the RewardService, or None where the run has none."""
     where = {
         role.name: get(handle.__ray_call__.remote(_whereabouts), role.label)
         for role, handle in roles.handles().items()
     }
-    if (server := rewards.where()) is not None:
+    if rewards is not None and (server := rewards.where()) is not None:
         where["rewards"] = server
     staged = path.with_suffix(".tmp")  # rewritten when an engine is replaced: never half
     staged.write_text(json.dumps(where, indent=2) + "\n")

@@ -72,8 +72,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         if not config.ray.address:  # a joined cluster's nodes may still be joining
             model_role = resources(config.rewards, config.ray) if config.rewards.model else (0, 0)
             check_fits(config.ray, wanted_roles(config), ray.cluster_resources(), model_role)
-        rewards = RewardService.start(config.rewards, config.ray, out)
-        startup.mark("reward server")
+        if config.needs_reward_server():  # not for episodes scored by their environment
+            rewards = RewardService.start(config.rewards, config.ray, out)
+            startup.mark("reward server")
         model_path = warm_start(config, out)
         if config.sft.steps:
             startup.mark("SFT warm start")

@@ -70,12 +70,15 @@ class Episode:
     """One of FAILURE_REASONS when the episode failed, else None."""
     detail: str = ""
     """What went wrong, for logs (the exception's type and message)."""
+    text: str = ""
+    """The transcript after the first observation (`response_ids` decoded, special tokens
+    skipped): what a reward server scores as the episode's response."""
 
     @property
     def reward(self) -> float:
         return sum(self.rewards)
 
-    def sample(self, tokenizer) -> Sample:
+    def sample(self) -> Sample:
         """The episode as one Sample for scoring and training: the whole transcript after the
         first observation is its response (`text` decoded from it), `mask` says which tokens
         the model sampled, and `version` is the oldest policy version among them."""
@@ -88,7 +91,7 @@ class Episode:
             logprobs=list(self.logprobs),
             finish_reason="length" if self.finish_reason == "max_tokens" else "stop",
             version=min(model_versions, default=0),
-            text=tokenizer.decode(self.response_ids, skip_special_tokens=True),
+            text=self.text,
             mask=list(self.mask),
         )
 
@@ -331,7 +334,9 @@ class _Runner:
 
     def _finish(self, state: _State, reason: str) -> None:
         state.done, state.deadline = True, None
-        state.episode.finish_reason = reason
+        episode = state.episode
+        episode.finish_reason = reason
+        episode.text = self.tokenizer.decode(episode.response_ids, skip_special_tokens=True)
 
     def _fail(self, state: _State, reason: str, detail: str) -> None:
         self._finish(state, "failed")
