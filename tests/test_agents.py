@@ -31,7 +31,7 @@ def records(out: Path) -> list[dict]:
 def test_the_agent_example_learns_its_multi_turn_task(tmp_path):
     out = tmp_path / "agent"
     done = subprocess.run(
-        command(out, "loop.steps=30", "loop.eval_every=0", "trainer.learning_rate=5e-4"),
+        command(out, "loop.eval_every=0"),  # the example's 40 steps
         capture_output=True,
         text=True,
         timeout=900,
@@ -43,12 +43,13 @@ def test_the_agent_example_learns_its_multi_turn_task(tmp_path):
         f"agent: greedy success {summary['accuracy_before']:.2f} -> {summary['accuracy_after']:.2f}"
         f"; turns {steps[0]['episodes/turns']:.2f} -> {steps[-1]['episodes/turns']:.2f}"
     )
-    # Episodes of one or two answers; a second answer only after a miss, so fewer turns as
-    # the model gets the first answer right more often.
+    # Episodes of one or two answers, a second answer only after a miss
     assert all(1.0 <= r["episodes/turns"] <= 2.0 for r in steps)
     assert max(r["episodes/turns"] for r in steps) > 1.0
     assert all(r["episodes/failed"] == 0 for r in steps)
-    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.1
+    # greedy episodes' success (an exact first answer): 0.33 -> 0.47 on the development machine
+    assert summary["accuracy_after"] > summary["accuracy_before"] + 0.05
+    assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"] + 0.05
 
 
 def test_failed_episodes_are_counted_and_too_many_stop_the_run(tmp_path):

@@ -1,10 +1,11 @@
 """A multi-turn task the tiny model can learn: reverse a word, with another try after a miss.
 
-Turn 1 is the prompt ("Reverse the string abc. Answer:"). A right answer ends the episode with
-reward 1. A wrong one gets the observation " Wrong. Answer:" and the model tries again, up to
-`tries` answers; the episode's reward is then the last answer's share of letters in place (1.0
-only when it is exact), so a second try that gets it right scores as well as a first.
-Used by examples/agent-retry.toml: `uv run rlhf-launch examples/agent-retry.toml`.
+Turn 1 is the prompt ("Reverse the string abc. Answer:"). Each answer earns its share of letters
+in place, halved (partial credit, as the tiny example's `char_match` gives); an exact answer
+earns 1 and ends the episode. After a wrong answer the environment says " Wrong. Answer:" and
+the model tries again, up to `tries` answers. So an exact first answer scores 1.0, the only
+score that reaches 1, and a miss followed by a better second answer scores more than a miss
+followed by a worse one. Used by examples/agent-retry.toml.
 """
 
 from ferrule_rollout.environments import Environment, StepResult
@@ -26,6 +27,8 @@ class RetryReversal(Environment):
     def step(self, model_output: str) -> StepResult:
         self.answers += 1
         score = letters_in_place(model_output.strip(), self.answer)
-        if score == 1.0 or self.answers >= self.tries:
-            return StepResult(None, score, {"answers": self.answers})
-        return StepResult(" Wrong. Answer:", 0.0)
+        if score == 1.0:
+            return StepResult(None, 1.0, {"answers": self.answers})
+        if self.answers >= self.tries:
+            return StepResult(None, score / 2, {"answers": self.answers})
+        return StepResult(" Wrong. Answer:", score / 2)
