@@ -98,6 +98,9 @@ def test_two_turn_episodes_match_a_transformers_forward(engine):
         assert (sample.prompt_token_ids, sample.token_ids) == (e.prompt_ids, e.response_ids)
         assert (sample.mask, sample.logprobs, sample.version) == (e.mask, e.logprobs, 0)
         assert sample.text == e.text == tok.decode(e.response_ids, skip_special_tokens=True)
+        # the first turn's reward at its last token; the last turn's is the score's
+        assert e.turn_ends == [len(first) - 1, len(e.response_ids) - 1]
+        assert sample.turn_rewards == [(len(first) - 1, 0.25)]
     # A decode / encode round trip would have changed some of these turns' ids.
     assert round_trip_changes > 0
 

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ferrule_trainer import rl
+from ferrule_trainer import advantages, rl
 from ferrule_trainer.config import ESTIMATORS
+from ferrule_trainer.reward_shaping import token_rewards
 from ferrule_trainer.rl import (
     build_batch,
     critic_batch,
@@ -56,6 +57,35 @@ def test_a_multi_turn_samples_mask_keeps_environment_tokens_out_of_every_loss():
     bad = SimpleNamespace(prompt_token_ids=[4], token_ids=[7, 8], mask=[1])
     with pytest.raises(ValueError, match="sample 0: mask has 1 entries for 2 tokens"):
         build_batch([bad], pad_id=1)
+
+
+def test_turn_rewards_are_credited_at_their_own_turn():
+    # model, model, environment, model: the first turn earned 0.5, the episode 1.5 in all
+    turns = SimpleNamespace(
+        prompt_token_ids=[4], token_ids=[7, 8, 9, 6], mask=[1, 1, 0, 1], turn_rewards=[(1, 0.5)]
+    )
+    single = SimpleNamespace(prompt_token_ids=[5], token_ids=[7, 3], mask=None)
+    batch = build_batch([turns, single], pad_id=1)
+    earlier = rl.turn_rewards([turns, single], batch)
+    assert earlier.tolist() == [[0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    assert rl.turn_rewards([single, single], batch) is None  # single-turn batches: nothing
+    scores = torch.tensor([1.5, 1.0])
+    rewards = token_rewards(scores, batch["response_mask"], turn_rewards=earlier)
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]  # rows sum to scores
+    # REINFORCE++ (gamma 1): the tokens after the first turn do not share its reward
+    mask = batch["response_mask"]
+    returns = advantages.discounted_returns(rewards, mask)
+    assert returns[0].tolist() == [1.5, 1.5, 0.0, 1.0]
+    with_turns, _ = estimate(
+        "reinforce_plus_plus", scores, batch, group_size=2, turn_rewards=earlier
+    )
+    without, _ = estimate("reinforce_plus_plus", scores, batch, group_size=2)
+    assert with_turns[0, 3] < without[0, 3]  # the last turn is credited its own 1.0 only
+    grpo, _ = estimate("grpo", scores, batch, group_size=2, turn_rewards=earlier)
+    assert torch.equal(grpo, estimate("grpo", scores, batch, group_size=2)[0])
+    bad = SimpleNamespace(prompt_token_ids=[4], token_ids=[7], mask=None, turn_rewards=[(3, 1.0)])
+    with pytest.raises(ValueError, match="sample 0: a turn reward at token 3; it has 1 tokens"):
+        rl.turn_rewards([bad], build_batch([bad], pad_id=1))
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)

@@ -277,6 +277,7 @@ class Loop:
             old_logprobs=old,
             ref_logprobs=ref,
             values=values,
+            turn_rewards=rl.turn_rewards(samples, batch),
             **dict(t.estimate_options(), kl_coef=self.kl_coef),
         )
         rollout_lp = rl.rollout_logprobs(samples, batch)

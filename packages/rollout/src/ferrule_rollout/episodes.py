@@ -59,6 +59,8 @@ class Episode:
     """The policy version that sampled each model token; -1 on env tokens."""
     rewards: list[float] = field(default_factory=list)
     """The environment's reward for each model turn (one per step call that returned)."""
+    turn_ends: list[int] = field(default_factory=list)
+    """For each model turn, the index of its last token in `response_ids`."""
     infos: list[dict] = field(default_factory=list)
     """The environment's info for each step."""
     turns: int = 0
@@ -81,7 +83,9 @@ class Episode:
     def sample(self) -> Sample:
         """The episode as one Sample for scoring and training: the whole transcript after the
         first observation is its response (`text` decoded from it), `mask` says which tokens
-        the model sampled, and `version` is the oldest policy version among them."""
+        the model sampled, `version` is the oldest policy version among them, and
+        `turn_rewards` holds the rewards of the turns before the last, each at its turn's last
+        token (for the estimators with per-token rewards)."""
         model_versions = [v for v in self.versions if v >= 0]
         return Sample(
             prompt_index=self.index,
@@ -93,6 +97,8 @@ class Episode:
             version=min(model_versions, default=0),
             text=self.text,
             mask=list(self.mask),
+            # every reward but the last turn's, which the score carries
+            turn_rewards=list(zip(self.turn_ends, self.rewards[:-1], strict=False)),
         )
 
 
@@ -325,6 +331,7 @@ class _Runner:
         episode.mask += [1] * len(tokens)
         episode.logprobs += list(sample.logprobs)
         episode.versions += versions
+        episode.turn_ends.append(len(episode.response_ids) - 1)
         episode.turns += 1
         state.last_eos = bool(tokens) and tokens[-1] in self.eos
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)

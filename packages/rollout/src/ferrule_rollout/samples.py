@@ -141,3 +141,6 @@ class Sample:
     mask: list[int] | None = None
     """Multi-turn episodes only (episodes.py): 1 on the tokens the model sampled, 0 on those an
     environment inserted (no loss, no gradient); None when every token was sampled."""
+    turn_rewards: list[tuple[int, float]] | None = None
+    """Multi-turn episodes only: the rewards the environment gave before the episode's last
+    turn, each as (index of that turn's last token in `token_ids`, reward)."""

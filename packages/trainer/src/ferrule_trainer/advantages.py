@@ -109,6 +109,7 @@ def reinforce_plus_plus(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     gamma: float = 1.0,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
     Language Models"): PPO's tricks without a critic.
@@ -117,10 +118,11 @@ def reinforce_plus_plus(
         G_t = sum_{s >= t} gamma^(s-t) r_s          A = (G - mean G) / std G over the batch
 
     kl: per-token KL estimate (`kl.kl_estimate`, k1 in the paper) between the rollout policy and
-    the reference; None for no penalty.
+    the reference; None for no penalty. turn_rewards: rewards earned before the end, as
+    `token_rewards` takes them (multi-turn episodes).
     """
     check_sequence_scores(scores, mask)
-    rewards = token_rewards(scores, mask, kl=kl, kl_coef=kl_coef)
+    rewards = token_rewards(scores, mask, kl=kl, kl_coef=kl_coef, turn_rewards=turn_rewards)
     return normalize_advantages(discounted_returns(rewards, mask, gamma=gamma), mask)
 
 

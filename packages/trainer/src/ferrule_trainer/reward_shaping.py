@@ -83,18 +83,24 @@ def token_rewards(
     *,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token rewards: the sequence score on the last valid token, and the KL penalty
     -kl_coef * kl_t on every valid token; (batch, response_len), 0 on padding.
 
         r_t = -kl_coef kl_t + [t is the last valid token] s
 
+    turn_rewards (batch, response_len): rewards earned before the end (a multi-turn episode's
+    turns, each on its turn's last token; `rl.turn_rewards`). They stay where they are and the
+    last valid token carries the score minus their row's sum, so each row still adds up to its
+    score (whatever shaping changed the score by lands at the end).
+
     The KL-penalised reward of Ziegler et al. 2019 and InstructGPT (Ouyang et al. 2022), used
     by PPO (with `advantages.gae`) and REINFORCE++. kl: per-token estimates from
     `kl.kl_estimate` (k1 is the usual choice here); None or kl_coef = 0 for no penalty.
     """
     check_sequence_scores(scores, mask)
-    check_per_token(mask, kl=kl)
+    check_per_token(mask, kl=kl, turn_rewards=turn_rewards)
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     valid = valid_tokens(mask)
@@ -106,7 +112,12 @@ def token_rewards(
     rewards = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
     if kl is not None and kl_coef:
         rewards = torch.where(valid, -kl_coef * kl.detach().float(), 0.0)
-    return rewards.scatter_add(1, last[:, None], scores.detach().float()[:, None])
+    at_the_end = scores.detach().float()
+    if turn_rewards is not None:
+        earlier = torch.where(valid, turn_rewards.detach().float(), 0.0)
+        rewards = rewards + earlier
+        at_the_end = at_the_end - earlier.sum(-1)
+    return rewards.scatter_add(1, last[:, None], at_the_end[:, None])
 
 
 def shape_scores(

@@ -81,6 +81,24 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
     }
 
 
+def turn_rewards(samples: Sequence, batch: Batch) -> torch.Tensor | None:
+    """The rewards samples earned before their end (multi-turn episodes' `turn_rewards`:
+    (token index, reward) pairs) in the layout of `batch["response_mask"]`, for `estimate`;
+    None when no sample has any."""
+    if not any(getattr(s, "turn_rewards", None) for s in samples):
+        return None
+    out = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        for index, reward in getattr(sample, "turn_rewards", None) or ():
+            if not 0 <= index < len(sample.token_ids):
+                raise ValueError(
+                    f"sample {row}: a turn reward at token {index}; it has "
+                    f"{len(sample.token_ids)} tokens"
+                )
+            out[row, index] += reward
+    return out
+
+
 def rollout_logprobs(samples: Sequence, batch: Batch) -> torch.Tensor:
     """The engine's log-probabilities of the sampled tokens (`Sample.logprobs`: the behaviour
     policy) in the layout of `batch["response_mask"]`, 0 on padding."""
@@ -172,17 +190,21 @@ def estimate(
     kl_max: float | None = 10.0,
     gamma: float = 1.0,
     lam: float = 0.95,
+    turn_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages, returns) for `estimator`; returns is None except for "gae" (the critic's
     target). With kl_in = "reward" the KL of the rollout policy to the reference is a per-token
-    reward penalty (PPO, REINFORCE++); otherwise the loss carries it."""
+    reward penalty (PPO, REINFORCE++); otherwise the loss carries it. turn_rewards (multi-turn
+    episodes, `turn_rewards(samples, batch)`): the estimators with per-token rewards ("gae",
+    "reinforce_plus_plus") credit each turn's reward at its own turn; the group estimators
+    use the scores (each episode's total) alone."""
     mask = batch["response_mask"]
     kl = None
     if kl_in == "reward" and kl_coef > 0:
         kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max)
     penalty = dict(kl=kl, kl_coef=kl_coef if kl is not None else 0.0)
     if estimator == "gae":
-        rewards = token_rewards(scores, mask, **penalty)
+        rewards = token_rewards(scores, mask, **penalty, turn_rewards=turn_rewards)
         advantages, returns = adv.gae(rewards, values, mask, gamma=gamma, lam=lam)
         return adv.normalize_advantages(advantages, mask), returns
     if estimator == "grpo":
@@ -192,7 +214,10 @@ def estimate(
     if estimator == "rloo":
         return adv.rloo(scores, mask, group_size=group_size), None
     if estimator == "reinforce_plus_plus":
-        return adv.reinforce_plus_plus(scores, mask, gamma=gamma, **penalty), None
+        advantages = adv.reinforce_plus_plus(
+            scores, mask, gamma=gamma, **penalty, turn_rewards=turn_rewards
+        )
+        return advantages, None
     if estimator == "reinforce_plus_plus_baseline":
         advantages = adv.reinforce_plus_plus_baseline(
             scores, mask, group_size=group_size, gamma=gamma, **penalty
