@@ -63,6 +63,8 @@ def test_failed_episodes_are_counted_and_too_many_stop_the_run(tmp_path):
             "environment.max_failed_fraction=0.3",
             "loop.steps=2",
             "loop.eval_every=0",
+            # per-token rewards: the first answer's partial credit at its own turn
+            'trainer.estimator="reinforce_plus_plus"',
         ),
         capture_output=True,
         text=True,
