@@ -98,7 +98,12 @@ def main() -> None:
     from ferrule_testkit import tiny_model
 
     engine = RolloutEngine(
-        tiny_model("qwen2"), dtype="float32", max_model_len=512, seed=0, enforce_eager=True
+        tiny_model("qwen2"),
+        dtype="float32",
+        max_model_len=512,
+        seed=0,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,  # on CPU: the share of host memory for the KV cache
     )
     settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
     prompts = [f"Task {i}: look things up, then answer." for i in range(args.episodes)]

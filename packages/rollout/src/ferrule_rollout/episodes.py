@@ -38,7 +38,8 @@ from ferrule_rollout.environments import (
 )
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 
-_SENTINEL = "FERRULE_ASSISTANT_TURN"  # stands for the model's text when rendering templates
+_SENTINEL = "FERRULE_ASSISTANT_TURN"
+GATHER = 64  # turns that make a generate call without waiting for the event queue to drain  # stands for the model's text when rendering templates
 
 
 @dataclass
@@ -189,8 +190,11 @@ class _Runner:
         waiting: list[_State] = []  # turns ready for the model
         in_flight, active = 0, len(states)
         while active:
-            while waiting and in_flight < self.max_calls:
-                in_flight += self._dispatch(waiting)
+            # Turns that become ready together go as one call: handle every event already
+            # queued before sending (a stream of events still sends once GATHER turns wait).
+            if self.events.empty() or len(waiting) >= GATHER:
+                while waiting and in_flight < self.max_calls:
+                    in_flight += self._dispatch(waiting)
             first = min((s.deadline for s in states if s.deadline and not s.done), default=None)
             if first is not None and first <= time.monotonic():  # even while events keep coming
                 for state in states:
