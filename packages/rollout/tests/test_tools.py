@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from ferrule_rollout.environments import EpisodeFailure
-from ferrule_rollout.tools import ToolEnvironment, ToolError, calculator, lookup, run_tool
+from ferrule_rollout.tools import (
+    ToolEnvironment,
+    ToolError,
+    calculator,
+    lookup,
+    run_tool,
+    tool_calls,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from episode_helpers import hang
@@ -80,6 +87,22 @@ def test_tool_calls_are_parsed_and_answered():
         assert message["content"].startswith(answer), (output, message)
     final = env.step("The answer is 42.")
     assert final.observation is None and final.reward == 0.0
+
+
+def test_the_json_formats_of_other_chat_templates_are_calls_too():
+    env = Tools()
+    env.reset("q", "", {"table": {"k": "v"}})
+    llama = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "6*7"}}'
+    assert env.step(llama).observation == [{"role": "tool", "content": "42"}]
+    assert env.step(llama.removeprefix("<|python_tag|>")).observation[0]["content"] == "42"
+    mistral = '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "1+1"}}, ' + (
+        '{"name": "lookup", "arguments": {"key": "k"}}]'
+    )
+    assert [m["content"] for m in env.step(mistral).observation] == ["2", "v"]
+    # JSON that is not a call, or prose, is the final answer
+    for answer in ('{"answer": 42}', "[1, 2]", "[see above] 42", "{not json"):
+        assert tool_calls(answer) is None, answer
+        assert env.step(answer).observation is None
 
 
 def test_a_hanging_tool_is_killed_and_the_next_call_runs():

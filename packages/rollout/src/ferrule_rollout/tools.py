@@ -4,12 +4,15 @@
         tools = {"calculator": calculator, "lookup": lookup}
         def final_reward(self, answer): return float(self.label in answer)
 
-The model calls a tool by writing, anywhere in its turn (several calls run in order):
+The model calls a tool in its chat template's format (`tool_calls`; several calls run in order):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>
 
-the Hermes format that the Qwen2.5 / Qwen3 chat templates use for tools (a turn stops at
-"</tool_call>"). Each result comes back as a {"role": "tool"} message, which the runner renders
+anywhere in its turn: the Hermes format of the Qwen2.5 / Qwen3 templates (a turn stops at
+"</tool_call>"). Or the whole turn is the call as JSON, as the Llama 3.1+ templates
+(`{"name": ..., "parameters": {...}}`, after `<|python_tag|>`) and Mistral's (`[TOOL_CALLS]`
+then a list of `{"name": ..., "arguments": {...}}`) write it; those markers are special tokens
+that decoding drops, and either is accepted when present. Each result comes back as a {"role": "tool"} message, which the runner renders
 with the chat template (Qwen's wraps it in <tool_response>), or as "tool: RESULT" lines without
 one. A turn with no call is the final answer: the episode ends with `final_reward(answer)`.
 
@@ -37,6 +40,29 @@ from multiprocessing.connection import Connection
 from ferrule_rollout.environments import Environment, EpisodeFailure, StepResult
 
 CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")  # where decoding kept them
+
+
+def tool_calls(text: str) -> list[str] | None:
+    """The calls in a model turn, each as its JSON text, or None for a turn without any (the
+    final answer). Hermes tags anywhere in the turn; else a turn that is, whole, a JSON object
+    with "name" and "arguments" (or Llama's "parameters"), or a list of them (Mistral)."""
+    tagged = CALL.findall(text)
+    if tagged:
+        return tagged
+    body = text.strip()
+    for marker in JSON_MARKERS:
+        body = body.removeprefix(marker).strip()
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None  # prose that starts with a bracket: an answer
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
+        return None
+    return [json.dumps(c) for c in calls]
 
 
 class ToolError(Exception):
@@ -69,8 +95,8 @@ class ToolEnvironment(Environment):
         return 0.0
 
     def step(self, model_output: str) -> StepResult:
-        calls = CALL.findall(model_output)
-        if not calls:
+        calls = tool_calls(model_output)
+        if calls is None:
             return StepResult(None, self.final_reward(model_output))
         answers = [self.call(text) for text in calls[: self.max_calls_per_turn]]
         if len(calls) > self.max_calls_per_turn:
@@ -78,11 +104,13 @@ class ToolEnvironment(Environment):
         return StepResult([{"role": "tool", "content": a} for a in answers], 0.0)
 
     def call(self, text: str) -> str:
-        """Run one call (the JSON between the tags); its answer to the model."""
+        """Run one call (its JSON: `tool_calls`); its answer to the model."""
         try:
             call = json.loads(text)
         except json.JSONDecodeError as err:
             return f"error: a tool call must be JSON: {err}"
+        if isinstance(call, dict) and "arguments" not in call and "parameters" in call:
+            call["arguments"] = call.pop("parameters")  # Llama 3's name for them
         if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
             return 'error: a tool call is {"name": ..., "arguments": {...}}'
         name, arguments = call.get("name"), dict(call.get("arguments", {}))
