@@ -7,11 +7,11 @@
 Names are the ones in the model's Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`),
 which vLLM's `load_weights` accepts; tied weights appear once. LoRA adapters are merged into the
 base weights (W + B A * scale) on the fly, so inference engines load a plain model and never see
-peft names. Under ZeRO-3 the parameters are gathered in buckets of about `bucket_bytes`, one
-all-gather per bucket (and dtype): each parameter gathered straight into its own stretch of one
-bucket buffer, the bucket's all-gathers coalesced into one NCCL call, with none of DeepSpeed's
-per-parameter bookkeeping (measured 6x faster
-than `GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py); LoRA layers under ZeRO-3
+peft names. Under ZeRO-3 the parameters are gathered in buckets of about `bucket_bytes`: each
+parameter gathered straight into its own stretch of one bucket buffer (per dtype), the bucket's
+all-gathers coalesced into one NCCL call (on gloo they run one by one), with none of DeepSpeed's
+per-parameter bookkeeping (the join-and-cut export before this one measured 6x faster than
+`GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py); LoRA layers under ZeRO-3
 go through `GatheredParameters`. Every rank of the group must iterate the stream to its end,
 since the gathers are collectives. A consumer that pulls bucket k+1 while bucket k is on the wire
 (ferrule-weightsync's senders do) overlaps the gather with the transfer. The yielded tensors may
