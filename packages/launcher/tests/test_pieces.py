@@ -195,3 +195,32 @@ def test_outputs_log_sample_tables_and_weights_and_biases_offline(tmp_path, monk
     resumed.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "eval_samples.jsonl").open()]
     assert steps == [0, 0] and [r["step"] for r in resumed.history] == [1]
+
+
+def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(monkeypatch):
+    from pathlib import Path
+
+    from ferrule_launcher.config import load_config
+    from ferrule_launcher.placement import role_env
+    from ferrule_launcher.roles import threads_per_role
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
+
+    def threads(**overrides):
+        return threads_per_role(load_config(example, {"ray.num_cpus": 8, **overrides}))
+
+    # the synchronous loop: the engine generates, then the reference's forward, then the
+    # policy trains; one at a time, each gets every CPU
+    assert threads() == 8
+    assert threads(**{"loop.mode": "async"}) == 4  # the engine generates while the policy trains
+    assert threads(**{"rollout.engines": 4}) == 2
+    assert threads(**{"trainer.ranks": 2, "trainer.reference_ranks": 2}) == 4
+    assert threads(**{"trainer.epochs": 2}) == 4  # the policy's old-logprob pass beside the reference
+    assert threads(**{"ray.num_cpus": 3, "loop.mode": "async", "rollout.engines": 4}) == 1
+    assert threads(**{"ray.threads_per_role": 3}) == 3  # the user's word wins
+    assert threads(**{"ray.address": "auto"}) == 1  # a joined cluster: nothing known here
+
+    monkeypatch.setattr("ferrule_launcher.placement.has_cuda", lambda: False)
+    assert role_env(5)["OMP_NUM_THREADS"] == "5"
+    monkeypatch.setattr("ferrule_launcher.placement.has_cuda", lambda: True)
+    assert "OMP_NUM_THREADS" not in role_env(5)

@@ -302,6 +302,10 @@ class RayConfig(Table):
     """"colocate_all": every role in one bundle (one device). "colocate": actor + reference in
     one placement group, critic in another, rollout engines in a third. "separate": every role
     in its own placement group."""
+    threads_per_role: int | None = Field(None, ge=1)
+    """CPU machines: torch's threads in each role's process (OMP_NUM_THREADS). Default: the
+    local cluster's CPUs shared among the roles that compute at the same moment (1 when joining
+    a cluster)."""
     cpus_per_role: float = Field(0.5, gt=0)
     """CPUs each role asks Ray for (fractions let roles share a small machine)."""
     gpus_per_role: float = Field(0.0, ge=0)

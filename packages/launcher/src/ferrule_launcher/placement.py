@@ -28,7 +28,6 @@ CPU_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "OMP_NUM_THREADS": "1",
 }
 
 
@@ -77,12 +76,13 @@ def start_ray(config: RayConfig, env: dict[str, str]) -> str:
     return f"local cluster ({num_cpus} CPUs)"
 
 
-def role_env() -> dict[str, str]:
-    """Environment for every role's process: the CPU settings on machines without CUDA, and
-    what the driver's environment says about caches and import paths."""
+def role_env(threads: int) -> dict[str, str]:
+    """Environment for every role's process: the CPU settings on machines without CUDA (torch's
+    `threads` among them), and what the driver's environment says about caches and import
+    paths."""
     env = {}
     if not has_cuda():
-        env.update(CPU_ENV)
+        env.update(CPU_ENV, OMP_NUM_THREADS=str(threads))
     for key in ("FERRULE_CACHE", "PYTHONPATH", "VLLM_CPU_KVCACHE_SPACE"):
         if key in os.environ:
             env[key] = os.environ[key]

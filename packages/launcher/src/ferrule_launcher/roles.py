@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,28 @@ def wanted_roles(config: Config) -> list[Role]:
     wanted += [Role("reference", i) for i in range(t.reference_ranks if with_reference else 0)]
     wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
     return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
+
+
+def threads_per_role(config: Config) -> int:
+    """Torch threads for each role's process on a CPU machine ([ray] threads_per_role, else the
+    local cluster's CPUs over the most roles that compute at one moment). The synchronous loop's
+    phases take turns: the engines generate; then the reference, the critic and (off-policy) the
+    policy run their forward passes together; then the policy and the critic train together.
+    The asynchronous loop generates while it trains. One role per CPU where they outnumber the
+    CPUs: more threads than cores spin against each other."""
+    if config.ray.threads_per_role:
+        return config.ray.threads_per_role
+    if config.ray.address:  # a joined cluster's nodes may differ; this machine says nothing
+        return 1
+    count = Counter(role.kind for role in wanted_roles(config))
+    old_pass = count["policy"] if config.trainer.needs_old_logprobs() else 0
+    training = max(count["reference"] + count["critic"] + old_pass, count["policy"] + count["critic"])
+    if config.loop.mode == "async":
+        busiest = training + count["rollout"]
+    else:
+        busiest = max(training, count["rollout"])
+    cpus = config.ray.num_cpus or os.cpu_count() or 1
+    return max(1, cpus // busiest)
 
 
 def start_roles(config: Config, model_path: str, env: dict, ready: dict | None = None) -> Roles:

@@ -51,7 +51,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     from ferrule_launcher.placement import check_fits, role_env, start_ray
     from ferrule_launcher.reward_model_role import resources
     from ferrule_launcher.rewards_service import RewardService
-    from ferrule_launcher.roles import start_roles, wanted_roles, write_roles
+    from ferrule_launcher.roles import start_roles, threads_per_role, wanted_roles, write_roles
     from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
@@ -61,11 +61,13 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         outputs.clear_previous(out)
     if state:
         print(f"resuming from step {state['step']} ({out / 'checkpoint'})", flush=True)
-    env = role_env()
+    threads = threads_per_role(config)
+    env = role_env(threads)
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
     where = start_ray(config.ray, env)
     startup.mark("ray")
-    print(f"ray: {where}; placement {config.ray.placement}", flush=True)
+    on_cpu = f"; {threads} torch threads per role" if "OMP_NUM_THREADS" in env else ""
+    print(f"ray: {where}; placement {config.ray.placement}{on_cpu}", flush=True)
     print(f"prompts: {prompts.describe()}", flush=True)
     rewards = log = roles = None
     try:
