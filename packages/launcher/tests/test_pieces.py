@@ -215,7 +215,8 @@ def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(mo
     assert threads(**{"loop.mode": "async"}) == 4  # the engine generates while the policy trains
     assert threads(**{"rollout.engines": 4}) == 2
     assert threads(**{"trainer.ranks": 2, "trainer.reference_ranks": 2}) == 4
-    assert threads(**{"trainer.epochs": 2}) == 4  # the policy's old-logprob pass beside the reference
+    # two epochs: the policy's old-logprob pass runs beside the reference's
+    assert threads(**{"trainer.epochs": 2}) == 4
     assert threads(**{"ray.num_cpus": 3, "loop.mode": "async", "rollout.engines": 4}) == 1
     assert threads(**{"ray.threads_per_role": 3}) == 3  # the user's word wins
     assert threads(**{"ray.address": "auto"}) == 1  # a joined cluster: nothing known here

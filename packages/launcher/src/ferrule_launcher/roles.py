@@ -206,8 +206,10 @@ def threads_per_role(config: Config) -> int:
     if config.ray.address:  # a joined cluster's nodes may differ; this machine says nothing
         return 1
     count = Counter(role.kind for role in wanted_roles(config))
-    old_pass = count["policy"] if config.trainer.needs_old_logprobs() else 0
-    training = max(count["reference"] + count["critic"] + old_pass, count["policy"] + count["critic"])
+    forwards = count["reference"] + count["critic"]
+    if config.trainer.needs_old_logprobs():
+        forwards += count["policy"]
+    training = max(forwards, count["policy"] + count["critic"])
     if config.loop.mode == "async":
         busiest = training + count["rollout"]
     else:
