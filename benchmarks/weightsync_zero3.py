@@ -16,12 +16,15 @@ baseline: one raw broadcast of a flat buffer of the same bytes in the sender's o
 or one device-to-device copy of them (ipc). Rounds alternate between all of them; the first
 warms up; medians are reported.
 
-ratio = baseline / ours at the best bucket size (goal >= 0.6). Last line: one JSON object.
+Before any timing, every exported tensor is checked against DeepSpeed's own gather of that
+parameter (bit for bit; the run stops otherwise). ratio = baseline / ours at the best bucket
+size (goal >= 0.6). Last line: one JSON object.
 """
 
 import argparse
 import json
 import os
+import queue
 import socket
 import statistics
 import time
@@ -66,6 +69,18 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
         sender = create_sender(transport, "127.0.0.1", ports["sync"], 1, device=device)
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         copy = torch.empty_like(flat) if args.mode == "ipc" else None
+
+    # First, that it is right: the export equals DeepSpeed's own gather of each parameter, bit
+    # for bit, at the smallest bucket size asked for (every rank takes part in both gathers).
+    import deepspeed
+
+    smallest = min(args.bucket_mb) * MB
+    exported = {name: t.clone() for name, t in actor.export_weights(bucket_bytes=smallest)}
+    for name, param in actor.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            if not torch.equal(exported.pop(name), param.detach()):
+                raise SystemExit(f"the export of {name} differs from DeepSpeed's gather")
+    del exported
 
     def ours(bucket_mb: int) -> None:
         weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
@@ -136,6 +151,24 @@ def receiver_worker(ports: dict, args, out) -> None:
     receiver.close()
 
 
+def wait_for_results(out, procs, count: int, timeout: float) -> dict:
+    """`count` result dicts from the workers; stops at once, killing the rest, if a worker
+    dies first (the others would wait for it until the timeout)."""
+    results, deadline = {}, time.monotonic() + timeout
+    while count:
+        try:
+            results |= out.get(timeout=2)
+            count -= 1
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"a worker exited with status {failed[0]}" if failed else "timed out"
+                raise SystemExit(f"weightsync_zero3: {why} (see above)") from None
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["nccl", "ipc"])
@@ -178,9 +211,7 @@ def main() -> None:
     procs.append(ctx.Process(target=receiver_worker, args=(ports, args, out)))
     for p in procs:
         p.start()
-    results = {}
-    for _ in range(2):
-        results |= out.get(timeout=560)
+    results = wait_for_results(out, procs, count=2, timeout=560)
     for p in procs:
         p.join(60)
     median = {key: statistics.median(times) for key, times in results["times"].items()}

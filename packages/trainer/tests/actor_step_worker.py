@@ -42,16 +42,19 @@ batch["advantages"] = torch.randn(B, R, generator=generator)
 mine = {k: v[rank::world] for k, v in batch.items()}
 size = 2
 micro_batches = [{k: v[i : i + size] for k, v in mine.items()} for i in range(0, B // world, size)]
+# an export before the step: the actor's export layout is worked out here, and the one after the
+# step below must still read the updated partitions
+dict(actor.export_weights(bucket_bytes=64 * 1024))
 metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
 
 gathers = 0  # collectives of the export: a bucket's (coalesced) all-gathers, GatheredParameters
-original_coalesced, original_context = export._coalesced, deepspeed.zero.GatheredParameters
+original_all_gather, original_context = export._all_gather, deepspeed.zero.GatheredParameters
 
 
-def counting_coalesced(*args, **kwargs):
+def counting_all_gather(*args, **kwargs):
     global gathers
     gathers += 1
-    return original_coalesced(*args, **kwargs)
+    return original_all_gather(*args, **kwargs)
 
 
 class CountingContext(original_context):
@@ -61,10 +64,10 @@ class CountingContext(original_context):
         return super().__enter__()
 
 
-export._coalesced = counting_coalesced
+export._all_gather = counting_all_gather
 deepspeed.zero.GatheredParameters = CountingContext
 exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
-export._coalesced = original_coalesced
+export._all_gather = original_all_gather
 deepspeed.zero.GatheredParameters = original_context
 specs = actor.weight_specs()
 assert [s.name for s in specs] == list(exported), "specs and export disagree on names/order"

@@ -103,6 +103,7 @@ class Actor(TrainedModel):
             total_steps=total_steps,
             ds_config=ds_config,
         )
+        self._exports: dict[torch.dtype | None, export.WeightExport] = {}
 
     @property
     def module(self) -> torch.nn.Module:
@@ -330,7 +331,7 @@ class Actor(TrainedModel):
 
     def weight_specs(self, dtype: torch.dtype | None = None):
         """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""
-        return export.weight_specs(self.module, dtype=dtype)
+        return self._export(dtype).specs()
 
     def weights_digest(self, dtype: torch.dtype | None = None) -> str:
         """`ferrule_weightsync.digest` of `export_weights(dtype)`: an engine that loaded every
@@ -343,4 +344,10 @@ class Actor(TrainedModel):
         self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
-        return export.export_weights(self.module, dtype=dtype, bucket_bytes=bucket_bytes)
+        return self._export(dtype).weights(bucket_bytes)
+
+    def _export(self, dtype: torch.dtype | None) -> export.WeightExport:
+        # worked out once per dtype: a sync after every step would redo it each time
+        if dtype not in self._exports:
+            self._exports[dtype] = export.WeightExport(self.module, dtype)
+        return self._exports[dtype]
