@@ -225,3 +225,65 @@ def test_classic_rlhf_reward_model_on_its_own_gpu(tmp_path):
     digests = summary["weights_digest"]
     assert digests["engines"] and all(d == digests["policy"] for d in digests["engines"])
     assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]  # the RM's score
+
+
+def step_split(records: list[dict]) -> dict:
+    """Seconds per step and the weight sync's share of a step, medians over the steps after the
+    first four (warm-up)."""
+    import itertools
+    import statistics
+
+    timed = records[4:]
+    walls = [b["wall_seconds"] - a["wall_seconds"] for a, b in itertools.pairwise(timed)]
+    step = statistics.median(walls)
+    sync = statistics.median(r["time/sync"] for r in timed)
+    return {"s_per_step": round(step, 3), "sync_s": round(sync, 4), "sync_share": sync / step}
+
+
+# Issue 23: the two placements of a four-GPU host on the same model and task, KL off in both so
+# that they run the same roles apart from where they sit.
+FOUR_GPUS = ["trainer.zero_stage=3", "trainer.kl_coef=0.0", "ray.num_cpus=8"]
+
+
+@pytest.mark.gpu(count=4)
+def test_hybrid_engine_on_four_gpus_zero3_ipc_offload_and_sleep(tmp_path):
+    """colocate_all on four GPUs: four ZeRO-3 policy ranks and four engines, one pair per GPU;
+    each rank sends the gathered weights over CUDA IPC to the engine on its GPU; between phases
+    the policy's states and the engines' weights leave the GPUs."""
+    records, summary = launch(
+        tmp_path / "hybrid4",
+        *FOUR_GPUS,
+        'ray.placement="colocate_all"',
+        "trainer.ranks=4",
+        "rollout.engines=4",
+        "trainer.offload_between_phases=true",
+        "rollout.sleep_between_phases=true",
+    )
+    print(json.dumps({"hybrid_4_gpus": step_split(records)}))
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    assert len(summary["weights_digest"]["engines"]) == 4
+    roles = json.loads((tmp_path / "hybrid4" / "roles.json").read_text())
+    for i in range(4):  # policy rank i and engine i share a GPU, a GPU of its own
+        assert roles[f"policy-{i}"]["gpus"] == roles[f"rollout-{i}"]["gpus"]
+    assert len({tuple(roles[f"policy-{i}"]["gpus"]) for i in range(4)}) == 4
+
+
+@pytest.mark.gpu(count=4)
+def test_separate_placement_on_four_gpus_zero3_nccl_to_two_engines(tmp_path):
+    """separate on four GPUs: two ZeRO-3 policy ranks on two GPUs, two engines on the other two;
+    rank 0 broadcasts the gathered weights over NCCL to both engines."""
+    records, summary = launch(
+        tmp_path / "separate4",
+        *FOUR_GPUS,
+        'ray.placement="separate"',
+        "trainer.ranks=2",
+        "rollout.engines=2",
+    )
+    print(json.dumps({"separate_4_gpus": step_split(records)}))
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    assert len(summary["weights_digest"]["engines"]) == 2
+    roles = json.loads((tmp_path / "separate4" / "roles.json").read_text())
+    gpus = [
+        tuple(roles[name]["gpus"]) for name in ("policy-0", "policy-1", "rollout-0", "rollout-1")
+    ]
+    assert len(set(gpus)) == 4  # every role on a GPU of its own

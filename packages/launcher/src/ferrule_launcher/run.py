@@ -66,7 +66,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
     where = start_ray(config.ray, env)
     startup.mark("ray")
-    on_cpu = f"; {threads} torch threads per role" if "OMP_NUM_THREADS" in env else ""
+    on_cpu = f"; torch threads per role: {threads}" if "OMP_NUM_THREADS" in env else ""
     print(f"ray: {where}; placement {config.ray.placement}{on_cpu}", flush=True)
     print(f"prompts: {prompts.describe()}", flush=True)
     rewards = log = roles = None
