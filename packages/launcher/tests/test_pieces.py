@@ -225,3 +225,23 @@ def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(mo
     assert role_env(5)["OMP_NUM_THREADS"] == "5"
     monkeypatch.setattr("ferrule_launcher.placement.has_cuda", lambda: True)
     assert "OMP_NUM_THREADS" not in role_env(5)
+
+
+def test_device_memory_is_not_asked_of_roles_without_gpus():
+    """Two Ray round trips per step (GPU memory after generating and after training) are made
+    only where the roles have GPUs; on CPU the metric is 0 without a call."""
+    from types import SimpleNamespace
+
+    from ferrule_launcher.loop import Loop
+
+    class Unreachable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the policy's workers were asked ({name})")
+
+    def loop(gpus: float):
+        config = SimpleNamespace(ray=SimpleNamespace(gpus_per_role=gpus))
+        return SimpleNamespace(config=config, roles=Unreachable())
+
+    assert Loop._device_memory(loop(0.0)) == 0.0
+    with pytest.raises(AssertionError, match="asked"):
+        Loop._device_memory(loop(1.0))

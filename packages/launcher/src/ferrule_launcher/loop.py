@@ -530,7 +530,10 @@ class Loop:
         return metrics
 
     def _device_memory(self) -> float:
-        """GB in use on policy rank 0's GPU, by every role on it (0 on CPU)."""
+        """GB in use on policy rank 0's GPU, by every role on it; 0 where the roles have no
+        GPUs, without asking (two round trips per step saved)."""
+        if not self.config.ray.gpus_per_role:
+            return 0.0
         return get(self.roles.policy.workers[0].device_memory.remote(), "policy rank 0")
 
     def _eval_due(self, step: int) -> bool:
