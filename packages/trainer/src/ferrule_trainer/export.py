@@ -196,7 +196,6 @@ class _BucketPlan:
     def __init__(self, items: list[_Item]):
         self.items = items
         self.plain = all(item.plain is not None for item in items)
-        self.casts = [item.dtype != item.plain.dtype for item in items] if self.plain else []
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in (item.plain for item in items) if self.plain else ():
             by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
@@ -207,9 +206,8 @@ class _BucketPlan:
             full = {}
             for group in self.groups:
                 full.update(group.gather())
-            for item, cast in zip(self.items, self.casts, strict=True):
-                tensor = full[id(item.plain)]
-                yield item.name, tensor.to(item.dtype) if cast else tensor
+            for item in self.items:
+                yield item.name, full[id(item.plain)].to(item.dtype)  # no copy when it matches
             return
         import deepspeed
 
