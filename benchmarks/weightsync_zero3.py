@@ -8,8 +8,10 @@ ferrule-weightsync, loaded by a receiver, against a raw broadcast of the same by
 The policy is ferrule-trainer's `Actor` (DeepSpeed ZeRO-3, bf16) on ferrule-testkit's Qwen2 of
 the given shape (default ~0.6B parameters). One update: every rank iterates
 `Actor.export_weights(bucket_bytes=...)` (the gathers are collectives), rank 0 hands the stream
-to the sender, and the receiver copies every tensor into its own preallocated copy of the model
-(an engine's load). Timed on rank 0 from the start of the export until the sender's `send`
+to a sender of the same bucket size (one sender and receiver per size: the export then gathers
+each bucket into a buffer in the sender's layout, which a broadcast sender sends without
+packing), and the receiver copies every tensor into its own preallocated copy of the model (an
+engine's load). Timed on rank 0 from the start of the export until the sender's `send`
 returns, which is after every receiver reported its load done. Each export bucket size given is
 timed in the same rounds, beside `gather_only` (the export iterated without sending) and the
 baseline: one raw broadcast of a flat buffer of the same bytes in the sender's own group (nccl),
@@ -63,10 +65,14 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     device = actor.device
     specs = actor.weight_specs()
     nbytes = sum(torch.Size(s.shape).numel() * s.dtype.itemsize for s in specs)
-    sender = None
+    senders = {}
     if rank == 0:
         transport = "broadcast" if args.mode == "nccl" else "ipc"
-        sender = create_sender(transport, "127.0.0.1", ports["sync"], 1, device=device)
+        for mb, port in zip(args.bucket_mb, ports["sync"], strict=True):
+            senders[mb] = create_sender(
+                transport, "127.0.0.1", port, 1, device=device, bucket_bytes=mb * MB
+            )
+        sender = senders[args.bucket_mb[0]]
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         copy = torch.empty_like(flat) if args.mode == "ipc" else None
 
@@ -84,11 +90,11 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
 
     def ours(bucket_mb: int) -> None:
         weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
-        if sender is None:
+        if rank:
             for _ in weights:
                 pass
         else:
-            sender.send(weights, specs=specs)
+            senders[bucket_mb].send(weights, specs=specs)
 
     def gather_only(bucket_mb: int) -> None:
         for _ in actor.export_weights(bucket_bytes=bucket_mb * MB):
@@ -117,7 +123,8 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
                 times[name].append(time.perf_counter() - started)
     if rank == 0:
         out.put({"bytes": nbytes, "tensors": len(specs), "times": times})
-        sender.close()
+        for sender in senders.values():
+            sender.close()
     torch.distributed.barrier()
 
 
@@ -130,13 +137,16 @@ def receiver_worker(ports: dict, args, out) -> None:
     else:
         torch.cuda.set_device(device)
     if args.mode == "nccl":
-        receiver = create_receiver("broadcast", "127.0.0.1", ports["sync"], 1, 1, device=device)
+        receivers = [
+            create_receiver("broadcast", "127.0.0.1", port, 1, 1, device=device)
+            for port in ports["sync"]
+        ]
     else:
-        receiver = create_receiver("ipc", "127.0.0.1", ports["sync"], 1, 1)
+        receivers = [create_receiver("ipc", "127.0.0.1", port, 1, 1) for port in ports["sync"]]
     model: dict[str, torch.Tensor] = {}  # the engine's weights, allocated by the first update
     flat = None
     for _ in range(args.repeats + 1):
-        for _ in args.bucket_mb:
+        for receiver in receivers:
             for name, tensor in receiver.receive():
                 if name not in model:
                     model[name] = torch.empty_like(tensor, device=device)
@@ -145,10 +155,11 @@ def receiver_worker(ports: dict, args, out) -> None:
             if flat is None:
                 nbytes = sum(t.numel() * t.element_size() for t in model.values())
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            receiver._group.broadcast(flat).wait()
+            receivers[0]._group.broadcast(flat).wait()
             synchronize(device)
     out.put({"received_tensors": len(model)})
-    receiver.close()
+    for receiver in receivers:
+        receiver.close()
 
 
 def wait_for_results(out, procs, count: int, timeout: float) -> dict:
@@ -203,7 +214,7 @@ def main() -> None:
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = {"policy": free_port(), "sync": free_port()}
+    ports = {"policy": free_port(), "sync": [free_port() for _ in args.bucket_mb]}
     world = 2 if args.mode == "nccl" else 1
     procs = [
         ctx.Process(target=policy_worker, args=(r, world, ports, args, out)) for r in range(world)

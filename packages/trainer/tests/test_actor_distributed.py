@@ -15,6 +15,7 @@ from ferrule_trainer.config import LORA_TARGETS
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("actor_step_worker.py")
+EXPORT_WORKER = Path(__file__).with_name("export_worker.py")
 
 
 def _free_port() -> int:
@@ -23,8 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> dict:
-    out.mkdir()
+def _start(args: list[str], world: int) -> None:
+    """Runs `args` as ranks 0..world-1 of one torch.distributed group (gloo) and waits."""
     env = dict(
         os.environ,
         DS_ACCELERATOR="cpu",
@@ -33,7 +34,6 @@ def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> d
         WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
     )
-    args = [sys.executable, str(WORKER), str(model), str(out), str(zero_stage), str(lora_rank)]
     procs = [
         subprocess.Popen(
             args,
@@ -47,6 +47,12 @@ def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> d
     for proc in procs:
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, output[-4000:]
+
+
+def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> dict:
+    out.mkdir()
+    args = [sys.executable, str(WORKER), str(model), str(out), str(zero_stage), str(lora_rank)]
+    _start(args, world)
     result = json.loads((out / "result.json").read_text())
     result["exported"] = torch.load(out / "exported.pt")
     result["reference"] = torch.load(out / "reference.pt")
@@ -107,3 +113,18 @@ def test_zero3_lora_export_merges_adapters(tmp_path):
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b), "the step did not train the adapters"
     for name, tensor in merged.items():
         torch.testing.assert_close(two["exported"][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_zero3_export_over_three_ranks_cuts_the_padding_and_fills_the_senders_layout(tmp_path):
+    """Three ranks: most parameters' partitions end in padding. At every bucket size (one
+    smaller than any tensor included) and cast or not, every rank's export equals DeepSpeed's
+    gather bit for bit (the worker asserts), one all-gather per bucket, and every bucket lies
+    in one buffer exactly as a weightsync sender of that bucket size lays it out, so that it is
+    sent without packing."""
+    _start([sys.executable, str(EXPORT_WORKER), str(tiny_model("qwen2")), str(tmp_path)], 3)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["padded"] > result["tensors"] // 2
+    for key, (in_place, buckets) in result["in_place"].items():
+        assert in_place == buckets, key
+        assert result["gathers"][key] == buckets, key
+    assert result["in_place"]["None/1073741824"][1] == 1

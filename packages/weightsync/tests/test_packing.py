@@ -101,6 +101,35 @@ def test_a_bucket_of_one_contiguous_tensor_is_sent_from_its_own_memory():
     assert own_bytes([big], solo, torch.device("meta")) is None
 
 
+def test_tensors_already_laid_out_in_one_buffer_are_sent_from_it():
+    """A trainer that gathers straight into a buffer in the sender's layout (plan_buckets at
+    the sender's bucket size) needs no packing copy; any tensor out of place, and the bucket
+    is packed."""
+    cpu = torch.device("cpu")
+    state = {"a": torch.randn(3), "b": torch.randn(2, 5).to(torch.bfloat16), "c": torch.randn(7)}
+    (bucket,) = plan_buckets(specs_of(state), bucket_bytes=4096)
+    buffer = torch.full((bucket.nbytes + 100,), 7, dtype=torch.uint8)  # room to spare
+    views = BucketViews()(buffer, bucket)
+    pack(views, list(state.values()))
+    payload = own_bytes(views, bucket, cpu)
+    assert payload.data_ptr() == buffer.data_ptr() and payload.numel() == bucket.nbytes
+    assert torch.equal(payload, buffer[: bucket.nbytes])
+    moved = BucketViews()(buffer[64:], bucket)  # the same layout, started elsewhere: still whole
+    assert own_bytes(moved, bucket, cpu).data_ptr() == buffer.data_ptr() + 64
+    assert own_bytes(moved, bucket, cpu).numel() == bucket.nbytes
+    # a copy elsewhere, a tensor in the wrong place of the same buffer, a transposed view,
+    # a buffer without room for the bucket's padding, another device: packed
+    assert own_bytes([views[0], views[1].clone(), views[2]], bucket, cpu) is None
+    assert own_bytes([views[0], views[2][:3], views[2]], bucket, cpu) is None
+    assert own_bytes([views[0], views[1].t(), views[2]], bucket, cpu) is None
+    last = bucket.offsets[-1] + bucket.specs[-1].nbytes
+    assert last < bucket.nbytes
+    assert (
+        own_bytes(BucketViews()(torch.zeros(last, dtype=torch.uint8), bucket), bucket, cpu) is None
+    )
+    assert own_bytes(views, bucket, torch.device("meta")) is None
+
+
 def test_checksum_sees_a_flipped_bit_and_a_swap():
     buffer = torch.randint(0, 255, (1024,), dtype=torch.uint8)
     reference = checksum(buffer)

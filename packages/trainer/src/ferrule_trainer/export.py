@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrule_weightsync import TensorSpec
+from ferrule_weightsync.packing import Bucket, plan_buckets
 
 # Large enough that a 0.5B model gathers in a handful of collectives, small enough that a bucket
 # of gathered full weights fits beside the sharded model.
@@ -45,10 +46,6 @@ class _Item:
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     # Under ZeRO-3 a parameter's own shape is empty; ds_shape is the full one.
     return tuple(getattr(param, "ds_shape", param.shape))
-
-
-def _nbytes(item: _Item) -> int:
-    return sum(int(torch.Size(_full_shape(p)).numel()) * p.dtype.itemsize for p in item.params)
 
 
 def base_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -151,9 +148,11 @@ class WeightExport:
                 yield item.name, item.compute().to(item.dtype)
             return
         if bucket_bytes not in self._plans:
-            self._plans[bucket_bytes] = [
-                _BucketPlan(bucket) for bucket in _buckets(self.items, bucket_bytes)
-            ]
+            plans, done = [], 0
+            for bucket in plan_buckets(self.specs(), bucket_bytes):
+                plans.append(_BucketPlan(self.items[done : done + len(bucket.specs)], bucket))
+                done += len(bucket.specs)
+            self._plans[bucket_bytes] = plans
         for plan in self._plans[bucket_bytes]:
             yield from plan.export()
 
@@ -174,40 +173,45 @@ def export_weights(
     return WeightExport(module, dtype).weights(bucket_bytes)
 
 
-def _buckets(items: list[_Item], bucket_bytes: int) -> Iterator[list[_Item]]:
-    bucket: list[_Item] = []
-    used = 0
-    for item in items:
-        size = _nbytes(item)
-        if bucket and used + size > bucket_bytes:
-            yield bucket
-            bucket, used = [], 0
-        bucket.append(item)
-        used += size
-    if bucket:
-        yield bucket
-
-
 class _BucketPlan:
-    """One export bucket under ZeRO-3. A bucket of plain parameters is gathered by
-    `_GatherGroup`s (one per dtype); one holding LoRA layers goes through DeepSpeed's
-    `GatheredParameters`."""
+    """One export bucket under ZeRO-3, laid out as ferrule-weightsync lays out a bucket of the
+    same size (`plan_buckets`). A bucket of plain parameters is gathered by `_GatherGroup`s
+    (one per dtype) straight into one buffer in that layout, which a broadcast sender with the
+    same bucket size then sends as it is, with no packing copy; a bucket holding LoRA layers
+    goes through DeepSpeed's `GatheredParameters`."""
 
-    def __init__(self, items: list[_Item]):
-        self.items = items
+    def __init__(self, items: list[_Item], bucket: Bucket):
+        self.items, self.bucket = items, bucket
         self.plain = all(item.plain is not None for item in items)
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in (item.plain for item in items) if self.plain else ():
-            by_dtype.setdefault(param.ds_tensor.dtype, []).append(param)
-        self.groups = [_GatherGroup(params) for params in by_dtype.values()]
+        by_dtype: dict[tuple, list[int]] = {}
+        for index, item in enumerate(items if self.plain else ()):
+            by_dtype.setdefault((item.plain.ds_tensor.dtype, item.dtype), []).append(index)
+        self.groups = [
+            _GatherGroup(
+                [items[i].plain for i in indices],
+                dtype,
+                [bucket.offsets[i] // dtype.itemsize for i in indices],
+                bucket.nbytes // dtype.itemsize,
+            )
+            for (_, dtype), indices in by_dtype.items()
+        ]
+        self.world = self.groups[0].world if self.groups else 1
 
     def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.plain and self.world == 1:
+            # nothing to gather: each partition is the whole (padded) parameter
+            for item in self.items:
+                full = item.plain.ds_tensor.reshape(-1)[: item.plain.ds_numel]
+                yield item.name, full.view(item.shape).to(item.dtype)  # no copy when it matches
+            return
         if self.plain:
+            device = self.groups[0].device
+            buffer = torch.empty(self.bucket.nbytes, dtype=torch.uint8, device=device)
             full = {}
             for group in self.groups:
-                full.update(group.gather())
+                full.update(group.gather_into(buffer))
             for item in self.items:
-                yield item.name, full[id(item.plain)].to(item.dtype)  # no copy when it matches
+                yield item.name, full[id(item.plain)]
             return
         import deepspeed
 
@@ -220,52 +224,97 @@ class _BucketPlan:
 
 
 class _GatherGroup:
-    """The ZeRO-3 parameters of one dtype in one bucket. Each parameter's partitions are
-    gathered straight into its own stretch of one buffer (an all-gather of [world, partition]
-    rows: the full flat parameter, padding last), so nothing is packed before the gather or cut
-    apart after it; the bucket's all-gathers are one coalesced collective (`_all_gather`). The tensors are views of that buffer, except with one rank, where
-    they are views of the partitions themselves."""
+    """The ZeRO-3 parameters of one bucket that share a partition dtype and an export dtype.
 
-    def __init__(self, params: list[torch.nn.Parameter]):
+    One all-gather per group: each rank joins its partitions into one row (one copy kernel),
+    the rows are gathered rank after rank, and one multi-tensor copy moves every rank's piece
+    of every parameter to its place in the bucket buffer (cutting DeepSpeed's padding off, and
+    casting if the dtypes differ). One large collective instead of one per parameter: a bucket
+    of ~110 tensors gathered per tensor spent most of its time in the collectives' fixed costs.
+    Where the pieces go is worked out once; the buffer is new at every export (a consumer may
+    keep a bucket's tensors while the next one is gathered)."""
+
+    def __init__(self, params, dtype: torch.dtype, starts: list[int], length: int):
         import torch.distributed as dist
 
-        self.params = params
+        self.params, self.dtype = params, dtype
         self.process_group = params[0].ds_process_group
         self.world = dist.get_world_size(group=self.process_group)
-        self.dtype = params[0].ds_tensor.dtype
-        self.sizes = [self.world * p.ds_tensor.ds_numel for p in params]
-        self.shapes = [(p.ds_numel, p.ds_shape) for p in params]
+        self.partition_dtype = params[0].ds_tensor.dtype
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if torch.cuda.is_available()
             else params[0].ds_tensor.device
         )
+        parts = [p.ds_tensor.ds_numel for p in params]
+        numels = [p.ds_numel for p in params]
+        self.row = sum(parts)
+        self.shapes = [p.ds_shape for p in params]
+        # rank r holds elements [r * part, (r + 1) * part) of each flat parameter, the last
+        # ones padding: its piece of the parameter proper is `size` elements long
+        pieces = [
+            [
+                (p, min(part, max(0, numel - r * part)))
+                for p, (part, numel) in enumerate(zip(parts, numels, strict=True))
+            ]
+            for r in range(self.world)
+        ]
+        # a row, split into (piece, padding) pairs; the pieces are the even entries
+        self.row_splits = [
+            [n for p, size in mine for n in (size, parts[p] - size)] for mine in pieces
+        ]
+        self.keep = [[2 * p for p, size in mine if size] for mine in pieces]
+        # the bucket buffer (as `dtype` elements), split into gaps, each parameter's pieces rank
+        # after rank, and the rest; `places` are its pieces' indices in row order
+        splits = []
+        index_of = {}
+        cursor = 0
+        for p, start in sorted(enumerate(starts), key=lambda pair: pair[1]):
+            splits.append(start - cursor)
+            for r in range(self.world):
+                index_of[p, r] = len(splits)
+                splits.append(pieces[r][p][1])
+            cursor = start + numels[p]
+        splits.append(length - cursor)
+        self.buffer_splits = splits
+        self.places = [index_of[p, r] for r in range(self.world) for p, size in pieces[r] if size]
+        self.starts, self.numels = starts, numels
 
-    def gather(self) -> dict[int, torch.Tensor]:
-        """{id(param): its full tensor}."""
+    def gather_into(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
+        a view of `buffer`}."""
         # ds_tensor is read at every export: DeepSpeed may swap it (offload and reload)
         partitions = [p.ds_tensor.reshape(-1) for p in self.params]
-        if self.world == 1:  # nothing to gather: each partition is the whole (padded) parameter
-            views = partitions
-        else:
-            if partitions[0].device != self.device:
-                partitions = [part.to(self.device) for part in partitions]
-            buffer = torch.empty(sum(self.sizes), dtype=self.dtype, device=self.device)
-            views = buffer.split(self.sizes)
-            _all_gather(views, partitions, self.process_group)
+        row = torch.cat(partitions)
+        if row.device != self.device:
+            row = row.to(self.device)
+        rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
+        _all_gather(rows, row, self.process_group)
+        sources = [
+            piece
+            for r, mine in enumerate(rows.split(self.row))
+            for piece in _pick(mine.split(self.row_splits[r]), self.keep[r])
+        ]
+        typed = buffer.view(self.dtype)
+        targets = _pick(typed.split(self.buffer_splits), self.places)
+        if targets:
+            torch._foreach_copy_(targets, sources)
         return {
-            id(p): view[:numel].view(shape)
-            for p, view, (numel, shape) in zip(self.params, views, self.shapes, strict=True)
+            id(param): typed[start : start + numel].view(shape)
+            for param, start, numel, shape in zip(
+                self.params, self.starts, self.numels, self.shapes, strict=True
+            )
         }
 
 
-def _all_gather(outputs: list[torch.Tensor], inputs: list[torch.Tensor], process_group) -> None:
-    """outputs[i] = every rank's inputs[i], rank after rank, as one coalesced collective made
-    straight on the process group (NCCL and gloo): what torch's coalescing manager ends in,
-    without its Python call per tensor (300+ tensors cost milliseconds of host time that way)."""
-    from torch.distributed.distributed_c10d import AllgatherOptions
+def _pick(pieces, indices: list[int]) -> list[torch.Tensor]:
+    return [pieces[i] for i in indices]
 
-    # the name from torch 2.13 on, and the one before it
-    coalesced = getattr(process_group, "all_gather_single_coalesced", None)
-    coalesced = coalesced or process_group.allgather_into_tensor_coalesced
-    coalesced(list(outputs), inputs, AllgatherOptions()).wait()
+
+def _all_gather(output: torch.Tensor, row: torch.Tensor, process_group) -> None:
+    """output = every rank's row, rank after rank (NCCL and gloo)."""
+    import torch.distributed as dist
+
+    # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, row, group=process_group)

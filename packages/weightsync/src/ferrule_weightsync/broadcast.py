@@ -11,8 +11,11 @@ The group is created from a TCP store at host:port, never from the default proce
 lives happily inside a DeepSpeed trainer. NCCL for CUDA devices, gloo for CPU: the same code runs
 in CI. The sender packs bucket k+1 while bucket k is on the wire (NCCL runs on its own
 high-priority stream, so the next bucket's packing never delays its launch), and each receiver
-posts the next bucket before handing bucket k to its consumer. A tensor of at least half a
-bucket (an embedding, say) gets a bucket of its own and goes from its own memory, unpacked.
+posts the next bucket before handing bucket k to its consumer. A bucket whose tensors already
+lie in one buffer in the bucket's layout goes from that memory, unpacked: a tensor of at least
+half a bucket (an embedding, say), which gets a bucket of its own, or a trainer's export that
+gathers into buffers laid out by `plan_buckets` at `sender.bucket_bytes` (ferrule-trainer's
+ZeRO-3 export does).
 NCCL spreads one broadcast over its own channels; gloo moves one broadcast over one TCP
 connection, at what one core can copy, so the gloo group opens `streams` connections, each with
 its own thread, and keeps that many buckets on the wire at once (one buffer more than that on
@@ -222,6 +225,11 @@ class BroadcastSender:
     def version(self) -> int:
         """The version of the last completed update (0 before the first)."""
         return self._updates.version
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The bucket size this sender lays updates out with (`plan_buckets`)."""
+        return self._updates.bucket_bytes
 
     def send(
         self,

@@ -136,19 +136,25 @@ def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
 
 
 def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device):
-    """The bucket's bytes straight from its tensor's memory, when the bucket is one contiguous
-    tensor on `device` that fills it exactly (a large embedding, say): sending those needs no
-    copy. None when the bucket must be packed."""
-    if len(tensors) != 1:
+    """The bucket's bytes straight from its tensors' memory, when they already lie in one buffer
+    on `device` at the bucket's offsets: a large embedding alone in its bucket, say, or a
+    ZeRO-3 export gathered into a buffer laid out by `plan_buckets` with the same bucket size.
+    Sending those needs no copy. None when the bucket must be packed."""
+    first = tensors[0] if tensors else None
+    if first is None or first.device != device or first.numel() == 0:
         return None
-    tensor = tensors[0]
-    if (
-        tensor.device != device
-        or not tensor.is_contiguous()
-        or tensor.numel() * tensor.element_size() != bucket.nbytes
-    ):
+    storage = first.untyped_storage()
+    start = first.data_ptr() - storage.data_ptr()  # bucket.offsets[0] is 0
+    if start + bucket.nbytes > storage.nbytes():
         return None
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    for tensor, offset in zip(tensors, bucket.offsets, strict=True):
+        if (
+            tensor.data_ptr() != first.data_ptr() + offset
+            or not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage.data_ptr()
+        ):
+            return None
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (bucket.nbytes,))
 
 
 def unpack(views: list[torch.Tensor], bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
