@@ -74,3 +74,15 @@ def test_zero3_export_of_one_rank_is_the_model_in_any_bucket_size():
     cast = dict(actor.export_weights(dtype=torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in cast.values())
     assert torch.equal(cast["model.norm.weight"], expected["model.norm.weight"].bfloat16())
+
+
+def test_partitions_lying_end_to_end_are_recognised():
+    """The ZeRO-3 export sends a rank's partitions from where they lie when they are end to
+    end in one storage; anything else is joined by a copy."""
+    from ferrule_trainer.export import _end_to_end
+
+    flat = torch.arange(20.0)
+    assert _end_to_end([flat[0:3], flat[3:10], flat[10:20]])
+    assert not _end_to_end([flat[0:3], flat[4:10]])  # a gap
+    assert not _end_to_end([flat[3:10], flat[0:3]])  # out of order
+    assert not _end_to_end([flat[0:3], torch.arange(20.0)[3:10]])  # another storage

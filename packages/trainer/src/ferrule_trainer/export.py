@@ -135,12 +135,15 @@ class WeightExport:
         return [TensorSpec(item.name, item.shape, item.dtype) for item in self.items]
 
     def weights(
-        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, to_rank: int | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) for the full model, cast to the dtype (default: as trained).
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
-        gather)."""
+        gather). Under ZeRO-3, `to_rank` (a rank of the parameters' process group) gathers the
+        weights to that rank only: the other ranks send it their partitions and yield nothing.
+        For a trainer where one rank sends the weights: the others then neither receive the
+        whole model nor lay it out."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if not self.sharded:
@@ -154,7 +157,7 @@ class WeightExport:
                 done += len(bucket.specs)
             self._plans[bucket_bytes] = plans
         for plan in self._plans[bucket_bytes]:
-            yield from plan.export()
+            yield from plan.export(to_rank)
 
 
 def weight_specs(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorSpec]:
@@ -197,7 +200,7 @@ class _BucketPlan:
         ]
         self.world = self.groups[0].world if self.groups else 1
 
-    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self, to_rank: int | None) -> Iterator[tuple[str, torch.Tensor]]:
         if self.plain and self.world == 1:
             # nothing to gather: each partition is the whole (padded) parameter
             for item in self.items:
@@ -205,12 +208,15 @@ class _BucketPlan:
                 yield item.name, full.view(item.shape).to(item.dtype)  # no copy when it matches
             return
         if self.plain:
-            device = self.groups[0].device
-            buffer = torch.empty(self.bucket.nbytes, dtype=torch.uint8, device=device)
+            receives = to_rank is None or to_rank == self.groups[0].rank
+            buffer = None
+            if receives:
+                device = self.groups[0].device
+                buffer = torch.empty(self.bucket.nbytes, dtype=torch.uint8, device=device)
             full = {}
             for group in self.groups:
-                full.update(group.gather_into(buffer))
-            for item in self.items:
+                full.update(group.gather_into(buffer, to_rank))
+            for item in self.items if receives else ():
                 yield item.name, full[id(item.plain)]
             return
         import deepspeed
@@ -219,7 +225,12 @@ class _BucketPlan:
         # One all-gather for the whole bucket. The gathered storage is freed when the context
         # exits, so the tensors are copied out before it does.
         with deepspeed.zero.GatheredParameters(params):
-            tensors = [(item.name, item.compute().to(item.dtype, copy=True)) for item in self.items]
+            if to_rank is None or to_rank == torch.distributed.get_rank(params[0].ds_process_group):
+                tensors = [
+                    (item.name, item.compute().to(item.dtype, copy=True)) for item in self.items
+                ]
+            else:
+                tensors = []
         yield from tensors
 
 
@@ -240,6 +251,7 @@ class _GatherGroup:
         self.params, self.dtype = params, dtype
         self.process_group = params[0].ds_process_group
         self.world = dist.get_world_size(group=self.process_group)
+        self.rank = dist.get_rank(group=self.process_group)
         self.partition_dtype = params[0].ds_tensor.dtype
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -280,16 +292,32 @@ class _GatherGroup:
         self.places = [index_of[p, r] for r in range(self.world) for p, size in pieces[r] if size]
         self.starts, self.numels = starts, numels
 
-    def gather_into(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
-        a view of `buffer`}."""
+    def _row(self) -> torch.Tensor:
+        """This rank's partitions of the group, end to end: a view where they already lie so in
+        memory (DeepSpeed keeps them in one flat buffer, in parameter order), else a copy."""
         # ds_tensor is read at every export: DeepSpeed may swap it (offload and reload)
         partitions = [p.ds_tensor.reshape(-1) for p in self.params]
-        row = torch.cat(partitions)
-        if row.device != self.device:
-            row = row.to(self.device)
-        rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
-        _all_gather(rows, row, self.process_group)
+        if _end_to_end(partitions):
+            first = partitions[0]
+            row = first.as_strided((self.row,), (1,), first.storage_offset())
+        else:
+            row = torch.cat(partitions)
+        return row if row.device == self.device else row.to(self.device)
+
+    def gather_into(self, buffer: torch.Tensor | None, to_rank: int | None) -> dict:
+        """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
+        a view of `buffer`}. With `to_rank`, the other ranks only send their row (`buffer` is
+        None there) and get {}."""
+        row = self._row()
+        receives = to_rank is None or to_rank == self.rank
+        rows = None
+        if receives:
+            rows = torch.empty(
+                self.world * self.row, dtype=self.partition_dtype, device=self.device
+            )
+        _gather(rows, row, self.process_group, to_rank)
+        if not receives:
+            return {}
         sources = [
             piece
             for r, mine in enumerate(rows.split(self.row))
@@ -307,14 +335,30 @@ class _GatherGroup:
         }
 
 
+def _end_to_end(tensors: list[torch.Tensor]) -> bool:
+    """Whether the (flat) tensors lie one right after another in one storage."""
+    storage, end = tensors[0].untyped_storage().data_ptr(), tensors[0].data_ptr()
+    for tensor in tensors:
+        if tensor.data_ptr() != end or tensor.untyped_storage().data_ptr() != storage:
+            return False
+        end += tensor.numel() * tensor.element_size()
+    return True
+
+
 def _pick(pieces, indices: list[int]) -> list[torch.Tensor]:
     return [pieces[i] for i in indices]
 
 
-def _all_gather(output: torch.Tensor, row: torch.Tensor, process_group) -> None:
-    """output = every rank's row, rank after rank (NCCL and gloo)."""
+def _gather(output: torch.Tensor | None, row: torch.Tensor, process_group, to_rank) -> None:
+    """output = every rank's row, rank after rank, on every rank (`to_rank` None) or on that
+    rank of the group only (NCCL and gloo)."""
     import torch.distributed as dist
 
-    # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, row, group=process_group)
+    if to_rank is None:
+        # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(output, row, group=process_group)
+        return
+    rows = None if output is None else list(output.split(row.numel()))
+    dst = dist.get_global_rank(process_group, to_rank)
+    dist.gather(row, rows, dst=dst, group=process_group)
