@@ -110,7 +110,7 @@ def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path
     assert roles["policy-0"]["pid"] != roles["rollout-0"]["pid"]
 
 
-def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_path):
+def test_colocated_two_zero3_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_path):
     from ferrule_launcher.task import eval_problems, step_problems
 
     held_out = eval_problems("reversal", 3, 20, seed=0)
@@ -125,6 +125,7 @@ def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_
         out,
         'ray.placement="colocate"',
         "trainer.ranks=2",
+        "trainer.zero_stage=3",  # the broadcast's rank 0 alone gathers the weights (to_rank)
         "rollout.engines=2",
         "trainer.kl_coef=0.01",
         "loop.steps=4",
@@ -139,6 +140,8 @@ def test_colocated_two_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_
     assert "eval/accuracy" not in records[-1]  # exact match is the synthetic tasks' figure only
     roles = json.loads((out / "roles.json").read_text())
     assert {"policy-0", "policy-1", "reference", "rollout-0", "rollout-1"} <= set(roles)
+    synced = json.loads((out / "summary.json").read_text())["weights_digest"]
+    assert synced["engine_versions"] == [4, 4]  # every step's weights reached both engines
 
 
 def test_ppo_with_critic_reference_and_an_sft_stage(tmp_path):
