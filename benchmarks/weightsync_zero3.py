@@ -7,9 +7,8 @@ ferrule-weightsync, loaded by a receiver, against a raw broadcast of the same by
 
 The policy is ferrule-trainer's `Actor` (DeepSpeed ZeRO-3, bf16) on ferrule-testkit's Qwen2 of
 the given shape (default ~0.6B parameters). One update: every rank iterates
-`Actor.export_weights(bucket_bytes=..., to_rank=0)` (the gathers are collectives; only rank
-0, the sender, receives the weights; `--all-ranks` gathers them to every rank), rank 0 hands the
-stream to a sender of the same bucket size (one sender and receiver per size: the export then gathers
+`Actor.export_weights(bucket_bytes=...)` (the gathers are collectives), rank 0 hands the stream
+to a sender of the same bucket size (one sender and receiver per size: the export then gathers
 each bucket into a buffer in the sender's layout, which a broadcast sender sends without
 packing), and the receiver copies every tensor into its own preallocated copy of the model (an
 engine's load). Timed on rank 0 from the start of the export until the sender's `send`
@@ -81,20 +80,16 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     # for bit, at the smallest bucket size asked for (every rank takes part in both gathers).
     import deepspeed
 
-    # only rank 0 sends, so only rank 0 needs the gathered weights (--all-ranks: every rank)
-    to_rank = {} if args.all_ranks else {"to_rank": 0}
     smallest = min(args.bucket_mb) * MB
-    exported = dict(actor.export_weights(bucket_bytes=smallest, **to_rank))
-    exported = {name: tensor.clone() for name, tensor in exported.items()}
-    checks = rank == 0 or args.all_ranks
+    exported = {name: t.clone() for name, t in actor.export_weights(bucket_bytes=smallest)}
     for name, param in actor.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
-            if checks and not torch.equal(exported.pop(name), param.detach()):
+            if not torch.equal(exported.pop(name), param.detach()):
                 raise SystemExit(f"the export of {name} differs from DeepSpeed's gather")
     del exported
 
     def ours(bucket_mb: int) -> None:
-        weights = actor.export_weights(bucket_bytes=bucket_mb * MB, **to_rank)
+        weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
         if rank:
             for _ in weights:
                 pass
@@ -102,7 +97,7 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
             senders[bucket_mb].send(weights, specs=specs)
 
     def gather_only(bucket_mb: int) -> None:
-        for _ in actor.export_weights(bucket_bytes=bucket_mb * MB, **to_rank):
+        for _ in actor.export_weights(bucket_bytes=bucket_mb * MB):
             pass
 
     def baseline() -> None:
@@ -195,11 +190,6 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument(
-        "--all-ranks",
-        action="store_true",
-        help="gather the weights to every rank, not only to the sender's (rank 0)",
-    )
     args = parser.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = [512, 128, 32]
@@ -243,7 +233,6 @@ def main() -> None:
     line = {
         "name": f"weightsync_zero3_{args.mode}",
         "device": f"{world} x {device}",
-        "gathered_to": "every rank" if args.all_ranks else "rank 0",
         "gb": round(results["bytes"] / 1e9, 3),
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},

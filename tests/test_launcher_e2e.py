@@ -125,7 +125,7 @@ def test_colocated_two_zero3_policy_ranks_reference_two_engines_and_jsonl_prompt
         out,
         'ray.placement="colocate"',
         "trainer.ranks=2",
-        "trainer.zero_stage=3",  # the broadcast's rank 0 alone gathers the weights (to_rank)
+        "trainer.zero_stage=3",  # exported by all-gathers on both ranks, sent by rank 0
         "rollout.engines=2",
         "trainer.kl_coef=0.01",
         "loop.steps=4",

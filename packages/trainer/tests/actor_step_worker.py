@@ -48,13 +48,13 @@ dict(actor.export_weights(bucket_bytes=64 * 1024))
 metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
 
 gathers = 0  # collectives of the export: a bucket's (coalesced) all-gathers, GatheredParameters
-original_gather, original_context = export._gather, deepspeed.zero.GatheredParameters
+original_all_gather, original_context = export._all_gather, deepspeed.zero.GatheredParameters
 
 
-def counting_gather(*args, **kwargs):
+def counting_all_gather(*args, **kwargs):
     global gathers
     gathers += 1
-    return original_gather(*args, **kwargs)
+    return original_all_gather(*args, **kwargs)
 
 
 class CountingContext(original_context):
@@ -64,10 +64,10 @@ class CountingContext(original_context):
         return super().__enter__()
 
 
-export._gather = counting_gather
+export._all_gather = counting_all_gather
 deepspeed.zero.GatheredParameters = CountingContext
 exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
-export._gather = original_gather
+export._all_gather = original_all_gather
 deepspeed.zero.GatheredParameters = original_context
 specs = actor.weight_specs()
 assert [s.name for s in specs] == list(exported), "specs and export disagree on names/order"

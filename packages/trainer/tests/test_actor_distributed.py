@@ -120,8 +120,7 @@ def test_zero3_export_over_three_ranks_cuts_the_padding_and_fills_the_senders_la
     smaller than any tensor included) and cast or not, every rank's export equals DeepSpeed's
     gather bit for bit (the worker asserts), one all-gather per bucket, and every bucket lies
     in one buffer exactly as a weightsync sender of that bucket size lays it out, so that it is
-    sent without packing. Gathered to one rank (`to_rank`), that rank gets the same and the
-    others nothing."""
+    sent without packing."""
     _start([sys.executable, str(EXPORT_WORKER), str(tiny_model("qwen2")), str(tmp_path)], 3)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["padded"] > result["tensors"] // 2

@@ -24,7 +24,7 @@ import threading
 
 from ferrule_launcher.calls import ActorDied, RestartBudget, RunError, get, get_each
 from ferrule_launcher.config import Config
-from ferrule_launcher.roles import Roles, open_weight_sync, weight_transport
+from ferrule_launcher.roles import Roles, open_weight_sync
 
 PROBE_SECONDS = 30.0  # a live engine answers __ray_ready__ at once, even while it generates
 
@@ -132,11 +132,9 @@ class Engines:
             (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
             for i, e in enumerate(self.roles.engines)
         ]
-        # a broadcast has one sender, rank 0: under ZeRO-3 only it gathers the whole model
-        to_rank = 0 if weight_transport(self.config) == "broadcast" else None
         sending = [
             (ref, "policy (weight sync sender)")
-            for ref in self.roles.policy.call("send_weights", version, to_rank)
+            for ref in self.roles.policy.call("send_weights", version)
         ]
         try:
             results = get_each(receiving + sending)

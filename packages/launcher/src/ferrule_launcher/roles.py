@@ -99,10 +99,9 @@ class RankWorker:
         if self.sender is not None:
             self.sender.abort(reason)
 
-    def send_weights(self, version: int, to_rank: int | None = None) -> int:
-        """Every rank exports (ZeRO-3 gathers need all of them); the ranks with a sender send.
-        `to_rank`: the one rank that sends (broadcast), which alone needs the whole model."""
-        weights = self.actor.export_weights(to_rank=to_rank)
+    def send_weights(self, version: int) -> int:
+        """Every rank exports (ZeRO-3 gathers need all of them); the ranks with a sender send."""
+        weights = self.actor.export_weights()
         if self.sender is None:
             for _ in weights:
                 pass
@@ -303,14 +302,6 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
     return roles
 
 
-def weight_transport(config: Config) -> str:
-    """ "broadcast" (rank 0 to every engine), "ipc" or "host" (each rank to its own engines)."""
-    transport = config.rollout.transport
-    if transport == "auto":
-        transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
-    return transport
-
-
 def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     """Weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank 0
     sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
@@ -318,7 +309,9 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     engine with tensor parallelism is `tensor_parallel_size` receivers, one per worker.
     Each group has a fresh secret, handed to its members through Ray: a process that reaches
     the group's store but is not one of them cannot join it or forge its messages."""
-    transport = weight_transport(config)
+    transport = config.rollout.transport
+    if transport == "auto":
+        transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
     per_engine = config.rollout.tensor_parallel_size
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent

@@ -341,14 +341,10 @@ class Actor(TrainedModel):
         return digest(self.export_weights(dtype))
 
     def export_weights(
-        self,
-        dtype: torch.dtype | None = None,
-        bucket_bytes: int = export.DEFAULT_BUCKET_BYTES,
-        to_rank: int | None = None,
+        self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py
-        (`to_rank`: under ZeRO-3, only that rank gets them)."""
-        return self._export(dtype).weights(bucket_bytes, to_rank)
+        """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
+        return self._export(dtype).weights(bucket_bytes)
 
     def _export(self, dtype: torch.dtype | None) -> export.WeightExport:
         # worked out once per dtype: a sync after every step would redo it each time

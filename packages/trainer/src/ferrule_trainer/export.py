@@ -9,11 +9,12 @@
 Names are the ones in the model's Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`),
 which vLLM's `load_weights` accepts; tied weights appear once. LoRA adapters are merged into the
 base weights (W + B A * scale) on the fly, so inference engines load a plain model and never see
-peft names. Under ZeRO-3 the parameters are gathered in buckets of about `bucket_bytes`: each
-parameter gathered straight into its own stretch of one bucket buffer (per dtype), the bucket's
-all-gathers coalesced into one collective (NCCL and gloo), with none of DeepSpeed's
-per-parameter bookkeeping (the join-and-cut export before this one measured 6x faster than
-`GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py); LoRA layers under ZeRO-3
+peft names. Under ZeRO-3 the parameters are gathered in buckets laid out as
+ferrule-weightsync's `plan_buckets(specs, bucket_bytes)` lays them out: one all-gather per
+bucket (and dtype) of each rank's partitions as they lie, then every piece moved to its place in
+one bucket buffer, which a broadcast sender of the same bucket size sends without packing; none
+of DeepSpeed's per-parameter bookkeeping (an earlier export measured 6x faster than
+`GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py). LoRA layers under ZeRO-3
 go through `GatheredParameters`. Every rank of the group must iterate the stream to its end,
 since the gathers are collectives. A consumer that pulls bucket k+1 while bucket k is on the wire
 (ferrule-weightsync's senders do) overlaps the gather with the transfer. The yielded tensors may
@@ -135,15 +136,12 @@ class WeightExport:
         return [TensorSpec(item.name, item.shape, item.dtype) for item in self.items]
 
     def weights(
-        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, to_rank: int | None = None
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (name, tensor) for the full model, cast to the dtype (default: as trained).
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
-        gather). Under ZeRO-3, `to_rank` (a rank of the parameters' process group) gathers the
-        weights to that rank only: the other ranks send it their partitions and yield nothing.
-        For a trainer where one rank sends the weights: the others then neither receive the
-        whole model nor lay it out."""
+        gather)."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if not self.sharded:
@@ -157,7 +155,7 @@ class WeightExport:
                 done += len(bucket.specs)
             self._plans[bucket_bytes] = plans
         for plan in self._plans[bucket_bytes]:
-            yield from plan.export(to_rank)
+            yield from plan.export()
 
 
 def weight_specs(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorSpec]:
@@ -200,7 +198,7 @@ class _BucketPlan:
         ]
         self.world = self.groups[0].world if self.groups else 1
 
-    def export(self, to_rank: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.plain and self.world == 1:
             # nothing to gather: each partition is the whole (padded) parameter
             for item in self.items:
@@ -208,15 +206,12 @@ class _BucketPlan:
                 yield item.name, full.view(item.shape).to(item.dtype)  # no copy when it matches
             return
         if self.plain:
-            receives = to_rank is None or to_rank == self.groups[0].rank
-            buffer = None
-            if receives:
-                device = self.groups[0].device
-                buffer = torch.empty(self.bucket.nbytes, dtype=torch.uint8, device=device)
+            device = self.groups[0].device
+            buffer = torch.empty(self.bucket.nbytes, dtype=torch.uint8, device=device)
             full = {}
             for group in self.groups:
-                full.update(group.gather_into(buffer, to_rank))
-            for item in self.items if receives else ():
+                full.update(group.gather_into(buffer))
+            for item in self.items:
                 yield item.name, full[id(item.plain)]
             return
         import deepspeed
@@ -225,25 +220,22 @@ class _BucketPlan:
         # One all-gather for the whole bucket. The gathered storage is freed when the context
         # exits, so the tensors are copied out before it does.
         with deepspeed.zero.GatheredParameters(params):
-            if to_rank is None or to_rank == torch.distributed.get_rank(params[0].ds_process_group):
-                tensors = [
-                    (item.name, item.compute().to(item.dtype, copy=True)) for item in self.items
-                ]
-            else:
-                tensors = []
+            tensors = [(item.name, item.compute().to(item.dtype, copy=True)) for item in self.items]
         yield from tensors
 
 
 class _GatherGroup:
     """The ZeRO-3 parameters of one bucket that share a partition dtype and an export dtype.
 
-    One all-gather per group: each rank joins its partitions into one row (one copy kernel),
-    the rows are gathered rank after rank, and one multi-tensor copy moves every rank's piece
-    of every parameter to its place in the bucket buffer (cutting DeepSpeed's padding off, and
-    casting if the dtypes differ). One large collective instead of one per parameter: a bucket
-    of ~110 tensors gathered per tensor spent most of its time in the collectives' fixed costs.
-    Where the pieces go is worked out once; the buffer is new at every export (a consumer may
-    keep a bucket's tensors while the next one is gathered)."""
+    One all-gather per group: each rank's partitions, end to end (where DeepSpeed keeps them,
+    else joined by one copy), are gathered rank after rank, and one multi-tensor copy moves
+    every rank's piece of every parameter to its place in the bucket buffer (cutting
+    DeepSpeed's padding off, and casting if the dtypes differ). That buffer is laid out as
+    ferrule-weightsync's sender lays out the bucket, so the sender broadcasts it as it is; the
+    per-parameter gathers before this (one coalesced call) went into a layout of their own,
+    which the sender then copied into its bucket. Where the pieces go is worked out once; the
+    buffer is new at every export (a consumer may keep a bucket's tensors while the next one
+    is gathered)."""
 
     def __init__(self, params, dtype: torch.dtype, starts: list[int], length: int):
         import torch.distributed as dist
@@ -251,7 +243,6 @@ class _GatherGroup:
         self.params, self.dtype = params, dtype
         self.process_group = params[0].ds_process_group
         self.world = dist.get_world_size(group=self.process_group)
-        self.rank = dist.get_rank(group=self.process_group)
         self.partition_dtype = params[0].ds_tensor.dtype
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -304,20 +295,11 @@ class _GatherGroup:
             row = torch.cat(partitions)
         return row if row.device == self.device else row.to(self.device)
 
-    def gather_into(self, buffer: torch.Tensor | None, to_rank: int | None) -> dict:
+    def gather_into(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
-        a view of `buffer`}. With `to_rank`, the other ranks only send their row (`buffer` is
-        None there) and get {}."""
-        row = self._row()
-        receives = to_rank is None or to_rank == self.rank
-        rows = None
-        if receives:
-            rows = torch.empty(
-                self.world * self.row, dtype=self.partition_dtype, device=self.device
-            )
-        _gather(rows, row, self.process_group, to_rank)
-        if not receives:
-            return {}
+        a view of `buffer`}."""
+        rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
+        _all_gather(rows, self._row(), self.process_group)
         sources = [
             piece
             for r, mine in enumerate(rows.split(self.row))
@@ -349,16 +331,10 @@ def _pick(pieces, indices: list[int]) -> list[torch.Tensor]:
     return [pieces[i] for i in indices]
 
 
-def _gather(output: torch.Tensor | None, row: torch.Tensor, process_group, to_rank) -> None:
-    """output = every rank's row, rank after rank, on every rank (`to_rank` None) or on that
-    rank of the group only (NCCL and gloo)."""
+def _all_gather(output: torch.Tensor, row: torch.Tensor, process_group) -> None:
+    """output = every rank's row, rank after rank (NCCL and gloo)."""
     import torch.distributed as dist
 
-    if to_rank is None:
-        # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(output, row, group=process_group)
-        return
-    rows = None if output is None else list(output.split(row.numel()))
-    dst = dist.get_global_rank(process_group, to_rank)
-    dist.gather(row, rows, dst=dst, group=process_group)
+    # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, row, group=process_group)
