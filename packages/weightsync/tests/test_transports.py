@@ -25,6 +25,7 @@ from ferrule_weightsync import (
     create_receiver,
     create_sender,
 )
+from ferrule_weightsync.packing import BucketViews, plan_buckets
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -171,6 +172,27 @@ def test_tensors_of_half_a_bucket_or_more_are_sent_unpacked(peers):
     state = {"a": torch.randn(64, 16), "b": torch.randn(1024), "c": torch.randn(32, 32)}
     sender.send(state.items())
     assert all(buffer is None for buffer in sender._group.buffers)
+    sender.close()
+    assert_same(peers.results(1)[0]["state"], state)
+
+
+def test_tensors_laid_out_in_the_senders_buckets_are_sent_from_where_they_lie(peers):
+    """What ferrule-trainer's ZeRO-3 export does: the tensors are views of buffers laid out by
+    plan_buckets at the sender's bucket size, so the sender never packs a bucket."""
+    port = free_port()
+    peers.start(1, port=port, updates=1)
+    sender = create_sender("broadcast", "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
+    state = realistic_state_dict()
+    specs = [TensorSpec.of(name, tensor) for name, tensor in state.items()]
+    laid_out = []
+    for bucket in plan_buckets(specs, sender.bucket_bytes):
+        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
+        views = BucketViews()(buffer, bucket)
+        for spec, view in zip(bucket.specs, views, strict=True):
+            view.copy_(state[spec.name])
+            laid_out.append((spec.name, view))
+    sender.send(laid_out, specs=specs)
+    assert all(buffer is None for buffer in sender._group.buffers)  # no staging buffer
     sender.close()
     assert_same(peers.results(1)[0]["state"], state)
 

@@ -140,16 +140,20 @@ def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device)
     on `device` at the bucket's offsets: a large embedding alone in its bucket, say, or a
     ZeRO-3 export gathered into a buffer laid out by `plan_buckets` with the same bucket size.
     Sending those needs no copy. None when the bucket must be packed."""
-    first = tensors[0] if tensors else None
-    if first is None or first.device != device or first.numel() == 0:
+    # empty tensors own no bytes (and may have no address): nothing to check
+    placed = [(t, offset) for t, offset in zip(tensors, bucket.offsets, strict=True) if t.numel()]
+    if not placed:
         return None
-    storage = first.untyped_storage()
-    start = first.data_ptr() - storage.data_ptr()  # bucket.offsets[0] is 0
-    if start + bucket.nbytes > storage.nbytes():
+    anchor, offset = placed[0]
+    storage = anchor.untyped_storage()
+    base = anchor.data_ptr() - offset  # where the bucket starts
+    start = base - storage.data_ptr()
+    if start < 0 or start + bucket.nbytes > storage.nbytes():
         return None
-    for tensor, offset in zip(tensors, bucket.offsets, strict=True):
+    for tensor, offset in placed:
         if (
-            tensor.data_ptr() != first.data_ptr() + offset
+            tensor.device != device
+            or tensor.data_ptr() != base + offset
             or not tensor.is_contiguous()
             or tensor.untyped_storage().data_ptr() != storage.data_ptr()
         ):
