@@ -296,7 +296,14 @@ def alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_every_process_the_run_started(tmp_path):
     out = tmp_path / "interrupt"
-    process = start(out, "loop.steps=400")
+    # As from a terminal: a suite started in the background (`cmd &` in a script, nohup) runs
+    # with SIGINT ignored, and a child inherits that through exec, so the launcher would never
+    # see the signal. A handler of our own is reset to the default in the child instead.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = start(out, "loop.steps=400")
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     roles = out / "roles.json"
     try:
         wait_for(roles.exists, 300, "the roles to start")

@@ -45,7 +45,7 @@ for dtype in (None, torch.bfloat16):
         gathers = 0
         # DeepSpeed keeps a rank's partitions end to end, which the export sends as they lie;
         # at one bucket size it is made to join them by copy, as it must where they do not
-        export._end_to_end = (lambda _: False) if bucket_bytes == 4096 else end_to_end
+        export._end_to_end = (lambda _: None) if bucket_bytes == 4096 else end_to_end
         stream = iter(actor.export_weights(dtype, bucket_bytes=bucket_bytes))
         in_place = 0
         buckets = plan_buckets(specs, bucket_bytes)

@@ -82,7 +82,10 @@ def test_partitions_lying_end_to_end_are_recognised():
     from ferrule_trainer.export import _end_to_end
 
     flat = torch.arange(20.0)
-    assert _end_to_end([flat[0:3], flat[3:10], flat[10:20]])
-    assert not _end_to_end([flat[0:3], flat[4:10]])  # a gap
-    assert not _end_to_end([flat[3:10], flat[0:3]])  # out of order
-    assert not _end_to_end([flat[0:3], torch.arange(20.0)[3:10]])  # another storage
+    row = _end_to_end([flat[0:3], flat[3:10], flat[10:20]])
+    assert row.data_ptr() == flat.data_ptr() and torch.equal(row, flat)  # a view, no copy
+    assert torch.equal(_end_to_end([flat[3:10], flat[10:12]]), flat[3:12])
+    assert _end_to_end([flat[0:3], flat[4:10]]) is None  # a gap
+    assert _end_to_end([flat[3:10], flat[0:3]]) is None  # out of order
+    assert _end_to_end([flat[0:3], torch.arange(20.0)[3:10]]) is None  # another storage
+    assert _end_to_end([flat[0:6:2], flat[6:10]]) is None  # not contiguous

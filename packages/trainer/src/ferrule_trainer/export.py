@@ -21,13 +21,14 @@ since the gathers are collectives. A consumer that pulls bucket k+1 while bucket
 be the (detached) parameters themselves: copy what you keep past the next optimizer step.
 """
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ferrule_weightsync import TensorSpec
-from ferrule_weightsync.packing import Bucket, plan_buckets
+from ferrule_weightsync.packing import Bucket, lying_in_one_buffer, plan_buckets
 
 # Large enough that a 0.5B model gathers in a handful of collectives, small enough that a bucket
 # of gathered full weights fits beside the sharded model.
@@ -272,7 +273,7 @@ class _GatherGroup:
         splits = []
         index_of = {}
         cursor = 0
-        for p, start in sorted(enumerate(starts), key=lambda pair: pair[1]):
+        for p, start in enumerate(starts):  # in bucket order already
             splits.append(start - cursor)
             for r in range(self.world):
                 index_of[p, r] = len(splits)
@@ -288,10 +289,8 @@ class _GatherGroup:
         memory (DeepSpeed keeps them in one flat buffer, in parameter order), else a copy."""
         # ds_tensor is read at every export: DeepSpeed may swap it (offload and reload)
         partitions = [p.ds_tensor.reshape(-1) for p in self.params]
-        if _end_to_end(partitions):
-            first = partitions[0]
-            row = first.as_strided((self.row,), (1,), first.storage_offset())
-        else:
+        row = _end_to_end(partitions)
+        if row is None:
             row = torch.cat(partitions)
         return row if row.device == self.device else row.to(self.device)
 
@@ -317,14 +316,12 @@ class _GatherGroup:
         }
 
 
-def _end_to_end(tensors: list[torch.Tensor]) -> bool:
-    """Whether the (flat) tensors lie one right after another in one storage."""
-    storage, end = tensors[0].untyped_storage().data_ptr(), tensors[0].data_ptr()
-    for tensor in tensors:
-        if tensor.data_ptr() != end or tensor.untyped_storage().data_ptr() != storage:
-            return False
-        end += tensor.numel() * tensor.element_size()
-    return True
+def _end_to_end(partitions: list[torch.Tensor]) -> torch.Tensor | None:
+    """The (flat) partitions as one flat tensor with no copy, where they lie one right after
+    another in one storage; else None."""
+    offsets = list(itertools.accumulate((p.nbytes for p in partitions), initial=0))
+    span = lying_in_one_buffer(partitions, offsets[:-1], offsets[-1])
+    return None if span is None else span.view(partitions[0].dtype)
 
 
 def _pick(pieces, indices: list[int]) -> list[torch.Tensor]:

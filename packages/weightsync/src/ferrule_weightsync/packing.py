@@ -140,25 +140,36 @@ def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device)
     on `device` at the bucket's offsets: a large embedding alone in its bucket, say, or a
     ZeRO-3 export gathered into a buffer laid out by `plan_buckets` with the same bucket size.
     Sending those needs no copy. None when the bucket must be packed."""
+    return lying_in_one_buffer(tensors, bucket.offsets, bucket.nbytes, device)
+
+
+def lying_in_one_buffer(
+    tensors: list[torch.Tensor],
+    offsets: list[int],
+    nbytes: int,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """`nbytes` bytes of memory (a uint8 tensor, no copy) in which every tensor already lies,
+    contiguous, at its byte offset (on `device`, if given); None if they do not."""
     # empty tensors own no bytes (and may have no address): nothing to check
-    placed = [(t, offset) for t, offset in zip(tensors, bucket.offsets, strict=True) if t.numel()]
+    placed = [(t, offset) for t, offset in zip(tensors, offsets, strict=True) if t.numel()]
     if not placed:
         return None
     anchor, offset = placed[0]
     storage = anchor.untyped_storage()
-    base = anchor.data_ptr() - offset  # where the bucket starts
+    base = anchor.data_ptr() - offset  # where the buffer starts
     start = base - storage.data_ptr()
-    if start < 0 or start + bucket.nbytes > storage.nbytes():
+    if start < 0 or start + nbytes > storage.nbytes():
         return None
     for tensor, offset in placed:
         if (
-            tensor.device != device
+            (device is not None and tensor.device != device)
             or tensor.data_ptr() != base + offset
             or not tensor.is_contiguous()
             or tensor.untyped_storage().data_ptr() != storage.data_ptr()
         ):
             return None
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (bucket.nbytes,))
+    return torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(storage, start, (nbytes,))
 
 
 def unpack(views: list[torch.Tensor], bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
