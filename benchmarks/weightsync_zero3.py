@@ -2,20 +2,22 @@
 ferrule-weightsync, loaded by a receiver, against a raw broadcast of the same bytes.
 
     python benchmarks/weightsync_zero3.py nccl      # 2 GPUs: ranks on cuda:0 / cuda:1, receiver on cuda:1
+    python benchmarks/weightsync_zero3.py nccl --receiver-gpu 2    # 3 GPUs: the receiver on its own
     python benchmarks/weightsync_zero3.py ipc       # 1 GPU: a ZeRO-3 policy of one rank, receiver beside it
     python benchmarks/weightsync_zero3.py nccl --device cpu --layers 2 --hidden 64   # plumbing, gloo
 
 The policy is ferrule-trainer's `Actor` (DeepSpeed ZeRO-3, bf16) on ferrule-testkit's Qwen2 of
-the given shape (default ~0.6B parameters). One update: every rank iterates
-`Actor.export_weights(bucket_bytes=...)` (the gathers are collectives), rank 0 hands the stream
-to a sender of the same bucket size (one sender and receiver per size: the export then gathers
-each bucket into a buffer in the sender's layout, which a broadcast sender sends without
-packing), and the receiver copies every tensor into its own preallocated copy of the model (an
-engine's load). Timed on rank 0 from the start of the export until the sender's `send`
-returns, which is after every receiver reported its load done. Each export bucket size given is
-timed in the same rounds, beside `gather_only` (the export iterated without sending) and the
-baseline: one raw broadcast of a flat buffer of the same bytes in the sender's own group (nccl),
-or one device-to-device copy of them (ipc). Rounds alternate between all of them; the first
+the given shape (default ~0.6B parameters). One update, as the launcher runs it under a
+broadcast: rank 0 hands `Actor.export_weights(bucket_bytes=...)` to a sender of the same
+bucket size (one sender and receiver per size: the export gathers each bucket into a buffer in
+the sender's layout, sent without packing), the other ranks join its all-gathers and keep
+nothing (`Actor.take_part_in_export`), and the receiver copies every tensor into its own
+preallocated copy of the model (an engine's load). Timed on rank 0 from the start of the
+export until the sender's `send` returns, which is after every receiver reported its load
+done. Each export bucket size given is timed in the same rounds, beside `gather_only` (every
+rank iterates the export, each gathering the whole model, nothing sent) and the baseline: one
+raw broadcast of a flat buffer of the same bytes in the sender's own group (nccl), or one
+device-to-device copy of them (ipc). Rounds alternate between all of them; the first
 warms up; medians are reported.
 
 Before any timing, every exported tensor is checked against DeepSpeed's own gather of that
@@ -89,11 +91,11 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     del exported
 
     def ours(bucket_mb: int) -> None:
-        weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
+        # as the launcher under a broadcast: rank 0 sends, the others only join the gathers
         if rank:
-            for _ in weights:
-                pass
+            actor.take_part_in_export(bucket_bytes=bucket_mb * MB)
         else:
+            weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
             senders[bucket_mb].send(weights, specs=specs)
 
     def gather_only(bucket_mb: int) -> None:
@@ -133,7 +135,7 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
 def receiver_worker(ports: dict, args, out) -> None:
     from ferrule_weightsync import create_receiver
 
-    device = torch.device("cuda", 1 if args.mode == "nccl" else 0)
+    device = torch.device("cuda", args.receiver_gpu if args.mode == "nccl" else 0)
     if args.device == "cpu":
         device = torch.device("cpu")
     else:
@@ -190,6 +192,12 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument(
+        "--receiver-gpu",
+        type=int,
+        default=1,
+        help="nccl: the receiver's GPU; 1 shares rank 1's (a two-GPU host), 2 is one of its own",
+    )
     args = parser.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = [512, 128, 32]
@@ -233,6 +241,7 @@ def main() -> None:
     line = {
         "name": f"weightsync_zero3_{args.mode}",
         "device": f"{world} x {device}",
+        "receiver_gpu": args.receiver_gpu if args.mode == "nccl" else 0,
         "gb": round(results["bytes"] / 1e9, 3),
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},

@@ -67,6 +67,18 @@ class CountingContext(original_context):
 export._all_gather = counting_all_gather
 deepspeed.zero.GatheredParameters = CountingContext
 exported = dict(actor.export_weights(bucket_bytes=64 * 1024))
+# The ranks that send nothing only take part (LoRA layers: GatheredParameters on every rank):
+# the same collectives, keeping nothing, while rank 0's export is unchanged.
+exporting, gathers = gathers, 0
+if rank == 0:
+    kept = dict(actor.export_weights(bucket_bytes=64 * 1024))
+    assert (
+        all(torch.equal(kept[n], t) for n, t in exported.items()) and kept.keys() == exported.keys()
+    )
+else:
+    actor.take_part_in_export(bucket_bytes=64 * 1024)
+assert gathers == exporting, (gathers, exporting)
+gathers = exporting
 export._all_gather = original_all_gather
 deepspeed.zero.GatheredParameters = original_context
 specs = actor.weight_specs()

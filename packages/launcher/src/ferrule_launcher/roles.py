@@ -100,12 +100,11 @@ class RankWorker:
             self.sender.abort(reason)
 
     def send_weights(self, version: int) -> int:
-        """Every rank exports (ZeRO-3 gathers need all of them); the ranks with a sender send."""
-        weights = self.actor.export_weights()
+        """The ranks with a sender export and send; the others only join the ZeRO-3 gathers."""
         if self.sender is None:
-            for _ in weights:
-                pass
+            self.actor.take_part_in_export()
             return version
+        weights = self.actor.export_weights()
         return self.sender.send(weights, version=version, specs=self.actor.weight_specs())
 
     def logprobs(

@@ -346,6 +346,13 @@ class Actor(TrainedModel):
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
         return self._export(dtype).weights(bucket_bytes)
 
+    def take_part_in_export(
+        self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
+    ) -> None:
+        """On a rank that sends nothing: joins the ZeRO-3 gathers of the ranks that call
+        `export_weights` (same arguments), keeping nothing; a no-op without ZeRO-3."""
+        self._export(dtype).take_part(bucket_bytes)
+
     def _export(self, dtype: torch.dtype | None) -> export.WeightExport:
         # worked out once per dtype: a sync after every step would redo it each time
         if dtype not in self._exports:

@@ -15,10 +15,12 @@ bucket (and dtype) of each rank's partitions as they lie, then every piece moved
 one bucket buffer, which a broadcast sender of the same bucket size sends without packing; none
 of DeepSpeed's per-parameter bookkeeping (an earlier export measured 6x faster than
 `GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py). LoRA layers under ZeRO-3
-go through `GatheredParameters`. Every rank of the group must iterate the stream to its end,
-since the gathers are collectives. A consumer that pulls bucket k+1 while bucket k is on the wire
-(ferrule-weightsync's senders do) overlaps the gather with the transfer. The yielded tensors may
-be the (detached) parameters themselves: copy what you keep past the next optimizer step.
+go through `GatheredParameters`. Every rank of the group must take part, since the gathers are
+collectives: by iterating the stream to its end, or, where it sends nothing, by
+`WeightExport.take_part`, which lays nothing out. A consumer that pulls bucket k+1 while bucket
+k is on the wire (ferrule-weightsync's senders do) overlaps the gather with the transfer. The
+yielded tensors may be the (detached) parameters themselves: copy what you keep past the next
+optimizer step.
 """
 
 import itertools
@@ -143,20 +145,31 @@ class WeightExport:
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if not self.sharded:
             for item in self.items:
                 yield item.name, item.compute().to(item.dtype)
             return
+        for plan in self._bucket_plans(bucket_bytes):
+            yield from plan.export()
+
+    def take_part(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """This rank's share of an export that other ranks keep (the ones that send), with
+        their `bucket_bytes`: ZeRO-3's gathers need every rank, but one that sends nothing
+        needs none of the weights, so nothing is laid out here. A no-op without ZeRO-3."""
+        if self.sharded:
+            for plan in self._bucket_plans(bucket_bytes):
+                plan.take_part()
+
+    def _bucket_plans(self, bucket_bytes: int) -> list["_BucketPlan"]:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if bucket_bytes not in self._plans:
             plans, done = [], 0
             for bucket in plan_buckets(self.specs(), bucket_bytes):
                 plans.append(_BucketPlan(self.items[done : done + len(bucket.specs)], bucket))
                 done += len(bucket.specs)
             self._plans[bucket_bytes] = plans
-        for plan in self._plans[bucket_bytes]:
-            yield from plan.export()
+        return self._plans[bucket_bytes]
 
 
 def weight_specs(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorSpec]:
@@ -217,12 +230,33 @@ class _BucketPlan:
             return
         import deepspeed
 
-        params = list({id(p): p for item in self.items for p in item.params}.values())
         # One all-gather for the whole bucket. The gathered storage is freed when the context
         # exits, so the tensors are copied out before it does.
-        with deepspeed.zero.GatheredParameters(params):
+        with deepspeed.zero.GatheredParameters(self._params()):
             tensors = [(item.name, item.compute().to(item.dtype, copy=True)) for item in self.items]
         yield from tensors
+
+    def take_part(self) -> None:
+        """The bucket's collectives, keeping nothing."""
+        if self.plain and self.world > 1:
+            for group in self.groups:
+                group.gather()
+            # Wait for them before queueing the next bucket's. Queued early, a gather spins on
+            # this rank's GPU until the sending rank joins it, and an engine in another process
+            # on that GPU (a broadcast's receiver) waits for its time slices: with 512 MB
+            # buckets on 2 x H200 the update measured 0.63 of a raw broadcast with the wait,
+            # 0.50-0.51 without (benchmarks/weightsync_zero3.py). Small buckets, whose
+            # broadcasts end within a time slice, lose more by the wait than they gain.
+            if self.groups[0].device.type == "cuda":
+                torch.cuda.current_stream(self.groups[0].device).synchronize()
+        elif not self.plain:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(self._params()):
+                pass
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return list({id(p): p for item in self.items for p in item.params}.values())
 
 
 class _GatherGroup:
@@ -294,11 +328,16 @@ class _GatherGroup:
             row = torch.cat(partitions)
         return row if row.device == self.device else row.to(self.device)
 
+    def gather(self) -> torch.Tensor:
+        """Every rank's row, rank after rank (the all-gather, nothing laid out)."""
+        rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
+        _all_gather(rows, self._row(), self.process_group)
+        return rows
+
     def gather_into(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
         """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
         a view of `buffer`}."""
-        rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
-        _all_gather(rows, self._row(), self.process_group)
+        rows = self.gather()
         sources = [
             piece
             for r, mine in enumerate(rows.split(self.row))
