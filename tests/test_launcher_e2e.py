@@ -56,9 +56,16 @@ def assert_reward_rises(records: list[dict]) -> None:
     assert last > first + 0.03, f"reward did not rise: {rewards}"
 
 
+def _segments() -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob("ferrule-ws-*")}
+
+
 def test_sync_run_learns_and_writes_every_output(tmp_path):
     out = tmp_path / "sync"
+    before = _segments()
     result = launch(out)
+    # the weight sync's shared memory went with the run (its senders closed before the kill)
+    assert not _segments() - before
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 17))
     assert all(r["staleness"] == 0 for r in records)  # sync: every sample from the last version

@@ -76,7 +76,17 @@ if rank == 0:
         all(torch.equal(kept[n], t) for n, t in exported.items()) and kept.keys() == exported.keys()
     )
 else:
+    laid_out, foreach_copy = 0, torch._foreach_copy_
+
+    def counting_copy(*args):
+        global laid_out
+        laid_out += 1
+        return foreach_copy(*args)
+
+    torch._foreach_copy_ = counting_copy
     actor.take_part_in_export(bucket_bytes=64 * 1024)
+    torch._foreach_copy_ = foreach_copy
+    assert laid_out == 0, f"take_part laid out {laid_out} buckets"
 assert gathers == exporting, (gathers, exporting)
 gathers = exporting
 export._all_gather = original_all_gather

@@ -176,6 +176,11 @@ class Roles:
     def stop(self) -> None:
         import ray
 
+        # A sender removes its shared-memory segments (CPU IPC) when it closes; one killed
+        # leaves them to the next sender's sweep. One still busy (a send blocked on a dead
+        # engine) is not waited for.
+        closing = [worker.close_weight_sync.remote() for worker in self.policy.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=2.0)
         for actor in self.handles().values():
             ray.kill(actor, no_restart=True)
         for group in self.groups:  # on a shared cluster, give the resources back at once

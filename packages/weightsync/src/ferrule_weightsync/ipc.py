@@ -12,12 +12,20 @@ handles at all (a handle costs ~0.5 ms to open; a per-tensor handle scheme is wh
 slow). Per bucket, the sender packs and signals "ready"; each receiver hands out views of the
 mapped buffer and signals "free" once its consumer has moved on, which lets the sender reuse the
 buffer for bucket k+2.
+
+On CPU the buffers are POSIX shared-memory segments, /dev/shm/ferrule-ws-*. A sender that is
+killed outright (SIGKILL, the OOM killer, a container stopped) cannot remove its segments, so
+every sender, before it creates its own, removes those whose creator is gone: each creator holds
+a shared `flock` on its segment for as long as it lives, which the kernel drops when it dies.
 """
 
+import contextlib
 import mmap
+import os
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import torch
 
@@ -27,7 +35,47 @@ from ferrule_weightsync.errors import MalformedMessageError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
 from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no /dev/shm either, and the CPU path cannot run
+    fcntl = None
+
 DEFAULT_BUCKET_BYTES = 1024 * 2**20  # measured on one H200: 1 GB buckets copy at ~940 GB/s
+SEGMENTS = Path("/dev/shm")
+
+
+@contextlib.contextmanager
+def _segments_locked() -> Iterator[None]:
+    """This user's senders one at a time: a segment is created and locked, or swept, as one
+    step, so a sweep never finds a live sender's segment before its lock is taken."""
+    fd = os.open(SEGMENTS / f"ferrule-ws.{os.getuid()}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def remove_orphaned_segments() -> list[str]:
+    """Removes this user's ferrule-ws-* segments that no living process holds a lock on, and
+    returns their names. Call with `_segments_locked()` held."""
+    removed = []
+    for path in SEGMENTS.glob("ferrule-ws-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # removed meanwhile, or another user's
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its creator lives
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class _SharedBuffer:
@@ -38,9 +86,14 @@ class _SharedBuffer:
         if device.type == "cuda":
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         else:
-            self.shm = shared_memory.SharedMemory(
-                f"ferrule-ws-{uuid.uuid4().hex[:16]}", True, nbytes
-            )
+            with _segments_locked():
+                remove_orphaned_segments()
+                self.shm = shared_memory.SharedMemory(
+                    f"ferrule-ws-{uuid.uuid4().hex[:16]}", True, nbytes
+                )
+                # held until this process closes the segment or dies
+                self._lock = os.open(SEGMENTS / self.shm.name, os.O_RDONLY)
+                fcntl.flock(self._lock, fcntl.LOCK_SH)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
 
     def handle(self) -> dict:
@@ -69,6 +122,7 @@ class _SharedBuffer:
         if self.shm is not None:
             self.shm.close()
             self.shm.unlink()
+            os.close(self._lock)
 
 
 class _MappedBuffer:
