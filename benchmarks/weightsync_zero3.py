@@ -3,7 +3,8 @@ ferrule-weightsync, loaded by a receiver, against a raw broadcast of the same by
 
     python benchmarks/weightsync_zero3.py nccl      # 2 GPUs: ranks on cuda:0 / cuda:1, receiver on cuda:1
     python benchmarks/weightsync_zero3.py nccl --receiver-gpu 2    # 3 GPUs: the receiver on its own
-    python benchmarks/weightsync_zero3.py ipc       # 1 GPU: a ZeRO-3 policy of one rank, receiver beside it
+    python benchmarks/weightsync_zero3.py ipc       # 1 GPU: a ZeRO-3 policy of one rank, receiver beside it,
+                                                    # packed and in place
     python benchmarks/weightsync_zero3.py nccl --device cpu --layers 2 --hidden 64   # plumbing, gloo
 
 The policy is ferrule-trainer's `Actor` (DeepSpeed ZeRO-3, bf16) on ferrule-testkit's Qwen2 of
@@ -12,17 +13,20 @@ broadcast: rank 0 hands `Actor.export_weights(bucket_bytes=...)` to a sender of 
 bucket size (one sender and receiver per size: the export gathers each bucket into a buffer in
 the sender's layout, sent without packing), the other ranks join its all-gathers and keep
 nothing (`Actor.take_part_in_export`), and the receiver copies every tensor into its own
-preallocated copy of the model (an engine's load). Timed on rank 0 from the start of the
-export until the sender's `send` returns, which is after every receiver reported its load
-done. Each export bucket size given is timed in the same rounds, beside `gather_only` (every
-rank iterates the export, each gathering the whole model, nothing sent) and the baseline: one
-raw broadcast of a flat buffer of the same bytes in the sender's own group (nccl), or one
-device-to-device copy of them (ipc). Rounds alternate between all of them; the first
-warms up; medians are reported.
+copy of the model, one multi-tensor copy per bucket (`Update.load_into`: the load of
+ferrule-rollout's transformers engine). Under ipc the policy of one rank also sends in place,
+as the launcher does (`send(..., in_place=True)`: the receiver reads the trainer's own
+memory), timed as `ours_in_place`. Timed on rank 0 from the start of the export until the
+sender's `send` returns, which is after every receiver reported its load done. Each export
+bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
+export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
+flat buffer of the same bytes in the sender's own group (nccl), or one device-to-device copy of
+them (ipc). Rounds alternate between all of them; the first warms up; medians are reported.
 
 Before any timing, every exported tensor is checked against DeepSpeed's own gather of that
-parameter (bit for bit; the run stops otherwise). ratio = baseline / ours at the best bucket
-size (goal >= 0.6). Last line: one JSON object.
+parameter, and after the last round the receiver's model against the export (digests): bit
+for bit, the run stops otherwise. ratio = baseline / ours at the best way of sending (goal
+>= 0.6). Last line: one JSON object.
 """
 
 import argparse
@@ -70,10 +74,12 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     senders = {}
     if rank == 0:
         transport = "broadcast" if args.mode == "nccl" else "ipc"
-        for mb, port in zip(args.bucket_mb, ports["sync"], strict=True):
+        for mb, port in zip(args.ways, ports["sync"], strict=True):
+            bucket_bytes = mb * MB if mb else None  # 0: in place, no buckets
             senders[mb] = create_sender(
-                transport, "127.0.0.1", port, 1, device=device, bucket_bytes=mb * MB
-            )
+                transport, "127.0.0.1", port, 1, device=device,
+                **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}),
+            )  # fmt: skip
         sender = senders[args.bucket_mb[0]]
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         copy = torch.empty_like(flat) if args.mode == "ipc" else None
@@ -98,6 +104,10 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
             weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
             senders[bucket_mb].send(weights, specs=specs)
 
+    def ours_in_place() -> None:  # as the launcher sends an export of the trainer's own memory
+        assert actor.export_in_place()
+        senders[0].send(actor.export_weights(), specs=specs, in_place=True)
+
     def gather_only(bucket_mb: int) -> None:
         for _ in actor.export_weights(bucket_bytes=bucket_mb * MB):
             pass
@@ -114,7 +124,9 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     # baseline's), whose waiting kernel would share GPU 1 with rank 1's gathers
     work = [(f"gather_only_{mb}mb", gather_only, mb) for mb in args.bucket_mb]
     work += [(f"ours_{mb}mb", ours, mb) for mb in args.bucket_mb]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in work}
+    if args.mode == "ipc":
+        work.append(("ours_in_place", ours_in_place))
+    times: dict[str, list[float]] = {name: [] for name, *_ in work}
     times["baseline"] = []
     for round_ in range(args.repeats + 1):
         for name, fn, *options in [*work, ("baseline", baseline)]:
@@ -125,8 +137,13 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
             synchronize(device)
             if round_:
                 times[name].append(time.perf_counter() - started)
-    if rank == 0:
-        out.put({"bytes": nbytes, "tensors": len(specs), "times": times})
+    if rank:
+        actor.take_part_in_export()  # rank 0's export below: what the receiver must hold
+    else:
+        from ferrule_weightsync import digest
+
+        sent = digest(actor.export_weights())
+        out.put({"bytes": nbytes, "tensors": len(specs), "times": times, "sent_digest": sent})
         for sender in senders.values():
             sender.close()
     torch.distributed.barrier()
@@ -151,17 +168,21 @@ def receiver_worker(ports: dict, args, out) -> None:
     flat = None
     for _ in range(args.repeats + 1):
         for receiver in receivers:
-            for name, tensor in receiver.receive():
-                if name not in model:
-                    model[name] = torch.empty_like(tensor, device=device)
-                model[name].copy_(tensor)
+            update = receiver.receive()
+            for spec in update.specs:
+                if spec.name not in model:
+                    model[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            update.load_into(model)
+            synchronize(device)
         if args.mode == "nccl":
             if flat is None:
                 nbytes = sum(t.numel() * t.element_size() for t in model.values())
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             receivers[0]._group.broadcast(flat).wait()
             synchronize(device)
-    out.put({"received_tensors": len(model)})
+    from ferrule_weightsync import digest
+
+    out.put({"received_tensors": len(model), "received_digest": digest(model.items())})
     for receiver in receivers:
         receiver.close()
 
@@ -201,6 +222,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = [512, 128, 32]
+    args.ways = args.bucket_mb + ([0] if args.mode == "ipc" else [])  # 0: in place
     if args.device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -224,7 +246,7 @@ def main() -> None:
     args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = {"policy": free_port(), "sync": [free_port() for _ in args.bucket_mb]}
+    ports = {"policy": free_port(), "sync": [free_port() for _ in args.ways]}
     world = 2 if args.mode == "nccl" else 1
     procs = [
         ctx.Process(target=policy_worker, args=(r, world, ports, args, out)) for r in range(world)
@@ -235,8 +257,10 @@ def main() -> None:
     results = wait_for_results(out, procs, count=2, timeout=560)
     for p in procs:
         p.join(60)
+    if results["received_digest"] != results["sent_digest"]:
+        raise SystemExit("weightsync_zero3: the receiver's weights differ from the export")
     median = {key: statistics.median(times) for key, times in results["times"].items()}
-    best_bucket = min(args.bucket_mb, key=lambda mb: median[f"ours_{mb}mb"])
+    best = min((key for key in median if key.startswith("ours_")), key=median.get)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     line = {
         "name": f"weightsync_zero3_{args.mode}",
@@ -245,8 +269,8 @@ def main() -> None:
         "gb": round(results["bytes"] / 1e9, 3),
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},
-        "best_bucket_mb": best_bucket,
-        "ratio": round(median["baseline"] / median[f"ours_{best_bucket}mb"], 3),
+        "best": best,
+        "ratio": round(median["baseline"] / median[best], 3),
     }
     print(json.dumps(line))
 

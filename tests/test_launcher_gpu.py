@@ -86,6 +86,15 @@ def test_hybrid_engine_on_one_gpu_ipc_offload_and_sleep(tmp_path):
     assert all(r["time/sync"] > 0 for r in records)
 
 
+@pytest.mark.gpu(count=1)
+def test_resident_engine_on_one_gpu_reads_the_policys_weights_in_place(tmp_path):
+    """colocate_all with nothing offloaded: CUDA IPC in place, the engine loading the policy's
+    own weights (no packing copy); every sync lands bit for bit."""
+    records, summary = launch(tmp_path / "resident", 'ray.placement="colocate_all"')
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    assert all(r["time/sync"] > 0 for r in records)
+
+
 @pytest.mark.gpu(count=2)
 def test_separate_policy_and_engine_gpus_nccl(tmp_path):
     """separate: the policy on one GPU, the engine on the other; weights by NCCL broadcast."""

@@ -5,7 +5,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from ferrule_testkit import tiny_model
-from ferrule_trainer.export import export_weights, weight_specs
+from ferrule_trainer.export import WeightExport, export_weights, weight_specs
 
 
 def test_export_is_the_hf_state_dict():
@@ -74,6 +74,50 @@ def test_zero3_export_of_one_rank_is_the_model_in_any_bucket_size():
     cast = dict(actor.export_weights(dtype=torch.bfloat16))
     assert all(t.dtype == torch.bfloat16 for t in cast.values())
     assert torch.equal(cast["model.norm.weight"], expected["model.norm.weight"].bfloat16())
+
+
+def test_an_export_of_the_models_own_memory_is_in_place_and_follows_swapped_parameters():
+    """In place: each tensor is a view of its parameter, kept from one export to the next,
+    which sees in-place changes and is made again when a parameter's memory is swapped."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
+    exporter = WeightExport(model)
+    assert exporter.in_place
+    first = dict(exporter.weights())
+    params = dict(model.named_parameters())
+    assert all(first[n].data_ptr() == params[n].data_ptr() for n in first)
+    again = dict(exporter.weights())
+    assert all(again[n] is first[n] for n in first)  # no views made anew
+    name = "model.layers.0.mlp.up_proj.weight"
+    with torch.no_grad():
+        params[name].mul_(2)  # what an optimizer step does
+    assert torch.equal(dict(exporter.weights())[name], params[name])
+    params[name].data = torch.full_like(params[name], 0.25)  # what an offload does
+    swapped = dict(exporter.weights())[name]
+    assert swapped.data_ptr() == params[name].data_ptr() and bool((swapped == 0.25).all())
+    # a cast or a merge is not the model's own memory
+    cast = WeightExport(model, torch.bfloat16)
+    assert not cast.in_place and {t.dtype for _, t in cast.weights()} == {torch.bfloat16}
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    assert not WeightExport(get_peft_model(model, lora)).in_place
+
+
+def test_zero3_export_of_one_rank_is_in_place_and_follows_its_partitions():
+    import deepspeed
+
+    from ferrule_trainer.actor import Actor
+
+    actor = Actor(tiny_model("qwen2"), zero_stage=3, dtype="float32", learning_rate=1e-3)
+    assert actor.export_in_place() and not actor.export_in_place(torch.bfloat16)
+    params = dict(actor.module.named_parameters())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    dict(actor.export_weights())  # the views are made here and kept
+    with torch.no_grad():
+        params[name].ds_tensor.mul_(3)  # an optimizer step, in place
+    exported = dict(actor.export_weights())
+    with deepspeed.zero.GatheredParameters([params[name]]):
+        assert torch.equal(exported[name], params[name].detach())
+    params[name].ds_tensor.data = params[name].ds_tensor.data * 0 + 0.5  # swapped out and in
+    assert bool((dict(actor.export_weights())[name] == 0.5).all())
 
 
 def test_partitions_lying_end_to_end_are_recognised():

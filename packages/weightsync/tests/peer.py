@@ -65,7 +65,11 @@ def run_receiver(args) -> None:
                 continue
             update = receiver.receive(expected=expected, cast=_cast(args.cast))
             received = {}
-            for i, (name, tensor) in enumerate(update):
+            if args.load_into:  # an engine's load: into its own tensors, bucket by bucket
+                received = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in update_targets(
+                    expected or realistic_state_dict(), args.load_into).items()}  # fmt: skip
+                update.load_into(received)
+            for i, (name, tensor) in enumerate(() if args.load_into else update):
                 if args.stall_at is not None and i == args.stall_at:
                     time.sleep(3600)  # the test kills us here, mid-transfer
                 if args.stop_after is not None and i == args.stop_after:
@@ -83,6 +87,11 @@ def run_receiver(args) -> None:
     except Exception as err:
         results.append({"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()})
     torch.save(results, args.out)
+
+
+def update_targets(state: dict, how: str) -> dict:
+    """--load-into: "all" the tensors of `state`, or "missing" all but one."""
+    return {k: v for k, v in state.items() if how == "all" or k != "layers.0.odd"}
 
 
 def _cast(value):
@@ -125,6 +134,7 @@ if __name__ == "__main__":
     parser.add_argument("--cast", default="")
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--load-into", choices=["all", "missing"], help="Update.load_into")
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")

@@ -159,6 +159,80 @@ def test_a_shared_memory_handle_must_name_one_of_ours_never_a_path(group):
         g.receiver.receive(timeout=5).to_state_dict()
 
 
+PLACED_SPECS = [["a", [3], "float32"], ["b", [2, 2], "bfloat16"]]
+
+
+@pytest.mark.parametrize(
+    ("placed", "why"),
+    [
+        ({"buffers": [64], "placement": [[0, 0], [1, 0]]}, r"'b' placed in buffer 1 of 1"),
+        ({"buffers": [64], "placement": [[0, 0], [0, 57]]}, r"'b' \(8 bytes\) at offset 57 does"),
+        ({"buffers": [64], "placement": [[0, 0], [0, 60]]}, r"'b' \(8 bytes\) at offset 60 does"),
+        ({"buffers": [64, 64], "placement": [[0, 0], [0, 16]]}, "a buffer holds no tensor"),
+        ({"buffers": [64], "placement": [[0, 0]]}, "1 placements for 2 tensors"),
+        ({"buffers": [64], "placement": [[0, -8], [0, 16]]}, r"placement\[0\] offset -8 not in"),
+        ({"buffers": [], "placement": []}, "buffers must list 1 to"),
+        ({"buffers": [64], "placement": [[0, 0], [0]]}, r"placement\[1\] is not \[buffer, off"),
+    ],
+)
+def test_a_hostile_in_place_layout_is_refused(group, placed, why):
+    """An in-place layout may only place whole tensors, aligned, inside buffers it names."""
+    g = group()
+    stranger = g.stranger()
+    layout = {"bucket_bytes": 4096, "specs": PLACED_SPECS, **placed}
+    stranger.set("layouts/layout0", messages.encode(layout))
+    manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 1}
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": True}))
+    with pytest.raises(MalformedMessageError, match=f"layouts/layout0: {why}"):
+        g.receiver.receive(timeout=5)
+
+
+def in_place_update(g, segment, buffers: list[int]) -> None:
+    """Publish, as a sender would, an in-place update of PLACED_SPECS lying in `segment`."""
+    stranger = g.stranger()
+    layout = {"bucket_bytes": 4096, "specs": PLACED_SPECS, "buffers": buffers,
+              "placement": [[0, 0], [0, 16]]}  # fmt: skip
+    stranger.set("layouts/layout0", messages.encode(layout))
+    handle = {"kind": "shm", "name": segment.shm.name, "nbytes": segment.tensor.numel()}
+    stranger.set("ipc/handles/1", messages.encode([handle]))
+    manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 1}
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": False}))
+
+
+def test_an_in_place_update_is_read_where_the_sender_placed_it(group):
+    """The receiver's side of an in-place update (the sender's side needs a GPU: test_gpu.py):
+    each tensor is viewed at its offset in the mapped buffer and loaded from there."""
+    from ferrule_weightsync.ipc import _SharedBuffer
+
+    g = group()
+    segment = _SharedBuffer(64, torch.device("cpu"))
+    try:
+        a, b = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([[1.5, -2.0], [1e-3, 7.0]]).bfloat16()
+        segment.tensor[:12].view(torch.float32).copy_(a)
+        segment.tensor[16:24].view(torch.bfloat16).copy_(b.reshape(-1))
+        in_place_update(g, segment, [64])
+        targets = {"a": torch.zeros(3, dtype=torch.float64), "b": torch.zeros(2, 2).bfloat16()}
+        update = g.receiver.receive(expected=targets, cast=True, timeout=5)
+        assert update.load_into(targets) == ["a", "b"]
+        assert torch.equal(targets["a"], a.double()) and torch.equal(targets["b"], b)
+        assert g.stranger().get("u0/done/1") == messages.encode("")  # reported done, no error
+    finally:
+        segment.close()
+
+
+def test_an_in_place_layout_must_match_the_buffers_mapped(group):
+    from ferrule_weightsync.ipc import _SharedBuffer
+
+    g = group()
+    segment = _SharedBuffer(64, torch.device("cpu"))
+    try:
+        in_place_update(g, segment, [4096])  # says 4096 bytes; the segment mapped has 64
+        with pytest.raises(MalformedMessageError, match=r"buffers of \[4096\] bytes, the mapped"):
+            g.receiver.receive(timeout=5).to_state_dict()
+    finally:
+        segment.close()
+
+
 @pytest.mark.parametrize("transport", ["ipc", "broadcast"])
 def test_with_a_secret_updates_flow_and_forged_or_replayed_messages_are_refused(group, transport):
     g = group(transport=transport, sender_secret=SECRET, receiver_secret=SECRET)

@@ -93,6 +93,51 @@ def test_cuda_ipc_between_two_processes_on_one_gpu(tmp_path, secret):
     assert results[-1]["handles_opened"] == 2
 
 
+@pytest.mark.gpu(count=1)
+@pytest.mark.parametrize("checksums", [False, True])
+def test_cuda_ipc_in_place_reads_the_senders_own_memory(tmp_path, checksums):
+    """A trainer's weights as they lie (views into one flat buffer, two tensors of their own):
+    the receiver reads them there, sees in-place changes without new handles, gets the new
+    allocation when a tensor is swapped, and a tensor that cannot be read in place (here a
+    transposed view) makes the update packed."""
+    port = free_port()
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=4)
+    flat = torch.randn(10_000, device="cuda:0").bfloat16()
+    state = {
+        "layers.0.weight": flat[:1200].view(40, 30),
+        "layers.0.bias": flat[1201:1204],  # odd offset: 2-byte aligned only
+        "layers.0.empty": flat[1204:1204].view(0, 5),
+        "norm.weight": torch.randn(17, device="cuda:0"),
+        "step": torch.arange(7, device="cuda:0"),
+    }
+    sender = create_sender(
+        "ipc", "127.0.0.1", port, 1, device="cuda:0", checksums=checksums, timeout=60
+    )
+    sent, published = [], []
+    for update in range(4):
+        if update == 1:
+            flat.mul_(3)  # an optimizer step: in place
+        if update == 2:
+            state["norm.weight"] = torch.full((17,), 0.5, device="cuda:0")  # swapped
+        if update == 3:
+            state["layers.0.t"] = flat[2000:2600].view(20, 30).t()  # not contiguous
+        sender.send(state.items(), in_place=True)
+        sent.append({name: t.cpu() for name, t in state.items()})
+        published.append(sender.handles_published)
+    sender.close()
+    # 3 allocations shared once; again after the swap; the two packing buffers at the end
+    assert published == [3, 3, 6, 8]
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    results = torch.load(out, weights_only=False)
+    assert "error" not in results[0], results[0].get("trace")
+    for result, state_sent in zip(results, sent, strict=True):
+        assert result["state"].keys() == state_sent.keys()
+        for name, tensor in state_sent.items():
+            assert torch.equal(result["state"][name], tensor), name
+    assert [r["handles_opened"] for r in results] == published
+
+
 @pytest.mark.gpu(count=2)
 def test_nccl_receiver_failure_reaches_the_sender_through_the_end_all_reduce(tmp_path):
     port = free_port()

@@ -211,6 +211,33 @@ def test_cast_to_the_receivers_dtypes(transport, peers):
         assert received[name].dtype == want.dtype and torch.equal(received[name], want), name
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_load_into_copies_each_bucket_into_the_engines_tensors_casting(transport, peers):
+    port = free_port()
+    peers.start(1, transport=transport, port=port, expect="float32", cast="true", load_into="all")
+    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
+    state = realistic_state_dict()
+    assert len(plan_buckets([TensorSpec.of(n, t) for n, t in state.items()], 4096)) > 2
+    sender.send(state.items())
+    sender.close()
+    received = peers.results(1)[0]["state"]
+    assert set(received) == set(state)
+    for name, tensor in state.items():
+        want = tensor.float() if tensor.is_floating_point() else tensor
+        assert received[name].dtype == want.dtype and torch.equal(received[name], want), name
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_load_into_without_a_target_fails_the_update_naming_the_tensor(transport, peers):
+    port = free_port()
+    peers.start(1, transport=transport, port=port, load_into="missing")
+    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
+    with pytest.raises(WeightSyncError, match=r"receiver 1: .*no target for \['layers.0.odd'\]"):
+        sender.send(realistic_state_dict().items())
+    sender.close()
+    assert "no target for ['layers.0.odd']" in peers.results(1)[0]["error"]
+
+
 def test_mismatch_is_refused_before_any_data_and_names_the_tensor(peers):
     port = free_port()
     peers.start(1, port=port, expect="wrong-shape")
@@ -385,8 +412,8 @@ def test_checksum_catches_corruption(monkeypatch):
         receiver = create_receiver("broadcast", "127.0.0.1", port, 1, 1, timeout=10)
         original = receiver._receive_buckets
 
-        def corrupted(seq, buckets, manifest):
-            for bucket, buffer in original(seq, buckets, manifest):
+        def corrupted(seq, layout, manifest):
+            for bucket, buffer in original(seq, layout, manifest):
                 if bucket.index == 1:
                     buffer[0] ^= 1
                 yield bucket, buffer

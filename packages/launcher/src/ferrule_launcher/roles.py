@@ -34,6 +34,7 @@ class RankWorker:
     def __init__(self):
         self.actor = None
         self.sender = None
+        self.in_place = False  # whether the sender may let engines read the weights in place
 
     def setup(
         self, kind: str, model_path: str, rank: int, world: int, master: str, port: int, **options
@@ -64,12 +65,19 @@ class RankWorker:
         return {"host": ray.util.get_node_ip_address(), "port": port}
 
     def open_sender(
-        self, transport: str, host: str, port: int, num_receivers: int, secret: str
+        self,
+        transport: str,
+        host: str,
+        port: int,
+        num_receivers: int,
+        secret: str,
+        in_place: bool = False,
     ) -> str:
         """Start a weight-sync group as its sender, on this rank's device: NCCL broadcast or CUDA
         IPC on a GPU, gloo or shared memory on CPU ("host": shared memory wherever the weights
         are). Returns once every receiver joined, each proving it holds `secret`; returns the
-        device."""
+        device. `in_place`: CUDA IPC may let the engines read the weights where they lie (not
+        with an offload between phases: the engines' mappings would keep that memory)."""
         from ferrule_weightsync import create_sender
 
         self.close_weight_sync()  # a group cannot take new members: a replaced engine needs a new one
@@ -85,6 +93,7 @@ class RankWorker:
             connect_timeout=600.0,
             secret=secret,
         )
+        self.in_place = in_place
         return str(device)
 
     def close_weight_sync(self) -> None:
@@ -105,7 +114,10 @@ class RankWorker:
             self.actor.take_part_in_export()
             return version
         weights = self.actor.export_weights()
-        return self.sender.send(weights, version=version, specs=self.actor.weight_specs())
+        specs, in_place = self.actor.weight_specs(), self.in_place and self.actor.export_in_place()
+        # in place: the engines read the weights where they lie (CUDA IPC, no packing copy);
+        # nothing here changes them before `send` returns
+        return self.sender.send(weights, version=version, specs=specs, in_place=in_place)
 
     def logprobs(
         self, batch: dict, micro_batch_size: int | None = None, temperature: float | None = None
@@ -319,6 +331,7 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     per_engine = config.rollout.tensor_parallel_size
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
+    in_place = not config.trainer.offload_between_phases
     calls = []
     for rank in range(senders):
         members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
@@ -330,7 +343,7 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
         calls.append(
             (
                 workers[rank].open_sender.remote(
-                    transport, here["host"], here["port"], receivers, secret
+                    transport, here["host"], here["port"], receivers, secret, in_place
                 ),
                 f"policy rank {rank} (weight sync sender)",
             )

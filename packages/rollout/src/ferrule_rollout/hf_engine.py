@@ -412,10 +412,8 @@ class TransformersEngine:
             raise RolloutError(f"weight update failed: {err}") from err
         loaded = []
         try:
-            with torch.no_grad():
-                for name, tensor in update:
-                    targets[name].copy_(tensor)  # in place: a tied weight is one tensor
-                    loaded.append(name)
+            # in place, one multi-tensor copy per bucket: a tied weight is one tensor
+            update.load_into(targets, loaded)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as err:

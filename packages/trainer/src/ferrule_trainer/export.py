@@ -132,6 +132,41 @@ class WeightExport:
         self.items = _items(module, dtype)
         self.sharded = any(hasattr(p, "ds_id") for item in self.items for p in item.params)
         self._plans: dict[int, list[_BucketPlan]] = {}
+        # Whether `weights()` yields the module's own memory: nothing gathered (no ZeRO-3, or
+        # ZeRO-3 of one rank), cast or merged. A sender may then let receivers read it where
+        # it lies (ferrule-weightsync's `IpcSender.send(..., in_place=True)`), as long as the
+        # module does not change until that send returns.
+        self.in_place = all(self._source(item) is not None for item in self.items)
+        self._views: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def _source(self, item: _Item) -> torch.Tensor | None:
+        """The memory `item`'s tensor is a view of, where it is one: a plain parameter already
+        in the export dtype, whole (its one partition under ZeRO-3 of one rank)."""
+        source = item.plain
+        if self.sharded and source is not None:
+            whole = hasattr(source, "ds_tensor") and _world(source) == 1
+            source = source.ds_tensor if whole else None
+        return source if source is not None and source.dtype == item.dtype else None
+
+    def forget_views(self) -> None:
+        """Drops the views kept between exports: they hold the memory the weights lay in, which
+        an offload (DeepSpeed's `offload_states`) means to free."""
+        self._views.clear()
+
+    def _view(self, item: _Item) -> torch.Tensor:
+        """`item`'s tensor as a view of its source, kept from one export to the next and made
+        again only when the source moved (DeepSpeed's offload swaps partitions): making ~300
+        views anew costs ~1.5 ms of host time per export, about what CUDA IPC then needs to
+        move a 0.5B model."""
+        source = item.plain.ds_tensor if self.sharded else item.plain  # in place: whole
+        held = self._views.get(item.name)
+        if held is None or held[0] != source.data_ptr():
+            if self.sharded:
+                view = source.detach().reshape(-1)[: item.plain.ds_numel].view(item.shape)
+            else:
+                view = source.detach()
+            held = self._views[item.name] = (source.data_ptr(), view)
+        return held[1]
 
     def specs(self) -> list[TensorSpec]:
         """TensorSpecs of the export, in its order; metadata only, so a weightsync sender can
@@ -145,6 +180,10 @@ class WeightExport:
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
+        if self.in_place:
+            for item in self.items:
+                yield item.name, self._view(item)
+            return
         if not self.sharded:
             for item in self.items:
                 yield item.name, item.compute().to(item.dtype)
@@ -273,11 +312,9 @@ class _GatherGroup:
     is gathered)."""
 
     def __init__(self, params, dtype: torch.dtype, starts: list[int], length: int):
-        import torch.distributed as dist
-
         self.params, self.dtype = params, dtype
         self.process_group = params[0].ds_process_group
-        self.world = dist.get_world_size(group=self.process_group)
+        self.world = _world(params[0])
         self.partition_dtype = params[0].ds_tensor.dtype
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -361,6 +398,13 @@ def _end_to_end(partitions: list[torch.Tensor]) -> torch.Tensor | None:
     offsets = list(itertools.accumulate((p.nbytes for p in partitions), initial=0))
     span = lying_in_one_buffer(partitions, offsets[:-1], offsets[-1])
     return None if span is None else span.view(partitions[0].dtype)
+
+
+def _world(param: torch.nn.Parameter) -> int:
+    """How many ranks a ZeRO-3 parameter is partitioned over."""
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=param.ds_process_group)
 
 
 def _pick(pieces, indices: list[int]) -> list[torch.Tensor]:

@@ -236,6 +236,7 @@ class BroadcastSender:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
         specs: list[TensorSpec] | None = None,
+        in_place: bool = False,
     ) -> int:
         """Send one update and return its version (default: the previous one + 1).
 
@@ -243,6 +244,7 @@ class BroadcastSender:
         then pass `specs` in the same order, so receivers can check the update before it starts.
         Returns when every receiver has consumed it; raises `WeightSyncError` naming the receiver
         that failed, `MismatchError` when a receiver refused the update before any data moved.
+        `in_place` is `IpcSender.send`'s; a broadcast moves the bytes either way.
         """
         self._group.check_usable()
         return self._updates.send(named_tensors, self._send_buckets, version, specs)
@@ -326,7 +328,8 @@ class BroadcastReceiver:
         if not self._group.broken:  # else the sender is gone, or will time out on us
             self._group.count_failures(bool(error))
 
-    def _receive_buckets(self, seq, buckets, manifest):
+    def _receive_buckets(self, seq, layout, manifest):
+        buckets = layout.buckets
         slots = len(self._group.buffers)
         posted = {}
 

@@ -13,6 +13,12 @@ slow). Per bucket, the sender packs and signals "ready"; each receiver hands out
 mapped buffer and signals "free" once its consumer has moved on, which lets the sender reuse the
 buffer for bucket k+2.
 
+    sender.send(actor.export_weights(), in_place=True)    # a trainer's own memory, on a GPU
+
+In place, nothing is packed: the sender shares the allocations its tensors lie in (a trainer's
+flat parameter buffers: a handful) the same way, once, and each update is a manifest after which
+the receivers read the tensors where they lie. The only copy left is the receivers' own load.
+
 On CPU the buffers are POSIX shared-memory segments, /dev/shm/ferrule-ws-*. A sender that is
 killed outright (SIGKILL, the OOM killer, a container stopped) cannot remove its segments, so
 every sender, before it creates its own, removes those whose creator is gone: each creator holds
@@ -33,7 +39,14 @@ from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import MalformedMessageError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
-from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
+from ferrule_weightsync.update import (
+    MAX_PLACED_BUFFERS,
+    ReceiverState,
+    Update,
+    UpdateSender,
+    check_against_specs,
+    open_update,
+)
 
 try:
     import fcntl
@@ -95,6 +108,16 @@ class _SharedBuffer:
                 self._lock = os.open(SEGMENTS / self.shm.name, os.O_RDONLY)
                 fcntl.flock(self._lock, fcntl.LOCK_SH)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
+
+    @classmethod
+    def over(cls, storage: torch.UntypedStorage) -> "_SharedBuffer":
+        """Memory this process already has (the storage of a trainer's parameters), shared as
+        it is; closing it leaves the storage to its owner."""
+        shared = cls.__new__(cls)
+        shared.shm = None
+        shared.tensor = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        shared.tensor.set_(storage, 0, (storage.nbytes(),))
+        return shared
 
     def handle(self) -> dict:
         """What a receiver needs to map this buffer, as plain data (JSON)."""
@@ -175,8 +198,11 @@ class IpcSender:
         self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout, secret)
         self._control.join()
         self._updates = UpdateSender(self._control, bucket_bytes, checksums)
-        self._buffers: list[_SharedBuffer] = []
-        self._generation = 0  # bumps when the buffers are reallocated (a tensor outgrew them)
+        self._buffers: list[_SharedBuffer] = []  # the two packing buffers, once needed
+        self._shared: list[_SharedBuffer] = []  # in place: the caller's allocations
+        self._published: object = None  # what receivers map now: "packed" or the shared key
+        self._generation = 0  # bumps at every publication of handles
+        self._handles_published = 0
         self._views = BucketViews()
 
     @property
@@ -185,35 +211,92 @@ class IpcSender:
 
     @property
     def handles_published(self) -> int:
-        """How many buffer handles this sender has ever published (2 per generation)."""
-        return 2 * self._generation
+        """How many buffer handles this sender has ever published."""
+        return self._handles_published
 
     def send(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
         specs: list[TensorSpec] | None = None,
+        in_place: bool = False,
     ) -> int:
-        """Send one update; same contract as `BroadcastSender.send`."""
+        """Send one update; same contract as `BroadcastSender.send`.
+
+        `in_place=True` says the tensors are memory the caller keeps (a trainer's parameters)
+        and leaves alone until `send` returns. On a GPU, where they lie contiguous on this
+        sender's device in at most MAX_PLACED_BUFFERS allocations, the receivers then read them
+        there: no packing copy. The allocations are shared on first use and again whenever one
+        changes (~0.5 ms a handle for each receiver); otherwise the update is packed as usual.
+        Receivers of an in-place update that is aborted may have read weights that changed
+        under them afterwards: send them a whole update again."""
         if specs is None and not hasattr(named_tensors, "__len__"):
             named_tensors = list(named_tensors)
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
+        if in_place and self.device.type == "cuda":
+            named_tensors = list(named_tensors)
+            placed = self._place(named_tensors, specs)
+            if placed is not None:
+                # receivers read through their own streams: our writes must be done first
+                torch.cuda.current_stream(self.device).synchronize()
+                return self._updates.send(
+                    named_tensors, self._hand_over, version, specs, self._generation, placed
+                )
         largest = max(spec.nbytes for spec in specs) if specs else 0
         self._ensure_buffers(max(self._updates.bucket_bytes, largest))
         generation = self._generation
         return self._updates.send(named_tensors, self._send_buckets, version, specs, generation)
 
+    def _place(self, named_tensors: list, specs: list[TensorSpec]) -> tuple | None:
+        """(placement, buffer sizes) of tensors that can be read where they lie, their
+        allocations shared with the receivers; None if they cannot."""
+        check_against_specs(named_tensors, specs)
+        storages: list[torch.UntypedStorage] = []  # in order of first use
+        index: dict[int, int] = {}  # a storage's address -> its place in `storages`
+        placement = []
+        for _, tensor in named_tensors:
+            if tensor.device != self.device or not tensor.is_contiguous():
+                return None
+            if not tensor.numel():
+                placement.append(None)  # no bytes: anywhere will do
+                continue
+            storage = tensor.untyped_storage()
+            base = storage.data_ptr()
+            if base not in index:
+                index[base] = len(storages)
+                storages.append(storage)
+            placement.append((index[base], tensor.data_ptr() - base))
+        if not storages or len(storages) > MAX_PLACED_BUFFERS:
+            return None
+        placement = tuple(where or (0, 0) for where in placement)
+        key = tuple((storage.data_ptr(), storage.nbytes()) for storage in storages)
+        if self._published != key:
+            self._shared = [_SharedBuffer.over(storage) for storage in storages]
+            self._publish(self._shared, key)
+        return placement, tuple(nbytes for _, nbytes in key)
+
+    def _hand_over(self, seq, stream) -> None:
+        """In place: the bytes are there already (synchronised before the manifest)."""
+        for bucket, _ in stream:
+            self._updates.packed(seq, bucket, self._shared[bucket.index].tensor)
+
     def _ensure_buffers(self, nbytes: int) -> None:
         needed = nbytes + 64  # plan_buckets pads a bucket to 64 bytes
-        if self._buffers and self._buffers[0].tensor.numel() >= needed:
-            return
-        for buffer in self._buffers:
-            buffer.close()
-        self._views.clear()
-        self._buffers = [_SharedBuffer(needed, self.device) for _ in range(2)]
+        if not self._buffers or self._buffers[0].tensor.numel() < needed:
+            for buffer in self._buffers:
+                buffer.close()
+            self._views.clear()
+            self._buffers = [_SharedBuffer(needed, self.device) for _ in range(2)]
+            self._published = None
+        if self._published != "packed":
+            self._publish(self._buffers, "packed")
+
+    def _publish(self, buffers: list[_SharedBuffer], what: object) -> None:
         self._generation += 1
-        handles = [buffer.handle() for buffer in self._buffers]
+        handles = [buffer.handle() for buffer in buffers]
         self._control.publish(f"ipc/handles/{self._generation}", handles)
+        self._handles_published += len(handles)
+        self._published = what
 
     def _send_buckets(self, seq, stream) -> None:
         for bucket, tensors in stream:
@@ -233,9 +316,9 @@ class IpcSender:
         self._control.abort(reason)
 
     def close(self) -> None:
-        for buffer in self._buffers:
+        for buffer in self._buffers + self._shared:
             buffer.close()
-        self._buffers = []
+        self._buffers, self._shared = [], []
         self._control.close()
 
 
@@ -285,15 +368,33 @@ class IpcReceiver:
         self.handles_opened += len(handles)
         self._generation = generation
 
-    def _receive_buckets(self, seq, buckets, manifest):
+    def _receive_buckets(self, seq, layout, manifest):
         self._map(manifest.generation)
-        for bucket in buckets:
+        if layout.buffers:
+            yield from self._read_in_place(layout)
+            return
+        for bucket in layout.buckets:
             self._control.await_signal(seq, bucket.index, "ready", "the sender")
             buffer = self._mapped[bucket.index % 2].tensor[: bucket.nbytes]
             yield bucket, buffer
             if buffer.is_cuda:  # our consumer's reads must finish before the sender overwrites
                 torch.cuda.current_stream(buffer.device).synchronize()
             self._control.signal_mine(seq, bucket.index, "free")
+
+    def _read_in_place(self, layout):
+        """The sender's own allocations: each bucket is one, read where it lies (the sender
+        made the bytes ready before it published the manifest, and changes nothing until every
+        receiver reported done)."""
+        sizes = [mapped.tensor.numel() for mapped in self._mapped]
+        if sizes != list(layout.buffers):
+            raise MalformedMessageError(
+                f"in-place layout {layout.key}: buffers of {list(layout.buffers)[:4]} bytes, "
+                f"the mapped ones have {sizes[:4]}"
+            )
+        for bucket in layout.buckets:
+            yield bucket, self._mapped[bucket.index].tensor
+        if self._mapped[0].tensor.is_cuda:  # our reads must end before we report done
+            torch.cuda.current_stream(self._mapped[0].tensor.device).synchronize()
 
     def close(self) -> None:
         for mapped in self._mapped:
@@ -313,10 +414,13 @@ _CUDA_HANDLE = {
 
 
 def _handles(value: object, key: str) -> list[dict]:
-    """The two buffers' handles, checked: a shared-memory name must be one of ours (never a
-    path), CUDA handles are bytes and numbers given to torch's rebuild with fixed classes."""
-    if not isinstance(value, list) or len(value) != 2:
-        raise MalformedMessageError(f"control message {key}: expected two buffer handles")
+    """The buffers' handles (two to pack into, or the allocations of an in-place sender),
+    checked: a shared-memory name must be one of ours (never a path), CUDA handles are bytes
+    and numbers given to torch's rebuild with fixed classes."""
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_PLACED_BUFFERS:
+        raise MalformedMessageError(
+            f"control message {key}: expected 1 to {MAX_PLACED_BUFFERS} buffer handles"
+        )
     handles = []
     for handle in value:
         kind = handle.get("kind") if isinstance(handle, dict) else None

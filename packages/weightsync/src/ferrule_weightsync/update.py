@@ -24,14 +24,13 @@ from ferrule_weightsync.packing import (
     TensorSpec,
     checksum,
     plan_buckets,
-    unpack,
 )
 
 # A transport's sender side: move (bucket, tensors) pairs for update `seq`. Returns whether any
 # receiver failed when the transport learns that itself, None to wait for every "done" report.
 SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], bool | None]
 # A transport's receiver side: yield (bucket, buffer) for update `seq`, freeing each on resume.
-ReceiveBuckets = Callable[[int, list[Bucket], Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
+ReceiveBuckets = Callable[[int, "Layout", Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
 # A receiver's last word on update `seq`: "" when it consumed everything, else what went wrong.
 Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
@@ -41,34 +40,123 @@ MAX_LISTED = 5  # problems listed in one error message
 class Layout:
     """The specs of one update and their buckets. A model sends the same layout every step, so
     it travels once (its specs and the bucket size; a receiver plans the same buckets from
-    them) and is named by its key in each manifest."""
+    them) and is named by its key in each manifest.
+
+    A placed layout (`Layout.placed`) describes tensors that stay where the sender keeps them:
+    `buffers` are the sizes of the sender's own buffers (the trainer's memory, shared once),
+    bucket i is everything lying in buffer i, and its offsets are where each tensor lies."""
 
     key: str
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
+    buffers: tuple[int, ...] = ()  # placed: each buffer's bytes; else empty
+    placement: tuple[tuple[int, int], ...] = ()  # placed: (buffer, byte offset) of each spec
 
     @classmethod
     def plan(cls, key: str, specs: tuple[TensorSpec, ...], bucket_bytes: int) -> "Layout":
         return cls(key, specs, tuple(plan_buckets(list(specs), bucket_bytes)), bucket_bytes)
 
+    @classmethod
+    def placed(
+        cls,
+        key: str,
+        specs: tuple[TensorSpec, ...],
+        placement: tuple[tuple[int, int], ...],
+        buffers: tuple[int, ...],
+        bucket_bytes: int,
+    ) -> "Layout":
+        members: list[list[int]] = [[] for _ in buffers]
+        for index, (buffer, _) in enumerate(placement):
+            members[buffer].append(index)
+        buckets = tuple(
+            Bucket(
+                buffer,
+                tuple(specs[i] for i in indices),
+                tuple(placement[i][1] for i in indices),
+                nbytes,
+            )
+            for buffer, (indices, nbytes) in enumerate(zip(members, buffers, strict=True))
+        )
+        return cls(key, specs, buckets, bucket_bytes, buffers, placement)
+
     def to_wire(self) -> dict:
         specs = [[s.name, list(s.shape), messages.dtype_name(s.dtype)] for s in self.specs]
-        return {"bucket_bytes": self.bucket_bytes, "specs": specs}
+        wire = {"bucket_bytes": self.bucket_bytes, "specs": specs}
+        if self.buffers:
+            wire |= {"buffers": list(self.buffers), "placement": [list(p) for p in self.placement]}
+        return wire
 
     @classmethod
     def from_wire(cls, layout_key: str):
         """The check that makes a received layout (Control.read_layout)."""
 
         def check(value: object, key: str) -> "Layout":
-            value = messages.fields(
-                value,
-                key,
-                {"bucket_bytes": _bucket_bytes, "specs": _specs},
-            )
-            return cls.plan(layout_key, value["specs"], value["bucket_bytes"])
+            placed = isinstance(value, dict) and "placement" in value
+            checks = {"bucket_bytes": _bucket_bytes, "specs": _specs}
+            if placed:
+                checks |= {"buffers": _buffer_sizes, "placement": _placement}
+            value = messages.fields(value, key, checks)
+            if not placed:
+                return cls.plan(layout_key, value["specs"], value["bucket_bytes"])
+            specs, placement, buffers = value["specs"], value["placement"], value["buffers"]
+            _check_placement(specs, placement, buffers, key)
+            return cls.placed(layout_key, specs, placement, buffers, value["bucket_bytes"])
 
         return check
+
+
+MAX_PLACED_BUFFERS = 4096  # a sender's buffers in one placed layout (a parameter each, at most)
+
+
+def _buffer_sizes(value, key, what) -> tuple[int, ...]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_PLACED_BUFFERS:
+        raise MalformedMessageError(
+            f"control message {key}: {what} must list 1 to {MAX_PLACED_BUFFERS} buffer sizes"
+        )
+    return tuple(_bucket_bytes(size, key, f"{what}[{i}]") for i, size in enumerate(value))
+
+
+def _placement(value, key, what) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or len(value) > messages.MAX_TENSORS:
+        raise MalformedMessageError(f"control message {key}: {what} must be a list")
+    placement = []
+    for index, item in enumerate(value):
+        if not isinstance(item, list) or len(item) != 2:
+            raise MalformedMessageError(
+                f"control message {key}: {what}[{index}] is not [buffer, offset]"
+            )
+        where = f"{what}[{index}]"
+        placement.append(
+            (
+                messages.integer(item[0], key, f"{where} buffer", 0, MAX_PLACED_BUFFERS - 1),
+                messages.integer(item[1], key, f"{where} offset", 0, messages.MAX_BUCKET_BYTES),
+            )
+        )
+    return tuple(placement)
+
+
+def _check_placement(specs, placement, buffers, key: str) -> None:
+    """Every tensor lies whole inside an existing buffer, aligned for its dtype, and every
+    buffer holds one: a receiver only ever views memory it mapped, as the sender's types."""
+    if len(placement) != len(specs):
+        raise MalformedMessageError(
+            f"control message {key}: {len(placement)} placements for {len(specs)} tensors"
+        )
+    used = set()
+    for spec, (buffer, offset) in zip(specs, placement, strict=True):
+        if buffer >= len(buffers):
+            raise MalformedMessageError(
+                f"control message {key}: {spec.name!r} placed in buffer {buffer} of {len(buffers)}"
+            )
+        if offset % spec.dtype.itemsize or offset + spec.nbytes > buffers[buffer]:
+            raise MalformedMessageError(
+                f"control message {key}: {spec.name!r} ({spec.nbytes} bytes) at offset {offset} "
+                f"does not lie aligned inside buffer {buffer} ({buffers[buffer]} bytes)"
+            )
+        used.add(buffer)
+    if len(used) != len(buffers):
+        raise MalformedMessageError(f"control message {key}: a buffer holds no tensor")
 
 
 def _bucket_bytes(value, key, what) -> int:
@@ -112,23 +200,28 @@ class UpdateSender:
         self.control, self.bucket_bytes, self.checksums = control, bucket_bytes, checksums
         self.seq = 0
         self.version = 0
-        self.layouts: dict[tuple[TensorSpec, ...], Layout] = {}
+        self.layouts: dict[tuple, Layout] = {}
         self.accepted: set[str] = set()  # layout keys every receiver took: no handshake
         self.broken = ""  # set when an update fails after data started to move
 
-    def layout(self, specs: list[TensorSpec]) -> Layout:
-        """The layout of these specs, published to the store the first time it is used."""
+    def layout(self, specs: list[TensorSpec], placed: tuple | None = None) -> Layout:
+        """The layout of these specs, published to the store the first time it is used.
+        `placed`: (placement, buffer sizes) of a placed layout."""
         specs = tuple(specs)
-        known = self.layouts.get(specs)
+        known = self.layouts.get((specs, placed))
         if known is None:
             duplicates = sorted(n for n, c in Counter(s.name for s in specs).items() if c > 1)
             if duplicates:
                 raise ValueError(
                     f"tensor names must be unique; repeated: {duplicates[:MAX_LISTED]}"
                 )
-            known = Layout.plan(f"layout{len(self.layouts)}", specs, self.bucket_bytes)
+            key = f"layout{len(self.layouts)}"
+            if placed is None:
+                known = Layout.plan(key, specs, self.bucket_bytes)
+            else:
+                known = Layout.placed(key, specs, *placed, self.bucket_bytes)
             self.control.publish_layout(known.key, known.to_wire())
-            self.layouts[specs] = known
+            self.layouts[specs, placed] = known
         return known
 
     def send(
@@ -138,7 +231,11 @@ class UpdateSender:
         version: int | None,
         specs: list[TensorSpec] | None,
         generation: int = 0,
+        placed: tuple | None = None,
     ) -> int:
+        """`placed`: (placement, buffer sizes) when the tensors stay where the sender keeps them
+        (checked against the specs by the transport); `send_buckets` then gets (bucket, None)
+        pairs: nothing to move, only the buffers to hand over."""
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
@@ -152,7 +249,7 @@ class UpdateSender:
                 "create a new sender and receivers"
             )
         version = self.version + 1 if version is None else int(version)
-        layout = self.layout(specs)
+        layout = self.layout(specs, placed)
         handshake = layout.key not in self.accepted
         manifest = Manifest(version, layout.key, self.checksums, generation, handshake)
         seq = self.seq
@@ -164,10 +261,12 @@ class UpdateSender:
         self.seq += 1
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
+        if placed is None:
+            stream = _bucketed(iter(named_tensors), layout.buckets, check=not trusted)
+        else:
+            stream = ((bucket, None) for bucket in layout.buckets)
         try:
-            any_failed = send_buckets(
-                seq, _bucketed(iter(named_tensors), layout.buckets, check=not trusted)
-            )
+            any_failed = send_buckets(seq, stream)
         except BaseException as err:
             # receivers are now waiting for buckets that will not come (they time out)
             self.broken = f"update to version {version} failed mid-transfer ({err})"
@@ -201,11 +300,11 @@ def _bucketed(named_tensors: Iterator, buckets: list[Bucket], check: bool):
         if len(chunk) < len(bucket.specs):
             raise MismatchError(f"the tensor stream ended before {bucket.specs[len(chunk)].name!r}")
         if check:
-            _check_against_specs(chunk, bucket.specs)
+            check_against_specs(chunk, bucket.specs)
         yield bucket, [tensor for _, tensor in chunk]
 
 
-def _check_against_specs(chunk: list, specs: tuple[TensorSpec, ...]) -> None:
+def check_against_specs(chunk: list, specs: tuple[TensorSpec, ...]) -> None:
     for spec, (name, tensor) in zip(specs, chunk, strict=True):
         if (name, tuple(tensor.shape), tensor.dtype) != spec:
             raise MismatchError(
@@ -273,21 +372,53 @@ class Update:
         if self._started:
             raise WeightSyncError(f"update to version {self.version} was already consumed")
         self._started = True
-        return self._receive(self.seq, self.layout.buckets, self.manifest)
+        return self._receive(self.seq, self.layout, self.manifest)
 
     def discard(self, error: str) -> None:
         """Take the update off the wire unread, and tell the sender `error`."""
         self._end(self._arrivals(), error)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket, views in self._buckets():
+            for spec, view in zip(bucket.specs, views, strict=True):
+                yield spec.name, self._converted(spec.name, view)
+
+    @torch.no_grad()
+    def load_into(
+        self, targets: Mapping[str, torch.Tensor], loaded: list[str] | None = None
+    ) -> list[str]:
+        """Copy every tensor of the update into `targets[name]` in place (cast to its dtype),
+        one multi-tensor copy per bucket: the load of an engine whose weights match the
+        sender's names and shapes (receive with `expected=targets` to have that checked before
+        any data moves). Returns the names loaded; each bucket's names are appended to `loaded`
+        as it lands, so a caller that catches an error knows what was replaced. The copies are
+        queued on the current stream: synchronise before reading the targets from elsewhere."""
+        loaded = [] if loaded is None else loaded
+        buckets = self._buckets()
+        for bucket, views in buckets:
+            names = [spec.name for spec in bucket.specs]
+            try:
+                missing = [name for name in names if name not in targets]
+                if missing:
+                    raise MismatchError(f"no target for {missing[:MAX_LISTED]}")
+                pairs = [(targets[n], v) for n, v in zip(names, views, strict=True) if v.numel()]
+                if pairs:
+                    torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+            except Exception as err:
+                buckets.throw(err)  # ends the update, telling the sender why; raises it here
+            loaded.extend(names)
+        return loaded
+
+    def _buckets(self) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
+        """Each landed bucket with its tensors' views; ends the update (drained, reported)
+        whatever the consumer does."""
         arrivals = self._arrivals()
         error = ""
         try:
             for bucket, buffer in arrivals:
                 if self.manifest.checksums:
                     self._verify(bucket, buffer)
-                for name, tensor in unpack(self._state.views(buffer, bucket), bucket):
-                    yield name, self._converted(name, tensor)
+                yield bucket, self._state.views(buffer, bucket)
         except GeneratorExit:
             error = "the consumer stopped before the end of the update"
             raise
