@@ -197,24 +197,12 @@ def test_tensors_laid_out_in_the_senders_buckets_are_sent_from_where_they_lie(pe
     assert_same(peers.results(1)[0]["state"], state)
 
 
+@pytest.mark.parametrize("load_into", ["", "all"])  # iterating the update, or Update.load_into
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_cast_to_the_receivers_dtypes(transport, peers):
+def test_cast_to_the_receivers_dtypes(transport, load_into, peers):
     port = free_port()
-    peers.start(1, transport=transport, port=port, expect="float32", cast="true")
-    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
-    state = realistic_state_dict()
-    sender.send(state.items())
-    sender.close()
-    received = peers.results(1)[0]["state"]
-    for name, tensor in state.items():
-        want = tensor.float() if tensor.is_floating_point() else tensor
-        assert received[name].dtype == want.dtype and torch.equal(received[name], want), name
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_load_into_copies_each_bucket_into_the_engines_tensors_casting(transport, peers):
-    port = free_port()
-    peers.start(1, transport=transport, port=port, expect="float32", cast="true", load_into="all")
+    options = {"load_into": load_into} if load_into else {}
+    peers.start(1, transport=transport, port=port, expect="float32", cast="true", **options)
     sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
     state = realistic_state_dict()
     assert len(plan_buckets([TensorSpec.of(n, t) for n, t in state.items()], 4096)) > 2
