@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ferrule_weightsync.ipc import SEGMENTS
+
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 # Shortened: 16 steps at a higher learning rate than the example, no evaluation until the end.
@@ -57,7 +59,7 @@ def assert_reward_rises(records: list[dict]) -> None:
 
 
 def _segments() -> set[str]:
-    return {path.name for path in Path("/dev/shm").glob("ferrule-ws-*")}
+    return {path.name for path in SEGMENTS.glob("ferrule-ws-*")}
 
 
 def test_sync_run_learns_and_writes_every_output(tmp_path):

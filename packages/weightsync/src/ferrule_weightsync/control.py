@@ -107,13 +107,7 @@ class Control:
         self._address = (host, port)
         self.where = f"weight-sync group at {host}:{port}"
         try:
-            self.store = dist.TCPStore(
-                host,
-                port,
-                is_master=rank == 0,
-                timeout=timedelta(seconds=connect_timeout),
-                wait_for_workers=False,
-            )
+            self.store = open_store(host, port, rank == 0, connect_timeout)
         except (RuntimeError, TimeoutError) as err:  # no sender listening, or port taken
             raise PeerTimeoutError(f"rank {rank}: cannot reach the {self.where}: {err}") from err
 
@@ -146,9 +140,25 @@ class Control:
             self._enter()
         return self._take("settings", "the sender", self._settings)
 
+    def _await_hello(self) -> bytes:
+        """The sender's greeting, as published. A receiver that connected while the sender was
+        still making its store sees that store go if the sender has to make it again
+        (`open_store`): it connects again, within its connect timeout."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return self._get("hello", "the sender", max(deadline - time.monotonic(), 0.001))
+            except PeerTimeoutError:
+                raise
+            except WeightSyncError:  # the connection was closed under us
+                if self.rank == 0 or time.monotonic() >= deadline:
+                    raise
+                host, port = self._address
+                self.store = open_store(host, port, False, deadline - time.monotonic())
+
     def _check_hello(self) -> None:
         """The sender's greeting: the group's size and, with a secret, its nonce (kept)."""
-        raw = self._get("hello", "the sender", self.connect_timeout)
+        raw = self._await_hello()
         checks = {"world_size": integer, "signed": messages.flag}
         value = messages.decode(raw, "hello")
         if isinstance(value, dict) and "nonce" in value:
@@ -319,7 +329,7 @@ class Control:
         self._aborted = reason or "no reason given"
         if self._waiting:  # a _wait_all in progress: wake it through a connection of our own
             host, port = self._address
-            waker = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+            waker = open_store(host, port, False, 5.0)
             for key in self._waiting:
                 waker.set(key, b"")
 
@@ -396,6 +406,37 @@ class Control:
 
     def close(self) -> None:
         del self.store
+
+
+CONNECT_ATTEMPT = 2.0  # seconds a connection to the store may take before a fresh one is tried
+
+
+def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TCPStore:
+    """A connection to the group's store (and, for the sender, the store itself) within
+    `timeout` seconds. torch's store now and then leaves a new connection's handshake
+    unanswered (6 in 150 connections on loopback here) and tries again only after 5 s, so a
+    connection given 5 s or less (`abort`'s, a short connect timeout) failed outright, and any
+    other waited 5 s. Each attempt here gets CONNECT_ATTEMPT seconds, until `timeout` is spent.
+    (When the sender's own connection is the one left unanswered, its store is made again,
+    closing any receiver's early connection: receivers connect again while they wait for the
+    greeting.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        attempt = max(0.001, min(CONNECT_ATTEMPT, deadline - time.monotonic()))
+        try:
+            store = dist.TCPStore(
+                host,
+                port,
+                is_master=is_master,
+                timeout=timedelta(seconds=attempt),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, TimeoutError) as err:
+            if not _timed_out(err) or time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timedelta(seconds=timeout))  # the other calls' deadline, as before
+        return store
 
 
 def _step(deadline: float | None) -> float:

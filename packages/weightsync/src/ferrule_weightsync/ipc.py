@@ -195,6 +195,8 @@ class IpcSender:
         secret: str | bytes | None = None,
     ):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compared with tensors'
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout, secret)
         self._control.join()
         self._updates = UpdateSender(self._control, bucket_bytes, checksums)
@@ -232,10 +234,13 @@ class IpcSender:
         under them afterwards: send them a whole update again."""
         if specs is None and not hasattr(named_tensors, "__len__"):
             named_tensors = list(named_tensors)
+        made_here = specs is None  # specs made from these very tensors need no second check
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
         if in_place and self.device.type == "cuda":
             named_tensors = list(named_tensors)
-            placed = self._place(named_tensors, specs)
+            if not made_here:
+                check_against_specs(named_tensors, specs)
+            placed = self._place(named_tensors)
             if placed is not None:
                 # receivers read through their own streams: our writes must be done first
                 torch.cuda.current_stream(self.device).synchronize()
@@ -247,25 +252,25 @@ class IpcSender:
         generation = self._generation
         return self._updates.send(named_tensors, self._send_buckets, version, specs, generation)
 
-    def _place(self, named_tensors: list, specs: list[TensorSpec]) -> tuple | None:
+    def _place(self, named_tensors: list) -> tuple | None:
         """(placement, buffer sizes) of tensors that can be read where they lie, their
         allocations shared with the receivers; None if they cannot."""
-        check_against_specs(named_tensors, specs)
         storages: list[torch.UntypedStorage] = []  # in order of first use
         index: dict[int, int] = {}  # a storage's address -> its place in `storages`
         placement = []
         for _, tensor in named_tensors:
-            if tensor.device != self.device or not tensor.is_contiguous():
+            if tensor.get_device() != self.device.index or not tensor.is_contiguous():
                 return None
             if not tensor.numel():
                 placement.append(None)  # no bytes: anywhere will do
                 continue
-            storage = tensor.untyped_storage()
-            base = storage.data_ptr()
+            where = tensor.data_ptr()
+            # the storage's address without making its Python object (~1 us a tensor)
+            base = where - tensor.storage_offset() * tensor.element_size()
             if base not in index:
                 index[base] = len(storages)
-                storages.append(storage)
-            placement.append((index[base], tensor.data_ptr() - base))
+                storages.append(tensor.untyped_storage())
+            placement.append((index[base], where - base))
         if not storages or len(storages) > MAX_PLACED_BUFFERS:
             return None
         placement = tuple(where or (0, 0) for where in placement)
