@@ -101,7 +101,7 @@ def test_a_connection_whose_handshake_goes_unanswered_is_made_again(monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(control.dist, "TCPStore", handshake_lost_once)
-    g = Group(timeout=30)
+    g = Group(timeout=10)  # a short timeout: torch's own retry would come too late
     try:
         assert g.receiver_error is None and g.receiver is not None
         assert lost == [timedelta(seconds=control.CONNECT_ATTEMPT)]

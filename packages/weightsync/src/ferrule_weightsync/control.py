@@ -409,20 +409,23 @@ class Control:
 
 
 CONNECT_ATTEMPT = 2.0  # seconds a connection to the store may take before a fresh one is tried
+TORCH_RETRIES_AFTER = 5.0  # seconds after which torch's client tries a lost handshake again
 
 
 def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TCPStore:
     """A connection to the group's store (and, for the sender, the store itself) within
     `timeout` seconds. torch's store now and then leaves a new connection's handshake
     unanswered (6 in 150 connections on loopback here) and tries again only after 5 s, so a
-    connection given 5 s or less (`abort`'s, a short connect timeout) failed outright, and any
-    other waited 5 s. Each attempt here gets CONNECT_ATTEMPT seconds, until `timeout` is spent.
-    (When the sender's own connection is the one left unanswered, its store is made again,
-    closing any receiver's early connection: receivers connect again while they wait for the
-    greeting.)"""
+    connection given 5 s or less (`abort`'s waker, a short connect timeout) failed outright.
+    Such a timeout is spent in attempts of CONNECT_ATTEMPT seconds; a longer one in one attempt,
+    as torch's own retry leaves time enough (and a receiver waiting for its sender logs no
+    failed attempts). (When the sender's own connection is the one left unanswered, its store
+    is made again, closing any receiver's early connection: receivers connect again while they
+    wait for the greeting.)"""
     deadline = time.monotonic() + timeout
+    step = timeout if timeout >= 3 * TORCH_RETRIES_AFTER else CONNECT_ATTEMPT
     while True:
-        attempt = max(0.001, min(CONNECT_ATTEMPT, deadline - time.monotonic()))
+        attempt = max(0.001, min(step, deadline - time.monotonic()))
         try:
             store = dist.TCPStore(
                 host,
