@@ -141,9 +141,9 @@ class Control:
         return self._take("settings", "the sender", self._settings)
 
     def _await_hello(self) -> bytes:
-        """The sender's greeting, as published. A receiver that connected while the sender was
-        still making its store sees that store go if the sender has to make it again
-        (`open_store`): it connects again, within its connect timeout."""
+        """The sender's greeting, as published. A receiver whose connection closes before it
+        (a sender that made its store again on the same port) connects again, within its
+        connect timeout."""
         deadline = time.monotonic() + self.connect_timeout
         while True:
             try:
@@ -417,13 +417,13 @@ def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TC
     `timeout` seconds. torch's store now and then leaves a new connection's handshake
     unanswered (6 in 150 connections on loopback here) and tries again only after 5 s, so a
     connection given 5 s or less (`abort`'s waker, a short connect timeout) failed outright.
-    Such a timeout is spent in attempts of CONNECT_ATTEMPT seconds; a longer one in one attempt,
-    as torch's own retry leaves time enough (and a receiver waiting for its sender logs no
-    failed attempts). (When the sender's own connection is the one left unanswered, its store
-    is made again, closing any receiver's early connection: receivers connect again while they
-    wait for the greeting.)"""
+    A receiver's connection given less than 15 s is made in attempts of CONNECT_ATTEMPT
+    seconds; a longer one in one attempt, as torch's own retry leaves time enough (and a
+    receiver waiting for its sender logs no failed attempts). The sender's store is made once:
+    made again, it closed early receivers' connections and could meet its own old listener."""
     deadline = time.monotonic() + timeout
-    step = timeout if timeout >= 3 * TORCH_RETRIES_AFTER else CONNECT_ATTEMPT
+    one_attempt = is_master or timeout >= 3 * TORCH_RETRIES_AFTER
+    step = timeout if one_attempt else CONNECT_ATTEMPT
     while True:
         attempt = max(0.001, min(step, deadline - time.monotonic()))
         try:
