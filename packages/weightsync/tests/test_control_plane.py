@@ -6,7 +6,6 @@ import pickle
 import re
 import socket
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -107,41 +106,6 @@ def test_a_connection_whose_handshake_goes_unanswered_is_made_again(monkeypatch)
         assert lost == [timedelta(seconds=control.CONNECT_ATTEMPT)]
     finally:
         g.close()
-
-
-def test_a_receiver_whose_early_connection_the_sender_closed_connects_again():
-    """A sender that makes its store again on the same port closes the connection of any
-    receiver that came early: that receiver connects again."""
-    port = free_port()
-    first = control.open_store("127.0.0.1", port, True, 10.0)  # the sender's first store
-    made = {}
-
-    def receive():
-        try:
-            made["receiver"] = create_receiver(
-                "ipc", "127.0.0.1", port, 1, 1, timeout=20, connect_timeout=20
-            )
-        except WeightSyncError as error:
-            made["error"] = error
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    time.sleep(1.0)  # connected, waiting for the greeting
-    del first  # closes the receiver's connection
-    sender = create_sender("ipc", "127.0.0.1", port, 1, timeout=20, connect_timeout=20)
-    thread.join()
-    try:
-        assert "error" not in made, made.get("error")
-        receiving = threading.Thread(
-            target=lambda: made.setdefault("state", made["receiver"].receive().to_state_dict())
-        )
-        receiving.start()
-        sender.send(STATE.items())
-        receiving.join()
-        assert all(torch.equal(made["state"][name], STATE[name]) for name in STATE)
-    finally:
-        sender.close()
-        made["receiver"].close()
 
 
 def test_a_pickle_written_into_the_store_is_refused_and_runs_nothing(group, tmp_path):

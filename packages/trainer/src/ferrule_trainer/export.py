@@ -161,10 +161,7 @@ class WeightExport:
         source = item.plain.ds_tensor if self.sharded else item.plain  # in place: whole
         held = self._views.get(item.name)
         if held is None or held[0] != source.data_ptr():
-            if self.sharded:
-                view = source.detach().reshape(-1)[: item.plain.ds_numel].view(item.shape)
-            else:
-                view = source.detach()
+            view = _whole(item.plain, item.shape) if self.sharded else source.detach()
             held = self._views[item.name] = (source.data_ptr(), view)
         return held[1]
 
@@ -255,8 +252,7 @@ class _BucketPlan:
         if self.plain and self.world == 1:
             # nothing to gather: each partition is the whole (padded) parameter
             for item in self.items:
-                full = item.plain.ds_tensor.reshape(-1)[: item.plain.ds_numel]
-                yield item.name, full.view(item.shape).to(item.dtype)  # no copy when it matches
+                yield item.name, _whole(item.plain, item.shape).to(item.dtype)  # no copy if same
             return
         if self.plain:
             device = self.groups[0].device
@@ -398,6 +394,12 @@ def _end_to_end(partitions: list[torch.Tensor]) -> torch.Tensor | None:
     offsets = list(itertools.accumulate((p.nbytes for p in partitions), initial=0))
     span = lying_in_one_buffer(partitions, offsets[:-1], offsets[-1])
     return None if span is None else span.view(partitions[0].dtype)
+
+
+def _whole(param: torch.nn.Parameter, shape: tuple[int, ...]) -> torch.Tensor:
+    """A ZeRO-3 parameter of one rank as a whole tensor: a view of its one partition, without
+    the padding."""
+    return param.ds_tensor.detach().reshape(-1)[: param.ds_numel].view(shape)
 
 
 def _world(param: torch.nn.Parameter) -> int:

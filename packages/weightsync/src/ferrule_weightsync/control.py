@@ -140,25 +140,9 @@ class Control:
             self._enter()
         return self._take("settings", "the sender", self._settings)
 
-    def _await_hello(self) -> bytes:
-        """The sender's greeting, as published. A receiver whose connection closes before it
-        (a sender that made its store again on the same port) connects again, within its
-        connect timeout."""
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            try:
-                return self._get("hello", "the sender", max(deadline - time.monotonic(), 0.001))
-            except PeerTimeoutError:
-                raise
-            except WeightSyncError:  # the connection was closed under us
-                if self.rank == 0 or time.monotonic() >= deadline:
-                    raise
-                host, port = self._address
-                self.store = open_store(host, port, False, deadline - time.monotonic())
-
     def _check_hello(self) -> None:
         """The sender's greeting: the group's size and, with a secret, its nonce (kept)."""
-        raw = self._await_hello()
+        raw = self._get("hello", "the sender", self.connect_timeout)
         checks = {"world_size": integer, "signed": messages.flag}
         value = messages.decode(raw, "hello")
         if isinstance(value, dict) and "nonce" in value:
