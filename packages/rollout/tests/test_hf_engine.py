@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -309,6 +310,52 @@ def test_update_loads_the_sent_weights_exactly(engine, policy, transport):
     assert engine.weights_digest() == digest(policy.named_parameters())
 
 
+def assert_laid_out(engine) -> None:
+    """Every parameter in one allocation per dtype, in the model's order, each start 16-byte
+    aligned and the next one right after it."""
+    from ferrule_rollout.hf_engine import PARAMETER_ALIGNMENT
+
+    end: dict = {}  # dtype -> (allocation, byte offset where the last parameter ended)
+    for name, param in engine._model.named_parameters():
+        allocation = param.untyped_storage().data_ptr()
+        start = param.storage_offset() * param.element_size()
+        assert param.is_contiguous() and param.device == engine.device, name
+        assert start % PARAMETER_ALIGNMENT == 0, name
+        if param.dtype in end:
+            assert end[param.dtype][0] == allocation, f"{name} lies in an allocation of its own"
+            assert start - end[param.dtype][1] in range(PARAMETER_ALIGNMENT), name
+        end[param.dtype] = (allocation, start + param.numel() * param.element_size())
+
+
+def test_parameters_lie_in_one_allocation_and_an_update_loads_each_bucket_in_one_copy(
+    engine, policy, monkeypatch
+):
+    """Laid out as the update comes (the sender's buckets hold these tensors end to end), the
+    load of each bucket is one copy."""
+    from ferrule_weightsync import digest
+
+    assert_laid_out(engine)
+    copies, foreach_copy = [], torch._foreach_copy_
+
+    def counted(targets, sources):
+        if threading.current_thread() is threading.main_thread():  # the engine's, not the sender's
+            copies.append(len(targets))
+        foreach_copy(targets, sources)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    sender = connect(engine, "ipc")
+    try:
+        perturb_(policy, seed=7)
+        sending = in_thread(sender.send, list(policy.named_parameters()))
+        engine.update_weights(timeout=60)
+        sending.get()
+    finally:
+        sender.close()
+    assert len(copies) > 2 and set(copies) == {1}  # several 64 KB buckets, one copy each
+    assert engine.weights_digest() == digest(policy.named_parameters())
+    assert_laid_out(engine)
+
+
 def test_a_tied_weight_loads_under_either_name(engine, policy):
     sender = connect(engine, "ipc")
     try:
@@ -414,6 +461,7 @@ def test_sleep_levels_free_and_restore_the_weights(engine, policy, monkeypatch):
     monkeypatch.setattr(engine, "_can_sleep", True)
     engine.sleep(1)
     engine.wake_up()
+    assert_laid_out(engine)
     assert engine.generate(PROMPTS, GREEDY) == before
     engine.sleep(2)
     assert engine._model.lm_head.weight.numel() == 0 and engine.health()["status"] == "paused"
@@ -432,6 +480,7 @@ def test_sleep_levels_free_and_restore_the_weights(engine, policy, monkeypatch):
         sending.get()
     finally:
         sender.close()
+    assert_laid_out(engine)
     assert engine.health()["status"] == "serving"
     after = engine.generate(PROMPTS, GREEDY)
     assert [s.token_ids for s in after] == [s.token_ids for s in before]

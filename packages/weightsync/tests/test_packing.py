@@ -11,6 +11,7 @@ from ferrule_weightsync.packing import (
     BucketViews,
     TensorSpec,
     checksum,
+    coalesce,
     own_bytes,
     pack,
     plan_buckets,
@@ -128,6 +129,99 @@ def test_tensors_already_laid_out_in_one_buffer_are_sent_from_it():
         own_bytes(BucketViews()(torch.zeros(last, dtype=torch.uint8), bucket), bucket, cpu) is None
     )
     assert own_bytes(views, bucket, torch.device("meta")) is None
+
+
+def carve(buffer: torch.Tensor, shapes) -> list[torch.Tensor]:
+    """Views of `shapes` one after another in `buffer` (flat), as an engine's flat weights."""
+    views, at = [], 0
+    for shape in shapes:
+        numel = torch.Size(shape).numel()
+        views.append(buffer[at : at + numel].view(shape))
+        at += numel
+    return views
+
+
+def copied(targets, sources) -> list[torch.Tensor]:
+    """What `coalesce`'s copies leave in (clones of) the targets."""
+    into, frm = coalesce(targets, sources)
+    for target, source in zip(into, frm, strict=True):
+        target.copy_(source)
+    return into
+
+
+SHAPES = [(3, 5), (7,), (0,), (2, 2, 3), (1,), (11,)]
+
+
+def test_copies_between_buffers_laid_out_alike_become_one():
+    """An engine with its weights in one buffer in the update's order loads them with one
+    copy; an empty tensor between two others does not break the run."""
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    source = torch.arange(total, dtype=torch.float32) * 0.1  # not exact in binary
+    sources = carve(source, SHAPES)
+    flat = torch.zeros(total + 5, dtype=torch.float32)  # room after the weights: not copied
+    targets = carve(flat[2:], SHAPES)
+    into, frm = coalesce(targets, sources)
+    assert len(into) == len(frm) == 1 and into[0].numel() == total
+    into[0].copy_(frm[0])
+    assert torch.equal(flat[2 : 2 + total], source)
+    assert flat[:2].eq(0).all() and flat[2 + total :].eq(0).all()
+    for target, expected in zip(targets, sources, strict=True):
+        assert torch.equal(target, expected)
+
+
+@pytest.mark.parametrize(
+    "breaks",
+    ["gap_in_targets", "other_order", "cast", "strided_source", "own_allocations"],
+)
+def test_copies_merge_only_where_both_sides_continue(breaks):
+    """Every way a run can end: the copies that remain still load every tensor exactly."""
+    shapes = [(4, 3), (5,), (3, 4), (6,)]
+    total = sum(torch.Size(s).numel() for s in shapes)
+    source = torch.randn(total, dtype=torch.float64)
+    sources = carve(source, shapes)
+    targets = carve(torch.zeros(total + 1, dtype=torch.float64), shapes)
+    expected_copies = 2
+    if breaks == "gap_in_targets":  # the third target one element further on
+        flat = torch.zeros(total + 1, dtype=torch.float64)
+        targets = carve(flat, shapes[:2]) + carve(flat[1 + 12 + 5 :], shapes[2:])
+    elif breaks == "other_order":  # the targets' buffer holds the last two first
+        flat = torch.zeros(total, dtype=torch.float64)
+        late = carve(flat, shapes[2:])
+        targets = carve(flat[18:], shapes[:2]) + late
+    elif breaks == "cast":  # an engine in another dtype for two of them: still merged by dtype
+        flat32 = torch.zeros(total, dtype=torch.float32)
+        targets = carve(flat32, shapes[:2]) + carve(torch.zeros(total), shapes)[2:]
+    elif breaks == "strided_source":  # a transposed tensor is copied alone
+        sources[2] = sources[2].reshape(4, 3).t()
+        expected_copies = 3
+    elif breaks == "own_allocations":  # separately allocated targets: one copy each
+        targets = [torch.zeros(s, dtype=torch.float64) for s in shapes]
+        expected_copies = 4
+    into = copied(targets, sources)
+    assert len(into) == expected_copies
+    for target, expected in zip(targets, sources, strict=True):
+        assert torch.equal(target, expected.to(target.dtype))
+
+
+def test_a_receiver_keeps_its_merged_loads_until_a_target_moves():
+    """The merged copies are worked out once per bucket and target set; a parameter whose
+    memory is replaced (an engine woken from sleep) makes them be worked out again."""
+    from ferrule_weightsync.update import ReceiverState
+
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    sources = carve(torch.arange(total, dtype=torch.float32) / 3, SHAPES)
+    params = [
+        torch.nn.Parameter(t, requires_grad=False) for t in carve(torch.zeros(total), SHAPES)
+    ]
+    state = ReceiverState()
+    first = state.loads(sources, list(params))
+    assert len(first[0]) == 1 and state.loads(sources, list(params)) is first
+    params[1].data = torch.zeros(SHAPES[1])  # the same Parameter, elsewhere now
+    into, frm = state.loads(sources, list(params))
+    assert len(into) == 3  # before it, itself, after it
+    torch._foreach_copy_(into, frm)
+    for param, expected in zip(params, sources, strict=True):
+        assert torch.equal(param, expected)
 
 
 def test_checksum_sees_a_flipped_bit_and_a_swap():

@@ -33,6 +33,7 @@ from ferrule_rollout.samples import (
 
 logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PARAMETER_ALIGNMENT = 16  # bytes: where each parameter starts in the engine's one allocation
 KEEP_REFUSED = (
     'the transformers engine only supports pause mode "wait" (it runs whole calls, so there is '
     'nothing to freeze mid-sample); use backend "vllm" for "keep"'
@@ -123,7 +124,9 @@ class TransformersEngine:
             loaded = AutoModelForCausalLM.from_pretrained(
                 path, dtype=getattr(torch, dtype), **options
             )
-            self._model = loaded.to(self.device).eval().requires_grad_(False)
+            self._model = loaded.eval().requires_grad_(False)
+            self._lay_out_parameters()
+            self._model.to(self.device)  # the buffers: the parameters are there already
         except Exception as err:
             raise RolloutError(
                 f"could not load a transformers model from {self.model!r}: {err}"
@@ -482,15 +485,42 @@ class TransformersEngine:
             return
         with self._model_lock:
             if self._asleep == 1:
+                self._lay_out_parameters()
                 self._model.to(self.device)
             elif self._asleep == 2:
-                self._dropped = {}
-                for name, param in self._model.named_parameters():
-                    param.data = param.data.new_empty(self._shapes[name])
-                    self._dropped[id(param)] = name
+                self._lay_out_parameters(self._shapes)
+                self._dropped = {id(p): name for name, p in self._model.named_parameters()}
                 self._broken = "weights dropped by sleep(level=2): load a weight update first"
             self._asleep = 0
         self.resume()
+
+    def _lay_out_parameters(self, empty: dict | None = None) -> None:
+        """Put the parameters on the engine's device in one allocation per dtype, one after
+        another in the model's order (tied ones once), each start 16-byte aligned as kernels
+        expect. A trainer's export comes in that order, and a ZeRO-3 policy of one rank keeps
+        it in one allocation too: its in-place CUDA IPC update then loads with one copy
+        (`Update.load_into` merges copies that continue each other) instead of one per tensor.
+        `empty`: the shapes of parameters to allocate without copying (sleep level 2)."""
+        import torch
+
+        params = list(self._model.named_parameters())
+        groups: dict = {}
+        for name, param in params:
+            groups.setdefault(param.dtype, []).append((name, param))
+        for dtype, group in groups.items():
+            align = max(PARAMETER_ALIGNMENT // dtype.itemsize, 1)
+            starts, end = [], 0
+            for name, param in group:
+                starts.append(end)
+                numel = (empty[name] if empty else param.shape).numel()
+                end += -(-numel // align) * align
+            flat = torch.empty(end, dtype=dtype, device=self.device)
+            for (name, param), start in zip(group, starts, strict=True):
+                shape = empty[name] if empty else param.shape
+                placed = flat[start : start + shape.numel()].view(shape)
+                if not empty:
+                    placed.copy_(param.data)
+                param.data = placed
 
     def health(self) -> dict:
         with self._cv:

@@ -136,6 +136,66 @@ def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
         torch._foreach_copy_(fused_dst, fused_src)
 
 
+def coalesce(
+    targets: list[torch.Tensor], sources: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The copies `targets[i].copy_(sources[i])` as fewer, longer ones: consecutive pairs
+    merge where both sides continue the previous pair's memory in the same allocation, with
+    the same dtypes. An engine whose weights lie in one buffer in the update's order then
+    loads a bucket with one copy (one H200, 338 tensors of 1.3 GB: 1.13 ms as separate
+    tensors, ~0.7 ms as one). Empty pairs are dropped."""
+    merged_targets: list[torch.Tensor] = []
+    merged_sources: list[torch.Tensor] = []
+    lengths: list[int] = []
+    ends = None  # (target base, target end, source base, source end) of the last pair
+    for target, source in zip(targets, sources, strict=True):
+        numel = target.numel()
+        if not numel:
+            continue
+        here = _extent(target), _extent(source)
+        continues = (
+            ends is not None
+            and here[0] is not None
+            and here[1] is not None
+            and (here[0][0], here[0][1], here[1][0], here[1][1]) == ends
+            and target.dtype == merged_targets[-1].dtype
+            and source.dtype == merged_sources[-1].dtype
+        )
+        if continues:
+            lengths[-1] += numel
+        else:
+            merged_targets.append(target)
+            merged_sources.append(source)
+            lengths.append(numel)
+        if here[0] is None or here[1] is None:
+            ends = None
+        else:
+            ends = (
+                here[0][0],
+                here[0][1] + numel * target.element_size(),
+                here[1][0],
+                here[1][1] + numel * source.element_size(),
+            )
+    for i, length in enumerate(lengths):
+        if length != merged_targets[i].numel():
+            merged_targets[i] = _span(merged_targets[i], length)
+            merged_sources[i] = _span(merged_sources[i], length)
+    return merged_targets, merged_sources
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(its allocation's address, its own) for a contiguous tensor; None for a strided one."""
+    if not tensor.is_contiguous():
+        return None
+    where = tensor.data_ptr()
+    return where - tensor.storage_offset() * tensor.element_size(), where
+
+
+def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """`numel` elements of `first`'s allocation from where `first` starts, flat."""
+    return torch.as_strided(first.detach(), (numel,), (1,), first.storage_offset())
+
+
 def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device):
     """The bucket's bytes straight from its tensors' memory, when they already lie in one buffer
     on `device` at the bucket's offsets: a large embedding alone in its bucket, say, or a
