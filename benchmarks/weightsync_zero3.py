@@ -13,10 +13,12 @@ broadcast: rank 0 hands `Actor.export_weights(bucket_bytes=...)` to a sender of 
 bucket size (one sender and receiver per size: the export gathers each bucket into a buffer in
 the sender's layout, sent without packing), the other ranks join its all-gathers and keep
 nothing (`Actor.take_part_in_export`), and the receiver copies every tensor into its own
-copy of the model, one multi-tensor copy per bucket (`Update.load_into`: the load of
-ferrule-rollout's transformers engine). Under ipc the policy of one rank also sends in place,
-as the launcher does (`send(..., in_place=True)`: the receiver reads the trainer's own
-memory), timed as `ours_in_place`. Timed on rank 0 from the start of the export until the
+copy of the model with `Update.load_into`, the load of ferrule-rollout's transformers engine,
+into weights laid out as that engine lays out its parameters (one allocation per dtype, in the
+model's order: copies that continue each other on both sides merge into one). Under ipc the
+policy of one rank also sends in place, as the launcher does (`send(..., in_place=True)`: the
+receiver reads the trainer's own memory), timed as `ours_in_place`, and again into weights
+each allocated on its own (`ours_in_place_separate`: one copy per tensor). Timed on rank 0 from the start of the export until the
 sender's `send` returns, which is after every receiver reported its load done. Each export
 bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
 export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
@@ -41,6 +43,7 @@ import torch
 import torch.multiprocessing as mp
 
 MB = 2**20
+IN_PLACE = ("in_place", "in_place_separate")  # into the engine's layout, into separate tensors
 
 
 def free_port() -> int:
@@ -74,13 +77,13 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     senders = {}
     if rank == 0:
         transport = "broadcast" if args.mode == "nccl" else "ipc"
-        for mb, port in zip(args.ways, ports["sync"], strict=True):
-            bucket_bytes = mb * MB if mb else None  # 0: in place, no buckets
-            senders[mb] = create_sender(
+        for way, port in zip(args.ways, ports["sync"], strict=True):
+            bucket_mb = args.ways[way]  # None: in place, no buckets
+            senders[way] = create_sender(
                 transport, "127.0.0.1", port, 1, device=device,
-                **({"bucket_bytes": bucket_bytes} if bucket_bytes else {}),
+                **({"bucket_bytes": bucket_mb * MB} if bucket_mb else {}),
             )  # fmt: skip
-        sender = senders[args.bucket_mb[0]]
+        sender = senders[f"{args.bucket_mb[0]}mb"]
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         copy = torch.empty_like(flat) if args.mode == "ipc" else None
 
@@ -102,11 +105,11 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
             actor.take_part_in_export(bucket_bytes=bucket_mb * MB)
         else:
             weights = actor.export_weights(bucket_bytes=bucket_mb * MB)
-            senders[bucket_mb].send(weights, specs=specs)
+            senders[f"{bucket_mb}mb"].send(weights, specs=specs)
 
-    def ours_in_place() -> None:  # as the launcher sends an export of the trainer's own memory
+    def ours_in_place(way: str) -> None:  # as the launcher sends an export of its own memory
         assert actor.export_in_place()
-        senders[0].send(actor.export_weights(), specs=specs, in_place=True)
+        senders[way].send(actor.export_weights(), specs=specs, in_place=True)
 
     def gather_only(bucket_mb: int) -> None:
         for _ in actor.export_weights(bucket_bytes=bucket_mb * MB):
@@ -125,7 +128,7 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     work = [(f"gather_only_{mb}mb", gather_only, mb) for mb in args.bucket_mb]
     work += [(f"ours_{mb}mb", ours, mb) for mb in args.bucket_mb]
     if args.mode == "ipc":
-        work.append(("ours_in_place", ours_in_place))
+        work += [(f"ours_{way}", ours_in_place, way) for way in IN_PLACE]
     times: dict[str, list[float]] = {name: [] for name, *_ in work}
     times["baseline"] = []
     for round_ in range(args.repeats + 1):
@@ -164,27 +167,44 @@ def receiver_worker(ports: dict, args, out) -> None:
         ]
     else:
         receivers = [create_receiver("ipc", "127.0.0.1", port, 1, 1) for port in ports["sync"]]
-    model: dict[str, torch.Tensor] = {}  # the engine's weights, allocated by the first update
+    models: dict[str, dict[str, torch.Tensor]] = {}  # the engine's weights, by layout
     flat = None
     for _ in range(args.repeats + 1):
-        for receiver in receivers:
+        for way, receiver in zip(args.ways, receivers, strict=True):
             update = receiver.receive()
-            for spec in update.specs:
-                if spec.name not in model:
-                    model[spec.name] = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-            update.load_into(model)
+            layout = "separate" if way == "in_place_separate" else "engine"
+            if layout not in models:
+                models[layout] = allocate(update.specs, device, layout)
+            update.load_into(models[layout])
             synchronize(device)
         if args.mode == "nccl":
             if flat is None:
-                nbytes = sum(t.numel() * t.element_size() for t in model.values())
+                nbytes = sum(t.numel() * t.element_size() for t in models["engine"].values())
                 flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             receivers[0]._group.broadcast(flat).wait()
             synchronize(device)
     from ferrule_weightsync import digest
 
-    out.put({"received_tensors": len(model), "received_digest": digest(model.items())})
+    digests = {layout: digest(model.items()) for layout, model in models.items()}
+    out.put({"received_tensors": len(models["engine"]), "received_digests": digests})
     for receiver in receivers:
         receiver.close()
+
+
+def allocate(specs, device: torch.device, layout: str) -> dict[str, torch.Tensor]:
+    """The engine's weights: laid out as ferrule-rollout's transformers engine lays out its
+    parameters (one allocation per dtype, in the model's order), or each in an allocation of
+    its own (as an engine that allocates layer by layer)."""
+    if layout == "separate":
+        return {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs}
+    from ferrule_rollout.hf_engine import one_allocation
+
+    weights = {}
+    for dtype in dict.fromkeys(s.dtype for s in specs):
+        group = [s for s in specs if s.dtype == dtype]
+        placed = one_allocation([s.shape for s in group], dtype, device)
+        weights.update(zip((s.name for s in group), placed, strict=True))
+    return weights
 
 
 def wait_for_results(out, procs, count: int, timeout: float) -> dict:
@@ -222,7 +242,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = [512, 128, 32]
-    args.ways = args.bucket_mb + ([0] if args.mode == "ipc" else [])  # 0: in place
+    args.ways = {f"{mb}mb": mb for mb in args.bucket_mb}  # way of sending -> bucket MB
+    if args.mode == "ipc":
+        args.ways |= dict.fromkeys(IN_PLACE)  # no buckets
     if args.device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -257,8 +279,9 @@ def main() -> None:
     results = wait_for_results(out, procs, count=2, timeout=560)
     for p in procs:
         p.join(60)
-    if results["received_digest"] != results["sent_digest"]:
-        raise SystemExit("weightsync_zero3: the receiver's weights differ from the export")
+    for layout, received in results["received_digests"].items():
+        if received != results["sent_digest"]:
+            raise SystemExit(f"weightsync_zero3: the receiver's {layout} weights differ")
     median = {key: statistics.median(times) for key, times in results["times"].items()}
     best = min((key for key in median if key.startswith("ours_")), key=median.get)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"

@@ -65,11 +65,19 @@ def run_receiver(args) -> None:
                 continue
             update = receiver.receive(expected=expected, cast=_cast(args.cast))
             received = {}
-            if args.load_into:  # an engine's load: into its own tensors, bucket by bucket
+            if args.gpu_load_after_ms:  # an engine's load on the GPU, queued behind other work
+                targets = {s.name: torch.zeros(s.shape, dtype=s.dtype, device="cuda")
+                           for s in update.specs}  # fmt: skip
+                torch.cuda._sleep(int(args.gpu_load_after_ms * 2e6))  # ~2 GHz: cycles per ms
+                update.load_into(targets)  # reports done before the copies have run
+                torch.cuda.synchronize()
+                received = {name: t.cpu() for name, t in targets.items()}
+            elif args.load_into:  # an engine's load: into its own tensors, bucket by bucket
                 received = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in update_targets(
                     expected or realistic_state_dict(), args.load_into).items()}  # fmt: skip
                 update.load_into(received)
-            for i, (name, tensor) in enumerate(() if args.load_into else update):
+            loaded = args.load_into or args.gpu_load_after_ms
+            for i, (name, tensor) in enumerate(() if loaded else update):
                 if args.stall_at is not None and i == args.stall_at:
                     time.sleep(3600)  # the test kills us here, mid-transfer
                 if args.stop_after is not None and i == args.stop_after:
@@ -135,6 +143,7 @@ if __name__ == "__main__":
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--load-into", choices=["all", "missing"], help="Update.load_into")
+    parser.add_argument("--gpu-load-after-ms", type=float, help="load_into on the GPU, late")
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")

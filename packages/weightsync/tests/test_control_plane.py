@@ -180,6 +180,24 @@ def test_a_shared_memory_handle_must_name_one_of_ours_never_a_path(group):
         g.receiver.receive(timeout=5).to_state_dict()
 
 
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (messages.to_b64(b"e" * 63), "event handle must be 64 bytes"),
+        ("not base64!", "event handle is not base64"),
+        ({"handle": "x"}, "event handle"),
+    ],
+)
+def test_a_receivers_event_handle_must_be_64_bytes(value, why):
+    """What an in-place sender opens with cudaIpcOpenEventHandle: bytes of the one size, no
+    more (the GPU side, a real handle opened and waited on, is in test_gpu.py)."""
+    from ferrule_weightsync.ipc import _event_handle
+
+    assert _event_handle(messages.to_b64(bytes(64)), "ipc/reads_end/1") == bytes(64)
+    with pytest.raises(MalformedMessageError, match=f"ipc/reads_end/1: {why}"):
+        _event_handle(value, "ipc/reads_end/1")
+
+
 PLACED_SPECS = [["a", [3], "float32"], ["b", [2, 2], "bfloat16"]]
 
 

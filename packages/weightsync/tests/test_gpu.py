@@ -138,6 +138,37 @@ def test_cuda_ipc_in_place_reads_the_senders_own_memory(tmp_path, checksums):
     assert [r["handles_opened"] for r in results] == published
 
 
+@pytest.mark.gpu(count=1)
+def test_cuda_ipc_in_place_send_returns_only_once_the_receivers_reads_have_run(tmp_path):
+    """A receiver reports done as soon as its load is queued; here the load waits ~300 ms
+    behind other GPU work. The sender overwrites its tensors the moment `send` returns: the
+    receiver must still have loaded what was sent (the sender waited on its event)."""
+    port = free_port()
+    proc, out = start_receiver(
+        tmp_path, transport="ipc", port=port, updates=2, gpu_load_after_ms=300
+    )
+    flat = torch.randn(1 << 20, device="cuda:0")
+    state = {"a": flat[: 1 << 19].view(512, 1024), "b": flat[1 << 19 :]}
+    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
+    sent = []
+    for update in range(2):
+        sent.append({name: t.cpu() for name, t in state.items()})
+        started = time.monotonic()
+        sender.send(state.items(), in_place=True)
+        waited = time.monotonic() - started
+        flat.fill_(-1.0 - update)  # the next optimizer step, at once
+    sender.close()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    results = torch.load(out, weights_only=False)
+    assert "error" not in results[0], results[0].get("trace")
+    for result, state_sent in zip(results, sent, strict=True):
+        for name, tensor in state_sent.items():
+            assert torch.equal(result["state"][name], tensor), name
+    assert sent[1]["a"].eq(-1.0).all()  # the second update sent the overwritten weights
+    print(f"the last send waited {waited * 1e3:.0f} ms for the receiver's late load")
+
+
 @pytest.mark.gpu(count=2)
 def test_nccl_receiver_failure_reaches_the_sender_through_the_end_all_reduce(tmp_path):
     port = free_port()

@@ -210,9 +210,7 @@ def test_a_receiver_keeps_its_merged_loads_until_a_target_moves():
 
     total = sum(torch.Size(s).numel() for s in SHAPES)
     sources = carve(torch.arange(total, dtype=torch.float32) / 3, SHAPES)
-    params = [
-        torch.nn.Parameter(t, requires_grad=False) for t in carve(torch.zeros(total), SHAPES)
-    ]
+    params = [torch.nn.Parameter(t, requires_grad=False) for t in carve(torch.zeros(total), SHAPES)]
     state = ReceiverState()
     first = state.loads(sources, list(params))
     assert len(first[0]) == 1 and state.loads(sources, list(params)) is first

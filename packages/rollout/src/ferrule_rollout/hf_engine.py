@@ -61,6 +61,24 @@ def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
     return torch.log_softmax(scaled, dim=-1)
 
 
+def one_allocation(shapes: list, dtype, device) -> list:
+    """Uninitialised tensors of `shapes`, one after another in one allocation, each starting
+    PARAMETER_ALIGNMENT bytes aligned (as kernels expect; a model's tensors mostly fill whole
+    multiples of it, so they lie end to end)."""
+    import torch
+
+    align = max(PARAMETER_ALIGNMENT // dtype.itemsize, 1)
+    starts, end = [], 0
+    for shape in shapes:
+        starts.append(end)
+        end += -(-torch.Size(shape).numel() // align) * align
+    flat = torch.empty(end, dtype=dtype, device=device)
+    return [
+        flat[start : start + torch.Size(shape).numel()].view(shape)
+        for start, shape in zip(starts, shapes, strict=True)
+    ]
+
+
 class ComputedStream:
     """`generate_stream`'s result: the samples, already computed, with the stream's verbs."""
 
@@ -496,31 +514,21 @@ class TransformersEngine:
 
     def _lay_out_parameters(self, empty: dict | None = None) -> None:
         """Put the parameters on the engine's device in one allocation per dtype, one after
-        another in the model's order (tied ones once), each start 16-byte aligned as kernels
-        expect. A trainer's export comes in that order, and a ZeRO-3 policy of one rank keeps
-        it in one allocation too: its in-place CUDA IPC update then loads with one copy
-        (`Update.load_into` merges copies that continue each other) instead of one per tensor.
-        `empty`: the shapes of parameters to allocate without copying (sleep level 2)."""
-        import torch
-
-        params = list(self._model.named_parameters())
+        another in the model's order (tied ones once). A trainer's export comes in that order,
+        and a ZeRO-3 policy of one rank keeps it in one allocation too: its in-place CUDA IPC
+        update then loads with one copy (`Update.load_into` merges copies that continue each
+        other) instead of one per tensor. `empty`: the shapes of parameters to allocate
+        without copying (sleep level 2)."""
         groups: dict = {}
-        for name, param in params:
+        for name, param in self._model.named_parameters():
             groups.setdefault(param.dtype, []).append((name, param))
         for dtype, group in groups.items():
-            align = max(PARAMETER_ALIGNMENT // dtype.itemsize, 1)
-            starts, end = [], 0
-            for name, param in group:
-                starts.append(end)
-                numel = (empty[name] if empty else param.shape).numel()
-                end += -(-numel // align) * align
-            flat = torch.empty(end, dtype=dtype, device=self.device)
-            for (name, param), start in zip(group, starts, strict=True):
-                shape = empty[name] if empty else param.shape
-                placed = flat[start : start + shape.numel()].view(shape)
+            shapes = [empty[name] if empty else param.shape for name, param in group]
+            placed = one_allocation(shapes, dtype, self.device)
+            for (_, param), tensor in zip(group, placed, strict=True):
                 if not empty:
-                    placed.copy_(param.data)
-                param.data = placed
+                    tensor.copy_(param.data)
+                param.data = tensor
 
     def health(self) -> dict:
         with self._cv:

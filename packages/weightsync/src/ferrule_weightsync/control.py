@@ -240,6 +240,10 @@ class Control:
         """Sender: a transport's own message (JSON-able)."""
         self._put(key, value)
 
+    def has(self, key: str) -> bool:
+        """Whether a message was published under `key` (no wait)."""
+        return self.store.check([key])
+
     def read(self, key: str, check, who: str = "the sender"):
         """A transport's own message, as `check(value, store key)` makes it."""
         return self._take(key, who, check)

@@ -18,6 +18,9 @@ buffer for bucket k+2.
 In place, nothing is packed: the sender shares the allocations its tensors lie in (a trainer's
 flat parameter buffers: a handful) the same way, once, and each update is a manifest after which
 the receivers read the tensors where they lie. The only copy left is the receivers' own load.
+A receiver reports done as soon as that load is queued, behind an interprocess CUDA event whose
+handle it publishes once; the sender waits on those events before `send` returns, so the report
+travels while the copies run.
 
 On CPU the buffers are POSIX shared-memory segments, /dev/shm/ferrule-ws-*. A sender that is
 killed outright (SIGKILL, the OOM killer, a container stopped) cannot remove its segments, so
@@ -55,6 +58,7 @@ except ImportError:  # not POSIX: no /dev/shm either, and the CPU path cannot ru
 
 DEFAULT_BUCKET_BYTES = 1024 * 2**20  # measured on one H200: 1 GB buckets copy at ~940 GB/s
 SEGMENTS = Path("/dev/shm")
+CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
 
 
 @contextlib.contextmanager
@@ -206,6 +210,7 @@ class IpcSender:
         self._generation = 0  # bumps at every publication of handles
         self._handles_published = 0
         self._views = BucketViews()
+        self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its event, opened
 
     @property
     def version(self) -> int:
@@ -245,7 +250,13 @@ class IpcSender:
                 # receivers read through their own streams: our writes must be done first
                 torch.cuda.current_stream(self.device).synchronize()
                 return self._updates.send(
-                    named_tensors, self._hand_over, version, specs, self._generation, placed
+                    named_tensors,
+                    self._hand_over,
+                    version,
+                    specs,
+                    self._generation,
+                    placed,
+                    self._await_reads,
                 )
         largest = max(spec.nbytes for spec in specs) if specs else 0
         self._ensure_buffers(max(self._updates.bucket_bytes, largest))
@@ -279,6 +290,25 @@ class IpcSender:
             self._shared = [_SharedBuffer.over(storage) for storage in storages]
             self._publish(self._shared, key)
         return placement, tuple(nbytes for _, nbytes in key)
+
+    def _await_reads(self) -> None:
+        """In place: receivers report done once their reads of our memory are queued, each
+        behind an event of its own (published once). Wait for those events here, on the host,
+        so that the caller may change its tensors when `send` returns: the report then travels
+        while the copies run (~0.4 ms of the update)."""
+        for rank in range(1, self._control.world_size):
+            event = self._reads_end.get(rank)
+            if event is None:
+                key = f"ipc/reads_end/{rank}"
+                if not self._control.has(key):  # failed before it read anything
+                    continue
+                handle = self._control.read(key, _event_handle, f"receiver {rank}")
+                try:
+                    event = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                except RuntimeError as err:
+                    raise MalformedMessageError(f"control message {key}: {err}") from err
+                self._reads_end[rank] = event
+            event.synchronize()
 
     def _hand_over(self, seq, stream) -> None:
         """In place: the bytes are there already (synchronised before the manifest)."""
@@ -350,6 +380,7 @@ class IpcReceiver:
         self._generation = 0
         self._state = ReceiverState()
         self.handles_opened = 0  # for tests and benchmarks: reuse means this stays at 2
+        self._reads_end: torch.cuda.Event | None = None  # in place: marks our reads' end
 
     def receive(
         self,
@@ -398,8 +429,15 @@ class IpcReceiver:
             )
         for bucket in layout.buckets:
             yield bucket, self._mapped[bucket.index].tensor
-        if self._mapped[0].tensor.is_cuda:  # our reads must end before we report done
-            torch.cuda.current_stream(self._mapped[0].tensor.device).synchronize()
+        device = self._mapped[0].tensor.device
+        if device.type == "cuda":  # the sender waits for this event before it changes them
+            first = self._reads_end is None
+            if first:
+                self._reads_end = torch.cuda.Event(interprocess=True)
+            self._reads_end.record(torch.cuda.current_stream(device))
+            if first:  # before our first report, so the sender finds it
+                handle = messages.to_b64(self._reads_end.ipc_handle())
+                self._control.publish(f"ipc/reads_end/{self._control.rank}", handle)
 
     def close(self) -> None:
         for mapped in self._mapped:
@@ -416,6 +454,10 @@ _CUDA_HANDLE = {
     "ref_counter_offset": messages.integer, "event": messages.text,
     "event_sync_required": messages.flag,
 }  # fmt: skip
+
+
+def _event_handle(value: object, key: str) -> bytes:
+    return messages.from_b64(value, key, "event handle", CUDA_IPC_HANDLE_BYTES)
 
 
 def _handles(value: object, key: str) -> list[dict]:

@@ -250,10 +250,13 @@ class UpdateSender:
         specs: list[TensorSpec] | None,
         generation: int = 0,
         placed: tuple | None = None,
+        reads_end: Callable[[], None] | None = None,
     ) -> int:
         """`placed`: (placement, buffer sizes) when the tensors stay where the sender keeps them
         (checked against the specs by the transport); `send_buckets` then gets (bucket, None)
-        pairs: nothing to move, only the buffers to hand over."""
+        pairs: nothing to move, only the buffers to hand over. `reads_end`: called once every
+        receiver has reported, failed or not, to wait until their reads of the sender's memory
+        have ended (receivers that report as soon as their reads are queued)."""
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
@@ -291,6 +294,8 @@ class UpdateSender:
             raise
         if any_failed is None:
             failed = self.control.collect(seq, "done")
+            if reads_end is not None:
+                reads_end()
         elif any_failed:  # those that failed said why before they told the transport
             failed = self.control.reported_errors(seq, "done") or ["failed without saying why"]
         else:
