@@ -99,9 +99,10 @@ def test_cuda_ipc_in_place_reads_the_senders_own_memory(tmp_path, checksums):
     """A trainer's weights as they lie (views into one flat buffer, two tensors of their own):
     the receiver reads them there, sees in-place changes without new handles, gets the new
     allocation when a tensor is swapped, and a tensor that cannot be read in place (here a
-    transposed view) makes the update packed."""
+    transposed view) makes the update packed. In place again after a packed update (the
+    receivers map the packing buffers then), the same tensors are shared again."""
     port = free_port()
-    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=4)
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=7)
     flat = torch.randn(10_000, device="cuda:0").bfloat16()
     state = {
         "layers.0.weight": flat[:1200].view(40, 30),
@@ -114,19 +115,23 @@ def test_cuda_ipc_in_place_reads_the_senders_own_memory(tmp_path, checksums):
         "ipc", "127.0.0.1", port, 1, device="cuda:0", checksums=checksums, timeout=60
     )
     sent, published = [], []
-    for update in range(4):
-        if update == 1:
+    for update in range(7):
+        if update in (1, 5, 6):
             flat.mul_(3)  # an optimizer step: in place
         if update == 2:
             state["norm.weight"] = torch.full((17,), 0.5, device="cuda:0")  # swapped
         if update == 3:
             state["layers.0.t"] = flat[2000:2600].view(20, 30).t()  # not contiguous
-        sender.send(state.items(), in_place=True)
+        if update == 4:
+            del state["layers.0.t"]
+        sender.send(state.items(), in_place=update != 5)  # 5: packed by the caller's choice
         sent.append({name: t.cpu() for name, t in state.items()})
         published.append(sender.handles_published)
     sender.close()
-    # 3 allocations shared once; again after the swap; the two packing buffers at the end
-    assert published == [3, 3, 6, 8]
+    # 3 allocations shared once; again after the swap; the two packing buffers; the three
+    # allocations again after that packed update; the packing buffers again for the update
+    # packed by choice, and then the three allocations once more
+    assert published == [3, 3, 6, 8, 11, 13, 16]
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     results = torch.load(out, weights_only=False)

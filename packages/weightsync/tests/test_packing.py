@@ -12,6 +12,7 @@ from ferrule_weightsync.packing import (
     TensorSpec,
     checksum,
     coalesce,
+    copy_all,
     own_bytes,
     pack,
     plan_buckets,
@@ -220,6 +221,23 @@ def test_a_receiver_keeps_its_merged_loads_until_a_target_moves():
     torch._foreach_copy_(into, frm)
     for param, expected in zip(params, sources, strict=True):
         assert torch.equal(param, expected)
+
+
+def test_large_contiguous_copies_go_alone_and_the_rest_fused(monkeypatch):
+    """`copy_all`: a contiguous source of `memcpy_bytes` and up by its own copy (a memcpy on a
+    GPU, faster than the fused kernel for a long span), the rest in one fused call, casting
+    where the dtypes differ."""
+    fused, foreach_copy = [], torch._foreach_copy_
+    monkeypatch.setattr(
+        torch, "_foreach_copy_", lambda t, s: (fused.append(len(t)), foreach_copy(t, s))
+    )
+    big, small = torch.randn(40, dtype=torch.float64), torch.randn(3)
+    strided = torch.randn(8, 8).t()  # 256 bytes, not contiguous: fused
+    targets = [torch.zeros(40, dtype=torch.float64), torch.zeros(3).half(), torch.zeros(8, 8)]
+    copy_all(targets, [big, small, strided], memcpy_bytes=256)
+    assert fused == [2]
+    assert torch.equal(targets[0], big) and torch.equal(targets[1], small.half())
+    assert torch.equal(targets[2], strided)
 
 
 def test_checksum_sees_a_flipped_bit_and_a_swap():

@@ -433,7 +433,8 @@ class TransformersEngine:
             raise RolloutError(f"weight update failed: {err}") from err
         loaded = []
         try:
-            # in place, one multi-tensor copy per bucket: a tied weight is one tensor
+            # in place, a few copies per bucket (weightsync merges those that continue each
+            # other, as our parameters do): a tied weight is one tensor
             update.load_into(targets, loaded)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

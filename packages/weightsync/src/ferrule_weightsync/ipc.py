@@ -211,6 +211,7 @@ class IpcSender:
         self._handles_published = 0
         self._views = BucketViews()
         self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its event, opened
+        self._last_placed: tuple | None = None  # the last placement, with what it was made of
 
     @property
     def version(self) -> int:
@@ -243,9 +244,7 @@ class IpcSender:
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
         if in_place and self.device.type == "cuda":
             named_tensors = list(named_tensors)
-            if not made_here:
-                check_against_specs(named_tensors, specs)
-            placed = self._place(named_tensors)
+            placed = self._place(named_tensors, specs, checked=made_here)
             if placed is not None:
                 # receivers read through their own streams: our writes must be done first
                 torch.cuda.current_stream(self.device).synchronize()
@@ -263,9 +262,26 @@ class IpcSender:
         generation = self._generation
         return self._updates.send(named_tensors, self._send_buckets, version, specs, generation)
 
-    def _place(self, named_tensors: list) -> tuple | None:
+    def _place(self, named_tensors: list, specs: list, checked: bool) -> tuple | None:
         """(placement, buffer sizes) of tensors that can be read where they lie, their
-        allocations shared with the receivers; None if they cannot."""
+        allocations shared with the receivers; None if they cannot. The same tensors where
+        they were last time (a trainer's views of its weights, step after step) are placed as
+        then, without checking each again (~0.4 ms of host time for ~300 tensors): what the
+        receivers read depends only on their names, addresses, shapes, strides and dtypes,
+        and an allocation we shared is held, so nothing else can come to lie at its address."""
+        names = [name for name, _ in named_tensors]
+        marks = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for _, t in named_tensors]
+        last = self._last_placed
+        made_of = (marks, names, list(specs))
+        if last is not None and last[:3] == made_of and last[4] == self._published:
+            return last[3]  # (an update packed since then published other buffers)
+        if not checked:
+            check_against_specs(named_tensors, specs)
+        placed = self._place_anew(named_tensors)
+        self._last_placed = placed and (*made_of, placed, self._published)
+        return placed
+
+    def _place_anew(self, named_tensors: list) -> tuple | None:
         storages: list[torch.UntypedStorage] = []  # in order of first use
         index: dict[int, int] = {}  # a storage's address -> its place in `storages`
         placement = []

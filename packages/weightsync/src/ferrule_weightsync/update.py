@@ -19,11 +19,13 @@ from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control, Manifest
 from ferrule_weightsync.errors import MalformedMessageError, MismatchError, WeightSyncError
 from ferrule_weightsync.packing import (
+    LOAD_MEMCPY_BYTES,
     Bucket,
     BucketViews,
     TensorSpec,
     checksum,
     coalesce,
+    copy_all,
     plan_buckets,
 )
 
@@ -410,10 +412,12 @@ class Update:
     def load_into(
         self, targets: Mapping[str, torch.Tensor], loaded: list[str] | None = None
     ) -> list[str]:
-        """Copy every tensor of the update into `targets[name]` in place (cast to its dtype),
-        one multi-tensor copy per bucket: the load of an engine whose weights match the
-        sender's names and shapes (receive with `expected=targets` to have that checked before
-        any data moves). Returns the names loaded; each bucket's names are appended to `loaded`
+        """Copy every tensor of the update into `targets[name]` in place (cast to its dtype):
+        the load of an engine whose weights match the sender's names and shapes. Per bucket,
+        copies that continue each other on both sides merge (`coalesce`); spans of
+        LOAD_MEMCPY_BYTES and up go by memcpy, the rest in one multi-tensor copy. (Receive
+        with `expected=targets` to have names and shapes checked before any data moves.)
+        Returns the names loaded; each bucket's names are appended to `loaded`
         as it lands, so a caller that catches an error knows what was replaced. The copies are
         queued on the current stream: synchronise before reading the targets from elsewhere."""
         loaded = [] if loaded is None else loaded
@@ -425,8 +429,7 @@ class Update:
                 if missing:
                     raise MismatchError(f"no target for {missing[:MAX_LISTED]}")
                 into, sources = self._state.loads(views, [targets[name] for name in names])
-                if into:
-                    torch._foreach_copy_(into, sources)
+                copy_all(into, sources, LOAD_MEMCPY_BYTES)
             except Exception as err:
                 buckets.throw(err)  # ends the update, telling the sender why; raises it here
             loaded.extend(names)
