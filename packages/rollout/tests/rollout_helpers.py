@@ -50,6 +50,19 @@ def perturb_(model, seed: int, scale: float = 0.5) -> None:
             param.add_(noise * scale * (param.float().std() if param.numel() > 1 else 1.0))
 
 
+def perturbed_and_loaded(engine, sender, policy, seed: int) -> int:
+    """`policy` perturbed with `seed`, sent by `sender` (closed after) and loaded by `engine`;
+    returns the version loaded."""
+    try:
+        perturb_(policy, seed=seed)
+        sending = in_thread(sender.send, list(policy.named_parameters()))
+        version = engine.update_weights(timeout=60)
+        sending.get()
+        return version
+    finally:
+        sender.close()
+
+
 def in_thread(fn, *args, **kwargs) -> "Result":
     """Run fn in a thread (a weight-sync sender, while the engine receives here)."""
     result = Result()

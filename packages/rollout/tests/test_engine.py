@@ -17,7 +17,14 @@ from ferrule_rollout import BadRequestError, SamplingSettings
 from ferrule_testkit import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
+from rollout_helpers import (
+    LOGPROB_ATOL,
+    free_port,
+    hf_logprobs,
+    in_thread,
+    perturb_,
+    perturbed_and_loaded,
+)
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:"]
@@ -274,12 +281,5 @@ def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
         port = free_port()
         joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)
         eng.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
-        sender = joining.get()
-        try:
-            perturb_(policy, seed=11)
-            sending = in_thread(sender.send, list(policy.named_parameters()))
-            eng.update_weights(timeout=60)
-            sending.get()
-        finally:
-            sender.close()
+        perturbed_and_loaded(eng, joining.get(), policy, seed=11)
         assert_matches_transformers(eng.generate(long_prompt, GREEDY), policy, greedy=True)

@@ -24,7 +24,14 @@ from ferrule_rollout import BadRequestError, RolloutError, SamplingSettings
 from ferrule_testkit import tiny_model, tiny_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
+from rollout_helpers import (
+    LOGPROB_ATOL,
+    free_port,
+    hf_logprobs,
+    in_thread,
+    perturb_,
+    perturbed_and_loaded,
+)
 
 PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:"]
 # Varied lengths (1 to 41 tokens, text and ids) so that left padding and chunks matter.
@@ -343,14 +350,7 @@ def test_parameters_lie_in_one_allocation_and_an_update_loads_each_bucket_in_one
         foreach_copy(targets, sources)
 
     monkeypatch.setattr(torch, "_foreach_copy_", counted)
-    sender = connect(engine, "ipc")
-    try:
-        perturb_(policy, seed=7)
-        sending = in_thread(sender.send, list(policy.named_parameters()))
-        engine.update_weights(timeout=60)
-        sending.get()
-    finally:
-        sender.close()
+    perturbed_and_loaded(engine, connect(engine, "ipc"), policy, seed=7)
     assert len(copies) > 2 and set(copies) == {1}  # several 64 KB buckets, one copy each
     assert engine.weights_digest() == digest(policy.named_parameters())
     assert_laid_out(engine)
