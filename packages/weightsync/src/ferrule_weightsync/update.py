@@ -37,7 +37,7 @@ ReceiveBuckets = Callable[[int, "Layout", Manifest], Iterator[tuple[Bucket, torc
 # A receiver's last word on update `seq`: "" when it consumed everything, else what went wrong.
 Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
-MAX_KEPT_LOADS = 64  # buckets whose coalesced loads a receiver keeps
+MAX_KEPT_LOADS = 1024  # (buffer, bucket) pairs whose merged loads a receiver keeps
 
 
 @dataclass(frozen=True)
