@@ -68,7 +68,8 @@ def run_receiver(args) -> None:
             if args.gpu_load_after_ms:  # an engine's load on the GPU, queued behind other work
                 targets = {s.name: torch.zeros(s.shape, dtype=s.dtype, device="cuda")
                            for s in update.specs}  # fmt: skip
-                torch.cuda._sleep(int(args.gpu_load_after_ms * 2e6))  # ~2 GHz: cycles per ms
+                if number > 1:  # (the first maps the sender's memory, which waits for the GPU)
+                    torch.cuda._sleep(int(args.gpu_load_after_ms * 2e6))  # ~2 GHz: cycles a ms
                 update.load_into(targets)  # reports done before the copies have run
                 torch.cuda.synchronize()
                 received = {name: t.cpu() for name, t in targets.items()}
@@ -143,7 +144,9 @@ if __name__ == "__main__":
     parser.add_argument("--stall-at", type=int)
     parser.add_argument("--stop-after", type=int)
     parser.add_argument("--load-into", choices=["all", "missing"], help="Update.load_into")
-    parser.add_argument("--gpu-load-after-ms", type=float, help="load_into on the GPU, late")
+    parser.add_argument(
+        "--gpu-load-after-ms", type=float, help="load_into on the GPU, late from update 2 on"
+    )
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")

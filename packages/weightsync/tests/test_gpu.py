@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_weightsync import WeightSyncError, create_sender
+from ferrule_weightsync import PeerTimeoutError, WeightSyncError, create_sender
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -145,9 +145,10 @@ def test_cuda_ipc_in_place_reads_the_senders_own_memory(tmp_path, checksums):
 
 @pytest.mark.gpu(count=1)
 def test_cuda_ipc_in_place_send_returns_only_once_the_receivers_reads_have_run(tmp_path):
-    """A receiver reports done as soon as its load is queued; here the load waits ~300 ms
-    behind other GPU work. The sender overwrites its tensors the moment `send` returns: the
-    receiver must still have loaded what was sent (the sender waited on its event)."""
+    """A receiver reports done as soon as its load is queued; here the second update's load
+    waits ~300 ms behind other GPU work. The sender overwrites its tensors the moment `send`
+    returns: the receiver must still have loaded what was sent (the sender waited on its
+    event)."""
     port = free_port()
     proc, out = start_receiver(
         tmp_path, transport="ipc", port=port, updates=2, gpu_load_after_ms=300
@@ -172,6 +173,29 @@ def test_cuda_ipc_in_place_send_returns_only_once_the_receivers_reads_have_run(t
             assert torch.equal(result["state"][name], tensor), name
     assert sent[1]["a"].eq(-1.0).all()  # the second update sent the overwritten weights
     print(f"the last send waited {waited * 1e3:.0f} ms for the receiver's late load")
+
+
+@pytest.mark.gpu(count=1)
+def test_cuda_ipc_in_place_send_fails_within_its_timeout_when_reads_do_not_end(tmp_path):
+    """A receiver whose reads stay queued (here, in the second update, behind a minute of
+    other GPU work; a hung or dying process alike) makes `send` fail within the group's
+    timeout, naming it."""
+    port = free_port()
+    proc, _ = start_receiver(
+        tmp_path, transport="ipc", port=port, updates=2, gpu_load_after_ms=60_000
+    )
+    flat = torch.randn(1 << 16, device="cuda:0")
+    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=5)
+    try:
+        sender.send([("w", flat)], in_place=True)
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="receiver 1's reads of the update did not end"):
+            sender.send([("w", flat)], in_place=True)
+        assert time.monotonic() - started < 20
+    finally:
+        proc.kill()
+        proc.communicate()
+        sender.close()
 
 
 @pytest.mark.gpu(count=2)

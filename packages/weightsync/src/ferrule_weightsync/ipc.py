@@ -31,6 +31,7 @@ a shared `flock` on its segment for as long as it lives, which the kernel drops 
 import contextlib
 import mmap
 import os
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing import shared_memory
@@ -40,7 +41,7 @@ import torch
 
 from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control
-from ferrule_weightsync.errors import MalformedMessageError
+from ferrule_weightsync.errors import MalformedMessageError, PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
 from ferrule_weightsync.update import (
     MAX_PLACED_BUFFERS,
@@ -59,6 +60,7 @@ except ImportError:  # not POSIX: no /dev/shm either, and the CPU path cannot ru
 DEFAULT_BUCKET_BYTES = 1024 * 2**20  # measured on one H200: 1 GB buckets copy at ~940 GB/s
 SEGMENTS = Path("/dev/shm")
 CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
+SPIN_SECONDS = 0.01  # how long a wait for receivers' reads yields the CPU, before it sleeps
 
 
 @contextlib.contextmanager
@@ -311,7 +313,10 @@ class IpcSender:
         """In place: receivers report done once their reads of our memory are queued, each
         behind an event of its own (published once). Wait for those events here, on the host,
         so that the caller may change its tensors when `send` returns: the report then travels
-        while the copies run (~0.4 ms of the update)."""
+        while the copies run (~0.4 ms of the update). Polled, not waited on in CUDA: a receiver
+        that dies mid-read must end the wait with an error within the group's timeout, not
+        hang the trainer."""
+        deadline = time.monotonic() + self._control.timeout
         for rank in range(1, self._control.world_size):
             event = self._reads_end.get(rank)
             if event is None:
@@ -324,7 +329,26 @@ class IpcSender:
                 except RuntimeError as err:
                     raise MalformedMessageError(f"control message {key}: {err}") from err
                 self._reads_end[rank] = event
-            event.synchronize()
+            self._poll(event, rank, deadline)
+
+    def _poll(self, event: torch.cuda.Event, rank: int, deadline: float) -> None:
+        started = time.monotonic()
+        while True:
+            try:
+                if event.query():
+                    return
+            except RuntimeError as err:  # its process, and its context, gone mid-read
+                raise WeightSyncError(
+                    f"receiver {rank}'s reads of the update failed: {err} ({self._control.where})"
+                ) from err
+            self._control.check_aborted()
+            now = time.monotonic()
+            if now > deadline:
+                raise PeerTimeoutError(
+                    f"receiver {rank}'s reads of the update did not end within "
+                    f"{self._control.timeout:g}s ({self._control.where})"
+                )
+            time.sleep(0 if now - started < SPIN_SECONDS else 1e-3)  # a copy is ~1 ms
 
     def _hand_over(self, seq, stream) -> None:
         """In place: the bytes are there already (synchronised before the manifest)."""
