@@ -18,8 +18,8 @@ into weights laid out as that engine lays out its parameters (one allocation per
 model's order: copies that continue each other on both sides merge into one). Under ipc the
 policy of one rank also sends in place, as the launcher does (`send(..., in_place=True)`: the
 receiver reads the trainer's own memory), timed as `ours_in_place`, and again into weights
-each allocated on its own (`ours_in_place_separate`: one copy per tensor). Timed on rank 0 from the start of the export until the
-sender's `send` returns, which is after every receiver reported its load done. Each export
+each allocated on its own (`ours_in_place_separate`: one copy per tensor). Timed on rank 0
+from the start of the export until the sender's `send` returns, which is after every receiver reported its load done. Each export
 bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
 export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
 flat buffer of the same bytes in the sender's own group (nccl), or one device-to-device copy of
@@ -197,14 +197,10 @@ def allocate(specs, device: torch.device, layout: str) -> dict[str, torch.Tensor
     its own (as an engine that allocates layer by layer)."""
     if layout == "separate":
         return {s.name: torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs}
-    from ferrule_rollout.hf_engine import one_allocation
+    from ferrule_rollout.hf_engine import lay_out
 
-    weights = {}
-    for dtype in dict.fromkeys(s.dtype for s in specs):
-        group = [s for s in specs if s.dtype == dtype]
-        placed = one_allocation([s.shape for s in group], dtype, device)
-        weights.update(zip((s.name for s in group), placed, strict=True))
-    return weights
+    placed = lay_out([(s.shape, s.dtype) for s in specs], device)
+    return dict(zip((s.name for s in specs), placed, strict=True))
 
 
 def wait_for_results(out, procs, count: int, timeout: float) -> dict:

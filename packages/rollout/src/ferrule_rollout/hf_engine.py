@@ -61,21 +61,21 @@ def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
     return torch.log_softmax(scaled, dim=-1)
 
 
-def one_allocation(shapes: list, dtype, device) -> list:
-    """Uninitialised tensors of `shapes`, one after another in one allocation, each starting
-    PARAMETER_ALIGNMENT bytes aligned (as kernels expect; a model's tensors mostly fill whole
-    multiples of it, so they lie end to end)."""
+def lay_out(entries: list, device) -> list:
+    """Uninitialised tensors of the (shape, dtype) `entries`, in their order, one after another
+    in one allocation per dtype, each starting PARAMETER_ALIGNMENT bytes aligned (as kernels
+    expect; a model's tensors mostly fill whole multiples of it, so they lie end to end)."""
     import torch
 
-    align = max(PARAMETER_ALIGNMENT // dtype.itemsize, 1)
-    starts, end = [], 0
-    for shape in shapes:
-        starts.append(end)
-        end += -(-torch.Size(shape).numel() // align) * align
-    flat = torch.empty(end, dtype=dtype, device=device)
+    starts, ends = [], {}  # each entry's start (elements); each dtype's end so far
+    for shape, dtype in entries:
+        align = max(PARAMETER_ALIGNMENT // dtype.itemsize, 1)
+        starts.append(ends.get(dtype, 0))
+        ends[dtype] = starts[-1] + -(-torch.Size(shape).numel() // align) * align
+    flat = {dtype: torch.empty(end, dtype=dtype, device=device) for dtype, end in ends.items()}
     return [
-        flat[start : start + torch.Size(shape).numel()].view(shape)
-        for start, shape in zip(starts, shapes, strict=True)
+        flat[dtype][start : start + torch.Size(shape).numel()].view(shape)
+        for (shape, dtype), start in zip(entries, starts, strict=True)
     ]
 
 
@@ -520,16 +520,13 @@ class TransformersEngine:
         update then loads with one copy (`Update.load_into` merges copies that continue each
         other) instead of one per tensor. `empty`: the shapes of parameters to allocate
         without copying (sleep level 2)."""
-        groups: dict = {}
-        for name, param in self._model.named_parameters():
-            groups.setdefault(param.dtype, []).append((name, param))
-        for dtype, group in groups.items():
-            shapes = [empty[name] if empty else param.shape for name, param in group]
-            placed = one_allocation(shapes, dtype, self.device)
-            for (_, param), tensor in zip(group, placed, strict=True):
-                if not empty:
-                    tensor.copy_(param.data)
-                param.data = tensor
+        params = list(self._model.named_parameters())
+        entries = [(empty[name] if empty else p.shape, p.dtype) for name, p in params]
+        placed = lay_out(entries, self.device)
+        for (_, param), tensor in zip(params, placed, strict=True):
+            if not empty:
+                tensor.copy_(param.data)
+            param.data = tensor
 
     def health(self) -> dict:
         with self._cv:

@@ -320,7 +320,7 @@ class IpcSender:
         for rank in range(1, self._control.world_size):
             event = self._reads_end.get(rank)
             if event is None:
-                key = f"ipc/reads_end/{rank}"
+                key = _reads_end_key(rank)
                 if not self._control.has(key):  # failed before it read anything
                     continue
                 handle = self._control.read(key, _event_handle, f"receiver {rank}")
@@ -477,7 +477,7 @@ class IpcReceiver:
             self._reads_end.record(torch.cuda.current_stream(device))
             if first:  # before our first report, so the sender finds it
                 handle = messages.to_b64(self._reads_end.ipc_handle())
-                self._control.publish(f"ipc/reads_end/{self._control.rank}", handle)
+                self._control.publish(_reads_end_key(self._control.rank), handle)
 
     def close(self) -> None:
         for mapped in self._mapped:
@@ -494,6 +494,11 @@ _CUDA_HANDLE = {
     "ref_counter_offset": messages.integer, "event": messages.text,
     "event_sync_required": messages.flag,
 }  # fmt: skip
+
+
+def _reads_end_key(rank: int) -> str:
+    """Where receiver `rank` publishes its event's handle (in place, once)."""
+    return f"ipc/reads_end/{rank}"
 
 
 def _event_handle(value: object, key: str) -> bytes:
