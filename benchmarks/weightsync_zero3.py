@@ -12,14 +12,16 @@ the given shape (default ~0.6B parameters). One update, as the launcher runs it 
 broadcast: rank 0 hands `Actor.export_weights(bucket_bytes=...)` to a sender of the same
 bucket size (one sender and receiver per size: the export gathers each bucket into a buffer in
 the sender's layout, sent without packing), the other ranks join its all-gathers and keep
-nothing (`Actor.take_part_in_export`), and the receiver copies every tensor into its own
-copy of the model with `Update.load_into`, the load of ferrule-rollout's transformers engine,
-into weights laid out as that engine lays out its parameters (one allocation per dtype, in the
+nothing (`Actor.take_part_in_export`), and the receiver loads every tensor into its own copy
+of the model with `receive_into`, the load of ferrule-rollout's transformers engine, into
+weights laid out as that engine lays out its parameters (one allocation per dtype, in the
 model's order: copies that continue each other on both sides merge into one). Under ipc the
-policy of one rank also sends in place, as the launcher does (`send(..., in_place=True)`: the
-receiver reads the trainer's own memory), timed as `ours_in_place`, and again into weights
-each allocated on its own (`ours_in_place_separate`: one copy per tensor). Timed on rank 0
-from the start of the export until the sender's `send` returns, which is after every receiver reported its load done. Each export
+policy of one rank also sends in place, as the launcher does (`send(..., in_place=True)`):
+after the first update the sender writes it into the weights the receiver offers, timed as
+`ours_in_place`, and again into weights each allocated on its own (`ours_in_place_separate`:
+one copy per tensor); `pushed` counts the updates each sender wrote so. Timed on rank 0 from
+the start of the export until the sender's `send` returns, which is after every receiver
+reported its load done and the sender's own writes ended. Each export
 bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
 export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
 flat buffer of the same bytes in the sender's own group (nccl), or one device-to-device copy of
@@ -146,7 +148,16 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
         from ferrule_weightsync import digest
 
         sent = digest(actor.export_weights())
-        out.put({"bytes": nbytes, "tensors": len(specs), "times": times, "sent_digest": sent})
+        pushes = {way: getattr(sender, "pushes", 0) for way, sender in senders.items()}
+        out.put(
+            {
+                "bytes": nbytes,
+                "tensors": len(specs),
+                "times": times,
+                "sent_digest": sent,
+                "pushes": pushes,
+            }
+        )
         for sender in senders.values():
             sender.close()
     torch.distributed.barrier()
@@ -171,11 +182,13 @@ def receiver_worker(ports: dict, args, out) -> None:
     flat = None
     for _ in range(args.repeats + 1):
         for way, receiver in zip(args.ways, receivers, strict=True):
-            update = receiver.receive()
             layout = "separate" if way == "in_place_separate" else "engine"
-            if layout not in models:
+            if layout in models:  # the engine's load (ipc: the sender may write into them)
+                receiver.receive_into(models[layout])
+            else:  # the first: the update's specs say what to allocate
+                update = receiver.receive()
                 models[layout] = allocate(update.specs, device, layout)
-            update.load_into(models[layout])
+                update.load_into(models[layout])
             synchronize(device)
         if args.mode == "nccl":
             if flat is None:
@@ -289,6 +302,7 @@ def main() -> None:
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},
         "best": best,
+        **({"pushed": results["pushes"]} if args.mode == "ipc" else {}),
         "ratio": round(median["baseline"] / median[best], 3),
     }
     print(json.dumps(line))

@@ -33,6 +33,33 @@ def realistic_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def trainer_weights(device: str = "cuda:0") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A trainer's weights as an in-place sender hands them over: views into one flat bf16
+    buffer (the flat buffer returned too) and two tensors of their own."""
+    flat = torch.randn(10_000, device=device).bfloat16()
+    return flat, {
+        "layers.0.weight": flat[:1200].view(40, 30),
+        "layers.0.bias": flat[1200:1204],
+        "layers.1.weight": flat[1204:5204].view(100, 40),
+        "norm.weight": torch.randn(17, device=device),
+        "step": torch.arange(7, device=device),
+    }
+
+
+def engine_weights(specs: dict[str, torch.Tensor], device: str = "cuda:0") -> dict:
+    """An engine's weights for `specs` (name -> a tensor of the shape and dtype), zeroed, in
+    one allocation, each 16-byte aligned, and one more tensor no update names."""
+    sizes = [-(-t.numel() * t.element_size() // 16) * 16 for t in specs.values()]
+    flat = torch.zeros(sum(sizes) + 64, dtype=torch.uint8, device=device)
+    weights, offset = {}, 0
+    for (name, like), size in zip(specs.items(), sizes, strict=True):
+        nbytes = like.numel() * like.element_size()
+        weights[name] = flat[offset : offset + nbytes].view(like.dtype).view(like.shape)
+        offset += size
+    weights["rotary.inv_freq"] = flat[offset:].view(torch.float32)
+    return weights
+
+
 def scaled(state: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
     return {k: (v * factor).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
 
@@ -55,7 +82,30 @@ def run_receiver(args) -> None:
             expected = {k: v.float() if v.is_floating_point() else v for k, v in expected.items()}
         if expected is not None and args.expect == "wrong-shape":
             expected["layers.0.odd"] = torch.zeros(7, 13)
+        if args.receive_into:
+            _, like = trainer_weights()
+            targets = engine_weights(like)
         for number in range(1, args.updates + 1):
+            if args.receive_into:  # an engine's load: the sender may write into our weights
+                result = {}
+                if number == args.withdraw_at:  # give up once before the sender comes
+                    before = {n: t.cpu() for n, t in targets.items()}
+                    try:
+                        receiver.receive_into(targets, timeout=0.5)
+                    except Exception as err:
+                        after = {n: t.cpu() for n, t in targets.items()}
+                        untouched = all(torch.equal(before[n], after[n]) for n in before)
+                        result = {
+                            "withdrew": f"{type(err).__name__}: {err}",
+                            "untouched": untouched,
+                        }
+                loaded = []
+                result["version"] = receiver.receive_into(targets, loaded)
+                torch.cuda.synchronize()
+                result["state"] = {name: targets[name].cpu() for name in loaded}
+                result["offers_published"] = receiver.offers_published
+                results.append(result)
+                continue
             if number == args.refuse_update:  # expectations that changed since the last update
                 wrong = dict(expected or realistic_state_dict(), **{"layers.0.odd": torch.zeros(7)})
                 try:
@@ -147,6 +197,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--gpu-load-after-ms", type=float, help="load_into on the GPU, late from update 2 on"
     )
+    parser.add_argument("--receive-into", help="receive_into an engine's weights on cuda:0")
+    parser.add_argument("--withdraw-at", type=int, help="with --receive-into: time out once")
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")

@@ -18,7 +18,7 @@ from ferrule_weightsync import PeerTimeoutError, WeightSyncError, create_sender
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
-from peer import realistic_state_dict, scaled  # noqa: E402
+from peer import realistic_state_dict, scaled, trainer_weights  # noqa: E402
 
 
 def free_port() -> int:
@@ -173,6 +173,44 @@ def test_cuda_ipc_in_place_send_returns_only_once_the_receivers_reads_have_run(t
             assert torch.equal(result["state"][name], tensor), name
     assert sent[1]["a"].eq(-1.0).all()  # the second update sent the overwritten weights
     print(f"the last send waited {waited * 1e3:.0f} ms for the receiver's late load")
+
+
+@pytest.mark.gpu(count=1)
+def test_cuda_ipc_in_place_update_is_written_into_the_weights_a_receiver_offers(tmp_path):
+    """A receiver that offers its weights (`receive_into`, as the transformers engine loads):
+    after the first update (its specs checked, read in place), the sender writes each update
+    into them itself; the receiver gets every byte, its weights shared once, while the sender
+    changes its own the moment `send` returns. A receiver that gives up waiting (update 4)
+    withdraws its offer, its weights untouched, and offers them again."""
+    port = free_port()
+    proc, out = start_receiver(
+        tmp_path, transport="ipc", port=port, updates=5, receive_into="yes", withdraw_at=4
+    )
+    flat, state = trainer_weights()
+    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
+    sent, pushes = [], []
+    for update in range(5):
+        if update == 3:
+            time.sleep(2)  # the receiver's first try at update 4 gives up after 0.5 s
+        sent.append({name: t.cpu() for name, t in state.items()})
+        sender.send(state.items(), in_place=True)
+        pushes.append(sender.pushes)
+        flat.mul_(3)  # the next optimizer step, at once
+        state["step"].add_(1)
+    sender.close()
+    assert pushes == [0, 1, 2, 3, 4]
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    results = torch.load(out, weights_only=False)
+    assert "error" not in results[-1], results[-1].get("trace")
+    assert [r["version"] for r in results] == [1, 2, 3, 4, 5]
+    for result, state_sent in zip(results, sent, strict=True):
+        assert result["state"].keys() == state_sent.keys()
+        for name, tensor in state_sent.items():
+            assert torch.equal(result["state"][name], tensor), name
+    assert [r["offers_published"] for r in results] == [1] * 5
+    assert "did not answer within 0.5s" in results[3]["withdrew"]
+    assert results[3]["untouched"]
 
 
 @pytest.mark.gpu(count=1)

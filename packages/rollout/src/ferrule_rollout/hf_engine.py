@@ -427,19 +427,17 @@ class TransformersEngine:
         import torch
 
         targets = self._tensors()
-        try:  # weightsync refuses unknown names and other shapes before any data moves
-            update = self._receiver.receive(expected=targets, cast=True, timeout=timeout)
-        except Exception as err:
-            raise RolloutError(f"weight update failed: {err}") from err
         loaded = []
         try:
-            # in place, a few copies per bucket (weightsync merges those that continue each
-            # other, as our parameters do): a tied weight is one tensor
-            update.load_into(targets, loaded)
+            # Names and shapes are checked before any data moves. In place, a few copies per
+            # bucket (weightsync merges those that continue each other, as our parameters do;
+            # a tied weight is one tensor); under CUDA IPC from a trainer's own memory, the
+            # sender writes into our parameters itself.
+            version = self._receiver.receive_into(targets, loaded, timeout)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as err:
-            message = f"weight update to version {update.version} failed: {err}"
+            message = f"weight update failed: {err}"
             if loaded:  # partly replaced weights: refuse to sample them
                 self._broken = f"{message} (after loading {len(loaded)} tensors)"
             raise RolloutError(message) from err
@@ -449,8 +447,8 @@ class TransformersEngine:
         self._broken = (
             f"weights dropped by sleep(level=2) not reloaded yet: {missing[:5]}" if missing else ""
         )
-        self._version, self._sent = update.version, loaded
-        return update.version
+        self._version, self._sent = version, loaded
+        return version
 
     def _tensors(self) -> dict:
         """Every parameter and buffer by name, tied names included (they share one tensor)."""

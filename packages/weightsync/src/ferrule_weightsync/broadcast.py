@@ -322,6 +322,18 @@ class BroadcastReceiver:
             control, self._state, self._receive_buckets, expected, cast, timeout, self._finish
         )
 
+    def receive_into(
+        self,
+        targets: Mapping[str, torch.Tensor],
+        loaded: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """`receive(expected=targets, cast=True)`, then `load_into(targets, loaded)`: the
+        version loaded (the same verb as `IpcReceiver.receive_into`)."""
+        update = self.receive(expected=targets, cast=True, timeout=timeout)
+        update.load_into(targets, loaded)
+        return update.version
+
     def _finish(self, seq: int, error: str) -> None:
         if error:  # the sender reads why once the all-reduce says that someone failed
             self._group.control.report(seq, "done", error)

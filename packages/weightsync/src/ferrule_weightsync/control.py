@@ -56,6 +56,7 @@ class Manifest:
     checksums: bool
     generation: int = 0  # ipc: which generation of shared buffers to map (broadcast: 0)
     handshake: bool = True  # receivers ack before data moves (False: layout accepted before)
+    pushed: bool = False  # ipc: the sender wrote the update into the receivers' own tensors
 
     def to_wire(self) -> dict:
         return {
@@ -64,6 +65,7 @@ class Manifest:
             "checksums": self.checksums,
             "generation": self.generation,
             "handshake": self.handshake,
+            "pushed": self.pushed,
         }
 
     @classmethod
@@ -74,6 +76,7 @@ class Manifest:
             "checksums": messages.flag,
             "generation": integer,
             "handshake": messages.flag,
+            "pushed": messages.flag,
         }
         return cls(**fields(value, key, checks))
 
@@ -237,8 +240,15 @@ class Control:
         return self._take(f"u{seq}/manifest", "the sender", Manifest.from_wire, timeout)
 
     def publish(self, key: str, value: object) -> None:
-        """Sender: a transport's own message (JSON-able)."""
+        """A transport's own message (JSON-able)."""
         self._put(key, value)
+
+    def swap(self, key: str, expected: object, value: object) -> bool:
+        """Replace `expected` under `key` with `value` in one step of the store: False, and
+        nothing changed, when the key holds anything else (another rank swapped it first)."""
+        sealed = self._seal.close(key, messages.encode(value))
+        was = self._seal.close(key, messages.encode(expected))
+        return self.store.compare_set(key, was, sealed) == sealed
 
     def has(self, key: str) -> bool:
         """Whether a message was published under `key` (no wait)."""
@@ -387,7 +397,9 @@ class Control:
             keys += [self._bucket_key(seq, bucket, what) for what in ("ready", "checksum")]
             keys += [f"u{seq}/b{bucket}/free/{rank}" for rank in range(1, self.world_size)]
         keys += [
-            f"u{seq}/{stage}/{r}" for stage in ("ack", "done") for r in range(1, self.world_size)
+            f"u{seq}/{stage}/{r}"
+            for stage in ("ack", "done", "ready")
+            for r in range(1, self.world_size)
         ]
         for key in keys:
             self.store.delete_key(key)

@@ -42,9 +42,17 @@ import torch
 from ferrule_weightsync import messages
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import MalformedMessageError, PeerTimeoutError, WeightSyncError
-from ferrule_weightsync.packing import BucketViews, TensorSpec, pack
+from ferrule_weightsync.packing import (
+    LOAD_MEMCPY_BYTES,
+    BucketViews,
+    TensorSpec,
+    coalesce,
+    copy_all,
+    pack,
+)
 from ferrule_weightsync.update import (
     MAX_PLACED_BUFFERS,
+    Layout,
     ReceiverState,
     Update,
     UpdateSender,
@@ -214,6 +222,13 @@ class IpcSender:
         self._views = BucketViews()
         self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its event, opened
         self._last_placed: tuple | None = None  # the last placement, with what it was made of
+        self._offering: set[int] = set()  # receivers that offer their own weights (push)
+        self._offers: dict[int, _Offer] = {}  # receiver rank -> the weights it offered, mapped
+        self._last_pushed: tuple | None = (
+            None  # the last push's copies, with what they were made of
+        )
+        self._written: torch.cuda.Event | None = None  # recorded after our writes (push)
+        self.pushes = 0  # for tests and benchmarks: updates written into receivers' weights
 
     @property
     def version(self) -> int:
@@ -246,6 +261,18 @@ class IpcSender:
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
         if in_place and self.device.type == "cuda":
             named_tensors = list(named_tensors)
+            accepted = self._push(named_tensors, specs, checked=made_here)
+            if accepted is not None:
+                return self._updates.send(
+                    named_tensors,
+                    None,
+                    version,
+                    specs,
+                    self._generation,
+                    *accepted,
+                    reads_end=self._written.synchronize,  # our copies into their memory
+                    pushed=True,
+                )
             placed = self._place(named_tensors, specs, checked=made_here)
             if placed is not None:
                 # receivers read through their own streams: our writes must be done first
@@ -284,30 +311,112 @@ class IpcSender:
         return placed
 
     def _place_anew(self, named_tensors: list) -> tuple | None:
-        storages: list[torch.UntypedStorage] = []  # in order of first use
-        index: dict[int, int] = {}  # a storage's address -> its place in `storages`
-        placement = []
-        for _, tensor in named_tensors:
-            if tensor.get_device() != self.device.index or not tensor.is_contiguous():
-                return None
-            if not tensor.numel():
-                placement.append(None)  # no bytes: anywhere will do
-                continue
-            where = tensor.data_ptr()
-            # the storage's address without making its Python object (~1 us a tensor)
-            base = where - tensor.storage_offset() * tensor.element_size()
-            if base not in index:
-                index[base] = len(storages)
-                storages.append(tensor.untyped_storage())
-            placement.append((index[base], where - base))
-        if not storages or len(storages) > MAX_PLACED_BUFFERS:
+        found = _allocations([tensor for _, tensor in named_tensors], self.device)
+        if found is None:
             return None
-        placement = tuple(where or (0, 0) for where in placement)
+        storages, placement = found
         key = tuple((storage.data_ptr(), storage.nbytes()) for storage in storages)
         if self._published != key:
             self._shared = [_SharedBuffer.over(storage) for storage in storages]
             self._publish(self._shared, key)
         return placement, tuple(nbytes for _, nbytes in key)
+
+    def _push(self, named_tensors: list, specs: list, checked: bool) -> tuple | None:
+        """Write the update straight into every receiver's own tensors, when each offered them
+        for this update (`IpcReceiver.receive_into`) under the same names, shapes and dtypes,
+        and took these specs before: one copy per run of memory that continues on both sides,
+        queued on the current stream behind whatever last wrote our tensors. Returns the
+        accepted layout to name (`UpdateSender.accepted_layout`); None, with nothing written,
+        otherwise (the update then goes the usual way)."""
+        updates = self._updates
+        if updates.checksums or updates.broken or not self._all_offering():
+            return None
+        accepted = updates.accepted_layout(specs)
+        if accepted is None:  # a first update: receivers check its specs first (handshake)
+            return None
+        offered = {rank: self._take(updates.seq, rank) for rank in self._offering}
+        if not all(offered.values()):  # one receives this update the usual way
+            return None
+        copies = self._copies(named_tensors, specs, offered, checked)
+        if copies is None:
+            return None
+        for targets, sources in copies:
+            copy_all(targets, sources, LOAD_MEMCPY_BYTES)
+        if self._written is None:  # before the first pushed manifest, so receivers find it
+            self._written = torch.cuda.Event(interprocess=True)
+            self._control.publish(_WRITTEN_KEY, messages.to_b64(self._written.ipc_handle()))
+        self._written.record(torch.cuda.current_stream(self.device))
+        self.pushes += 1
+        return accepted
+
+    def _all_offering(self) -> bool:
+        """Whether every receiver has offered its weights (once they have, they say for every
+        update whether they offer them again)."""
+        for rank in range(1, self._control.world_size):
+            if rank not in self._offering and self._control.has(_offer_key(rank, 1)):
+                self._offering.add(rank)
+        return len(self._offering) == self._control.world_size - 1
+
+    def _take(self, seq: int, rank: int) -> int:
+        """Receiver `rank`'s offer for update `seq`, taken (so it can no longer withdraw it):
+        its number, or 0 when it receives this update the usual way. Waits, within the
+        group's timeout, for the receiver to say."""
+        key = _ready_key(seq, rank)
+        known = self._offers.get(rank)
+        if known is not None and self._control.swap(
+            key, {"offer": known.number}, {"taken": known.number}
+        ):
+            return known.number  # the offer we expected, taken in one round trip
+        deadline = time.monotonic() + self._control.timeout
+        while True:
+            ((state, number),) = self._control.read(key, _ready, f"receiver {rank}").items()
+            if state == "taken":  # by a send that failed before its manifest
+                return number
+            if state == "offer" and (
+                not number or self._control.swap(key, {"offer": number}, {"taken": number})
+            ):
+                return number
+            if time.monotonic() > deadline:  # withdrawn, and not offered again
+                raise PeerTimeoutError(
+                    f"receiver {rank} withdrew its weights from update {seq} and did not "
+                    f"offer them again within {self._control.timeout:g}s ({self._control.where})"
+                )
+            time.sleep(1e-3)
+
+    def _copies(self, named_tensors: list, specs: list, offered: dict, checked: bool):
+        """For each receiver, the copies of the update into its offered weights (merged where
+        memory continues on both sides); None if one lacks a name, or has another shape or
+        dtype. Kept while the same tensors go to the same offers: the copies hold the memory
+        they read and write, so nothing else can come to lie at those addresses."""
+        marks = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for _, t in named_tensors]
+        made_of = (marks, specs, offered)
+        if self._last_pushed is not None and self._last_pushed[0] == made_of:
+            return self._last_pushed[1]
+        if not checked:
+            check_against_specs(named_tensors, specs)
+        copies = []
+        for rank, number in offered.items():
+            targets = self._mapped_offer(rank, number)
+            into = [targets.get(spec.name) for spec in specs]
+            if any(
+                t is None or TensorSpec.of(s.name, t) != s for t, s in zip(into, specs, strict=True)
+            ):
+                return None
+            copies.append(coalesce(into, [tensor for _, tensor in named_tensors]))
+        self._last_pushed = (made_of, copies)
+        return copies
+
+    def _mapped_offer(self, rank: int, number: int) -> dict[str, torch.Tensor]:
+        """The weights receiver `rank` offered under `number`, mapped here (once per offer)."""
+        offer = self._offers.get(rank)
+        if offer is None or offer.number != number:
+            if offer is not None:
+                self._last_pushed = None  # its copies write into the mapping closed here
+                offer.close()
+            key = _offer_key(rank, number)
+            layout, handles = self._control.read(key, _offer, f"receiver {rank}")
+            offer = self._offers[rank] = _Offer(number, layout, handles)
+        return offer.targets
 
     def _await_reads(self) -> None:
         """In place: receivers report done once their reads of our memory are queued, each
@@ -391,10 +500,34 @@ class IpcSender:
         self._control.abort(reason)
 
     def close(self) -> None:
+        self._last_pushed = None
+        for offer in self._offers.values():
+            offer.close()
         for buffer in self._buffers + self._shared:
             buffer.close()
-        self._buffers, self._shared = [], []
+        self._buffers, self._shared, self._offers = [], [], {}
         self._control.close()
+
+
+class _Offer:
+    """A receiver's offered weights, mapped by the sender: name -> a view of them."""
+
+    def __init__(self, number: int, layout: Layout, handles: list[dict]):
+        self.number = number
+        self.mapped = [_MappedBuffer(handle) for handle in handles]
+        views = BucketViews()
+        self.targets = {
+            spec.name: view
+            for bucket in layout.buckets
+            for spec, view in zip(
+                bucket.specs, views(self.mapped[bucket.index].tensor, bucket), strict=True
+            )
+        }
+
+    def close(self) -> None:
+        self.targets = {}
+        for mapped in self.mapped:
+            mapped.close()
 
 
 class IpcReceiver:
@@ -421,6 +554,9 @@ class IpcReceiver:
         self._state = ReceiverState()
         self.handles_opened = 0  # for tests and benchmarks: reuse means this stays at 2
         self._reads_end: torch.cuda.Event | None = None  # in place: marks our reads' end
+        self.offers_published = 0  # for tests: how often our weights were shared (push)
+        self._offered: tuple | None = None  # (what the last offer was made of, its allocations)
+        self._written: torch.cuda.Event | None = None  # the sender's, after its writes (push)
 
     def receive(
         self,
@@ -429,9 +565,91 @@ class IpcReceiver:
         timeout: float | None = None,
     ) -> Update:
         """Wait for the next update; same contract as `BroadcastReceiver.receive`."""
+        if self.offers_published:  # the sender waits to hear whether we offer for this one
+            self._control.publish(self._ready_key(), {"offer": 0})
+        return self._open(expected, cast, timeout)
+
+    def receive_into(
+        self,
+        targets: Mapping[str, torch.Tensor],
+        loaded: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Receive the next update into `targets` (name -> tensor, in place): what
+        `receive(expected=targets, cast=True)` and `load_into(targets, loaded)` do, and on a GPU
+        where the targets lie contiguous in at most MAX_PLACED_BUFFERS allocations, less: they
+        are offered to the sender (their allocations shared once, again when they move), and a
+        sender of an in-place update with the same names, shapes and dtypes writes it into
+        them itself, with no manifest read before the copy. Leave the targets alone until this
+        returns; their pending reads on the current stream are waited for first. Returns the
+        version. On an error after the sender took the offer, `loaded` gets every name: the
+        targets may be partly written."""
+        loaded = [] if loaded is None else loaded
+        offer = self._offer(targets)
+        try:
+            update = self._open(targets, True, timeout)
+        except PeerTimeoutError:
+            if offer is None or self._control.swap(
+                self._ready_key(), offer, {"withdrawn": offer["offer"]}
+            ):
+                raise  # not taken: the targets are as they were
+            try:  # taken: the sender is writing, and its manifest comes right after
+                update = self._open(targets, True, -1.0)
+            except WeightSyncError:
+                loaded.extend(targets)
+                raise
+        update.load_into(targets, loaded)  # pushed: no data, the sender's writes waited for
+        if update.manifest.pushed:
+            loaded.extend(spec.name for spec in update.specs)
+        return update.version
+
+    def _open(self, expected, cast, timeout) -> Update:
         return open_update(
             self._control, self._state, self._receive_buckets, expected, cast, timeout
         )
+
+    def _ready_key(self) -> str:
+        return _ready_key(self._state.seq, self._control.rank)
+
+    def _offer(self, targets: Mapping[str, torch.Tensor]) -> dict | None:
+        """Offer `targets` for the next update, sharing their allocations if they changed;
+        the offer made, or None when they cannot be written by the sender."""
+        tensors = list(targets.values())
+        device = tensors[0].device if tensors else None
+        marks = [(n, t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in targets.items()]
+        if self._offered is None or self._offered[0] != marks:
+            found = (
+                None if device is None or device.type != "cuda" else _allocations(tensors, device)
+            )
+            if found is None:
+                self._offered = None
+                if self.offers_published:
+                    self._control.publish(self._ready_key(), {"offer": 0})
+                return None
+            storages, placement = found
+            specs = tuple(TensorSpec.of(name, t) for name, t in targets.items())
+            sizes = tuple(storage.nbytes() for storage in storages)
+            layout = Layout.placed("offer", specs, placement, sizes, 1)
+            shared = [_SharedBuffer.over(storage) for storage in storages]
+            self.offers_published += 1
+            wire = {"layout": layout.to_wire(), "handles": [b.handle() for b in shared]}
+            self._control.publish(_offer_key(self._control.rank, self.offers_published), wire)
+            self._offered = (marks, shared, device)
+        torch.cuda.current_stream(self._offered[2]).synchronize()  # our reads of them first
+        offer = {"offer": self.offers_published}
+        self._control.publish(self._ready_key(), offer)
+        return offer
+
+    def _await_writes(self) -> None:
+        """Pushed: order our later work on the targets after the sender's writes."""
+        device = self._offered[2]
+        if self._written is None:
+            handle = self._control.read(_WRITTEN_KEY, _event_handle)
+            try:
+                self._written = torch.cuda.Event.from_ipc_handle(device, handle)
+            except RuntimeError as err:
+                raise MalformedMessageError(f"control message {_WRITTEN_KEY}: {err}") from err
+        torch.cuda.current_stream(device).wait_event(self._written)
 
     def _map(self, generation: int) -> None:
         if generation == self._generation:
@@ -445,6 +663,11 @@ class IpcReceiver:
         self._generation = generation
 
     def _receive_buckets(self, seq, layout, manifest):
+        if manifest.pushed:
+            if self._offered is None:
+                raise WeightSyncError(f"update {seq} was written into weights we never offered")
+            self._await_writes()
+            return
         self._map(manifest.generation)
         if layout.buffers:
             yield from self._read_in_place(layout)
@@ -494,6 +717,75 @@ _CUDA_HANDLE = {
     "ref_counter_offset": messages.integer, "event": messages.text,
     "event_sync_required": messages.flag,
 }  # fmt: skip
+
+
+def _allocations(tensors: list[torch.Tensor], device: torch.device) -> tuple | None:
+    """(the allocations `tensors` lie in, in order of first use; (allocation, byte offset)
+    of each tensor), or None unless each is contiguous on `device` and they lie in 1 to
+    MAX_PLACED_BUFFERS allocations."""
+    storages: list[torch.UntypedStorage] = []
+    index: dict[int, int] = {}  # a storage's address -> its place in `storages`
+    placement = []
+    for tensor in tensors:
+        if tensor.get_device() != device.index or not tensor.is_contiguous():
+            return None
+        if not tensor.numel():
+            placement.append((0, 0))  # no bytes: anywhere will do
+            continue
+        where = tensor.data_ptr()
+        # the storage's address without making its Python object (~1 us a tensor)
+        base = where - tensor.storage_offset() * tensor.element_size()
+        if base not in index:
+            index[base] = len(storages)
+            storages.append(tensor.untyped_storage())
+        placement.append((index[base], where - base))
+    if not storages or len(storages) > MAX_PLACED_BUFFERS:
+        return None
+    return storages, tuple(placement)
+
+
+_WRITTEN_KEY = "ipc/written"  # the handle of the sender's event after its writes (push), once
+
+
+def _offer_key(rank: int, number: int) -> str:
+    """Where receiver `rank` publishes its offer `number`: its weights' layout and handles."""
+    return f"ipc/offer/{rank}/{number}"
+
+
+def _ready_key(seq: int, rank: int) -> str:
+    """Where receiver `rank` says whether it offers its weights for update `seq`; the sender
+    takes the offer there, or the receiver withdraws it, in one step of the store each."""
+    return f"u{seq}/ready/{rank}"
+
+
+def _ready(value: object, key: str) -> dict:
+    if not isinstance(value, dict) or len(value) != 1 or not {*value} <= _READY_STATES:
+        raise MalformedMessageError(
+            f"control message {key}: expected one of {sorted(_READY_STATES)} with its number"
+        )
+    ((state, number),) = value.items()
+    messages.integer(number, key, state)
+    return value
+
+
+_READY_STATES = {"offer", "taken", "withdrawn"}
+
+
+def _offer(value: object, key: str) -> tuple[Layout, list[dict]]:
+    """A receiver's offer, checked like a sender's placed layout (every tensor inside a
+    buffer it shares) and its handles like a sender's (CUDA only)."""
+    value = messages.fields(value, key, {"layout": messages.mapping, "handles": _any})
+    layout = Layout.from_wire("offer")(value["layout"], key)
+    handles = _handles(value["handles"], key)
+    if not layout.buffers or [h["nbytes"] for h in handles] != list(layout.buffers):
+        raise MalformedMessageError(f"control message {key}: the buffers and handles differ")
+    if any(handle["kind"] != "cuda" for handle in handles):
+        raise MalformedMessageError(f"control message {key}: offers are of CUDA memory only")
+    return layout, handles
+
+
+def _any(value, key, what):
+    return value
 
 
 def _reads_end_key(rank: int) -> str:

@@ -244,21 +244,33 @@ class UpdateSender:
             self.layouts[specs, placed] = known
         return known
 
+    def accepted_layout(self, specs: list[TensorSpec]) -> tuple | None:
+        """A layout of these specs that every receiver took before (their names, shapes and
+        dtypes checked), as the one-tuple of its `placed` argument; None if there is none."""
+        specs = tuple(specs)
+        for (known, placed), layout in self.layouts.items():
+            if layout.key in self.accepted and known == specs:
+                return (placed,)
+        return None
+
     def send(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
-        send_buckets: SendBuckets,
+        send_buckets: SendBuckets | None,
         version: int | None,
         specs: list[TensorSpec] | None,
         generation: int = 0,
         placed: tuple | None = None,
         reads_end: Callable[[], None] | None = None,
+        pushed: bool = False,
     ) -> int:
         """`placed`: (placement, buffer sizes) when the tensors stay where the sender keeps them
         (checked against the specs by the transport); `send_buckets` then gets (bucket, None)
-        pairs: nothing to move, only the buffers to hand over. `reads_end`: called once every
-        receiver has reported, failed or not, to wait until their reads of the sender's memory
-        have ended (receivers that report as soon as their reads are queued)."""
+        pairs: nothing to move, only the buffers to hand over. `pushed`: the transport has
+        already written the tensors into every receiver's own (`placed` names a layout they
+        accepted before, `accepted_layout`): nothing moves, the manifest says so. `reads_end`: called once every receiver
+        has reported, failed or not, to wait until their reads of the sender's memory (or its
+        writes into theirs) have ended."""
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
@@ -274,7 +286,9 @@ class UpdateSender:
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs, placed)
         handshake = layout.key not in self.accepted
-        manifest = Manifest(version, layout.key, self.checksums, generation, handshake)
+        if pushed and handshake:
+            raise ValueError("only a layout every receiver accepted before can be pushed")
+        manifest = Manifest(version, layout.key, self.checksums, generation, handshake, pushed)
         seq = self.seq
         self.control.publish_manifest(seq, manifest, len(layout.buckets))
         rejected = []
@@ -289,7 +303,7 @@ class UpdateSender:
         else:
             stream = ((bucket, None) for bucket in layout.buckets)
         try:
-            any_failed = send_buckets(seq, stream)
+            any_failed = None if pushed else send_buckets(seq, stream)
         except BaseException as err:
             # receivers are now waiting for buckets that will not come (they time out)
             self.broken = f"update to version {version} failed mid-transfer ({err})"
