@@ -214,6 +214,29 @@ def test_cuda_ipc_in_place_update_is_written_into_the_weights_a_receiver_offers(
 
 
 @pytest.mark.gpu(count=1)
+def test_cuda_ipc_send_to_a_receiver_that_offered_and_left_fails_within_its_timeout(tmp_path):
+    """A receiver that offered its weights takes two pushed updates and exits: the next send
+    waits for its offer only as long as the group's timeout, then names it."""
+    port = free_port()
+    proc, _ = start_receiver(tmp_path, transport="ipc", port=port, updates=3, receive_into="yes")
+    _, state = trainer_weights()
+    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=5)
+    try:
+        for _ in range(3):
+            sender.send(state.items(), in_place=True)
+        assert sender.pushes == 2
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        started = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=r"receiver 1 did not answer .*u3/ready/1"):
+            sender.send(state.items(), in_place=True)
+        assert time.monotonic() - started < 20
+    finally:
+        proc.kill()
+        sender.close()
+
+
+@pytest.mark.gpu(count=1)
 def test_cuda_ipc_in_place_send_fails_within_its_timeout_when_reads_do_not_end(tmp_path):
     """A receiver whose reads stay queued (here, in the second update, behind a minute of
     other GPU work; a hung or dying process alike) makes `send` fail within the group's

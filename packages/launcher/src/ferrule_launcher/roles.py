@@ -158,6 +158,11 @@ class RankWorker:
     def weights_digest(self) -> str:
         return self.actor.weights_digest()
 
+    def weights_pushed(self) -> int:
+        """Updates this rank's sender wrote into the engines' own weights (CUDA IPC in place,
+        to engines that offer them)."""
+        return getattr(self.sender, "pushes", 0)
+
     def offload(self) -> None:
         self.actor.offload()
 
@@ -332,6 +337,11 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
     in_place = not config.trainer.offload_between_phases
+    # the transformers engine may offer its weights for the sender to write into, unless it
+    # frees them between phases: the sender's mapping would keep that memory allocated
+    offer = {}
+    if config.rollout.backend == "transformers":
+        offer["offer_weights"] = not config.rollout.sleep_between_phases
     calls = []
     for rank in range(senders):
         members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
@@ -357,6 +367,7 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
                     1 + j * per_engine,
                     receivers,
                     secret=secret,
+                    **offer,
                 ),
                 f"rollout engine {i} (weight sync receiver)",
             )

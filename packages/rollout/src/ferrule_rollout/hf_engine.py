@@ -362,10 +362,14 @@ class TransformersEngine:
         num_receivers: int,
         timeout: float = 300.0,
         secret: str | None = None,
+        offer_weights: bool = False,
     ) -> None:
         """Join the trainer's weight-sync group as receiver `rank` of `num_receivers` (blocks
         until the sender is there too). A previous group is left first. `secret`: the group's,
-        when its sender has one."""
+        when its sender has one. `offer_weights`: under CUDA IPC, offer the parameters for the
+        sender to write each update into (`IpcReceiver.receive_into`): faster, but the
+        sender then keeps a mapping of them, so an engine that sleeps would not give their
+        memory back until the next update; leave it off for an engine that sleeps."""
         from ferrule_weightsync import TRANSPORTS, create_receiver
 
         if transport not in TRANSPORTS:
@@ -377,6 +381,7 @@ class TransformersEngine:
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
+            self._offer_weights = offer_weights
             try:
                 self._receiver = create_receiver(
                     transport,
@@ -433,7 +438,7 @@ class TransformersEngine:
             # bucket (weightsync merges those that continue each other, as our parameters do;
             # a tied weight is one tensor); under CUDA IPC from a trainer's own memory, the
             # sender writes into our parameters itself.
-            version = self._receiver.receive_into(targets, loaded, timeout)
+            version = self._receiver.receive_into(targets, loaded, timeout, self._offer_weights)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as err:

@@ -138,6 +138,8 @@ class WeightExport:
         # module does not change until that send returns.
         self.in_place = all(self._source(item) is not None for item in self.items)
         self._views: dict[str, tuple[int, torch.Tensor]] = {}
+        self._all_views: tuple[list[int], list] = ([], [])  # (sources' addresses, the views)
+        self._specs = tuple(TensorSpec(item.name, item.shape, item.dtype) for item in self.items)
 
     def _source(self, item: _Item) -> torch.Tensor | None:
         """The memory `item`'s tensor is a view of, where it is one: a plain parameter already
@@ -152,6 +154,7 @@ class WeightExport:
         """Drops the views kept between exports: they hold the memory the weights lay in, which
         an offload (DeepSpeed's `offload_states`) means to free."""
         self._views.clear()
+        self._all_views = ([], [])
 
     def _view(self, item: _Item) -> torch.Tensor:
         """`item`'s tensor as a view of its source, kept from one export to the next and made
@@ -165,22 +168,36 @@ class WeightExport:
             held = self._views[item.name] = (source.data_ptr(), view)
         return held[1]
 
-    def specs(self) -> list[TensorSpec]:
+    def _in_place_views(self) -> list[tuple[str, torch.Tensor]]:
+        """Every item's view (`_view`), as one list kept while no source moved: a sender then
+        meets the same tensors step after step, and checking costs one address a tensor."""
+        if self.sharded:
+            sources = [item.plain.ds_tensor for item in self.items]
+        else:
+            sources = [item.plain for item in self.items]
+        where = list(map(torch.Tensor.data_ptr, sources))
+        if where != self._all_views[0]:
+            self._all_views = (where, [(item.name, self._view(item)) for item in self.items])
+        return self._all_views[1]
+
+    def specs(self) -> tuple[TensorSpec, ...]:
         """TensorSpecs of the export, in its order; metadata only, so a weightsync sender can
-        announce the update before the first gather."""
-        return [TensorSpec(item.name, item.shape, item.dtype) for item in self.items]
+        announce the update before the first gather. The same tuple every time: a sender
+        compares it with the last one's, and the same objects compare at once."""
+        return self._specs
 
     def weights(
         self, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (name, tensor) for the full model, cast to the dtype (default: as trained).
+        """(name, tensor) for the full model, cast to the dtype (default: as trained).
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
         if self.in_place:
-            for item in self.items:
-                yield item.name, self._view(item)
-            return
+            return iter(self._in_place_views())
+        return self._exported(bucket_bytes)
+
+    def _exported(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.sharded:
             for item in self.items:
                 yield item.name, item.compute().to(item.dtype)
@@ -208,7 +225,9 @@ class WeightExport:
         return self._plans[bucket_bytes]
 
 
-def weight_specs(module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[TensorSpec]:
+def weight_specs(
+    module: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[TensorSpec, ...]:
     """TensorSpecs of `export_weights(module, dtype)`, in its order; reads metadata only, so a
     weightsync sender can announce the update before the first gather."""
     return WeightExport(module, dtype).specs()

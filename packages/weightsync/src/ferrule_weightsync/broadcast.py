@@ -327,9 +327,10 @@ class BroadcastReceiver:
         targets: Mapping[str, torch.Tensor],
         loaded: list[str] | None = None,
         timeout: float | None = None,
+        offer: bool = False,
     ) -> int:
         """`receive(expected=targets, cast=True)`, then `load_into(targets, loaded)`: the
-        version loaded (the same verb as `IpcReceiver.receive_into`)."""
+        version loaded (the same verb as `IpcReceiver.receive_into`; nothing to offer here)."""
         update = self.receive(expected=targets, cast=True, timeout=timeout)
         update.load_into(targets, loaded)
         return update.version

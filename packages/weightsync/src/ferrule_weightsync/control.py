@@ -265,9 +265,10 @@ class Control:
         except dist.DistError as err:  # the sender, and its store, are gone
             raise WeightSyncError(f"rank {self.rank}: lost the {self.where}: {err}") from err
 
-    def collect(self, seq: int, stage: str) -> list[str]:
-        """Sender: wait for every receiver's report on `stage`; return their error messages."""
-        self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}")
+    def collect(self, seq: int, stage: str, timeout: float | None = None) -> list[str]:
+        """Sender: wait for every receiver's report on `stage` (up to `timeout` seconds,
+        default the group's); return their error messages."""
+        self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}", timeout)
         return self._messages(seq, stage, range(1, self.world_size))
 
     def reported_errors(self, seq: int, stage: str) -> list[str]:
