@@ -25,7 +25,9 @@ reported its load done and the sender's own writes ended. Each export
 bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
 export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
 flat buffer of the same bytes in the sender's own group (nccl), or one device-to-device copy of
-them (ipc). Rounds alternate between all of them; the first warms up; medians are reported.
+them (ipc). Rounds alternate between all of them; the first warms up; medians are reported. Before each
+timed update the policy spins for `--settle-ms` (3), so that the receiver, which serves every
+way in turn, waits for the update as an engine does instead of finishing its previous load.
 
 Before any timing, every exported tensor is checked against DeepSpeed's own gather of that
 parameter, and after the last round the receiver's model against the export (digests): bit
@@ -52,6 +54,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def settle(ms: float) -> None:
+    """Let the receiver reach its next receive, as an engine waits in its update call while the
+    trainer steps: spinning, as a busy trainer's CPU would be (a sleep lets the core slow down,
+    and the next update's Python with it)."""
+    until = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < until:
+        pass
 
 
 def synchronize(device: torch.device) -> None:
@@ -135,6 +146,7 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
     times["baseline"] = []
     for round_ in range(args.repeats + 1):
         for name, fn, *options in [*work, ("baseline", baseline)]:
+            settle(args.settle_ms)
             torch.distributed.barrier()
             synchronize(device)
             started = time.perf_counter()
@@ -240,6 +252,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--bucket-mb", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument(
+        "--settle-ms", type=float, default=3.0, help="before each timed update (0: back to back)"
+    )
     parser.add_argument("--hidden", type=int, default=1280)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument(
@@ -298,6 +313,7 @@ def main() -> None:
         "name": f"weightsync_zero3_{args.mode}",
         "device": f"{world} x {device}",
         "receiver_gpu": args.receiver_gpu if args.mode == "nccl" else 0,
+        "settle_ms": args.settle_ms,
         "gb": round(results["bytes"] / 1e9, 3),
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},
