@@ -282,7 +282,8 @@ class UpdateSender:
         already written the tensors into every receiver's own (`placed` names a layout they
         accepted before, `accepted_layout`): nothing moves, the manifest says so, and the
         update is done once `reads_end` (the transport's own writes) returns; the receivers'
-        reports, read at the next send, can only say one failed to take the manifest. `reads_end`: called once every receiver
+        reports, read during the next send (which raises once its own update is done) or at
+        close, can only say one failed to take the manifest. `reads_end`: called once every receiver
         has reported, failed or not, to wait until their reads of the sender's memory (or its
         writes into theirs) have ended."""
         trusted = specs is None  # specs made from these very tensors need no second check
@@ -297,7 +298,9 @@ class UpdateSender:
                 f"{self.control.where} is out of step since {self.broken}; "
                 "create a new sender and receivers"
             )
-        self._confirm()
+        earlier = self.unconfirmed  # the last pushed update's reports
+        if not pushed:
+            self.confirm()
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs, placed)
         handshake = layout.key not in self.accepted
@@ -314,9 +317,16 @@ class UpdateSender:
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
         if pushed:  # in the receivers' weights once our writes end; reports read next time
+            self.unconfirmed, self.version = (seq, version), version
+            failure = None
+            try:  # the last push's reports (there by now) while our copy runs
+                if earlier is not None:
+                    self._check_reports(*earlier)
+            except WeightSyncError as err:
+                failure = err  # raised once this update is done: the group stays in step
             reads_end()
-            self.unconfirmed = (seq, version)
-            self.version = version
+            if failure is not None:
+                raise failure
             return version
         if placed is None:
             stream = _bucketed(iter(named_tensors), layout.buckets, check=not trusted)
@@ -345,13 +355,14 @@ class UpdateSender:
         self.version = version
         return version
 
-    def _confirm(self, timeout: float | None = None) -> None:
+    def confirm(self, timeout: float | None = None) -> None:
         """Read the receivers' reports on the last pushed update (sent by now, as each took
         its manifest): raise if one could not."""
-        if self.unconfirmed is None:
-            return
-        seq, version = self.unconfirmed
-        self.unconfirmed = None
+        if self.unconfirmed is not None:
+            unconfirmed, self.unconfirmed = self.unconfirmed, None
+            self._check_reports(*unconfirmed, timeout)
+
+    def _check_reports(self, seq: int, version: int, timeout: float | None = None) -> None:
         failed = self.control.collect(seq, "done", timeout)
         if failed:
             self.accepted.clear()  # check every layout with the receivers again
@@ -364,7 +375,7 @@ class UpdateSender:
         """Before the group closes: wait up to `timeout` seconds for the receivers to take the
         manifest of a last pushed update (closing takes the store, and it, away)."""
         with contextlib.suppress(WeightSyncError):  # closing anyway: it is in their weights
-            self._confirm(timeout)
+            self.confirm(timeout)
 
     def packed(self, seq: int, bucket: Bucket, buffer: torch.Tensor) -> None:
         """Transports call this once a bucket is packed: publishes its checksum when enabled."""
