@@ -197,8 +197,11 @@ def test_a_reward_model_that_does_not_load_stops_the_run_naming_it(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # the role must start (import torch and transformers) before it can fail to load the
+    # model: a loaded 2-core CI machine once took longer than the default 60 s for that
+    config = RewardsConfig(model=folder, start_timeout=300)
     try:
         with pytest.raises(RunError, match=r"reward model .*not-a-model did not load"):
-            RewardService.start(RewardsConfig(model=folder), RayConfig(), tmp_path)
+            RewardService.start(config, RayConfig(), tmp_path)
     finally:
         ray.shutdown()
