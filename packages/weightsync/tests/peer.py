@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from ferrule_weightsync import TensorSpec, create_receiver, create_sender
+from ferrule_weightsync import TensorSpec, WeightSyncError, create_receiver, create_sender
 
 
 def realistic_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -100,7 +100,11 @@ def run_receiver(args) -> None:
                             "untouched": untouched,
                         }
                 loaded = []
-                result["version"] = receiver.receive_into(targets, loaded)
+                try:
+                    result["version"] = receiver.receive_into(targets, loaded)
+                except WeightSyncError as err:  # what a caller that goes on knows of the update
+                    results.append({"error": f"{type(err).__name__}: {err}", "loaded": loaded})
+                    continue
                 torch.cuda.synchronize()
                 result["state"] = {name: targets[name].cpu() for name in loaded}
                 result["offers_published"] = receiver.offers_published

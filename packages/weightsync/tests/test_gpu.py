@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ferrule_weightsync import PeerTimeoutError, WeightSyncError, create_sender
+from ferrule_weightsync.messages import to_b64
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -211,6 +212,36 @@ def test_cuda_ipc_in_place_update_is_written_into_the_weights_a_receiver_offers(
     assert [r["offers_published"] for r in results] == [1] * 5
     assert "did not answer within 0.5s" in results[3]["withdrew"]
     assert results[3]["untouched"]
+
+
+@pytest.mark.gpu(count=1)
+def test_a_pushed_update_the_receiver_cannot_wait_for_counts_every_weight_as_replaced(tmp_path):
+    """The sender writes updates 2 and 3 into the receiver's offered weights, but the event
+    that orders the receiver after those writes cannot be opened (a bad `ipc/written`): the
+    receiver's `receive_into` fails naming the key, with every name in `loaded` (its weights
+    were written, or are being), and the sender learns of it at its next send."""
+    port = free_port()
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=3, receive_into="yes")
+    _, state = trainer_weights()
+    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=30)
+    try:
+        sender.send(state.items(), in_place=True)  # read in place: the specs checked
+        sender._written = torch.cuda.Event(interprocess=True)  # ours is never published, then
+        sender._control.publish("ipc/written", to_b64(bytes(64)))
+        sender.send(state.items(), in_place=True)
+        with pytest.raises(WeightSyncError, match=r"(?s)version 2 .* not every .*ipc/written"):
+            sender.send(state.items(), in_place=True)
+        assert sender.pushes == 2
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+    finally:
+        proc.kill()
+        sender.close()
+    results = torch.load(out, weights_only=False)
+    assert results[0]["version"] == 1
+    for failed in results[1:]:
+        assert "MalformedMessageError: control message ipc/written" in failed["error"]
+        assert failed["loaded"] == list(state)
 
 
 @pytest.mark.gpu(count=1)

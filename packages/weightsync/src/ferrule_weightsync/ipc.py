@@ -595,12 +595,12 @@ class IpcReceiver:
         then. Returns the version. On an error after the sender took the offer, `loaded` gets
         every name: the targets may be partly written."""
         loaded = [] if loaded is None else loaded
-        offer = self._offer(targets) if offer else self._decline()
+        made = self._offer(targets) if offer else self._decline()
         try:
             update = self._open(targets, True, timeout)
         except PeerTimeoutError:
-            if offer is None or self._control.swap(
-                self._ready_key(), offer, {"withdrawn": offer["offer"]}
+            if made is None or self._control.swap(
+                self._ready_key(), made, {"withdrawn": made["offer"]}
             ):
                 raise  # not taken: the targets are as they were
             try:  # taken: the sender is writing, and its manifest comes right after
@@ -608,8 +608,12 @@ class IpcReceiver:
             except WeightSyncError:
                 loaded.extend(targets)
                 raise
-        update.load_into(targets, loaded)  # pushed: no data, the sender's writes waited for
-        if update.manifest.pushed:
+        if not update.manifest.pushed:
+            update.load_into(targets, loaded)
+            return update.version
+        try:  # no data to load: wait for the sender's writes
+            update.load_into(targets, loaded)
+        finally:  # written, or partly if the wait failed: every name either way
             loaded.extend(spec.name for spec in update.specs)
         return update.version
 

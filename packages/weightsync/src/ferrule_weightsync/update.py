@@ -283,9 +283,9 @@ class UpdateSender:
         accepted before, `accepted_layout`): nothing moves, the manifest says so, and the
         update is done once `reads_end` (the transport's own writes) returns; the receivers'
         reports, read during the next send (which raises once its own update is done) or at
-        close, can only say one failed to take the manifest. `reads_end`: called once every receiver
-        has reported, failed or not, to wait until their reads of the sender's memory (or its
-        writes into theirs) have ended."""
+        close, can only say one failed to take the manifest. `reads_end`: called once every
+        receiver has reported, failed or not, to wait until their reads of the sender's memory
+        (or its writes into theirs) have ended."""
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
