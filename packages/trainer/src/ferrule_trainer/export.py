@@ -194,8 +194,13 @@ class WeightExport:
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
         if self.in_place:
-            return iter(self._in_place_views())
+            return self._in_place_stream()
         return self._exported(bucket_bytes)
+
+    def _in_place_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # lazy: a CUDA IPC sender that queues its last copies before it lists the tensors
+        # (the same views, most likely) overlaps this check with them
+        yield from self._in_place_views()
 
     def _exported(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.sharded:
