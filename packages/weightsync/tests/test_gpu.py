@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_weightsync import PeerTimeoutError, WeightSyncError, create_sender, ipc
+from ferrule_weightsync import KeptTensors, PeerTimeoutError, WeightSyncError, create_sender, ipc
 from ferrule_weightsync.messages import to_b64
 
 PEER = Path(__file__).with_name("peer.py")
@@ -215,34 +215,40 @@ def test_cuda_ipc_in_place_update_is_written_into_the_weights_a_receiver_offers(
 
 
 @pytest.mark.gpu(count=1)
-def test_cuda_ipc_push_of_tensors_that_moved_writes_where_they_are_now(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kept", [False, True])
+def test_cuda_ipc_push_of_tensors_that_moved_writes_where_they_are_now(tmp_path, monkeypatch, kept):
     """A push queues the last push's copies before it looks at the tensors (a trainer's export
     hands over the same views step after step). When they moved (new views of a new buffer;
     one tensor `set_` to new memory of its shape), the copies from where they are now are
-    queued after those, and the receiver gets every byte as sent."""
+    queued after those, and the receiver gets every byte as sent. `kept`: the tensors come as
+    `KeptTensors`, whose keeper makes a new list whenever one moves (the sender checks each
+    tensor only then)."""
     queued, queue = [], ipc._queue
     monkeypatch.setattr(ipc, "_queue", lambda copies: (queued.append(copies), queue(copies)))
     port = free_port()
-    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=4, receive_into="yes")
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=5, receive_into="yes")
     _, state = trainer_weights()
+    listed = list(state.items())
     sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
     sent = []
-    for update in range(4):
-        if update == 2:  # a new buffer: every view moved
+    for update in range(5):
+        if update == 3:  # a new buffer: every view moved
             flat, moved = trainer_weights()
             flat.mul_(5)
             state = dict(state, **{n: t for n, t in moved.items() if n.startswith("layers.")})
-        if update == 3:  # one tensor object, its memory replaced
+        if update == 4:  # one tensor object, its memory replaced
             state["norm.weight"].set_(torch.randn(17, device="cuda:0"))
+        if update >= 3:
+            listed = list(state.items())
         sent.append({name: t.cpu() for name, t in state.items()})
-        sender.send(state.items(), in_place=True)
-    assert sender.pushes == 3
+        sender.send(KeptTensors(lambda now=listed: now) if kept else state.items(), in_place=True)
+    assert sender.pushes == 4
     sender.close()
-    assert len(queued) == 5  # update 2: anew; 3 and 4: the last ones, then the right ones
+    assert len(queued) == 6  # update 2: anew; 3: the last ones; 4, 5: the last, the right ones
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     results = torch.load(out, weights_only=False)
-    assert [r.get("version") for r in results] == [1, 2, 3, 4], results[-1].get("error")
+    assert [r.get("version") for r in results] == [1, 2, 3, 4, 5], results[-1].get("error")
     for result, state_sent in zip(results, sent, strict=True):
         for name, tensor in state_sent.items():
             assert torch.equal(result["state"][name], tensor), name

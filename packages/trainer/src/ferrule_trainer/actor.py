@@ -15,7 +15,7 @@ exports and checkpoints gather under ZeRO-3, so all ranks take part; only rank 0
 """
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -342,7 +342,7 @@ class Actor(TrainedModel):
 
     def export_weights(
         self, dtype: torch.dtype | None = None, bucket_bytes: int = export.DEFAULT_BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
         return self._export(dtype).weights(bucket_bytes)
 

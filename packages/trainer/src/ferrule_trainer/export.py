@@ -24,12 +24,12 @@ optimizer step.
 """
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ferrule_weightsync import TensorSpec
+from ferrule_weightsync import KeptTensors, TensorSpec
 from ferrule_weightsync.packing import Bucket, lying_in_one_buffer, plan_buckets
 
 # Large enough that a 0.5B model gathers in a handful of collectives, small enough that a bucket
@@ -188,19 +188,14 @@ class WeightExport:
 
     def weights(
         self, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         """(name, tensor) for the full model, cast to the dtype (default: as trained).
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
-        if self.in_place:
-            return self._in_place_stream()
+        if self.in_place:  # checked when iterated: a CUDA IPC sender does so after queuing
+            return KeptTensors(self._in_place_views)  # its copies, and then checks no view
         return self._exported(bucket_bytes)
-
-    def _in_place_stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # lazy: a CUDA IPC sender that queues its last copies before it lists the tensors
-        # (the same views, most likely) overlaps this check with them
-        yield from self._in_place_views()
 
     def _exported(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.sharded:

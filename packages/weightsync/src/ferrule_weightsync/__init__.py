@@ -19,7 +19,7 @@ from ferrule_weightsync.errors import (
     PeerTimeoutError,
     WeightSyncError,
 )
-from ferrule_weightsync.ipc import IpcReceiver, IpcSender
+from ferrule_weightsync.ipc import IpcReceiver, IpcSender, KeptTensors
 from ferrule_weightsync.packing import TensorSpec, digest
 from ferrule_weightsync.update import Update
 
@@ -53,6 +53,7 @@ __all__ = [
     "ForgedMessageError",
     "IpcReceiver",
     "IpcSender",
+    "KeptTensors",
     "MalformedMessageError",
     "MismatchError",
     "PeerTimeoutError",

@@ -268,8 +268,8 @@ class Control:
     def collect(self, seq: int, stage: str, timeout: float | None = None) -> list[str]:
         """Sender: wait for every receiver's report on `stage` (up to `timeout` seconds,
         default the group's); return their error messages."""
-        self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}", timeout)
-        return self._messages(seq, stage, range(1, self.world_size))
+        found = self._wait_all(f"u{seq}/{stage}", f"report '{stage}' for update {seq}", timeout)
+        return self._named_messages(range(1, self.world_size), found)
 
     def reported_errors(self, seq: int, stage: str) -> list[str]:
         """Sender: the messages of the receivers that have reported `stage`, without waiting
@@ -284,8 +284,10 @@ class Control:
         ranks = list(ranks)
         if not ranks:
             return []
-        keys = [f"u{seq}/{stage}/{rank}" for rank in ranks]
-        texts = [self._open(key, raw, messages.text) for key, raw in self._multi_get(keys)]
+        return self._named_messages(ranks, self._multi_get([f"u{seq}/{stage}/{r}" for r in ranks]))
+
+    def _named_messages(self, ranks, found: list[tuple[str, bytes]]) -> list[str]:
+        texts = [self._open(key, raw, messages.text) for key, raw in found]
         return [f"receiver {r}: {m}" for r, m in zip(ranks, texts, strict=True) if m]
 
     def decide(self, seq: int, errors: list[str]) -> None:
@@ -372,16 +374,20 @@ class Control:
                     f"on the {self.where}"
                 )
 
-    def _wait_all(self, prefix: str, what: str, timeout: float | None = None) -> None:
+    def _wait_all(
+        self, prefix: str, what: str, timeout: float | None = None
+    ) -> list[tuple[str, bytes]]:
         """Block (in the store, not by polling: CPU is scarce while data moves) until every
-        receiver has set `prefix/<rank>`; on timeout, name the ranks still missing. An abort
-        from another thread wakes the wait by setting the keys itself."""
+        receiver has set `prefix/<rank>`, and return (key, value) for each in rank order: one
+        round trip, the store's get waiting for the keys. On timeout, name the ranks still
+        missing. An abort from another thread wakes the wait by setting the keys itself."""
         keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
         timeout = self.timeout if timeout is None else timeout
         self._waiting = keys  # before the check: abort() sets its flag, then reads this
         try:
             self.check_aborted()
-            self.store.wait(keys, timedelta(seconds=timeout))
+            self.store.set_timeout(timedelta(seconds=timeout))
+            found = self._multi_get(keys)
         except dist.DistError as err:
             missing = [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
             raise PeerTimeoutError(
@@ -389,7 +395,9 @@ class Control:
             ) from err
         finally:
             self._waiting = []
+            self.store.set_timeout(timedelta(seconds=self.timeout))  # for the other calls
         self.check_aborted()  # woken by abort(), not by the receivers
+        return found
 
     def _forget(self, seq: int) -> None:
         """Drop an old update's keys so the store does not grow with every step."""
