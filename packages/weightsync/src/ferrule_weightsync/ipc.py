@@ -279,9 +279,9 @@ class IpcSender:
         specs = specs or [TensorSpec.of(name, t) for name, t in named_tensors]
         if in_place and self.device.type == "cuda":
             claimed = self._claim(specs)
-            kept = named_tensors if isinstance(named_tensors, KeptTensors) else None
-            named_tensors = list(named_tensors)  # (kept tensors are checked by their keeper now)
-            kept = kept and kept.listed
+            keeper = named_tensors if isinstance(named_tensors, KeptTensors) else None
+            named_tensors = list(named_tensors)  # (a keeper checks its tensors now)
+            kept = None if keeper is None else keeper.listed
             if claimed is not None and self._push(
                 named_tensors, specs, made_here, *claimed[1:], kept
             ):
