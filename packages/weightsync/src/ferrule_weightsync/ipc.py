@@ -661,13 +661,11 @@ class IpcReceiver:
             except WeightSyncError:
                 loaded.extend(targets)
                 raise
-        if not update.manifest.pushed:
+        try:  # pushed: no data to load, only the sender's writes to wait for
             update.load_into(targets, loaded)
-            return update.version
-        try:  # no data to load: wait for the sender's writes
-            update.load_into(targets, loaded)
-        finally:  # written, or partly if the wait failed: every name either way
-            loaded.extend(spec.name for spec in update.specs)
+        finally:  # pushed: written, or being written if the wait failed: every name either way
+            if update.manifest.pushed:
+                loaded.extend(spec.name for spec in update.specs)
         return update.version
 
     def _open(self, expected, cast, timeout) -> Update:
