@@ -66,3 +66,17 @@ def test_cache_is_reused_and_overrides_are_keyed(tmp_path, monkeypatch):
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown tiny model architecture 'gpt9'"):
         tiny_model("gpt9")
+
+
+def test_vocab_size_pads_the_embedding_and_head_past_the_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("FERRULE_CACHE", str(tmp_path))
+    path = tiny_model("qwen2", vocab_size=1000)
+    assert path != tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert len(tokenizer) == 512 and model.config.vocab_size == 1000
+    assert model.get_input_embeddings().weight.shape == (1000, 128)
+    ids = tokenizer("Question: what is 12 + 30? Answer:", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == 1000
+    with pytest.raises(ValueError, match="vocab_size 100 is smaller than the kit tokenizer's 512"):
+        tiny_model("qwen2", vocab_size=100)

@@ -109,11 +109,15 @@ def tiny_tokenizer(seed: int = 0, vocab_size: int = 512) -> Path:
     return _cached("tokenizer", {"seed": seed, "vocab_size": vocab_size}, build)
 
 
-def tiny_model(arch: str = "qwen2", seed: int = 0, **overrides) -> Path:
+def tiny_model(
+    arch: str = "qwen2", seed: int = 0, vocab_size: int | None = None, **overrides
+) -> Path:
     """A directory with a randomly initialised tiny `arch` model, its config and tokenizer.
 
     `overrides` change config fields (for example `num_hidden_layers=4`); they are part of the
-    cache key.
+    cache key. `vocab_size` pads the embedding and head to a real vocabulary (151,936 for
+    Qwen2.5) while the tokenizer stays small, so that benchmarks pay a real LM head; the tokens
+    past the tokenizer's are never in a prompt, but the model can sample them.
     """
     if arch not in SPECS:
         raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {sorted(SPECS)}")
@@ -127,7 +131,7 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, **overrides) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         config = AutoConfig.for_model(
             **spec,
-            vocab_size=len(tokenizer),
+            vocab_size=vocab_size or len(tokenizer),
             bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -138,4 +142,13 @@ def tiny_model(arch: str = "qwen2", seed: int = 0, **overrides) -> Path:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
-    return _cached(f"{arch}", {"seed": seed, "spec": spec, "tokenizer": tokenizer_dir.name}, build)
+    if vocab_size is not None:
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+        if vocab_size < size:
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the kit tokenizer's {size}")
+    key = {"seed": seed, "spec": spec, "tokenizer": tokenizer_dir.name}
+    if vocab_size is not None:  # only then: the default models keep their cached builds
+        key["vocab_size"] = vocab_size
+    return _cached(f"{arch}", key, build)
