@@ -6,8 +6,9 @@
     engine.update_weights()         # waits for running calls, receives, loads; returns version
 
 The fallback for machines without vLLM (torch and transformers only). Each call runs in chunks
-of at most `max_batch_size` left-padded sequences through the model's forward pass and KV cache;
-sampling, logprobs and stopping are done here rather than by `model.generate`, so that they mean
+of at most `max_batch_size` left-padded sequences through decode.py's loop (the model's forward
+pass on a preallocated KV slab, CUDA graphs on GPUs, sampling and stopping on the device);
+sampling, logprobs and stopping are done there rather than by `model.generate`, so that they mean
 what vLLM's mean (processed logprobs, per-sample seeds, EOS kept in the tokens) whatever the
 defaults `generate` merges in from the checkpoint and its version, and no steps x batch x
 vocabulary scores are kept. Calls run one at a time; a weight update waits for the running
@@ -21,6 +22,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from ferrule_rollout.decode import Decoder, sampling_logprobs, slab_attention
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -34,31 +36,12 @@ from ferrule_rollout.samples import (
 logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PARAMETER_ALIGNMENT = 16  # bytes: where each parameter starts in the engine's one allocation
+ATTENTION = "ferrule_slab"  # slab_attention, registered with transformers under this name
+__all__ = ["TransformersEngine", "lay_out", "sampling_logprobs"]
 KEEP_REFUSED = (
     'the transformers engine only supports pause mode "wait" (it runs whole calls, so there is '
     'nothing to freeze mid-sample); use backend "vllm" for "keep"'
 )
-
-
-def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
-    """Log-probabilities of the distribution a token is drawn from (vLLM's processed logprobs):
-    log_softmax(logits / temperature) over the top-k, then top-p, tokens; greedy (temperature
-    0): log_softmax(logits). Float32 whatever the model's dtype."""
-    import torch
-
-    logits = logits.float()
-    if temperature == 0:
-        return torch.log_softmax(logits, dim=-1)
-    scaled = logits / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1:  # as vLLM: drop the least likely tokens whose total mass is <= 1 - top_p
-        ascending, order = scaled.sort(dim=-1)
-        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        drop[:, -1] = False
-        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
-    return torch.log_softmax(scaled, dim=-1)
 
 
 def lay_out(entries: list, device) -> list:
@@ -124,7 +107,7 @@ class TransformersEngine:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
         try:
             auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,9 +121,16 @@ class TransformersEngine:
         self.model = str(path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+            # Our masks are 4D: additive floats for "eager", booleans for sdpa, which is what
+            # every other choice (flash attention takes no such mask) runs as.
+            self._float_mask = attn_implementation == "eager"
+            if attn_implementation not in (None, "eager", "sdpa"):
+                logger.info("attention %r: the engine runs sdpa instead", attn_implementation)
+            AttentionInterface.register(ATTENTION, slab_attention)
             loaded = AutoModelForCausalLM.from_pretrained(
-                path, dtype=getattr(torch, dtype), **options
+                path,
+                dtype=getattr(torch, dtype),
+                attn_implementation="eager" if self._float_mask else ATTENTION,
             )
             self._model = loaded.eval().requires_grad_(False)
             self._lay_out_parameters()
@@ -165,7 +155,8 @@ class TransformersEngine:
         pad = self.tokenizer.pad_token_id
         self._pad = pad if pad is not None else min(self._eos, default=0)
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
-        self._rng = torch.Generator(self.device).manual_seed(seed)  # for unseeded requests
+        self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
+        self._decoder = None  # made on first use, dropped whenever the parameters move
         self._version = 0
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
         self._cv = threading.Condition()
@@ -235,85 +226,43 @@ class TransformersEngine:
         import torch
 
         prompts = [checked[p] for p, _ in rows]
-        batch, width, dev = len(rows), max(map(len, prompts)), self.device
-        ids = torch.full((batch, width), self._pad, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for r, prompt in enumerate(prompts):  # left padding: every row's next token is last
-            ids[r, width - len(prompt) :] = torch.tensor(prompt)
-            mask[r, width - len(prompt) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        limits = [min(settings.max_tokens, self.max_model_len - len(p)) for p in prompts]
-        lengths, stopped = list(limits), [False] * batch
-        tokens = torch.zeros((batch, max(limits)), dtype=torch.long, device=dev)
-        logprobs = torch.zeros((batch, max(limits)), dtype=torch.float32, device=dev)
-        generators = None
         if settings.seed is not None:  # sample i of a prompt uses seed + i, as in vLLM
-            generators = [torch.Generator(dev).manual_seed(settings.seed + i) for _, i in rows]
-        eos = torch.tensor(sorted(self._eos), dtype=torch.long, device=dev)
-        cap = torch.tensor(limits, device=dev)
+            keys = [settings.seed + i for _, i in rows]
+        else:
+            keys = torch.randint(2**62, (len(rows),), generator=self._rng).tolist()
         stops, window = settings.stop, 4 * max(map(len, settings.stop), default=0) + 8
-        texts: list[list[int]] = [[] for _ in rows]
-        done = torch.zeros(batch, dtype=torch.bool, device=dev)
-        cache, inputs = None, ids
-        extra = {"logits_to_keep": 1} if self._keep_last else {}
-        with torch.inference_mode():
-            for step in range(max(limits)):
-                positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)[:, -inputs.shape[1] :]
-                out = self._model(
-                    input_ids=inputs,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    **extra,
-                )
-                cache = out.past_key_values
-                logits = out.logits[:, -1].float()
-                lp = sampling_logprobs(logits, settings.temperature, settings.top_k, settings.top_p)
-                if settings.temperature == 0:
-                    chosen = logits.argmax(dim=-1)
-                elif generators is None:
-                    chosen = torch.multinomial(lp.exp(), 1, generator=self._rng)[:, 0]
-                else:
-                    probs = lp.exp()
-                    chosen = torch.cat(
-                        [
-                            torch.multinomial(probs[r], 1, generator=g)
-                            for r, g in enumerate(generators)
-                        ]
-                    )
-                tokens[:, step], logprobs[:, step] = chosen, lp.gather(1, chosen[:, None])[:, 0]
-                ended = torch.zeros_like(done)
-                if not settings.ignore_eos:
-                    ended |= torch.isin(chosen, eos)
-                if stops:  # decode only the tail: a stop string new in this step ends there
-                    for r, token in enumerate(chosen.tolist()):
-                        texts[r].append(token)
-                    for r in (~done).nonzero()[:, 0].tolist():
-                        tail = self.tokenizer.decode(texts[r][-window:], skip_special_tokens=True)
-                        if any(s in tail for s in stops):
-                            ended[r] = True
-                for r in (ended & ~done).nonzero()[:, 0].tolist():
-                    lengths[r], stopped[r] = step + 1, True
-                done |= ended | (cap <= step + 1)
-                if bool(done.all()):
-                    break
-                inputs = chosen[:, None]
-                mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
-        tokens, logprobs = tokens.tolist(), logprobs.tolist()
+
+        def stop_hit(tokens: list[int]) -> bool:  # decode only the tail: new in this token
+            tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
+            return any(s in tail for s in stops)
+
+        if self._decoder is None:
+            self._decoder = Decoder(self._model, self._float_mask, self._keep_last)
+        results = self._decoder.generate(
+            prompts,
+            [min(settings.max_tokens, self.max_model_len - len(p)) for p in prompts],
+            pad=self._pad,
+            keys=keys,
+            temperature=settings.temperature,
+            top_k=settings.top_k,
+            top_p=settings.top_p,
+            eos=None if settings.ignore_eos else sorted(self._eos),
+            stop_hit=stop_hit if stops else None,
+        )
         samples = []
-        for r, (p, i) in enumerate(rows):
-            token_ids = tokens[r][: lengths[r]]
+        for (p, i), prompt, (token_ids, logprobs, _, stopped) in zip(
+            rows, prompts, results, strict=True
+        ):
             samples.append(
                 Sample(
                     prompt_index=p,
                     sample_index=i,
-                    prompt_token_ids=prompts[r],
+                    prompt_token_ids=prompt,
                     token_ids=token_ids,
-                    logprobs=logprobs[r][: lengths[r]],
-                    finish_reason="stop" if stopped[r] else "length",
+                    logprobs=logprobs,
+                    finish_reason="stop" if stopped else "length",
                     version=self._version,
-                    text=self._text(token_ids, stopped[r], settings),
+                    text=self._text(token_ids, stopped, settings),
                     versions=[VersionSpan(self._version, 0, len(token_ids))],
                 )
             )
@@ -491,6 +440,7 @@ class TransformersEngine:
         with self._model_lock:
             if self._asleep:
                 return
+            self._decoder = None  # its KV slab and graphs: freed with the weights
             if level == 1:
                 self._model.to("cpu")
             else:  # in place, parameter by parameter: `.to("meta")` would untie tied weights
@@ -523,6 +473,7 @@ class TransformersEngine:
         update then loads with one copy (`Update.load_into` merges copies that continue each
         other) instead of one per tensor. `empty`: the shapes of parameters to allocate
         without copying (sleep level 2)."""
+        self._decoder = None  # its graphs read the old storage
         params = list(self._model.named_parameters())
         entries = [(empty[name] if empty else p.shape, p.dtype) for name, p in params]
         placed = lay_out(entries, self.device)
@@ -555,7 +506,7 @@ class TransformersEngine:
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
-            self._model = None
+            self._model = self._decoder = None
 
     def __enter__(self):
         return self
