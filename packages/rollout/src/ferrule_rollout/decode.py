@@ -213,7 +213,8 @@ class Decoder:
 
     def _step(self, rows: int, length: int) -> Step:
         if self.cache.reserve(rows, length):
-            self.steps.clear()  # they captured the old buffers
+            self.steps.clear()  # they captured the old buffers; a pool no graph holds is gone
+            self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         step = self.steps.pop((rows, length), None)
         if step is None:
             if len(self.steps) >= KEPT_GRAPHS:

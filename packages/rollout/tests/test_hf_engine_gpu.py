@@ -1,0 +1,95 @@
+"""TransformersEngine on a GPU: the CUDA-graph decode against a teacher-forced forward, seeds,
+and graphs that follow in-place weight changes and the new storage after sleep / wake.
+
+The kit model in float32 on the GPU (the engine's bf16 speed is benchmarks/rollout_gpu.py's).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_rollout import SamplingSettings
+from ferrule_testkit import tiny_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rollout_helpers import LOGPROB_ATOL, hf_logprobs, perturb_
+
+pytestmark = pytest.mark.gpu
+PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:", [5, 6, 7]]
+GREEDY = SamplingSettings(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    with TransformersEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
+        yield engine
+
+
+def policy_of(engine):
+    """A CPU transformers copy of the weights the engine holds now."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
+    model.load_state_dict({k: v.cpu() for k, v in engine._model.state_dict().items()})
+    return model.eval()
+
+
+def assert_teacher_forced(samples, model, greedy: bool, **sampling) -> None:
+    for sample in samples:
+        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
+        got = torch.tensor(sample.logprobs)
+        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
+        if greedy:
+            assert sample.token_ids == argmax.tolist()
+
+
+def test_graphed_greedy_and_sampled_decode_match_a_teacher_forced_forward(engine):
+    samples = engine.generate(PROMPTS, GREEDY)
+    assert all(s.graph for s in engine._decoder.steps.values())
+    assert all(len(s.token_ids) == 40 for s in samples)
+    policy = policy_of(engine)
+    assert_teacher_forced(samples, policy, greedy=True)
+    settings = SamplingSettings(n=4, temperature=0.8, top_k=50, max_tokens=30, seed=3)
+    sampled = engine.generate(PROMPTS, settings)
+    assert_teacher_forced(sampled, policy, greedy=False, temperature=0.8, top_k=50)
+    assert engine.generate(PROMPTS, settings) == sampled  # a seed reproduces
+    alone = engine.generate(PROMPTS[:1], settings)  # in another rows bucket
+    assert [s.token_ids for s in alone] == [s.token_ids for s in sampled[:4]]
+
+
+def test_graphs_read_weights_changed_in_place_and_storage_after_wake(engine):
+    before = engine.generate(PROMPTS, GREEDY)
+    with torch.no_grad():  # as a weight update writes: into the same tensors
+        cpu = policy_of(engine)
+        perturb_(cpu, seed=5)
+        for name, param in engine._model.named_parameters():
+            param.copy_(cpu.get_parameter(name))
+    changed = engine.generate(PROMPTS, GREEDY)
+    assert [s.token_ids for s in changed] != [s.token_ids for s in before]
+    assert_teacher_forced(changed, cpu, greedy=True)
+    engine.sleep(1)
+    assert engine._decoder is None
+    engine.wake_up()
+    assert engine.generate(PROMPTS, GREEDY) == changed
+
+
+def test_eos_and_length_stop_on_the_device(engine):
+    free = engine.generate(PROMPTS, SamplingSettings(n=2, max_tokens=50, seed=1, ignore_eos=True))
+    extra = free[0].token_ids[20]
+    engine._eos.add(extra)
+    try:
+        stopping = engine.generate(PROMPTS, SamplingSettings(n=2, max_tokens=50, seed=1))
+        end = next(i for i, t in enumerate(free[0].token_ids) if t in engine._eos)
+    finally:
+        engine._eos.discard(extra)
+    assert stopping[0].token_ids == free[0].token_ids[: end + 1]
+    assert (
+        stopping[0].finish_reason == "stop" and stopping[0].logprobs == free[0].logprobs[: end + 1]
+    )
+    long_prompt = [5] * 250  # 6 tokens left before max_model_len
+    (capped,) = engine.generate([long_prompt], GREEDY)
+    assert len(capped.token_ids) == 6 and capped.finish_reason == "length"
