@@ -123,6 +123,23 @@ def separate_allocations(engine) -> None:
     engine._decoder = None
 
 
+def compile_decode(engine) -> None:
+    """The experiment of --compile: every decode step's forward through torch.compile (inductor
+    fuses the norms, rotary and residual kernels), captured in our graphs as before."""
+    from ferrule_rollout import decode
+
+    engine._decoder = decode.Decoder(engine._model, engine._float_mask, engine._keep_last)
+    compiled = torch.compile(engine._decoder.forward, dynamic=False)
+
+    def run(step):
+        logits = compiled(step.ids, step.positions, step.pad_ok, step.slot)
+        step.positions += 1
+        step.slot += 1
+        return logits
+
+    decode.Step._run = run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -133,6 +150,11 @@ def main() -> None:
     parser.add_argument("--step-batches", default="64,256,1024")
     parser.add_argument("--no-layout", action="store_true", help="skip the layout comparison")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="experiment: ours with the decode step's forward compiled by torch.compile",
+    )
+    parser.add_argument(
         "--old-engine", help="an older hf_engine.py (git show REV:path > file): its step at 256"
     )
     args = parser.parse_args()
@@ -140,13 +162,15 @@ def main() -> None:
     began = time.perf_counter()
     path = tiny_model("qwen2", vocab_size=VOCAB, **QWEN25_15B)
     built = time.perf_counter() - began
-    batches = [int(b) for b in args.step_batches.split(",")]
+    batches = [int(b) for b in args.step_batches.split(",") if b]
     rows, tokens = args.prompts * args.n, args.new_tokens
     engine = TransformersEngine(
-        path, dtype="bfloat16", max_model_len=2048, max_batch_size=max(*batches, rows)
+        path, dtype="bfloat16", max_model_len=2048, max_batch_size=max([*batches, rows])
     )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     pad = engine._pad
+    if args.compile:
+        compile_decode(engine)
     prompts = prompts_of(args.prompts)
 
     def run_ours():
@@ -234,6 +258,7 @@ def main() -> None:
         "eval_16x256_s": {"ours": round(eval_ours, 2), "hf_sampled": round(eval_hf, 2)},
         "peak_gb_ours_both_models_resident": round(peak_ours, 1),
         "build_s": round(built, 1),
+        "compiled_decode": args.compile,
     }
     print(json.dumps(result), flush=True)
 

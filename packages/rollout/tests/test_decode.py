@@ -1,0 +1,116 @@
+"""decode.py on the kit model (float32, CPU): the loop against a teacher-forced forward to 1e-5,
+host reads every k steps against every step, the slab reused across shapes, the sampler's
+uniforms and its inverse CDF."""
+
+import pytest
+import torch
+
+from ferrule_rollout.decode import Decoder, sample, uniforms
+from ferrule_testkit import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 130)), [7]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from ferrule_rollout.hf_engine import ATTENTION, slab_attention
+
+    AttentionInterface.register(ATTENTION, slab_attention)
+    path = tiny_model("qwen2")
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=ATTENTION
+    ).eval()
+
+
+def run(decoder, prompts=PROMPTS, limits=None, **options):
+    settings = dict(pad=1, keys=list(range(len(prompts))), temperature=1.0, top_k=0, top_p=1.0)
+    settings.update({"eos": None, **options})
+    return decoder.generate(prompts, limits or [20] * len(prompts), **settings)
+
+
+def teacher_forced(model, prompt, tokens, temperature):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    if temperature:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0], logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tokens_and_logprobs_equal_a_teacher_forced_forward(model, temperature):
+    results = run(Decoder(model, float_mask=False), temperature=temperature)
+    for prompt, (tokens, logprobs, length, stopped) in zip(PROMPTS, results, strict=True):
+        assert length == len(tokens) == 20 and not stopped
+        expected, logits = teacher_forced(model, prompt, tokens, temperature)
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+        if temperature == 0:
+            assert tokens == logits.argmax(-1).tolist()
+
+
+def test_eager_float_masks_give_the_same_tokens(model):
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(
+        tiny_model("qwen2"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ours = run(Decoder(model, float_mask=False), temperature=0.0)
+    theirs = run(Decoder(eager, float_mask=True), temperature=0.0)
+    assert [r[0] for r in ours] == [r[0] for r in theirs]
+
+
+def test_reads_every_k_steps_stop_where_reads_every_step_do(model):
+    decoder = Decoder(model, float_mask=False)
+    limits = [30, 12, 30, 5]
+    free = [r[0] for r in run(decoder, limits=limits)]
+    eos = [free[0][9], free[2][17]]  # rows 0 and 2 end there (or earlier, on the other one)
+
+    def stop_hit(tokens):
+        return tokens[-2:] == free[3][1:3]  # row 3 completes it at its third token
+
+    def expected(tokens, limit):  # one token at a time, on the host
+        for i, token in enumerate(tokens[:limit]):
+            if token in eos or stop_hit(tokens[: i + 1]):
+                return i + 1, True
+        return limit, False
+
+    for every in (1, 3, 16, 64):
+        got = run(decoder, limits=limits, eos=eos, stop_hit=stop_hit, read_every=every)
+        for (tokens, logprobs, length, stopped), row, limit in zip(got, free, limits, strict=True):
+            assert (length, stopped) == expected(row, limit)
+            assert tokens == row[:length] and len(logprobs) == length
+    assert got[3][2:] == (3, True) and got[0][3]
+
+
+def test_the_slab_is_reused_across_shapes(model):
+    decoder = Decoder(model, float_mask=False)
+    small = run(decoder, PROMPTS[:2], limits=[8, 8])
+    large = run(decoder, PROMPTS * 3, limits=[40] * 12)
+    assert decoder.cache.buffers and len(decoder.cache.keys) == model.config.num_hidden_layers
+    assert run(decoder, PROMPTS[:2], limits=[8, 8]) == small
+    assert run(Decoder(model, float_mask=False), PROMPTS * 3, limits=[40] * 12) == large
+
+
+def test_uniforms_depend_on_the_key_and_step_only():
+    table = uniforms([3, 7, 3, 2**40 + 3], 50)
+    assert table.dtype == torch.float64 and table.shape == (4, 50)
+    assert torch.equal(table[0], table[2]) and not torch.equal(table[0], table[3])
+    assert torch.equal(uniforms([7], 20)[0], table[1, :20])
+    many = uniforms(list(range(2000)), 100).flatten()
+    assert ((many >= 0) & (many < 1)).all()
+    assert abs(many.mean() - 0.5) < 0.01 and abs(many.std() - 12**-0.5) < 0.01
+    counts = torch.histc(many.float(), bins=10, min=0, max=1)
+    assert (counts / len(many) - 0.1).abs().max() < 0.01
+
+
+def test_inverse_cdf_draws_only_kept_tokens_in_proportion():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 3.0]]).repeat(4000, 1)
+    u = uniforms(list(range(4000)), 1)[:, 0]
+    chosen, logprob = sample(logits, 1.0, 2, 1.0, u)  # top-k 2: tokens 4 and 1 only
+    assert set(chosen.tolist()) == {1, 4}
+    share = (chosen == 4).double().mean()
+    assert abs(share - torch.tensor([3.0, 2.0]).softmax(0)[0]) < 0.03
+    assert torch.allclose(logprob[chosen == 4], torch.tensor([1.0, 0.0]).log_softmax(0)[0])
+    edges = sample(logits[:2], 1.0, 2, 1.0, torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
+    assert edges[0].tolist() == [1, 4]  # the first kept token, the last kept token
