@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "agent-retry.toml"
 
@@ -28,6 +27,7 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.soak  # a learning curve
 def test_the_agent_example_learns_its_multi_turn_task(tmp_path):
     out = tmp_path / "agent"
     done = subprocess.run(
@@ -52,6 +52,7 @@ def test_the_agent_example_learns_its_multi_turn_task(tmp_path):
     assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"] + 0.05
 
 
+@pytest.mark.e2e
 def test_failed_episodes_are_counted_and_too_many_stop_the_run(tmp_path):
     broken = f"{ROOT / 'tests' / 'flaky_environment.py'}:SometimesBroken"
     out = tmp_path / "flaky"

@@ -25,7 +25,7 @@ import pytest
 from ferrule_launcher.task import eval_problems
 from ferrule_testkit import policy_reversal_pairs, reversal_sft_rows, tiny_model
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.soak
 ROOT = Path(__file__).parents[1]
 WARM = ROOT / "examples" / "tiny" / "model"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).parents[1] / "examples" / "gsm8k-tiny.toml"
 REWARD = Path(__file__).parent / "metadata_reward.py"
 

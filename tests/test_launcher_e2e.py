@@ -15,7 +15,7 @@ import pytest
 
 from ferrule_weightsync.ipc import SEGMENTS
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 # Shortened: 16 steps at a higher learning rate than the example, no evaluation until the end.
 SHORT = [

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow]
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 # ~132M parameters: 14 layers of hidden 768 (the kit's 512-token vocabulary adds little).
 SHAPE = dict(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 
 

@@ -11,7 +11,6 @@ import torch
 
 from ferrule_testkit import tiny_model
 
-pytestmark = pytest.mark.slow
 PROMPTS = ["Reverse the string abc. Answer:", "Question: what is 12 + 30? Answer:"]
 # vLLM (float32, CPU) against transformers on the same weights differ by kernel rounding only
 # (~1e-6, measured in ferrule-rollout's tests); an adapter left out or merged wrongly moves the

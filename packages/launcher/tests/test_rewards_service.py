@@ -150,7 +150,7 @@ def _reward_model(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_reward_model_is_served_by_a_ray_role_of_its_own(tmp_path):
     """[rewards] model: ferrule-rewards' model backend in a Ray actor with the resources asked
     for, on loopback behind a token, scoring as the model does in process (normalised by its
@@ -189,7 +189,7 @@ def test_a_reward_model_is_served_by_a_ray_role_of_its_own(tmp_path):
         ray.shutdown()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_reward_model_that_does_not_load_stops_the_run_naming_it(tmp_path):
     import ray
 

@@ -20,7 +20,7 @@ def _load(name: str):
 
 abuse = _load("abuse")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.soak
 TOKEN = "abuse-suite-token-0123456789abcdef"
 PROCESSES = 2
 SERVER_RSS_BOUND = 400 << 20  # the gRPC process: it buffers one request per scoring process

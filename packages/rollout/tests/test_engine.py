@@ -26,7 +26,6 @@ from rollout_helpers import (
     perturbed_and_loaded,
 )
 
-pytestmark = pytest.mark.slow
 PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:"]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from episode_helpers import TwoTurns
 from rollout_helpers import LOGPROB_ATOL
 
-pytestmark = pytest.mark.slow
 
 
 def test_two_turn_episodes_on_vllm(vllm_cpu_env):

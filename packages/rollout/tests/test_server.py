@@ -24,7 +24,6 @@ from ferrule_testkit import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
 
-pytestmark = pytest.mark.slow
 TOKEN = "rollout-test-token-0123456789abcdef"
 PROMPTS = ["Question: what is 12 + 30? Answer:", [5, 6, 7, 8]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)

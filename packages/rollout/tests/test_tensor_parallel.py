@@ -15,7 +15,7 @@ from ferrule_testkit import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import LOGPROB_ATOL, free_port, hf_logprobs, in_thread, perturb_
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 PROMPTS = ["Question: what is 12 + 30? Answer:", [5, 6, 7, 8]]
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)
 

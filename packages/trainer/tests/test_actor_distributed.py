@@ -13,7 +13,6 @@ import torch
 from ferrule_testkit import tiny_model
 from ferrule_trainer.config import LORA_TARGETS
 
-pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("actor_step_worker.py")
 EXPORT_WORKER = Path(__file__).with_name("export_worker.py")
 

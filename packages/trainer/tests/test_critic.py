@@ -6,7 +6,6 @@ import torch
 
 from ferrule_testkit import tiny_model
 
-pytestmark = pytest.mark.slow
 
 
 def _batch(B=4, T=16, R=6):

@@ -11,7 +11,6 @@ import pytest
 
 from ferrule_testkit import tiny_model
 
-pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("deepspeed_step_worker.py")
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = pytest.mark.gpu
 WORKER = Path(__file__).with_name("gpu_hybrid_worker.py")
 
 

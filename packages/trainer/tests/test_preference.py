@@ -102,7 +102,7 @@ def sft_on_the_task(tmp_path: Path, model: Path, steps: int) -> Path:
     return tmp_path / "sft" / "model"
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a learning curve: 2 epochs of pairs
 def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
     from ferrule_rewards.model import ModelScorer
     from ferrule_trainer.config import load_config
@@ -138,7 +138,6 @@ def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
     assert agree >= 15, agree
 
 
-@pytest.mark.slow
 def test_dpo_raises_the_margin_and_the_greedy_accuracy(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -190,7 +189,6 @@ def test_a_critic_started_from_a_reward_model_takes_its_body_and_head(tmp_path):
     assert all(torch.equal(p, body[name]) for name, p in critic.model.named_parameters())
 
 
-@pytest.mark.slow
 def test_preference_and_likelihood_steps_on_the_rl_layout():
     """The recipes' steps (rlhf-launch's rejection sampling and iterative DPO) on the RL batch
     layout: a policy equal to its reference starts at DPO loss log 2, and steps raise the
@@ -236,7 +234,6 @@ class Crash(Exception):
     pass
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, zero_stage, lora_rank", [("rm", 2, 0), ("dpo", 3, 0), ("rm", 2, 4), ("dpo", 2, 4)]
 )

@@ -51,7 +51,6 @@ class Crash(Exception):
     pass
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_resume_continues_exactly(tmp_path, zero_stage):
     from ferrule_trainer.config import load_config

@@ -350,8 +350,8 @@ def test_an_offer_is_either_taken_by_the_sender_or_withdrawn_never_both(group, s
 
     g = group(sender_secret=secret, receiver_secret=secret)
     sender, receiver = g.sender._control, g.receiver._control
-    for first, second in [(sender, receiver), (receiver, sender)]:
-        key = f"u{id(first) % 97}/ready/1"
+    for turn, (first, second) in enumerate([(sender, receiver), (receiver, sender)]):
+        key = f"u{turn}/ready/1"  # never "u9", which nobody offers below
         receiver.publish(key, {"offer": 1})
         won = {"taken": 1} if first is sender else {"withdrawn": 1}
         lost = {"withdrawn": 1} if first is sender else {"taken": 1}
