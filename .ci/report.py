@@ -1,6 +1,6 @@
 """The end of a CI run: each stage's seconds, then the slowest tests of every pytest run.
 
-    python3 .ci/report.py STAGES.tsv JUNIT_DIR TOTAL_SECONDS EXIT_STATUS
+python3 .ci/report.py STAGES.tsv JUNIT_DIR TOTAL_SECONDS EXIT_STATUS
 """
 
 import sys

@@ -6,7 +6,6 @@ import os
 import socket
 import threading
 
-import pytest
 import torch
 
 from ferrule_testkit import tiny_model

@@ -141,7 +141,8 @@ def test_a_drain_cut_short_by_the_grace_period_exits_1_and_says_so(spawn, fn_spe
 
     def in_flight():
         try:
-            RewardClient(server.address, retry_for=1)  # the server is gone.score([{"response": "20"}])
+            # no retries for 30 s (the default): the server is gone for good
+            RewardClient(server.address, retry_for=1).score([{"response": "20"}])
         except RewardError as error:
             outcome["error"] = error
 

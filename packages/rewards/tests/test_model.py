@@ -9,7 +9,6 @@ from ferrule_rewards.client import RewardClient
 from ferrule_rewards.records import Status
 from ferrule_rewards.server import BackgroundServer
 
-
 TEXTS = [
     "Question: what is 2 + 2?\nAnswer: 4",
     "hi",

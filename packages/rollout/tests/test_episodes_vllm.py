@@ -4,7 +4,6 @@ several calls at once, and the episodes' masks and logprobs match a transformers
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from ferrule_rollout import SamplingSettings
@@ -14,7 +13,6 @@ from ferrule_testkit import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from episode_helpers import TwoTurns
 from rollout_helpers import LOGPROB_ATOL
-
 
 
 def test_two_turn_episodes_on_vllm(vllm_cpu_env):

@@ -7,7 +7,6 @@ import torch
 from ferrule_testkit import tiny_model
 
 
-
 def _batch(B=4, T=16, R=6):
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 500, (B, T), generator=generator)
