@@ -93,3 +93,15 @@ def test_eos_and_length_stop_on_the_device(engine):
     long_prompt = [5] * 250  # 6 tokens left before max_model_len
     (capped,) = engine.generate([long_prompt], GREEDY)
     assert len(capped.token_ids) == 6 and capped.finish_reason == "length"
+
+
+def test_compiled_decode_matches_a_teacher_forced_forward():
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    with TransformersEngine(
+        tiny_model("qwen2"), dtype="float32", max_model_len=256, compile_decode=True
+    ) as engine:
+        samples = engine.generate(PROMPTS, GREEDY)
+        assert all(s.graph for s in engine._decoder.steps.values())
+        assert engine._decoder.step_forward is not engine._decoder.forward
+        assert_teacher_forced(samples, policy_of(engine), greedy=True)

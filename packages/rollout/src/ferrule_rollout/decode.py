@@ -146,7 +146,7 @@ class Step:
         self.graph = self.logits = None
 
     def _run(self):
-        logits = self.decoder.forward(self.ids, self.positions, self.pad_ok, self.slot)
+        logits = self.decoder.step_forward(self.ids, self.positions, self.pad_ok, self.slot)
         self.positions += 1
         self.slot += 1
         return logits
@@ -178,9 +178,10 @@ def bucket(rows: int) -> int:
 
 class Decoder:
     """Generates for a batch of prompts on one model (see the module docstring). Make a new one
-    whenever the parameters move to new storage (sleep / wake): graphs read them in place."""
+    whenever the parameters move to new storage (sleep / wake): graphs read them in place.
+    `compile`: on CUDA, decode steps go through torch.compile before they are captured."""
 
-    def __init__(self, model, float_mask: bool, keep_last: bool = True):
+    def __init__(self, model, float_mask: bool, keep_last: bool = True, compile: bool = False):
         self.model = model
         first = next(model.parameters())
         self.device = first.device
@@ -190,6 +191,10 @@ class Decoder:
         self.use_graphs = self.device.type == "cuda"
         self.steps: dict[tuple[int, int], Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # compile (CUDA only): decode steps through inductor, which fuses the norms, rotary and
+        # residual kernels between the GEMMs; each new shape compiles first (tens of seconds).
+        compiled = compile and self.use_graphs
+        self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
 
     def forward(self, ids, positions, pad_ok, slots):
         """Logits of the last position; `slots` (device) are where these tokens' keys go."""

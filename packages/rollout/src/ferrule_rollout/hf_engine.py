@@ -96,9 +96,13 @@ class TransformersEngine:
         device: str = "auto",
         max_batch_size: int = 256,
         attn_implementation: str | None = None,
+        compile_decode: bool = False,
     ):
         """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
-        device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU."""
+        device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
+        `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
+        graphs as without it; faster, once the first call of each (rows bucket, slots) shape
+        has compiled its step (tens of seconds)."""
         path = Path(model).expanduser()
         if not path.is_dir():
             raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
@@ -157,6 +161,7 @@ class TransformersEngine:
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
         self._decoder = None  # made on first use, dropped whenever the parameters move
+        self._compile = compile_decode
         self._version = 0
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
         self._cv = threading.Condition()
@@ -237,7 +242,9 @@ class TransformersEngine:
             return any(s in tail for s in stops)
 
         if self._decoder is None:
-            self._decoder = Decoder(self._model, self._float_mask, self._keep_last)
+            self._decoder = Decoder(
+                self._model, self._float_mask, self._keep_last, compile=self._compile
+            )
         results = self._decoder.generate(
             prompts,
             [min(settings.max_tokens, self.max_model_len - len(p)) for p in prompts],
