@@ -2,6 +2,7 @@
 
     PYTHONPATH=packages/rollout/src:packages/testkit/src:packages/weightsync/src \
         python benchmarks/rollout_gpu.py [--rounds 3] [--prompts 32] [--n 8] [--new-tokens 256]
+        [--compile] [--old-engine old_hf_engine.py] [--no-layout] [--step-batches 64,256,1024]
 
 A Qwen2.5-1.5B-shaped Qwen2 (ferrule_testkit.tiny_model: random init, the real 151,936-token
 vocabulary, the kit's small tokenizer) in bf16 generates `--n` samples for each of `--prompts`
@@ -12,8 +13,10 @@ random-token prompts, `--new-tokens` tokens each at temperature 1 with EOS ignor
 Tokens/s are medians of --rounds timed rounds after one warm-up. Also: ms per decode step at
 batch 64 / 256 / 1024 for both ((time of T tokens - time of 1) / (T - 1)), peak GPU memory, the
 share of the HBM bound (weights + the KV actually attended, read once per step), our step split
-into the graphed forward and the sampling, and the step with the parameters in one allocation
-(the engine's) against one allocation each. Last line: one JSON object, ratio = ours / baseline.
+into the graphed forward and the sampling, the step with the parameters in one allocation (the
+engine's) against one allocation each and back (A, B, A), the launcher's evaluation (16 prompts x
+256 tokens, greedy), and with --old-engine an older hf_engine.py's step at 256 rows. --compile:
+ours with compile_decode=True. Last line: one JSON object, ratio = ours / baseline.
 """
 
 import argparse

@@ -114,3 +114,12 @@ def test_inverse_cdf_draws_only_kept_tokens_in_proportion():
     assert torch.allclose(logprob[chosen == 4], torch.tensor([1.0, 0.0]).log_softmax(0)[0])
     edges = sample(logits[:2], 1.0, 2, 1.0, torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64))
     assert edges[0].tolist() == [1, 4]  # the first kept token, the last kept token
+
+
+def test_sliding_window_models_are_refused_with_what_to_use():
+    from ferrule_rollout import RolloutError
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    path = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(RolloutError, match='sliding-window attention layers.*use backend "vllm"'):
+        TransformersEngine(path, dtype="float32")

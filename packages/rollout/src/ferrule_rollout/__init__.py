@@ -8,6 +8,7 @@
 is cheap: vLLM, torch and transformers load when an engine starts.
 """
 
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ferrule_rollout.samples import (
@@ -19,7 +20,10 @@ from ferrule_rollout.samples import (
     VersionSpan,
 )
 
-__version__ = _version("ferrule-rollout")
+try:
+    __version__ = _version("ferrule-rollout")
+except PackageNotFoundError:  # run from a source checkout on PYTHONPATH (the GPU machines)
+    __version__ = "0+source"
 
 
 def __getattr__(name: str):

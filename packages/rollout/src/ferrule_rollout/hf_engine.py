@@ -144,6 +144,11 @@ class TransformersEngine:
                 f"could not load a transformers model from {self.model!r}: {err}"
             ) from err
         config = self._model.config.get_text_config()
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise RolloutError(
+                f"{self.model} has sliding-window attention layers, which the transformers "
+                'engine\'s decode masks do not model; use backend "vllm"'
+            )
         longest = getattr(config, "max_position_embeddings", None)
         self.max_model_len = max_model_len or longest
         if not self.max_model_len or (longest and self.max_model_len > longest):
