@@ -2,7 +2,8 @@
 
     PYTHONPATH=packages/rollout/src:packages/testkit/src:packages/weightsync/src \
         python benchmarks/rollout_gpu.py [--rounds 3] [--prompts 32] [--n 8] [--new-tokens 256]
-        [--compile] [--old-engine old_hf_engine.py] [--no-layout] [--step-batches 64,256,1024]
+        [--compile] [--agreement] [--old-engine old_hf_engine.py] [--no-layout]
+        [--step-batches 64,256,1024]
 
 A Qwen2.5-1.5B-shaped Qwen2 (ferrule_testkit.tiny_model: random init, the real 151,936-token
 vocabulary, the kit's small tokenizer) in bf16 generates `--n` samples for each of `--prompts`
@@ -15,8 +16,9 @@ batch 64 / 256 / 1024 for both ((time of T tokens - time of 1) / (T - 1)), peak 
 share of the HBM bound (weights + the KV actually attended, read once per step), our step split
 into the graphed forward and the sampling, the step with the parameters in one allocation (the
 engine's) against one allocation each and back (A, B, A), the launcher's evaluation (16 prompts x
-256 tokens, greedy), and with --old-engine an older hf_engine.py's step at 256 rows. --compile:
-ours with compile_decode=True. Last line: one JSON object, ratio = ours / baseline.
+256 tokens, greedy), with --old-engine an older hf_engine.py's step at 256 rows, and with
+--agreement our logprobs against HF's teacher-forced bf16 forward (vllm_kl, the launcher's k3
+estimate). --compile: ours with compile_decode=True. Last line: one JSON object, ratio = ours / baseline.
 """
 
 import argparse
@@ -126,6 +128,28 @@ def separate_allocations(engine) -> None:
     engine._decoder = None
 
 
+def agreement(engine, hf, prompts, tokens: int) -> dict:
+    """Our sampled tokens' logprobs against HF's teacher-forced bf16 forward of the same weights
+    (what the trainer computes): |difference| max / mean and the launcher's vllm_kl (the k3
+    estimate of KL(engine || trainer) per token)."""
+    settings = SamplingSettings(n=2, max_tokens=tokens, ignore_eos=True, seed=0)
+    differences = []
+    for drawn in engine.generate(prompts[:8], settings):
+        ids = torch.tensor([drawn.prompt_token_ids + drawn.token_ids], device="cuda")
+        with torch.inference_mode():
+            logits = hf(ids).logits[0, len(drawn.prompt_token_ids) - 1 : -1].float()
+        chosen = torch.tensor(drawn.token_ids, device="cuda")[:, None]
+        trainer = torch.log_softmax(logits, -1).gather(1, chosen)[:, 0]
+        differences.append(trainer - torch.tensor(drawn.logprobs, device="cuda"))
+    r = torch.cat(differences).double()
+    return {
+        "tokens": r.numel(),
+        "max_abs": round(float(r.abs().max()), 5),
+        "mean_abs": round(float(r.abs().mean()), 6),
+        "vllm_kl_k3": float(f"{float((r.exp() - 1 - r).mean()):.3g}"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -139,6 +163,9 @@ def main() -> None:
         "--compile",
         action="store_true",
         help="ours with TransformersEngine(compile_decode=True)",
+    )
+    parser.add_argument(
+        "--agreement", action="store_true", help="our logprobs against a teacher-forced forward"
     )
     parser.add_argument(
         "--old-engine", help="an older hf_engine.py (git show REV:path > file): its step at 256"
@@ -210,6 +237,8 @@ def main() -> None:
     eval_hf = timed(lambda: hf_generate(hf, evaluation, 1, tokens, pad))
     print(f"evaluation 16 x {tokens}: ours {eval_ours:.2f} s, HF {eval_hf:.2f} s", flush=True)
 
+    agreed = agreement(engine, hf, prompts, tokens) if args.agreement else None
+    print(f"agreement {agreed}", flush=True)
     old = None
     if args.old_engine:  # its own copy of the weights; ours and HF's stay where they are
         spec = importlib.util.spec_from_file_location("old_hf_engine", args.old_engine)
@@ -243,6 +272,7 @@ def main() -> None:
         "split_at_rows": {"rows": rows, **split},
         "layout_at_256": layout,
         "old_engine_step_ms_at_256": old,
+        "logprobs_vs_teacher_forced_bf16": agreed,
         "eval_16x256_s": {"ours": round(eval_ours, 2), "hf_sampled": round(eval_hf, 2)},
         "peak_gb_ours_both_models_resident": round(peak_ours, 1),
         "build_s": round(built, 1),

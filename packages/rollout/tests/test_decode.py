@@ -123,3 +123,23 @@ def test_sliding_window_models_are_refused_with_what_to_use():
     path = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
     with pytest.raises(RolloutError, match='sliding-window attention layers.*use backend "vllm"'):
         TransformersEngine(path, dtype="float32")
+
+
+def test_the_samples_of_a_prompt_share_its_prefill(model, monkeypatch):
+    decoder = Decoder(model, float_mask=False)
+    widths = []
+    forward = decoder.forward
+    monkeypatch.setattr(
+        decoder, "forward", lambda ids, *rest: widths.append(ids.shape) or forward(ids, *rest)
+    )
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[2]] * 2 + [PROMPTS[0]]
+    for temperature in (0.0, 1.0):
+        results = run(decoder, prompts, limits=[15] * 6, temperature=temperature)
+        assert widths[-1] == (2, 30)  # one prefill row per distinct prompt
+        for prompt, (tokens, logprobs, *_) in zip(prompts, results, strict=True):
+            expected, logits = teacher_forced(model, prompt, tokens, temperature)
+            assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
+        if temperature == 0:
+            assert len({tuple(r[0]) for r in results[:3]} | {tuple(results[5][0])}) == 1
+        else:  # keys 0-5: the samples of one prompt differ
+            assert len({tuple(r[0]) for r in results[:3]}) == 3

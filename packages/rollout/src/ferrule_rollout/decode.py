@@ -261,8 +261,7 @@ class Decoder:
                 pad_ok[r, width - len(prompt) :] = True
             dev = self.device
             step.pad_ok.copy_(pad_ok)
-            slots = torch.arange(width, device=dev)
-            logits = self.forward(ids.to(dev), positions.to(dev), step.pad_ok[:rows], slots)
+            logits = self._prefill(prompts, ids, positions, step.pad_ok[:rows])
             lengths = torch.tensor([len(p) for p in prompts] + [0] * (batch - rows))
             step.positions.copy_(lengths[:, None])
             step.slot.fill_(width)
@@ -299,6 +298,29 @@ class Decoder:
             stopped = n < limits[r] or stops.get(r) == n or (n > 0 and tokens[r][n - 1] in eos_set)
             out.append((tokens[r][:n], logprobs[r][:n], n, stopped))
         return out
+
+    def _prefill(self, prompts, ids, positions, pad_ok):
+        """The prompts' forward into slots [0, width) of the slab, each distinct prompt once
+        (the n samples of a prompt share it: its rows of the slab are copies); last logits."""
+        index: dict[tuple, int] = {}  # a distinct prompt -> its row among the prefilled
+        firsts, where = [], []
+        for r, prompt in enumerate(prompts):
+            if tuple(prompt) not in index:
+                index[tuple(prompt)] = len(firsts)
+                firsts.append(r)
+            where.append(index[tuple(prompt)])
+        once, width, dev = torch.tensor(firsts), ids.shape[1], self.device
+        slots = torch.arange(width, device=dev)
+        logits = self.forward(
+            ids[once].to(dev), positions[once].to(dev), pad_ok[once.to(dev)], slots
+        )
+        if len(firsts) == len(prompts):
+            return logits
+        # each row of the slab takes the keys and values of its prompt's prefilled row
+        where = torch.tensor(where, device=dev)
+        for layer in (*self.cache.keys, *self.cache.values):
+            layer[: len(prompts), :, :width] = layer[: len(firsts), :, :width][where]
+        return logits[where]
 
     @staticmethod
     def _check_stops(new, ends, host, stops, stop_hit) -> None:
