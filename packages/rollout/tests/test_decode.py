@@ -121,7 +121,7 @@ def test_sliding_window_models_are_refused_with_what_to_use():
     from ferrule_rollout.hf_engine import TransformersEngine
 
     path = tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    with pytest.raises(RolloutError, match='sliding-window attention layers.*use backend "vllm"'):
+    with pytest.raises(RolloutError, match=r'sliding-window attention layers.*use backend "vllm"'):
         TransformersEngine(path, dtype="float32")
 
 
@@ -137,9 +137,33 @@ def test_the_samples_of_a_prompt_share_its_prefill(model, monkeypatch):
         results = run(decoder, prompts, limits=[15] * 6, temperature=temperature)
         assert widths[-1] == (2, 30)  # one prefill row per distinct prompt
         for prompt, (tokens, logprobs, *_) in zip(prompts, results, strict=True):
-            expected, logits = teacher_forced(model, prompt, tokens, temperature)
+            expected, _ = teacher_forced(model, prompt, tokens, temperature)
             assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
         if temperature == 0:
             assert len({tuple(r[0]) for r in results[:3]} | {tuple(results[5][0])}) == 1
         else:  # keys 0-5: the samples of one prompt differ
             assert len({tuple(r[0]) for r in results[:3]}) == 3
+
+
+def test_sleep_frees_the_slab_without_the_garbage_collector(monkeypatch):
+    """The decoder and its steps refer to each other: sleep must free the slab by hand, or it
+    would stay allocated (on a GPU: next to the trainer) until the collector runs."""
+    import gc
+    import sys
+
+    from ferrule_rollout import SamplingSettings
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    with TransformersEngine(tiny_model("qwen2"), dtype="float32") as engine:
+        engine.generate(["a b c"], SamplingSettings(max_tokens=4))
+        slab = engine._decoder.cache.buffers[0]
+        monkeypatch.setattr(engine, "_can_sleep", True)
+        gc.disable()  # only reference counts free things from here
+        try:
+            engine.sleep(1)
+            assert engine._decoder is None
+            assert sys.getrefcount(slab) == 2  # `slab` and getrefcount's argument
+            engine.wake_up()
+            assert len(engine.generate(["a b c"], SamplingSettings(max_tokens=4))) == 1
+        finally:
+            gc.enable()

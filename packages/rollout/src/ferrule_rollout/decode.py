@@ -196,6 +196,12 @@ class Decoder:
         compiled = compile and self.use_graphs
         self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
 
+    def release(self) -> None:
+        """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
+        self.steps.clear()
+        self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
+        self.pool = self.step_forward = None
+
     def forward(self, ids, positions, pad_ok, slots):
         """Logits of the last position; `slots` (device) are where these tokens' keys go."""
         where = torch.arange(pad_ok.shape[1], device=self.device)

@@ -123,6 +123,7 @@ class TransformersEngine:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.model = str(path)
+        self._decoder = None  # made on first use, dropped whenever the parameters move
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             # Our masks are 4D: additive floats for "eager", booleans for sdpa, which is what
@@ -165,7 +166,6 @@ class TransformersEngine:
         self._pad = pad if pad is not None else min(self._eos, default=0)
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
-        self._decoder = None  # made on first use, dropped whenever the parameters move
         self._compile = compile_decode
         self._version = 0
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
@@ -452,7 +452,7 @@ class TransformersEngine:
         with self._model_lock:
             if self._asleep:
                 return
-            self._decoder = None  # its KV slab and graphs: freed with the weights
+            self._drop_decoder()  # its KV slab and graphs: freed with the weights
             if level == 1:
                 self._model.to("cpu")
             else:  # in place, parameter by parameter: `.to("meta")` would untie tied weights
@@ -478,6 +478,13 @@ class TransformersEngine:
             self._asleep = 0
         self.resume()
 
+    def _drop_decoder(self) -> None:
+        """Free the decoder's KV slab and CUDA graphs now: its steps and it refer to each
+        other, so dropping the reference alone would leave them to the garbage collector."""
+        if self._decoder is not None:
+            self._decoder.release()
+            self._decoder = None
+
     def _lay_out_parameters(self, empty: dict | None = None) -> None:
         """Put the parameters on the engine's device in one allocation per dtype, one after
         another in the model's order (tied ones once). A trainer's export comes in that order,
@@ -485,7 +492,7 @@ class TransformersEngine:
         update then loads with one copy (`Update.load_into` merges copies that continue each
         other) instead of one per tensor. `empty`: the shapes of parameters to allocate
         without copying (sleep level 2)."""
-        self._decoder = None  # its graphs read the old storage
+        self._drop_decoder()  # its graphs read the old storage
         params = list(self._model.named_parameters())
         entries = [(empty[name] if empty else p.shape, p.dtype) for name, p in params]
         placed = lay_out(entries, self.device)
@@ -518,7 +525,8 @@ class TransformersEngine:
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
-            self._model = self._decoder = None
+            self._drop_decoder()
+            self._model = None
 
     def __enter__(self):
         return self
