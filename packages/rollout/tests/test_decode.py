@@ -130,7 +130,9 @@ def test_the_samples_of_a_prompt_share_its_prefill(model, monkeypatch):
     widths = []
     forward = decoder.forward
     monkeypatch.setattr(
-        decoder, "forward", lambda ids, *rest: widths.append(ids.shape) or forward(ids, *rest)
+        decoder,
+        "forward",
+        lambda ids, *rest, **kw: widths.append(ids.shape) or forward(ids, *rest, **kw),
     )
     prompts = [PROMPTS[0]] * 3 + [PROMPTS[2]] * 2 + [PROMPTS[0]]
     for temperature in (0.0, 1.0):
@@ -167,3 +169,22 @@ def test_sleep_frees_the_slab_without_the_garbage_collector(monkeypatch):
             assert len(engine.generate(["a b c"], SamplingSettings(max_tokens=4))) == 1
         finally:
             gc.enable()
+
+
+def test_continuous_batching_gives_each_prompt_what_one_batch_gives_it(model):
+    """Two rows at a time, rows leaving at EOS, stop strings and length at different steps and
+    queued prompts taking them: every prompt's sample is the one the full batch gives it."""
+    decoder = Decoder(model, float_mask=False)
+    prompts = [PROMPTS[k % 4] + [k] for k in range(9)]
+    limits = [25, 6, 40, 3, 17, 30, 1, 12, 22]
+    free = [r[0] for r in run(decoder, prompts, limits=limits)]
+    eos = [free[0][4], free[2][30], free[5][8]]
+    options = dict(limits=limits, eos=eos, stop_hit=lambda tokens: tokens[-2:] == free[8][5:7])
+    full = run(decoder, prompts, **options)
+    assert len({n for _, _, n, _ in full}) > 4 and any(s for *_, s in full)
+    for every in (1, 4, 16):
+        for rows in (1, 2, 5):
+            queued = run(decoder, prompts, max_rows=rows, read_every=every, **options)
+            for (tokens, logprobs, n, stopped), expected in zip(queued, full, strict=True):
+                assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])
+                assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)

@@ -105,3 +105,17 @@ def test_compiled_decode_matches_a_teacher_forced_forward():
         assert all(s.graph for s in engine._decoder.steps.values())
         assert engine._decoder.step_forward is not engine._decoder.forward
         assert_teacher_forced(samples, policy_of(engine), greedy=True)
+
+
+def test_continuous_batching_under_graphs_gives_what_one_batch_gives(engine):
+    settings = SamplingSettings(n=3, max_tokens=30, seed=2)
+    full = engine.generate(PROMPTS, settings)
+    engine.max_batch_size = 2  # rows leave and queued ones take them, in the 2-row graph
+    try:
+        queued = engine.generate(PROMPTS, settings)
+    finally:
+        engine.max_batch_size = 256
+    assert [s.token_ids for s in queued] == [s.token_ids for s in full]
+    for a, b in zip(queued, full, strict=True):
+        assert a.finish_reason == b.finish_reason
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)

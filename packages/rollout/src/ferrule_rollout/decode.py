@@ -92,8 +92,8 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
 class SlabCache:
     """The KV cache as HF attention layers see it (`update`): per layer one flat buffer, viewed
     as [rows, kv heads, slots, head dim] for each call, allocated once and grown when a call
-    needs more. `update` writes at `slots` (a device tensor), so a captured graph writes wherever
-    the decode has got to when it replays."""
+    needs more. Each row has its own next slot (device tensors), so a captured graph writes
+    wherever each row has got to when it replays, and a row can restart while others run."""
 
     def __init__(self, config, dtype, device):
         heads = config.num_attention_heads
@@ -101,7 +101,8 @@ class SlabCache:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.dtype, self.device = dtype, device
-        self.buffers, self.keys, self.values, self.slots = [], [], [], None
+        self.buffers, self.keys, self.values = [], [], []
+        self.rows = self.slots = None  # where `update` writes: set before each forward
 
     def reserve(self, rows: int, length: int) -> bool:
         """View the buffers as `rows` x `length` slots; True when they had to be reallocated."""
@@ -119,15 +120,23 @@ class SlabCache:
         return grew
 
     def update(self, key, value, layer_idx: int, *args, **kwargs):
-        keys, values = (t[layer_idx][: key.shape[0]] for t in (self.keys, self.values))
+        """Decode (`rows` None): row r writes its one token at slots[r]. Prefill: rows `rows`
+        write their tokens at the shared `slots`, and attend to their rows of the slab."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
         if key.shape[1] != self.kv_heads or key.shape[-1] != self.head_dim:
             raise RuntimeError(
                 f"layer {layer_idx} gives keys of shape {tuple(key.shape)}; the slab expected "
                 f"{self.kv_heads} heads of size {self.head_dim} (from the model's config)"
             )
-        keys.index_copy_(2, self.slots, key)
-        values.index_copy_(2, self.slots, value)
-        return keys, values
+        if self.rows is None:
+            every = torch.arange(key.shape[0], device=key.device)
+            keys[every, :, self.slots] = key[:, :, 0]
+            values[every, :, self.slots] = value[:, :, 0]
+            return keys, values
+        rows, slots = self.rows[:, None], self.slots[None, :]
+        keys[rows, :, slots] = key.transpose(1, 2)
+        values[rows, :, slots] = value.transpose(1, 2)
+        return keys[self.rows], values[self.rows]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never asked for positions: the caller passes position_ids
@@ -142,13 +151,15 @@ class Step:
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.pad_ok = torch.zeros((rows, length), dtype=torch.bool, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next one
+        self.last = length - 1  # rows past their end (idle) stay here: in range, seen by none
+        self.last_position = min(length, decoder.max_positions or length) - 1
         self.graph = self.logits = None
 
     def _run(self):
         logits = self.decoder.step_forward(self.ids, self.positions, self.pad_ok, self.slot)
-        self.positions += 1
-        self.slot += 1
+        self.positions.add_(1).clamp_(max=self.last_position)
+        self.slot.add_(1).clamp_(max=self.last)
         return logits
 
     def capture(self, pool) -> None:
@@ -163,7 +174,7 @@ class Step:
             self.logits = self._run()
 
     def run(self, ids):
-        """The logits after feeding `ids` ([rows]) at the current slot; advances one slot."""
+        """The logits after feeding `ids` ([rows]) at each row's slot; advances each one."""
         self.ids.copy_(ids[:, None])
         if self.graph is None:
             return self._run()
@@ -185,7 +196,9 @@ class Decoder:
         self.model = model
         first = next(model.parameters())
         self.device = first.device
-        self.cache = SlabCache(model.config.get_text_config(), first.dtype, self.device)
+        config = model.config.get_text_config()
+        self.cache = SlabCache(config, first.dtype, self.device)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
         self.float_mask, self.mask_dtype = float_mask, first.dtype
         self.extra = {"logits_to_keep": 1} if keep_last else {}
         self.use_graphs = self.device.type == "cuda"
@@ -202,16 +215,18 @@ class Decoder:
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
         self.pool = self.step_forward = None
 
-    def forward(self, ids, positions, pad_ok, slots):
-        """Logits of the last position; `slots` (device) are where these tokens' keys go."""
+    def forward(self, ids, positions, pad_ok, slots, rows=None):
+        """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
+        slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs)."""
         where = torch.arange(pad_ok.shape[1], device=self.device)
-        keep = (pad_ok[:, None, :] & (where <= slots[:, None])) | (where == slots[:, None])
+        query = slots[:, None] if rows is None else slots[None, :]  # [rows or 1, tokens]
+        keep = (pad_ok[:, None, :] & (where <= query[..., None])) | (where == query[..., None])
         mask = keep[:, None]  # [rows, 1, tokens, slots]; a pad token sees itself (no NaN rows)
         if self.float_mask:
             low = torch.finfo(self.mask_dtype).min
             mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
             mask.masked_fill_(~keep[:, None], low)
-        self.cache.slots = slots
+        self.cache.rows, self.cache.slots = rows, slots
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -249,96 +264,181 @@ class Decoder:
         eos: list[int] | None,
         stop_hit=None,
         read_every: int = READ_EVERY,
+        max_rows: int | None = None,
     ):
-        """Sample up to limits[r] tokens after prompts[r]; returns per row (tokens, logprobs,
-        length, stopped). `eos`: tokens that end a row (None: ignore EOS). `stop_hit(tokens)`:
-        checked on the host after each new token, at reads every `read_every` steps."""
-        rows, width, steps = len(prompts), max(map(len, prompts)), max(limits)
-        batch = bucket(rows) if self.use_graphs else rows
-        length = -(-(width + steps - 1) // SLOT_ALIGN) * SLOT_ALIGN
+        """Sample up to limits[r] tokens after prompts[r]; returns per prompt (tokens, logprobs,
+        length, stopped). At most `max_rows` run at once: at each host read (every
+        `read_every` steps) finished rows leave and queued prompts take their rows. `eos`:
+        tokens that end a row (None: ignore EOS). `stop_hit(tokens)`: checked on the host after
+        each new token, at those reads."""
+        count, widest = len(prompts), max(map(len, prompts))
+        running = min(count, max_rows or count)
+        batch = bucket(running) if self.use_graphs else running
+        length = -(-(widest + max(limits) - 1) // SLOT_ALIGN) * SLOT_ALIGN
+        state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
         with torch.inference_mode():
-            step = self._step(batch, length)
-            ids = torch.full((rows, width), pad, dtype=torch.long)
-            positions = torch.zeros((rows, width), dtype=torch.long)
-            pad_ok = torch.zeros((batch, length), dtype=torch.bool)  # extra rows see themselves
-            for r, prompt in enumerate(prompts):  # left padding: every row's next token is last
-                ids[r, width - len(prompt) :] = torch.tensor(prompt)
-                positions[r, width - len(prompt) :] = torch.arange(len(prompt))
-                pad_ok[r, width - len(prompt) :] = True
-            dev = self.device
-            step.pad_ok.copy_(pad_ok)
-            logits = self._prefill(prompts, ids, positions, step.pad_ok[:rows])
-            lengths = torch.tensor([len(p) for p in prompts] + [0] * (batch - rows))
-            step.positions.copy_(lengths[:, None])
-            step.slot.fill_(width)
-            u = uniforms(list(keys) + [0] * (batch - rows), steps).to(dev)
-            ends = torch.tensor(limits + [0] * (batch - rows), device=dev)  # length of each row
-            eos_ids = None if eos is None else torch.tensor(eos, dtype=torch.long, device=dev)
-            tokens = torch.zeros((batch, steps), dtype=torch.long, device=dev)
-            logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=dev)
-            host = [[] for _ in range(rows)]  # tokens seen by stop_hit
-            stops: dict[int, int] = {}  # row -> length at its stop string
-            read, chosen = 0, None
-            for t in range(steps):
-                if t:
-                    logits = step.run(chosen)
-                elif batch > rows:
-                    logits = torch.cat([logits, logits.new_zeros(batch - rows, logits.shape[1])])
-                chosen, logprob = sample(logits, temperature, top_k, top_p, u[:, t])
-                tokens[:, t], logprobs[:, t] = chosen, logprob
-                if eos_ids is not None:
-                    ends = torch.where(torch.isin(chosen, eos_ids), ends.clamp(max=t + 1), ends)
-                if (t + 1) % read_every and t + 1 < steps:
-                    continue
-                if stop_hit is not None:
-                    self._check_stops(tokens[:rows, read : t + 1], ends, host, stops, stop_hit)
-                read = t + 1
-                if bool((ends <= t + 1).all()):
+            state.step = self._step(batch, length)
+            state.step.pad_ok.zero_()  # rows not taken see only themselves
+            state.step.positions.zero_()
+            state.step.slot.zero_()
+            sampling = (temperature, top_k, top_p)
+            state.fill(0, sampling)
+            t = 0
+            while True:
+                due = (t + 1) % read_every == 0 or t + 1 >= state.horizon
+                if due and not state.read(t, sampling):
                     break
-            ends, tokens, logprobs = ends[:rows].tolist(), tokens[:rows], logprobs[:rows]
-            tokens, logprobs = tokens[:, : max(ends)].tolist(), logprobs[:, : max(ends)].tolist()
-        eos_set = set(eos or ())
-        out = []
-        for r in range(rows):
-            n = ends[r]
-            stopped = n < limits[r] or stops.get(r) == n or (n > 0 and tokens[r][n - 1] in eos_set)
-            out.append((tokens[r][:n], logprobs[r][:n], n, stopped))
-        return out
+                t += 1
+                state.grow(t + 1)
+                logits = state.step.run(state.chosen)
+                chosen, logprob = sample(logits, *sampling, state.u[:, t])
+                state.record(t, chosen, logprob)
+        return state.results
 
-    def _prefill(self, prompts, ids, positions, pad_ok):
-        """The prompts' forward into slots [0, width) of the slab, each distinct prompt once
-        (the n samples of a prompt share it: its rows of the slab are copies); last logits."""
-        index: dict[tuple, int] = {}  # a distinct prompt -> its row among the prefilled
+
+class _Rows:
+    """One `Decoder.generate` call's bookkeeping: the prompt each slab row holds and since which
+    step, every row's tokens by step, the prompts waiting for a row."""
+
+    def __init__(self, decoder, prompts, limits, keys, pad, batch, running, length, eos, stop_hit):
+        dev = self.device = decoder.device
+        self.decoder, self.prompts, self.limits, self.keys = decoder, prompts, limits, keys
+        self.pad, self.running, self.length, self.stop_hit = pad, running, length, stop_hit
+        self.step = None
+        self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
+        self.holder = [-1] * batch  # the prompt each row holds (-1: none)
+        self.start = [0] * batch  # the step of its first token
+        self.walked = [0] * batch  # stop strings: its next step to walk on the host
+        self.seen: list[list[int]] = [[] for _ in range(batch)]  # its tokens, for stop_hit
+        self.stops: dict[int, int] = {}  # row -> its length at a stop string
+        self.horizon = 0  # no row runs past this step
+        self.results: list = [None] * len(prompts)
+        self.ends = torch.zeros(batch, dtype=torch.long, device=dev)  # the step a row ends at
+        self.chosen = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.eos = None if eos is None else torch.tensor(eos, dtype=torch.long, device=dev)
+        self.eos_set = set(eos or ())
+        self.tokens = torch.zeros((batch, 0), dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros((batch, 0), dtype=torch.float32, device=dev)
+        self.u = torch.zeros((batch, 0), dtype=torch.float64, device=dev)
+
+    def grow(self, steps: int) -> None:
+        """Room for `steps` steps in the by-step tables (doubling)."""
+        have = self.tokens.shape[1]
+        if have < steps:
+            more = max(steps, 2 * have) - have
+            self.tokens, self.logprobs, self.u = (
+                torch.cat([t, t.new_zeros(t.shape[0], more)], dim=1)
+                for t in (self.tokens, self.logprobs, self.u)
+            )
+
+    def record(self, t: int, chosen, logprob) -> None:
+        self.tokens[:, t], self.logprobs[:, t], self.chosen = chosen, logprob, chosen
+        if self.eos is not None:
+            self.ends = torch.where(
+                torch.isin(chosen, self.eos), self.ends.clamp(max=t + 1), self.ends
+            )
+
+    def fill(self, t: int, sampling) -> None:
+        """Free rows take queued prompts: their prefill, and their first token as step t."""
+        free = [r for r, held in enumerate(self.holder) if held < 0]
+        taking = min(len(free), len(self.queue), self.running - len(self.holder) + len(free))
+        if taking <= 0:
+            return
+        rows, taken = free[:taking], [self.queue.pop() for _ in range(taking)]
+        group = [self.prompts[i] for i in taken]
+        width, dev = max(map(len, group)), self.device
+        ids = torch.full((taking, width), self.pad, dtype=torch.long)
+        positions = torch.zeros((taking, width), dtype=torch.long)
+        pad_ok = torch.zeros((taking, self.length), dtype=torch.bool)
+        for k, prompt in enumerate(group):  # left padding: every row's next token is last
+            ids[k, width - len(prompt) :] = torch.tensor(prompt)
+            positions[k, width - len(prompt) :] = torch.arange(len(prompt))
+            pad_ok[k, width - len(prompt) :] = True
+        at = torch.tensor(rows, device=dev)
+        self.step.pad_ok[at] = pad_ok = pad_ok.to(dev)
+        logits = self.prefill(group, ids, positions, pad_ok, at)
+        limits = [self.limits[i] for i in taken]
+        self.grow(t + max(limits) + 1)
+        draws = uniforms([self.keys[i] for i in taken], max(limits)).to(dev)
+        self.u[at, t : t + max(limits)] = draws
+        first, logprob = sample(logits, *sampling, draws[:, 0])
+        self.tokens[at, t], self.logprobs[at, t], self.chosen[at] = first, logprob, first
+        ends = torch.tensor([t + n for n in limits], device=dev)
+        if self.eos is not None:
+            ends = torch.where(torch.isin(first, self.eos), ends.clamp(max=t + 1), ends)
+        self.ends[at] = ends
+        self.step.positions[at] = torch.tensor([[len(p)] for p in group], device=dev)
+        self.step.slot[at] = width
+        for r, i in zip(rows, taken, strict=True):
+            self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, []
+            self.stops.pop(r, None)
+        self.horizon = max(self.horizon, t + max(limits))
+
+    def prefill(self, group, ids, positions, pad_ok, at):
+        """The group's forward into slots [0, width) of rows `at`, each distinct prompt once
+        (the n samples of a prompt share it: its other rows get copies); last logits."""
+        index: dict[tuple, int] = {}  # a distinct prompt -> its place among the prefilled
         firsts, where = [], []
-        for r, prompt in enumerate(prompts):
+        for k, prompt in enumerate(group):
             if tuple(prompt) not in index:
                 index[tuple(prompt)] = len(firsts)
-                firsts.append(r)
+                firsts.append(k)
             where.append(index[tuple(prompt)])
-        once, width, dev = torch.tensor(firsts), ids.shape[1], self.device
-        slots = torch.arange(width, device=dev)
-        logits = self.forward(
-            ids[once].to(dev), positions[once].to(dev), pad_ok[once.to(dev)], slots
+        dev, width = self.device, ids.shape[1]
+        once = torch.tensor(firsts, device=dev)
+        logits = self.decoder.forward(
+            ids.to(dev)[once],
+            positions.to(dev)[once],
+            pad_ok[once],
+            torch.arange(width, device=dev),
+            rows=at[once],
         )
-        if len(firsts) == len(prompts):
+        if len(firsts) == len(group):
             return logits
-        # each row of the slab takes the keys and values of its prompt's prefilled row
         where = torch.tensor(where, device=dev)
-        for layer in (*self.cache.keys, *self.cache.values):
-            layer[: len(prompts), :, :width] = layer[: len(firsts), :, :width][where]
+        source = at[once][where]  # the row that holds each one's prompt
+        for layer in (*self.decoder.cache.keys, *self.decoder.cache.values):
+            layer[at, :, :width] = layer[source, :, :width]
         return logits[where]
 
-    @staticmethod
-    def _check_stops(new, ends, host, stops, stop_hit) -> None:
-        """Walk each running row's new tokens on the host; a stop string ends the row there."""
-        limits, found = ends[: len(host)].tolist(), {}
-        for r, row in enumerate(new.tolist()):
-            for token in row:
-                if r in stops or len(host[r]) >= limits[r]:
+    def read(self, t: int, sampling) -> bool:
+        """After step t: stop strings, finished rows out, queued prompts in; False once all
+        prompts are done."""
+        ends = self.ends.tolist()
+        held = [r for r, i in enumerate(self.holder) if i >= 0]
+        if self.stop_hit is not None and held:
+            self.walk(t, held, ends)
+        done = [r for r in held if ends[r] <= t + 1]
+        if done:
+            at = torch.tensor(done, device=self.device)
+            tokens, logprobs = (
+                self.tokens[at, : t + 1].tolist(),
+                self.logprobs[at, : t + 1].tolist(),
+            )
+            for r, row, values in zip(done, tokens, logprobs, strict=True):
+                i, start, n = self.holder[r], self.start[r], ends[r] - self.start[r]
+                row, values = row[start : ends[r]], values[start : ends[r]]
+                stopped = n < self.limits[i] or self.stops.get(r) == n or row[-1] in self.eos_set
+                self.results[i] = (row, values, n, stopped)
+                self.holder[r] = -1
+        if self.queue:
+            self.fill(t, sampling)
+        return any(i >= 0 for i in self.holder)
+
+    def walk(self, t: int, held: list[int], ends: list[int]) -> None:
+        """Each running row's new tokens through stop_hit; a stop string ends the row there."""
+        first = min(self.walked[r] for r in held)
+        new, found = self.tokens[:, first : t + 1].tolist(), {}
+        for r in held:
+            for step in range(self.walked[r], t + 1):
+                if r in self.stops or step >= ends[r]:
                     break
-                host[r].append(token)
-                if stop_hit(host[r]):
-                    stops[r] = found[r] = len(host[r])
+                self.seen[r].append(new[r][step - first])
+                if self.stop_hit(self.seen[r]):
+                    self.stops[r], found[r] = step + 1 - self.start[r], step + 1
+            self.walked[r] = t + 1
         if found:
-            index = torch.tensor(list(found), device=ends.device)
-            ends[index] = torch.minimum(ends[index], torch.tensor(list(found.values())).to(ends))
+            for r, end in found.items():
+                ends[r] = min(ends[r], end)
+            at = torch.tensor(list(found), device=self.device)
+            self.ends[at] = torch.tensor([ends[r] for r in found], device=self.device)

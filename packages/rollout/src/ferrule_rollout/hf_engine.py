@@ -206,12 +206,7 @@ class TransformersEngine:
             self._running += len(rows)
         try:
             with self._model_lock:
-                step = self.max_batch_size
-                return [
-                    sample
-                    for start in range(0, len(rows), step)
-                    for sample in self._generate(checked, rows[start : start + step], settings)
-                ]
+                return self._generate(checked, rows, settings)
         finally:
             with self._cv:
                 self._running -= len(rows)
@@ -260,6 +255,7 @@ class TransformersEngine:
             top_p=settings.top_p,
             eos=None if settings.ignore_eos else sorted(self._eos),
             stop_hit=stop_hit if stops else None,
+            max_rows=self.max_batch_size,
         )
         samples = []
         for (p, i), prompt, (token_ids, logprobs, _, stopped) in zip(
