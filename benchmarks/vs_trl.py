@@ -72,7 +72,7 @@ def trl_side(steps: int, out: Path) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from ferrule_launcher.config import load_config
-    from ferrule_launcher.task import make_prompts
+    from ferrule_launcher.data import make_prompts
     from ferrule_rewards.builtin import char_match, exact_text
 
     config = load_config(EXAMPLE, {})

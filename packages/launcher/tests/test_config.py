@@ -218,6 +218,11 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[trainer]\nratio_level = 'group'\n",
             "[trainer] ratio_level: Input should be 'token' or 'sequence'",
         ),
+        (  # GSPO matches OpenRLHF's and verl's only per sequence: the mix is refused, both named
+            "[trainer]\nratio_level = 'sequence'\nagg_mode = 'token-mean'\n",
+            '[trainer] agg_mode: ratio_level = "sequence" (GSPO) is defined with agg_mode = '
+            "\"seq-mean-token-mean\" (its default); got 'token-mean'",
+        ),
         (
             "[rewards]\nfunction = 'ferrule_rewards.builtin:exact_text'\nmax_failed_fraction = 1.5\n",
             "[rewards] max_failed_fraction: Input should be less than or equal to 1",

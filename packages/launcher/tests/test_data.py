@@ -9,13 +9,13 @@ import pytest
 
 from ferrule_launcher.config import SourceConfig, TaskConfig
 from ferrule_launcher.data import DataError, DataPrompts, Source, read_rows
-from ferrule_launcher.task import Prompt
+from ferrule_launcher.task import Problem
 
 TOKENIZER = str(Path(__file__).parents[3] / "examples" / "tiny" / "model")
 
 
 def source(name: str, size: int, weight: float = 1.0) -> Source:
-    rows = [Prompt(f"{name}-{i}", str(i), name) for i in range(size)]
+    rows = [Problem(f"{name}-{i}", str(i), name) for i in range(size)]
     return Source(name, weight, rows, rows[:2])
 
 
@@ -103,8 +103,8 @@ def test_jsonl_parquet_and_saved_datasets_read_the_same(tmp_path):
         tmp_path, {"path": tmp_path / "dict", "eval_path": jsonl, "eval_split": "x", **keys}
     )
     expected = [
-        Prompt("What is 2 + 3?", "5", "easy", (("level", "1"), ("tag", "add"))),
-        Prompt("What is 7 * 6?", "42", "arith", (("level", "2"), ("tag", "mul"))),
+        Problem("What is 2 + 3?", "5", "easy", (("level", "1"), ("tag", "add"))),
+        Problem("What is 7 * 6?", "42", "arith", (("level", "2"), ("tag", "mul"))),
     ]
     for name, prompts in loaded.items():
         assert prompts.sources[0].train == expected, name

@@ -1,7 +1,8 @@
 """Calls into the run's Ray actors, with failures that name the role: RunError, get, RankGroup.
 
-    refs = RankGroup(workers).shard("train_epochs", batch, epochs=1)     # a shard per rank
-    metrics = get(refs, "policy")                                         # RunError names it
+    group = RankGroup(workers, "policy")       # ferrule-trainer's step.Ranks, over Ray actors
+    metrics = group.train_epochs(batch, epochs=1)()       # a shard per rank; RunError names it
+    metrics = get(refs, "policy")                         # any call's refs, the role named
 
 A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
 "policy (weight sync sender)") and the first useful line of the remote error, so that the user
@@ -92,22 +93,97 @@ def _first_line(err) -> str:
 
 
 class RankGroup:
-    """The data-parallel ranks of the policy, the reference or the critic (one Ray actor each),
-    driven as one: a batch is split into equal contiguous shards, one per rank."""
+    """The data-parallel ranks of the policy, the reference or the critic (one Ray actor each,
+    `roles.RankWorker`), driven as one: ferrule-trainer's `step.Ranks`. A batch is split into
+    equal contiguous shards, one per rank; each call returns a `Pending` that waits for every
+    rank, so the step runs the groups' passes at the same time. The collectives (checkpoints,
+    exports, offloading) return each rank's ref, for the caller to wait on with its own name."""
 
-    def __init__(self, workers: list):
-        self.workers = workers
+    def __init__(self, workers: list, role: str):
+        self.workers, self.role = workers, role
 
-    def shard(self, method: str, batch: dict, **options) -> list:
-        """Refs of `method(shard, **options)` on every rank, each with its share of `batch`."""
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    def _shards(self, batch: dict) -> list:
         from ferrule_trainer.rl import split
 
-        shards = split(batch, batch["input_ids"].shape[0] // len(self.workers))
-        return [
-            getattr(w, method).remote(s, **options)
-            for w, s in zip(self.workers, shards, strict=True)
-        ]
+        return split(batch, batch["input_ids"].shape[0] // self.size)
 
-    def call(self, method: str, *args) -> list:
-        """Refs of `method(*args)` on every rank (collectives: checkpoints, exports)."""
-        return [getattr(w, method).remote(*args) for w in self.workers]
+    def _joined(self, refs: list):
+        def wait():
+            import torch
+
+            return torch.cat(get(refs, self.role))
+
+        return wait
+
+    def _first(self, refs: list):  # training metrics are global: rank 0's stand for all
+        return lambda: get(refs, self.role)[0]
+
+    def logprobs(self, batch: dict, micro_batch_size: int, temperature: float | None = None):
+        return self._joined(
+            [
+                w.logprobs.remote(shard, micro_batch_size, temperature)
+                for w, shard in zip(self.workers, self._shards(batch), strict=True)
+            ]
+        )
+
+    def values(self, batch: dict, micro_batch_size: int):
+        return self._joined(
+            [
+                w.values.remote(shard, micro_batch_size)
+                for w, shard in zip(self.workers, self._shards(batch), strict=True)
+            ]
+        )
+
+    def train_epochs(self, batch: dict, **options):
+        return self._first(
+            [
+                w.train_epochs.remote(shard, **options)
+                for w, shard in zip(self.workers, self._shards(batch), strict=True)
+            ]
+        )
+
+    def likelihood_epochs(self, batch: dict, **options):
+        return self._first(
+            [
+                w.likelihood_epochs.remote(shard, **options)
+                for w, shard in zip(self.workers, self._shards(batch), strict=True)
+            ]
+        )
+
+    def preference_epochs(self, batch: dict, **options):
+        return self._first(
+            [
+                w.preference_epochs.remote(shard, **options)
+                for w, shard in zip(self.workers, self._shards(batch), strict=True)
+            ]
+        )
+
+    # -- collectives: every rank takes part ------------------------------------------------
+
+    def send_weights(self, version: int) -> list:
+        return [w.send_weights.remote(version) for w in self.workers]
+
+    def save(self, directory: str, step: int) -> list:
+        return [w.save.remote(directory, step) for w in self.workers]
+
+    def load(self, directory: str, step: int) -> list:
+        return [w.load.remote(directory, step) for w in self.workers]
+
+    def save_hf(self, path: str) -> list:
+        return [w.save_hf.remote(path) for w in self.workers]
+
+    def weights_digest(self) -> list:
+        return [w.weights_digest.remote() for w in self.workers]
+
+    def weights_pushed(self) -> list:
+        return [w.weights_pushed.remote() for w in self.workers]
+
+    def offload(self) -> list:
+        return [w.offload.remote() for w in self.workers]
+
+    def reload(self) -> list:
+        return [w.reload.remote() for w in self.workers]

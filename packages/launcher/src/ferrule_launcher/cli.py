@@ -61,7 +61,7 @@ def parse_overrides(items: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from ferrule_launcher.config import ConfigError, describe, load_config
-    from ferrule_launcher.task import make_prompts
+    from ferrule_launcher.data import make_prompts
 
     args = parse_args(argv)
     try:

@@ -1,5 +1,6 @@
 """Prompt datasets of a run: files of your own, mixed, in epochs, resumable mid-epoch exactly.
 
+    prompts = make_prompts(config)            # the run's: SyntheticPrompts, or DataPrompts for "data"
     prompts = DataPrompts.load(config.task, tokenizer_path, max_prompt_tokens=250, seed=0)
     prompts.held_out                          # every source's evaluation prompts
     batch = prompts.draw(step=7, draw=0, count=16)
@@ -31,7 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferrule_launcher.task import Prompt
+from ferrule_launcher.task import Problem, SyntheticPrompts
 
 BLOCK = 4096  # positions of the mixed stream whose sources are drawn at once
 
@@ -81,8 +82,8 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
     return saved.to_list()
 
 
-def prompts_of(rows: list[dict], where: str, source, tokenizer=None) -> list[Prompt]:
-    """Prompt objects of a source's rows ([[task.sources]] entry `source`); an error names
+def prompts_of(rows: list[dict], where: str, source, tokenizer=None) -> list[Problem]:
+    """Problem objects of a source's rows ([[task.sources]] entry `source`); an error names
     the file, the row and the key. A prompt may be chat messages, rendered with `tokenizer`'s
     chat template (ferrule-trainer's chat.py, as every entry point renders them)."""
     from ferrule_trainer.chat import prompt_text
@@ -108,7 +109,7 @@ def prompts_of(rows: list[dict], where: str, source, tokenizer=None) -> list[Pro
             )
         name = row.get(source.source_key)
         prompts.append(
-            Prompt(
+            Problem(
                 text,
                 "" if label is None else label if isinstance(label, str) else json.dumps(label),
                 name if isinstance(name, str) and name else source.name,
@@ -127,8 +128,8 @@ def _as_text(value) -> str:
 class Source:
     name: str
     weight: float
-    train: list[Prompt]
-    held_out: list[Prompt]
+    train: list[Problem]
+    held_out: list[Problem]
     dropped: dict[str, int] = field(default_factory=dict)  # {"train": n, "held_out": n}
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (a few Sources per process; the recent epochs)
@@ -138,7 +139,7 @@ class Source:
         random.Random(f"epoch-{seed}-{self.name}-{epoch}").shuffle(order)
         return order
 
-    def row(self, k: int, seed: int) -> Prompt:
+    def row(self, k: int, seed: int) -> Problem:
         """The source's k-th prompt in training order."""
         epoch, offset = divmod(k, len(self.train))
         return self.train[self.order(epoch, seed)[offset]]
@@ -195,7 +196,7 @@ class DataPrompts:
             )
         return cls(sources, seed)
 
-    def draw(self, step: int, draw: int, count: int) -> list[Prompt]:
+    def draw(self, step: int, draw: int, count: int) -> list[Problem]:
         """The `count` prompts of draw `draw` of `step` (steps count from 1)."""
         if draw > 0:  # replacements: a stream of their own, at random
             rng = random.Random(f"replace-{self.seed}-{step}-{draw}")
@@ -259,3 +260,13 @@ class DataPrompts:
         for source in self._block(b)[:offset]:
             counts[source] += 1
         return counts
+
+
+def make_prompts(config):
+    """The prompts of a run: SyntheticPrompts, or data.DataPrompts for name = "data" (lengths
+    counted with [model] path's tokenizer, which the warm start keeps)."""
+    task, seed = config.task, config.task.seed + config.loop.seed
+    if task.name != "data":
+        return SyntheticPrompts(task, seed)
+    limit = task.max_prompt_tokens or config.rollout.max_model_len - config.rollout.max_tokens
+    return DataPrompts.load(task, str(config.model.path), limit, seed)

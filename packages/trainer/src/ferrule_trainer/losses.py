@@ -68,6 +68,11 @@ def policy_loss(
     s = exp(mean_t log r_t), clipped as a whole, in the GSPO-token form
     s_t = sg[s] pi(a_t) / sg[pi(a_t)]: the value is s, the gradient s grad log pi(a_t). One
     token's noise no longer decides a clip; the paper's clip ranges are ~3e-4 / 4e-4, not 0.2.
+    It is a per-sequence objective: with agg_mode "seq-mean-token-mean" (what [trainer]
+    ratio_level = "sequence" brings) it agrees with OpenRLHF's and verl's GSPO exactly. Every
+    log-ratio, a sequence's mean included, is clamped to +-_MAX_LOG_RATIO before exp, so that
+    one far-off sequence cannot overflow the loss; OpenRLHF clamps none and verl only from
+    above (at +10): they agree with this one wherever |mean log-ratio| <= 10.
     """
     check_per_token(
         mask,

@@ -1,0 +1,249 @@
+"""Scored rollout batches: generation (or multi-turn episodes) on the engines, the reward
+server's scores, the RL step's shaping and group filter, the batch's metrics; and the held-out
+evaluation, which plays and scores the same way.
+
+    rollouts = Rollouts(config, engines, rewards, prompts, step)   # step: ferrule-trainer RLStep
+    batch = rollouts.batch(5)                # a Rollout: the kept groups' samples and scores
+    report, shown = rollouts.evaluate(5)     # mean reward, pass@k, accuracy; sample rows
+"""
+
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ferrule_launcher import evaluation
+from ferrule_launcher.calls import RunError
+from ferrule_launcher.config import Config
+from ferrule_launcher.engines import Engines
+from ferrule_launcher.task import Problem, accuracy
+
+
+@dataclass
+class Rollout:
+    step: int
+    problems: list = field(default_factory=list)  # the kept prompt groups', in order
+    samples: list = field(default_factory=list)  # theirs, samples_per_prompt per problem
+    scores: list = field(default_factory=list)  # theirs, shaped (what the step trains on)
+    metrics: dict = field(default_factory=dict)  # over every sample drawn, the dropped included
+    seconds_generate: float = 0.0
+    seconds_score: float = 0.0
+
+
+class Rollouts:
+    def __init__(self, config: Config, engines: Engines, rewards, prompts, step):
+        """rewards: the reward server's client (None: the environment scores); prompts:
+        data.make_prompts; step: the RL step (`shape`, `keep`)."""
+        self.config, self.engines, self.rewards, self.step = config, engines, rewards, step
+        self.prompts, self.held_out = prompts, prompts.held_out
+        self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
+
+    def generate(self, prompts: list[str], temperature: float, n: int) -> list:
+        """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
+        return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
+
+    def play(self, problems: list[Problem], temperature: float, n: int) -> tuple[list, list | None]:
+        """`n` samples of each problem, in prompt then sample order: one generation each, or
+        with [environment] one multi-turn episode each (an Episode's `sample()`: the transcript
+        as the response, the environment's tokens masked), then also the episodes."""
+        environment = self.config.environment
+        if environment is None:
+            return self.generate([p.text for p in problems], temperature, n), None
+        settings = self.config.rollout.sampling(1, temperature)
+        episodes = self.engines.run_episodes(
+            [p for p in problems for _ in range(n)], settings, environment
+        )
+        return [e.sample() for e in episodes], episodes
+
+    def episode_scores(
+        self, problems: list[Problem], samples: list, episodes: list | None, n: int, step, where
+    ) -> tuple[list[float], Counter, dict]:
+        """Each sample's score before shaping, the reward server's failures by kind and its
+        first errors: the reward server's (single-turn runs; [environment] reward =
+        "reward_server"), the environment's (reward = "environment"), or both added ("sum").
+        A failed episode scores 0."""
+        environment = self.config.environment
+        scores, failed, first_errors = [0.0] * len(samples), Counter(), {}
+        if self.rewards is not None:
+            scored = self.score_samples(problems, samples, n, step, where)
+            self.rewards.report_new_failures(scored)
+            scores, failed, first_errors = list(scored.rewards), scored.failed, scored.first_errors
+        if episodes is not None:
+            with_environment = environment.reward != "reward_server"
+            for i, episode in enumerate(episodes):
+                if episode.failure is not None:
+                    scores[i] = 0.0
+                elif with_environment:
+                    scores[i] += episode.reward
+        return scores, Counter(failed), first_errors
+
+    def batch(self, step: int) -> Rollout:
+        """Generate and score a step's batch. With [loop] keep_group_mean, prompt groups whose
+        mean score is outside the range are dropped and new prompts drawn in their place, up to
+        [loop] max_draws draws in all (DAPO's dynamic sampling); the batch may then be short."""
+        c, n = self.config, self.config.rollout.samples_per_prompt
+        want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
+        rollout = Rollout(step)
+        drawn, drawn_scores, drawn_sources, failed, penalties, draws = [], [], [], Counter(), [], 0
+        drawn_episodes = []
+        while len(rollout.problems) < want and draws < c.loop.max_draws:
+            problems = self.prompts.draw(step, draws, want)
+            start = time.perf_counter()
+            samples, episodes = self.play(problems, c.rollout.temperature, n)
+            generated = time.perf_counter()
+            scores, failures, penalty = self.score(step, draws, problems, samples, episodes)
+            rollout.seconds_generate += generated - start
+            rollout.seconds_score += time.perf_counter() - generated
+            draws += 1
+            drawn += samples
+            drawn_episodes += episodes or []
+            drawn_scores += scores
+            drawn_sources += [p.source for p in problems for _ in range(n)]
+            failed.update(failures)
+            penalties += penalty
+            keep = self.step.keep(scores)
+            if episodes is not None:  # a failed episode is not trained on, nor is its group
+                keep = [
+                    g for g in keep if all(e.failure is None for e in episodes[g * n : (g + 1) * n])
+                ]
+            for g in keep[: want - len(rollout.problems)]:
+                rollout.problems.append(problems[g])
+                rollout.samples += samples[g * n : (g + 1) * n]
+                rollout.scores += scores[g * n : (g + 1) * n]
+        rollout.metrics = {
+            "reward": sum(drawn_scores) / len(drawn),
+            "reward/failed": sum(failed.values()),
+            **{f"reward/failed_{kind}": count for kind, count in failed.items()},
+            "response_length": sum(len(s.token_ids) for s in drawn) / len(drawn),
+            "tokens_per_s": sum(len(s.token_ids) for s in drawn)
+            / max(rollout.seconds_generate, 1e-9),
+            "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
+        }
+        rollout.metrics.update(_per_source(drawn_scores, drawn_sources))
+        if c.environment is not None:
+            rollout.metrics.update(_episode_metrics(drawn_episodes))
+        if c.trainer.overlong_buffer is not None:
+            rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
+        if c.loop.partial_rollout:
+            mixed = sum(len(s.versions) > 1 for s in drawn)
+            rollout.metrics["rollout/mixed_version_samples"] = mixed / len(drawn)
+        if bounds is not None:
+            rollout.metrics["filter/draws"] = draws
+            rollout.metrics["filter/kept_groups"] = len(rollout.problems)
+        return rollout
+
+    def score(
+        self, step: int, draw: int, problems: list, samples: list, episodes: list | None = None
+    ) -> tuple[list, Counter, list]:
+        """The shaped scores of one draw (`RLStep.shape`), its failures by kind, and each
+        sample's overlong penalty. Every sample goes with metadata the reward function may take: `step`, and a
+        `sample_id` unique to it ("<launch>/<step>/<draw>/<index>"; a new launch id after a
+        resume, whose repeated steps are new samples)."""
+        c, n = self.config, self.config.rollout.samples_per_prompt
+        scores, failed, first_errors = self.episode_scores(
+            problems, samples, episodes, n, step, f"{step}/{draw}"
+        )
+        if sum(failed.values()) / len(samples) > c.rewards.max_failed_fraction:
+            kinds = ", ".join(f"{k}: {v}" for k, v in sorted(failed.items()))
+            raise RunError(
+                f"step {step}: reward function {self.rewards.name} failed on "
+                f"{sum(failed.values())} of {len(samples)} samples ({kinds}), more than "
+                f"[rewards] max_failed_fraction = {c.rewards.max_failed_fraction:g}; first "
+                f"error: {next(iter(first_errors.values()))}"
+            )
+        if episodes is not None:
+            from ferrule_rollout.episodes import EpisodeFailuresError, check_failures
+
+            environment = c.environment
+            try:
+                check_failures(episodes, environment.name, environment.max_failed_fraction)
+            except EpisodeFailuresError as err:
+                raise RunError(f"step {step}: {err}") from None
+        scores, penalties = self.step.shape(samples, scores, max_tokens=c.rollout.max_tokens)
+        return scores, failed, penalties
+
+    def score_samples(
+        self, prompts: list[Problem], samples: list, n: int, step: int, where: str
+    ) -> object:
+        """The reward server's scores of `samples` (n per prompt, in order). Each sample's
+        metadata: the prompt's own, its `source`, the `step`, and a `sample_id` unique to it
+        ("<launch>/<where>/<index>")."""
+        return self.rewards.score(
+            [prompts[i // n].text for i in range(len(samples))],
+            [s.text for s in samples],
+            [prompts[i // n].label for i in range(len(samples))],
+            [
+                {
+                    **dict(prompts[i // n].metadata),
+                    "source": prompts[i // n].source,
+                    "step": str(step),
+                    "sample_id": f"{self.launch_id}/{where}/{i}",
+                }
+                for i in range(len(samples))
+            ],
+        )
+
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
+        """The held-out evaluation at `step`: [eval] samples per prompt at its temperature,
+        scored by the run's reward function: mean reward, pass@1 and pass@k (evaluation.py);
+        for the synthetic tasks also their own figure, greedy exact-match "accuracy". And the
+        first sample of the first [output] sample_rows prompts, for the logs' sample tables."""
+        e, held_out = self.config.eval, self.held_out
+        n, prompts = e.samples, [p.text for p in held_out]
+        samples, episodes = self.play(held_out, e.temperature, n)
+        rewards, failed, _ = self.episode_scores(
+            held_out, samples, episodes, n, step, f"eval{step}"
+        )
+        groups = [rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
+        sources = [p.source for p in held_out]
+        report = evaluation.summarize(groups, sources, e.pass_k, e.threshold)
+        report["reward_failed"] = sum(failed.values())
+        if episodes is not None:
+            report.update(_episode_metrics(episodes))
+        shown = [
+            {
+                "source": p.source,
+                "prompt": p.text,
+                "response": samples[i * n].text,
+                "label": p.label,
+                "reward": rewards[i * n],
+            }
+            for i, p in enumerate(held_out[: self.config.output.sample_rows])
+        ]
+        if episodes is not None:  # the greedy episodes' success: a score reaching the threshold
+            greedy, greedy_episodes = self.play(held_out, 0.0, 1)
+            scores, _, _ = self.episode_scores(
+                held_out, greedy, greedy_episodes, 1, step, f"eval{step}/greedy"
+            )
+            report["accuracy"] = sum(evaluation.succeeded(s, e.threshold) for s in scores) / len(
+                scores
+            )
+        elif self.config.task.name != "data":
+            greedy = self.generate(prompts, 0.0, 1)
+            report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
+        return report, shown
+
+
+def _episode_metrics(episodes: list) -> dict:
+    """Multi-turn figures over a batch of episodes: turns, the environment's reward, and the
+    failed ones, overall and by reason (episodes/failed_<reason>, zeros included)."""
+    from ferrule_rollout.episodes import failure_counts
+
+    count = max(len(episodes), 1)
+    by_reason = failure_counts(episodes)
+    return {
+        "episodes/turns": sum(e.turns for e in episodes) / count,
+        "episodes/env_reward": sum(e.reward for e in episodes) / count,
+        "episodes/failed": sum(by_reason.values()),
+        **{f"episodes/failed_{reason}": n for reason, n in by_reason.items()},
+    }
+
+
+def _per_source(scores: list[float], sources: list[str]) -> dict:
+    """Mean reward per source, "reward/<source>", when the samples come from more than one."""
+    by_source: dict[str, list[float]] = {}
+    for score, source in zip(scores, sources, strict=True):
+        by_source.setdefault(source, []).append(score)
+    if len(by_source) < 2:
+        return {}
+    return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(by_source.items())}

@@ -1,0 +1,313 @@
+"""The RL step, whole: a rollout batch (samples and their rewards) in, the policy and the critic
+trained, metrics out.
+
+    step = RLStep(trainer, critic, group_size=8, pad_id=0, policy=ranks, reference=ref_ranks)
+    scores, penalties = step.shape(samples, rewards, max_tokens=256)   # each draw's rewards
+    groups = step.keep(scores)          # the prompt groups DAPO's filter keeps (all without it)
+    metrics = step.train(5, samples, scores)                           # PPO epochs, or a recipe
+    saved = step.state(); step.restore(saved)                          # across a resume
+
+It owns what a step decides: score shaping (truncated and overlong responses), which prompt
+groups are trained (DAPO's filter, staleness, the ranks' multiple), the running reward moments,
+advantages by estimator, rollout correction, the adaptive KL coefficient, PPO epochs of the
+policy and the critic, and the recipes that train on ranked samples instead ([loop] algorithm:
+rejection sampling, iterative DPO). Whoever drives the run decides when; it reaches the model
+ranks only through `Ranks`: ferrule-launcher's Ray groups, or `LocalRanks` around an in-process
+`Actor` / `Critic` (the tests). Every call returns a `Pending`, so the policy's, the reference's
+and the critic's passes run at the same time where they live in different processes.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from ferrule_trainer import rl
+from ferrule_trainer.config import CriticConfig, TrainerConfig
+
+Pending = Callable[[], object]
+"""A call in flight: calling it waits for the result (and raises the callee's error)."""
+
+REL_TOL, ABS_TOL = 1e-9, 1e-12
+
+
+def reaches(reward: float, threshold: float) -> bool:
+    """Whether `reward` reaches `threshold`, within a rounding error (0.7 - 0.4 reaches 0.3)."""
+    return reward >= threshold or math.isclose(reward, threshold, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+
+
+class Ranks(Protocol):
+    """The data-parallel ranks of the policy, the reference or the critic, driven as one: a
+    batch is split into equal contiguous shards, one per rank, and the results put back in
+    order (log-probabilities, values) or, for training, the first rank's global metrics."""
+
+    size: int
+
+    def logprobs(
+        self, batch: rl.Batch, micro_batch_size: int, temperature: float | None = None
+    ) -> Pending: ...
+
+    def values(self, batch: rl.Batch, micro_batch_size: int) -> Pending: ...
+
+    def train_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+
+    def likelihood_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+
+    def preference_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+
+
+class LocalRanks:
+    """One in-process `Actor` or `Critic` as `Ranks` (a step without Ray: tests, notebooks)."""
+
+    size = 1
+
+    def __init__(self, model):
+        self.model = model
+
+    def logprobs(self, batch, micro_batch_size, temperature=None) -> Pending:
+        return _done(self.model.logprobs(batch, micro_batch_size, temperature))
+
+    def values(self, batch, micro_batch_size) -> Pending:
+        return _done(self.model.values(batch, micro_batch_size))
+
+    def train_epochs(self, batch, **options) -> Pending:
+        return _done(self.model.train_epochs(batch, **options))
+
+    def likelihood_epochs(self, batch, **options) -> Pending:
+        return _done(self.model.likelihood_epochs(batch, **options))
+
+    def preference_epochs(self, batch, **options) -> Pending:
+        return _done(self.model.preference_epochs(batch, **options))
+
+
+def _done(result) -> Pending:
+    return lambda: result
+
+
+class RLStep:
+    def __init__(
+        self,
+        trainer: TrainerConfig,
+        critic: CriticConfig | None,
+        *,
+        group_size: int,
+        pad_id: int,
+        policy: Ranks,
+        reference: Ranks | None = None,
+        critic_ranks: Ranks | None = None,
+        algorithm: str = "rl",
+        max_staleness: int = 0,
+        keep_group_mean: tuple[float, float] | None = None,
+        chosen_min_reward: float | None = None,
+        dpo_beta: float = 0.1,
+        dpo_nll_coef: float = 0.0,
+    ):
+        """trainer, critic: the [trainer] and [critic] tables. group_size: samples per prompt
+        (every batch is whole groups, in prompt then sample order). algorithm: "rl" (PPO
+        epochs with trainer.estimator), "rejection_sampling" or "iterative_dpo".
+        max_staleness: how many versions older than the last a sample may be."""
+        if algorithm not in ("rl", "rejection_sampling", "iterative_dpo"):
+            raise ValueError(f"unknown algorithm {algorithm!r}")
+        if (critic is None) != (critic_ranks is None):
+            raise ValueError("a critic needs both its [critic] table and its ranks")
+        self.trainer, self.critic = trainer, critic
+        self.group_size, self.pad_id = group_size, pad_id
+        self.policy, self.reference, self.critic_ranks = policy, reference, critic_ranks
+        self.algorithm, self.max_staleness = algorithm, max_staleness
+        self.keep_group_mean, self.chosen_min_reward = keep_group_mean, chosen_min_reward
+        self.dpo_beta, self.dpo_nll_coef = dpo_beta, dpo_nll_coef
+        # The state carried between steps ([trainer] kl_target, reward_norm = "running").
+        self.kl_coef = trainer.kl_coef
+        self.reward_moments = rl.RunningMoments()
+
+    def state(self) -> dict:
+        return {"kl_coef": self.kl_coef, "reward_moments": list(self.reward_moments)}
+
+    def restore(self, state: dict) -> None:
+        self.kl_coef = state.get("kl_coef", self.trainer.kl_coef)
+        self.reward_moments = rl.RunningMoments(*state.get("reward_moments", ()))
+
+    # -- before training: each draw's scores and groups --------------------------------------
+
+    def shape(
+        self, samples: Sequence, rewards: Sequence[float], *, max_tokens: int
+    ) -> tuple[list[float], list[float]]:
+        """The scores a step trains on, and each sample's overlong penalty: a truncated
+        response (finish_reason "length") scores [trainer] truncated_score when that is set;
+        the others get DAPO's overlong penalty when [trainer] overlong_buffer is set."""
+        t, scores = self.trainer, list(rewards)
+        penalties = [0.0] * len(samples)
+        if t.overlong_buffer is not None:
+            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            penalties = rl.overlong_penalty(
+                lengths, max_tokens=max_tokens, buffer=t.overlong_buffer, factor=t.overlong_penalty
+            ).tolist()
+        for i, sample in enumerate(samples):
+            if sample.finish_reason == "length" and t.truncated_score is not None:
+                scores[i] = t.truncated_score
+            else:
+                scores[i] += penalties[i]
+        return scores, penalties
+
+    def keep(self, scores: Sequence[float]) -> list[int]:
+        """The prompt groups to train on: with keep_group_mean = (low, high), those whose mean
+        score lies strictly between (DAPO's dynamic sampling, `rl.keep_groups`); all without."""
+        groups = len(scores) // self.group_size
+        if self.keep_group_mean is None:
+            return list(range(groups))
+        return rl.keep_groups(torch.tensor(scores), self.group_size, *self.keep_group_mean)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def train(
+        self,
+        step: int,
+        samples: Sequence,
+        scores: Sequence[float],
+        on_chosen: Callable[[list[int]], None] | None = None,
+    ) -> dict:
+        """Train on a rollout batch for RL step `step` (its samples come from policy versions
+        up to step - 1). on_chosen: rejection sampling hands it the indices of the samples it
+        trains on."""
+        if self.algorithm == "rejection_sampling":
+            return self._best_of_n(samples, scores, on_chosen)
+        if self.algorithm == "iterative_dpo":
+            return self._best_against_worst(samples, scores)
+        return self._ppo(step, samples, scores)
+
+    def _ppo(self, step: int, samples: Sequence, scores: Sequence[float]) -> dict:
+        """Reference / critic passes, advantages, PPO epochs of the policy and the critic."""
+        t, n = self.trainer, self.group_size
+        staleness = [step - 1 - s.version for s in samples]
+        fresh = [
+            g
+            for g in range(len(samples) // n)
+            if max(staleness[g * n : (g + 1) * n]) <= self.max_staleness
+        ]
+        groups = rl.trim_groups(fresh, n, t.batch_multiple(self.critic))
+        dropped = len(samples) // n - len(groups)
+        if not groups:
+            return {"dropped_stale_groups": dropped}
+        rows = [g * n + i for g in groups for i in range(n)]
+        samples = [samples[i] for i in rows]
+        shaped = torch.tensor([scores[i] for i in rows], dtype=torch.float32)
+        shaped, self.reward_moments = rl.shape_scores(
+            shaped, self.reward_moments, norm=t.reward_norm, clip=t.reward_clip
+        )
+        batch = rl.build_batch(samples, self.pad_id)
+        rows_per_pass = t.forward_batch_size or t.micro_batch_size
+        old = ref = values = None
+        pending = {}
+        if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
+            pending["old"] = self.policy.logprobs(batch, rows_per_pass)
+        if self.reference is not None:
+            pending["ref"] = self.reference.logprobs(batch, rows_per_pass)
+        if self.critic_ranks is not None:
+            pending["values"] = self.critic_ranks.values(batch, rows_per_pass)
+        done = {name: wait() for name, wait in pending.items()}
+        old, ref, values = done.get("old"), done.get("ref"), done.get("values")
+        advantages, returns = rl.estimate(
+            t.estimator,
+            shaped,
+            batch,
+            group_size=n,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            values=values,
+            turn_rewards=rl.turn_rewards(samples, batch),
+            **dict(t.estimate_options(), kl_coef=self.kl_coef),
+        )
+        rollout_lp = rl.rollout_logprobs(samples, batch)
+        loss = t.loss_options()
+        loss["kl_coef"] = self.kl_coef if loss["kl_coef"] else 0.0  # 0: the KL is in the reward
+        if old is None:  # on-policy: train_step reports vllm_kl and kl from its own forward
+            result = {}
+            policy = rl.policy_batch(batch, None, advantages, ref, loss["kl_coef"])
+            policy["rollout_logprobs"] = rollout_lp
+        else:
+            weights, result = rl.rollout_correction(
+                old, rollout_lp, batch, **t.correction_options()
+            )
+            policy = rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"], weights)
+        policy_done = self.policy.train_epochs(policy, **t.epoch_options(), **loss)
+        if self.critic_ranks is not None:
+            critic_done = self.critic_ranks.train_epochs(
+                rl.critic_batch(batch, values, returns),
+                **t.epoch_options(),
+                clip=self.critic.value_clip,
+            )
+            result.update({f"critic/{k}": v for k, v in critic_done().items()})
+        metrics = dict(policy_done())  # losses and norms are already global
+        if old is None:  # measured by the training forward, over every rank
+            result["vllm_kl"] = metrics.pop("vllm_kl")
+            if ref is not None:
+                result["kl"] = metrics.pop("kl")
+        elif ref is not None:
+            result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
+        result.update({f"train/{k}": v for k, v in metrics.items()})
+        result["approx_kl"] = metrics.get("approx_kl", 0.0)
+        if ref is not None:
+            result["kl_coef"] = self.kl_coef
+            if t.kl_target is not None:  # the coefficient for the next step
+                self.kl_coef = rl.adapt_kl_coef(
+                    self.kl_coef,
+                    result["kl"],
+                    target=t.kl_target,
+                    horizon=t.kl_horizon,
+                    samples=len(rows),
+                )
+        result["dropped_stale_groups"] = dropped
+        result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
+        return result
+
+    # -- the recipes -------------------------------------------------------------------------
+
+    def _ranked(self, scores: Sequence[float]) -> list[tuple[int, int]]:
+        """(best, worst) sample index of each prompt group by score, for the groups whose best
+        reaches chosen_min_reward."""
+        n, floor, found = self.group_size, self.chosen_min_reward, []
+        for g in range(len(scores) // n):
+            group = range(g * n, (g + 1) * n)
+            best = max(group, key=lambda i: scores[i])
+            if floor is None or reaches(scores[best], floor):
+                found.append((best, min(group, key=lambda i: scores[i])))
+        return found
+
+    def _best_of_n(self, samples, scores, on_chosen) -> dict:
+        """Rejection sampling: SFT on the best sample of each prompt (by score), [trainer]
+        epochs x mini_batches optimizer steps."""
+        best = [b for b, _ in self._ranked(scores)]
+        best = best[: len(best) - len(best) % self.policy.size]
+        if not best:
+            return {"train/chosen": 0}
+        if on_chosen is not None:
+            on_chosen(best)
+        batch = rl.build_batch([samples[i] for i in best], self.pad_id)
+        metrics = self.policy.likelihood_epochs(batch, **self.trainer.epoch_options())()
+        result = {f"train/{k}": v for k, v in metrics.items()}
+        result["train/chosen"] = len(best)
+        result["train/chosen_reward"] = sum(scores[i] for i in best) / len(best)
+        return result
+
+    def _best_against_worst(self, samples, scores) -> dict:
+        """Iterative DPO: each prompt's best and worst sample by score as a preference pair
+        (prompts whose samples all scored the same give none), [trainer] epochs x
+        mini_batches DPO optimizer steps against the reference (the starting model)."""
+        if self.reference is None:
+            raise ValueError("iterative DPO needs a reference")
+        pairs = [(b, w) for b, w in self._ranked(scores) if scores[b] > scores[w]]
+        ranks = math.lcm(self.policy.size, self.reference.size)
+        pairs = pairs[: len(pairs) - len(pairs) % ranks]
+        if not pairs:
+            return {"train/pairs": 0}
+        rows = [i for pair in pairs for i in pair]  # chosen in even rows, rejected in odd ones
+        batch = rl.build_batch([samples[i] for i in rows], self.pad_id)
+        micro = self.trainer.micro_batch_size
+        batch["ref_logprobs"] = self.reference.logprobs(batch, micro, temperature=1.0)()
+        metrics = self.policy.preference_epochs(
+            batch, **self.trainer.epoch_options(), beta=self.dpo_beta, nll_coef=self.dpo_nll_coef
+        )()
+        result = {f"train/{k}": v for k, v in metrics.items()}
+        result["train/pairs"] = len(pairs)
+        return result
