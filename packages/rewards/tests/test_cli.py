@@ -69,6 +69,9 @@ def test_serve_and_score_from_the_command_line(spawn):
         (["--timeout", "inf"], "argument --timeout: inf is out of range: must be > 0"),
         (["--call-timeout", "0"], "argument --call-timeout: 0 is out of range"),
         (["--processes", "0"], "argument --processes: 0 is out of range"),
+        # it forked until killed
+        (["--processes", "100000"], "100000 is out of range: must be >= 1 and <= 256"),
+        (["--workers", "100000"], "argument --workers: 100000 is out of range"),
         (["--max-batch", "many"], "argument --max-batch: 'many' is not a int"),
         (["--max-stuck", "1"], "unrecognized arguments: --max-stuck"),
         (

@@ -76,6 +76,7 @@ def test_a_signature_that_fits_neither_form_is_refused():
 
 def test_per_sample_failures_stay_with_their_sample(scorer):
     responses = ["ok", "raise", "nan", "inf", "text", "no-reward-key", "nan-sub-score", "fine"]
+    responses.append("huge")  # it failed the whole batch: 32 of 32 samples ERROR
     scores = score(scorer("misbehaving"), [(r,) for r in responses])
     assert scores.rewards[0] == 2.0 and scores.rewards[7] == 4.0
     assert {i: status for i, (status, _) in scores.errors.items()} == {
@@ -85,6 +86,7 @@ def test_per_sample_failures_stay_with_their_sample(scorer):
         4: Status.INVALID_REWARD,
         5: Status.INVALID_REWARD,
         6: Status.INVALID_REWARD,
+        8: Status.INVALID_REWARD,
     }
     messages = {i: message for i, (_, message) in scores.errors.items()}
     assert messages[1].startswith("ValueError: asked to raise (at reward_fns.py:")
@@ -92,6 +94,7 @@ def test_per_sample_failures_stay_with_their_sample(scorer):
     assert "str 'not a number', expected a number" in messages[4]
     assert "without a 'reward' key" in messages[5]
     assert "sub-score 'part' is nan" in messages[6]
+    assert "reward is int 1000000000" in messages[8] and "too large for a float" in messages[8]
 
 
 def test_keyword_only_and_every_field(scorer):

@@ -52,6 +52,8 @@ def _number(kind, low, high=math.inf, *, low_included=True):
 
 
 _COUNT = _number(int, 1)
+# Processes are forked at start: an unbounded count forks until the machine gives out.
+_PROCESSES = _number(int, 1, 256)
 _SECONDS = _number(float, 0, low_included=False)
 
 
@@ -92,9 +94,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--processes",
-        type=_COUNT,
+        type=_PROCESSES,
         default=1,
-        help="scoring processes per server process: calls scored at once. Write an I/O-bound "
+        help="scoring processes per server process (at most 256): calls scored at once. Write "
+        "an I/O-bound "
         "function async (its samples run concurrently) rather than raising this "
         "(default: %(default)s)",
     )
@@ -112,9 +115,9 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--workers",
-        type=_COUNT,
+        type=_PROCESSES,
         default=1,
-        help="gRPC server processes sharing the port (SO_REUSEPORT), each with its own "
+        help="gRPC server processes sharing the port (SO_REUSEPORT; at most 256), each with its own "
         "--processes scoring processes; limits (--max-concurrency...) are per worker "
         "(default: %(default)s)",
     )

@@ -96,7 +96,13 @@ def check_reward(value: object, what: str = "reward") -> float:
     """`value` as a finite float, or ValueError / TypeError saying what was wrong with it."""
     if isinstance(value, str | bytes) or not hasattr(type(value), "__float__"):
         raise TypeError(f"{what} is {type(value).__name__} {value!r:.80}, expected a number")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond a float's range (10**400): that sample's error
+        raise ValueError(
+            f"{what} is {type(value).__name__} {str(value)[:10]}... ({len(str(value))} digits), "
+            "too large for a float"
+        ) from None
     if not math.isfinite(number):
         raise ValueError(f"{what} is {number}, expected a finite number")
     return number
