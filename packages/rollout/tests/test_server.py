@@ -36,6 +36,9 @@ def server(vllm_cpu_env, tmp_path_factory):
     args = [sys.executable, "-m", "ferrule_rollout", "serve", "--model", str(tiny_model("qwen2"))]
     args += ["--bind", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256"]
     args += ["--token-file", str(token_file)]
+    # small limits, to reach them cheaply (defaults: 4096, 16384, 1 MiB)
+    args += ["--max-request-sequences", "64", "--max-sequences-in-flight", "96"]
+    args += ["--max-prompt-bytes", "4096"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:  # the engine logs first; the ready line names the port
@@ -103,11 +106,66 @@ def test_cancelling_a_stream_aborts_the_rest(client):
         client.resume()
 
 
-def raw_generate(server, prompts, **sampling):
+def raw_generate(server, prompts, timeout=60, **sampling):
     with grpc.insecure_channel(server) as channel:
         stub = pb_grpc().RolloutServiceStub(channel)
         request = pb.GenerateRequest(prompts=prompts, sampling=pb.SamplingSettings(**sampling))
-        return stub.Generate(request, timeout=60, metadata=bearer(TOKEN))
+        return stub.Generate(request, timeout=timeout, metadata=bearer(TOKEN))
+
+
+def wait_until_idle(client, within: float = 10) -> int:
+    deadline = time.monotonic() + within
+    while client.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return client.health()["running"]
+
+
+def test_a_unary_call_past_its_deadline_stops_its_samples(server, client):
+    """They ran on: n = 1000 with a 2 s deadline, 360 of 1000 still running 40 s later."""
+    prompt = [pb.Prompt(text="hi")]
+    calling = in_thread(raw_generate, server, prompt, timeout=1.5, n=64, max_tokens=240)
+    deadline = time.monotonic() + 1.0
+    while not client.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.pause("keep")  # frozen: only an abort can empty the running set now
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            calling.get()
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert wait_until_idle(client) == 0 and client.health()["queued"] == 0
+    finally:
+        client.resume()
+
+
+def test_too_many_sequences_or_too_long_a_prompt_is_refused_before_any_work(server, client):
+    """n = 10**6 was admitted (291k sequences in 50 s); a 10 MiB prompt was tokenized whole."""
+    for prompts, sampling, match in [
+        ([pb.Prompt(text="hi")] * 2, {"n": 33}, "66 sequences, more than this server's "),
+        ([pb.Prompt(text="hi")], {"n": 10**6}, "--max-request-sequences 64"),
+        ([pb.Prompt(text="x" * 4097)], {}, "prompt 0 is 4097 bytes, more than"),
+        ([pb.Prompt(text="hi"), pb.Prompt(text="é" * 4000)], {}, "prompt 1 is 8000 bytes"),
+    ]:
+        with pytest.raises(grpc.RpcError) as caught:
+            raw_generate(server, prompts, **sampling)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert match in caught.value.details()
+        assert client.health()["running"] == 0
+    assert len(client.generate(PROMPTS[:1], GREEDY)) == 1
+
+
+def test_sequences_in_flight_are_bounded_and_freed_when_calls_end(server, client):
+    stream = client.generate_stream(PROMPTS, SamplingSettings(n=32, max_tokens=240))
+    next(stream)  # 64 in flight (one of them done)
+    try:
+        with pytest.raises(grpc.RpcError) as caught:
+            raw_generate(server, [pb.Prompt(text="hi")], n=40, max_tokens=4)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "64 sequences in flight and 40 asked for" in caught.value.details()
+        assert len(raw_generate(server, [pb.Prompt(text="hi")], n=32, max_tokens=4).samples) == 32
+    finally:
+        stream.close()
+    assert wait_until_idle(client) == 0
+    assert len(raw_generate(server, [pb.Prompt(text="hi")], n=64, max_tokens=4).samples) == 64
 
 
 def pb_grpc():

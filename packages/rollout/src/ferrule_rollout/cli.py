@@ -20,6 +20,17 @@ from ferrule_grpc_auth import add_server_options, check_bind, server_security
 from ferrule_rollout.security import TOKEN_ENV
 
 
+def _at_least_1(text: str) -> int:
+    """An argparse type: an int >= 1, or a message that says so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= 1")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rlhf-rollout", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +66,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     serve.add_argument("--enable-sleep-mode", action="store_true", help="GPU only")
     serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads")
+    limit = serve.add_argument
+    limit(
+        "--max-request-sequences",
+        type=_at_least_1,
+        default=4096,
+        help="most sequences (prompts x n) one call may ask for (default: %(default)s)",
+    )
+    limit(
+        "--max-sequences-in-flight",
+        type=_at_least_1,
+        default=16384,
+        help="most sequences of every call at once; more is RESOURCE_EXHAUSTED (default: "
+        "%(default)s)",
+    )
+    limit(
+        "--max-prompt-bytes",
+        type=_at_least_1,
+        default=1 << 20,
+        help="largest prompt text, checked before it is tokenized (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -93,7 +124,16 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, RolloutError) as err:
         print(f"rlhf-rollout: error: {err}", file=sys.stderr)
         return 2
-    server, port = start_server(engine, args.bind, args.max_workers, token=token, tls=tls)
+    server, port = start_server(
+        engine,
+        args.bind,
+        args.max_workers,
+        token=token,
+        tls=tls,
+        max_request_sequences=args.max_request_sequences,
+        max_sequences_in_flight=args.max_sequences_in_flight,
+        max_prompt_bytes=args.max_prompt_bytes,
+    )
     host = args.bind.rsplit(":", 1)[0]
     print(f"rlhf-rollout: serving {engine.model} on {host}:{port}", flush=True)
 

@@ -5,7 +5,12 @@
 
 `rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
 server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
-input is INVALID_ARGUMENT with the engine's message; the server keeps serving.
+input is INVALID_ARGUMENT with the engine's message; the server keeps serving. A call ends its
+samples when it ends: cancelled, or past its deadline (unary or streamed alike).
+
+Limits, checked before any work: `max_request_sequences` (prompts x n of one call),
+`max_sequences_in_flight` (over every call at once; more is RESOURCE_EXHAUSTED, retry later) and
+`max_prompt_bytes` (a prompt's text, before it is tokenized).
 
 Secure by default, as the reward server is (ferrule-grpc-auth): it listens on loopback unless
 clients must authenticate, with a token or mutual TLS. The token is checked on every call,
@@ -14,6 +19,7 @@ can update the weights decides what the engine generates.
 """
 
 import logging
+import threading
 from concurrent import futures
 
 import grpc
@@ -40,11 +46,17 @@ def settings_from_proto(message: pb.SamplingSettings) -> SamplingSettings:
     return SamplingSettings(**given, stop=tuple(message.stop), ignore_eos=message.ignore_eos)
 
 
-def prompts_from_proto(prompts) -> list:
+def prompts_from_proto(prompts, max_prompt_bytes: int | None = None) -> list:
     result = []
     for index, prompt in enumerate(prompts):
         if prompt.text and prompt.token_ids:
             raise BadRequestError(f"prompt {index}: set text or token_ids, not both")
+        size = len(prompt.text.encode()) if max_prompt_bytes else 0
+        if max_prompt_bytes and size > max_prompt_bytes:  # checked before the tokenizer runs
+            raise BadRequestError(
+                f"prompt {index} is {size} bytes, more than this server's "
+                f"--max-prompt-bytes {max_prompt_bytes}"
+            )
         result.append(prompt.text if prompt.text else list(prompt.token_ids))
     return result
 
@@ -69,26 +81,64 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
+class _Overloaded(Exception):
+    """More sequences would be in flight than the server allows: RESOURCE_EXHAUSTED."""
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, engine):
+    def __init__(
+        self,
+        engine,
+        *,
+        max_request_sequences: int = 4096,
+        max_sequences_in_flight: int = 16384,
+        max_prompt_bytes: int = 1 << 20,
+    ):
         self.engine = engine
+        self.max_request_sequences = max_request_sequences
+        self.max_sequences_in_flight = max_sequences_in_flight
+        self.max_prompt_bytes = max_prompt_bytes
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    def _stream(self, request, context):
+        """The call's samples as they finish, within the limits; they end with the call."""
+        prompts = prompts_from_proto(request.prompts, self.max_prompt_bytes)
+        settings = settings_from_proto(request.sampling)
+        count = len(prompts) * max(settings.n, 0)
+        if count > self.max_request_sequences:
+            raise BadRequestError(
+                f"{len(prompts)} prompts x n = {settings.n} is {count} sequences, more than "
+                f"this server's --max-request-sequences {self.max_request_sequences}"
+            )
+        with self._lock:
+            if self._in_flight + count > self.max_sequences_in_flight:
+                raise _Overloaded(
+                    f"{self._in_flight} sequences in flight and {count} asked for: more than "
+                    f"this server's --max-sequences-in-flight {self.max_sequences_in_flight}; "
+                    "retry later"
+                )
+            self._in_flight += count
+        try:
+            stream = self.engine.generate_stream(prompts, settings)
+            # Runs when the call ends for any reason; a client that cancels (or whose deadline
+            # passes) aborts the samples still running. A no-op once all were sent.
+            context.add_callback(stream.cancel)
+            yield from stream
+        finally:
+            with self._lock:
+                self._in_flight -= count
 
     def Generate(self, request, context):
         with _status(context):
-            samples = self.engine.generate(
-                prompts_from_proto(request.prompts), settings_from_proto(request.sampling)
+            samples = sorted(
+                self._stream(request, context), key=lambda s: (s.prompt_index, s.sample_index)
             )
             return pb.GenerateResponse(samples=[sample_to_proto(s) for s in samples])
 
     def GenerateStream(self, request, context):
         with _status(context):
-            stream = self.engine.generate_stream(
-                prompts_from_proto(request.prompts), settings_from_proto(request.sampling)
-            )
-            # Runs when the call ends for any reason; a client that cancels (or whose deadline
-            # passes) aborts the samples still running. A no-op once all were sent.
-            context.add_callback(stream.cancel)
-            for sample in stream:
+            for sample in self._stream(request, context):
                 yield sample_to_proto(sample)
 
     def InitWeightSync(self, request, context):
@@ -160,6 +210,8 @@ class _status:
 
         if isinstance(error, BadRequestError | ValueError):
             code = grpc.StatusCode.INVALID_ARGUMENT
+        elif isinstance(error, _Overloaded):
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
         elif isinstance(error, PeerTimeoutError) or isinstance(error.__cause__, PeerTimeoutError):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         elif isinstance(error, RolloutError):
@@ -177,10 +229,12 @@ def serve(
     *,
     token: str | None = None,
     tls: TLS | None = None,
+    **limits,
 ) -> tuple[grpc.Server, int]:
     """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port.
     InsecureBindError, before anything listens, for an address beyond loopback where clients
-    need not authenticate (neither `token` nor `tls` with a client CA)."""
+    need not authenticate (neither `token` nor `tls` with a client CA). `limits`:
+    RolloutServicer's max_request_sequences, max_sequences_in_flight, max_prompt_bytes."""
     client_auth = tls is not None and tls.client_ca is not None
     check_bind(bind, token=token, client_auth=client_auth, token_env=TOKEN_ENV)
     server = grpc.server(
@@ -191,7 +245,8 @@ def serve(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(engine), server)
+    servicer = RolloutServicer(engine, **limits)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     if tls is None:
         port = server.add_insecure_port(bind)
     else:
