@@ -21,7 +21,7 @@ class EngineConfig(BaseModel):
 
     backend: Literal["vllm", "transformers"] = "vllm"
     """"vllm" (the default, and the engine for speed), or "transformers" (Hugging Face generate:
-    for machines without vLLM; no tensor parallelism, no continuous batching)."""
+    for machines without vLLM; no tensor parallelism; rows join and leave within a call only)."""
 
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (> 0; the trainer scores tokens under the same temperature)."""

@@ -5,9 +5,10 @@
     engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
     engine.update_weights()         # waits for running calls, receives, loads; returns version
 
-The fallback for machines without vLLM (torch and transformers only). Each call runs in chunks
-of at most `max_batch_size` left-padded sequences through decode.py's loop (the model's forward
-pass on a preallocated KV slab, CUDA graphs on GPUs, sampling and stopping on the device);
+The fallback for machines without vLLM (torch and transformers only). Each call runs through
+decode.py's loop, at most `max_batch_size` sequences at once with queued ones taking the rows of
+finished ones (the model's forward pass on a preallocated KV slab, CUDA graphs on GPUs, sampling
+and stopping on the device);
 sampling, logprobs and stopping are done there rather than by `model.generate`, so that they mean
 what vLLM's mean (processed logprobs, per-sample seeds, EOS kept in the tokens) whatever the
 defaults `generate` merges in from the checkpoint and its version, and no steps x batch x
@@ -84,7 +85,8 @@ class TransformersEngine:
     """A transformers model with policy versions, pause / resume and weightsync weight updates."""
 
     continuous_batching = False
-    """Calls run one at a time (episodes.py batches waiting turns into the next call)."""
+    """Calls run one at a time (episodes.py batches waiting turns into the next call); within a
+    call, finished rows leave and queued ones enter."""
 
     def __init__(
         self,
@@ -224,7 +226,7 @@ class TransformersEngine:
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> ComputedStream:
         """`generate`, for callers written for RolloutEngine's stream: it computes every sample
-        first, then yields them (no continuous batching here); `cancel()` drops the rest."""
+        first, then yields them (calls do not join a running one); `cancel()` drops the rest."""
         return ComputedStream(self.generate(prompts, settings))
 
     def _generate(self, checked, rows, settings: SamplingSettings) -> list[Sample]:
