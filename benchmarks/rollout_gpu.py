@@ -31,8 +31,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ferrule_rollout import SamplingSettings
-from ferrule_rollout.decode import sample
 from ferrule_rollout.hf_engine import TransformersEngine
+from ferrule_rollout.sampling import sample
 from ferrule_testkit import tiny_model
 
 QWEN25_15B = dict(

@@ -5,7 +5,8 @@ uniforms and its inverse CDF."""
 import pytest
 import torch
 
-from ferrule_rollout.decode import Decoder, sample, uniforms
+from ferrule_rollout.decode import Decoder
+from ferrule_rollout.sampling import sample, uniforms
 from ferrule_testkit import tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 130)), [7]]

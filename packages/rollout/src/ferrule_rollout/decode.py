@@ -2,73 +2,26 @@
 graphs, sampling, logprobs and EOS / length stops on the device, the host reading every few steps.
 
     decoder = Decoder(model, float_mask=False)     # TransformersEngine makes one per weight layout
-    tokens, logprobs, lengths, stopped = decoder.generate(prompts, limits, pad=0, keys=keys, ...)
+    results = decoder.generate(prompts, limits, pad=0, keys=keys, ..., max_rows=256)
+    tokens, logprobs, length, stopped = results[0]
 
 The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
-graph; on CPU the same steps run eagerly. Sampling draws one uniform per row and step from a hash of
-(the row's key, the step), so a seeded sample is the same whatever else is in the batch.
+graph; on CPU the same steps run eagerly. Each row has its own next slot, so finished rows leave
+and queued prompts take their rows at the host's reads (continuous batching within a call).
+Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
+step), so a seeded sample is the same whatever else is in the batch.
 """
 
 import torch
 import torch.nn.functional as F
 
+from ferrule_rollout.sampling import sample, uniforms
+
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
-MASK32 = 0xFFFFFFFF
-
-
-def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
-    """Log-probabilities of the distribution a token is drawn from (vLLM's processed logprobs):
-    log_softmax(logits / temperature) over the top-k, then top-p, tokens; greedy (temperature
-    0): log_softmax(logits). Float32 whatever the model's dtype."""
-    logits = logits.float()
-    if temperature == 0:
-        return torch.log_softmax(logits, dim=-1)
-    scaled = logits / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1:  # as vLLM: drop the least likely tokens whose total mass is <= 1 - top_p
-        ascending, order = scaled.sort(dim=-1)
-        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        drop[:, -1] = False
-        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
-    return torch.log_softmax(scaled, dim=-1)
-
-
-def _mix(x):
-    """A 32-bit integer hash of int64 values in [0, 2**32) (constants < 2**31: no overflow)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
-    return (x >> 16) ^ x
-
-
-def uniforms(keys, steps: int):
-    """[rows, steps] float64 uniforms in [0, 1): row r's draw at step t depends on keys[r] and t
-    only (a counter-based generator: no state to carry, the same in any batch and any chunk)."""
-    keys = torch.as_tensor(keys, dtype=torch.long)
-    row = _mix(_mix((keys & MASK32) ^ 0x6A09E667) ^ ((keys >> 32) & MASK32))
-    step = _mix(torch.arange(steps, dtype=torch.long) + 0x3C6EF372)
-    high = _mix(row[:, None] ^ step[None, :])
-    low = _mix(high ^ 0x5BD1E995)
-    return ((high << 21) + (low >> 11)).double() / 2.0**53
-
-
-def sample(logits, temperature: float, top_k: int, top_p: float, u):
-    """One token per row and its logprob under `sampling_logprobs`, on the logits' device:
-    greedy at temperature 0, else by inverse CDF at the row's uniform `u` (float64 [rows])."""
-    logprobs = sampling_logprobs(logits, temperature, top_k, top_p)
-    if temperature == 0:
-        chosen = logits.argmax(dim=-1)
-    else:
-        cdf = logprobs.exp().cumsum(dim=-1)
-        # u < 1 - 2**-20: never the total itself, so never a token of probability 0 after it
-        point = (u * (1 - 2.0**-20)).float()[:, None] * cdf[:, -1:]
-        chosen = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ferrule_rollout.decode import Decoder, sampling_logprobs, slab_attention
+from ferrule_rollout.decode import Decoder, slab_attention
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -33,6 +33,7 @@ from ferrule_rollout.samples import (
     VersionSpan,
     prompt_token_ids,
 )
+from ferrule_rollout.sampling import sampling_logprobs
 
 logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")

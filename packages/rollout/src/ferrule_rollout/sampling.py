@@ -1,0 +1,62 @@
+"""Sampling on the device: vLLM's processed logprobs, counter-based uniforms, inverse-CDF draws.
+
+    u = uniforms(keys, steps)                   # [rows, steps]: a row's draws depend on its key
+    tokens, logprobs = sample(logits, temperature, top_k, top_p, u[:, t])
+
+decode.py calls these once per decode step; nothing here reads back to the host.
+"""
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
+    """Log-probabilities of the distribution a token is drawn from (vLLM's processed logprobs):
+    log_softmax(logits / temperature) over the top-k, then top-p, tokens; greedy (temperature
+    0): log_softmax(logits). Float32 whatever the model's dtype."""
+    logits = logits.float()
+    if temperature == 0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1:  # as vLLM: drop the least likely tokens whose total mass is <= 1 - top_p
+        ascending, order = scaled.sort(dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False
+        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _mix(x):
+    """A 32-bit integer hash of int64 values in [0, 2**32) (constants < 2**31: no overflow)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
+    return (x >> 16) ^ x
+
+
+def uniforms(keys, steps: int):
+    """[rows, steps] float64 uniforms in [0, 1): row r's draw at step t depends on keys[r] and t
+    only (a counter-based generator: no state to carry, the same in any batch and any chunk)."""
+    keys = torch.as_tensor(keys, dtype=torch.long)
+    row = _mix(_mix((keys & MASK32) ^ 0x6A09E667) ^ ((keys >> 32) & MASK32))
+    step = _mix(torch.arange(steps, dtype=torch.long) + 0x3C6EF372)
+    high = _mix(row[:, None] ^ step[None, :])
+    low = _mix(high ^ 0x5BD1E995)
+    return ((high << 21) + (low >> 11)).double() / 2.0**53
+
+
+def sample(logits, temperature: float, top_k: int, top_p: float, u):
+    """One token per row and its logprob under `sampling_logprobs`, on the logits' device:
+    greedy at temperature 0, else by inverse CDF at the row's uniform `u` (float64 [rows])."""
+    logprobs = sampling_logprobs(logits, temperature, top_k, top_p)
+    if temperature == 0:
+        chosen = logits.argmax(dim=-1)
+    else:
+        cdf = logprobs.exp().cumsum(dim=-1)
+        # u < 1 - 2**-20: never the total itself, so never a token of probability 0 after it
+        point = (u * (1 - 2.0**-20)).float()[:, None] * cdf[:, -1:]
+        chosen = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+    return chosen, logprobs.gather(1, chosen[:, None])[:, 0]
