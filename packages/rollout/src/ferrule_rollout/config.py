@@ -43,7 +43,8 @@ class EngineConfig(BaseModel):
     """Hybrid engine: free the engine's accelerator memory while the trainer trains on the same
     GPUs, keeping its weights in host memory (vLLM sleep level 1), and take it back to generate."""
     max_batch_size: int = Field(256, ge=1)
-    """transformers: most sequences per `generate` call (vLLM schedules its own batches)."""
+    """transformers: most sequences decoding at once; a call of more queues the rest, which take
+    the rows of finished ones (vLLM schedules its own batches)."""
 
     @field_validator("tensor_parallel_size")
     @classmethod
