@@ -189,3 +189,11 @@ def test_continuous_batching_gives_each_prompt_what_one_batch_gives_it(model):
             for (tokens, logprobs, n, stopped), expected in zip(queued, full, strict=True):
                 assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])
                 assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
+
+
+def test_an_empty_call_returns_nothing():
+    from ferrule_rollout import SamplingSettings
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    with TransformersEngine(tiny_model("qwen2"), dtype="float32") as engine:
+        assert engine.generate([], SamplingSettings(max_tokens=3)) == []

@@ -234,6 +234,8 @@ class TransformersEngine:
         import torch
 
         prompts = [checked[p] for p, _ in rows]
+        if not prompts:
+            return []
         if settings.seed is not None:  # sample i of a prompt uses seed + i, as in vLLM
             keys = [settings.seed + i for _, i in rows]
         else:
