@@ -123,10 +123,10 @@ def _plain_item(name: str, param: torch.nn.Parameter, dtype: torch.dtype | None)
 
 class WeightExport:
     """`export_weights` / `weight_specs` of one module at one dtype, for a trainer that exports
-    after every step: the list of tensors (a walk over `named_modules`, ~2 ms on a 0.5B model),
-    the buckets and each bucket's gather layout are worked out once, on first use. The module's
-    structure must not change afterwards (its weights may, and ZeRO-3 partitions are read at
-    every export)."""
+    after every step: the list of tensors (a walk over `named_modules`, milliseconds of host
+    time), the buckets and each bucket's gather layout are worked out once, on first use. The
+    module's structure must not change afterwards (its weights may, and ZeRO-3 partitions are
+    read at every export)."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None = None):
         self.items = _items(module, dtype)
@@ -158,9 +158,9 @@ class WeightExport:
 
     def _view(self, item: _Item) -> torch.Tensor:
         """`item`'s tensor as a view of its source, kept from one export to the next and made
-        again only when the source moved (DeepSpeed's offload swaps partitions): making ~300
-        views anew costs ~1.5 ms of host time per export, about what CUDA IPC then needs to
-        move a 0.5B model."""
+        again only when the source moved (DeepSpeed's offload swaps partitions): making the
+        views anew costs host time comparable to CUDA IPC's whole move of the weights
+        (benchmarks/RESULTS.md)."""
         source = item.plain.ds_tensor if self.sharded else item.plain  # in place: whole
         held = self._views.get(item.name)
         if held is None or held[0] != source.data_ptr():

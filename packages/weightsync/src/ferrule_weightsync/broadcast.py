@@ -156,7 +156,8 @@ class _Group:
     def _poll(self, work: dist.Work) -> None:
         """NCCL: its own timeout would tear the whole process down, so poll with a deadline
         and abort the group ourselves. The first SPIN_SECONDS only yield the GIL between polls:
-        a sleeping poll wakes up to ~100 us late, 1% of a 3 GB update on NVLink."""
+        a sleeping poll wakes up late (by a measurable share of an update on NVLink;
+        benchmarks/RESULTS.md)."""
         started = time.monotonic()
         deadline = started + self.timeout
         while not work.is_completed():

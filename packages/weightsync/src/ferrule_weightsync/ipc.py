@@ -8,10 +8,10 @@
 
 The sender owns two flat buffers (double buffering) and publishes one handle per buffer; the
 receivers map each handle once and keep it, so later updates of the same model exchange no
-handles at all (a handle costs ~0.5 ms to open; a per-tensor handle scheme is what makes naive IPC
-slow). Per bucket, the sender packs and signals "ready"; each receiver hands out views of the
-mapped buffer and signals "free" once its consumer has moved on, which lets the sender reuse the
-buffer for bucket k+2.
+handles at all (opening a handle is costly, benchmarks/RESULTS.md: a per-tensor handle scheme
+is what makes naive IPC slow). Per bucket, the sender packs and signals "ready"; each receiver
+hands out views of the mapped buffer and signals "free" once its consumer has moved on, which
+lets the sender reuse the buffer for bucket k+2.
 
     sender.send(actor.export_weights(), in_place=True)    # a trainer's own memory, on a GPU
 
@@ -200,9 +200,9 @@ class KeptTensors:
     Iterating calls `current()`, the producer's list of pairs: the same list object for as long
     as it holds the very same tensors at the same addresses. The producer re-points none of
     them in place (`set_`, `.data =`) and makes a new list when one would move. A sender that
-    meets the same list again skips its own check of every tensor (~0.1-0.3 ms of cache misses
-    for ~300), and it iterates only once its likely copies are queued, so that `current()`'s
-    own check runs while they do."""
+    meets the same list again skips its own check of every tensor (cache misses, mostly), and
+    it iterates only once its likely copies are queued, so that `current()`'s own check runs
+    while they do."""
 
     def __init__(self, current: Callable[[], list[tuple[str, torch.Tensor]]]):
         self._current = current
@@ -270,7 +270,7 @@ class IpcSender:
         and leaves alone until `send` returns. On a GPU, where they lie contiguous on this
         sender's device in at most MAX_PLACED_BUFFERS allocations, the receivers then read them
         there: no packing copy. The allocations are shared on first use and again whenever one
-        changes (~0.5 ms a handle for each receiver); otherwise the update is packed as usual.
+        changes (a handle to open for each receiver); otherwise the update is packed as usual.
         Receivers of an in-place update that is aborted may have read weights that changed
         under them afterwards: send them a whole update again."""
         if specs is None and not hasattr(named_tensors, "__len__"):
@@ -317,7 +317,7 @@ class IpcSender:
         """(placement, buffer sizes) of tensors that can be read where they lie, their
         allocations shared with the receivers; None if they cannot. The same tensors where
         they were last time (a trainer's views of its weights, step after step) are placed as
-        then, without checking each again (~0.4 ms of host time for ~300 tensors): what the
+        then, without checking each again (host time on every update): what the
         receivers read depends only on their names, addresses, shapes, strides and dtypes,
         and an allocation we shared is held, so nothing else can come to lie at its address."""
         names = [name for name, _ in named_tensors]
@@ -350,9 +350,9 @@ class IpcSender:
         None (the update then goes the usual way). Where the specs and offers are those of the
         last push, its copies are queued at once, before the tensors are even listed: a
         trainer's export hands over the same views step after step, so they are most likely
-        this update's too, and checking ~300 tensors (~0.2-0.4 ms of host time, mostly cache
-        misses) then runs while they do. They write nothing that `_push` cannot overwrite:
-        the same names in offers we took, read from memory they hold."""
+        this update's too, and checking the tensors (host time, mostly cache misses) then runs
+        while they do. They write nothing that `_push` cannot overwrite: the same names in
+        offers we took, read from memory they hold."""
         updates = self._updates
         if updates.checksums or updates.broken or not self._all_offering():
             return None
@@ -475,9 +475,8 @@ class IpcSender:
         """In place: receivers report done once their reads of our memory are queued, each
         behind an event of its own (published once). Wait for those events here, on the host,
         so that the caller may change its tensors when `send` returns: the report then travels
-        while the copies run (~0.4 ms of the update). Polled, not waited on in CUDA: a receiver
-        that dies mid-read must end the wait with an error within the group's timeout, not
-        hang the trainer."""
+        while the copies run. Polled, not waited on in CUDA: a receiver that dies mid-read must
+        end the wait with an error within the group's timeout, not hang the trainer."""
         deadline = time.monotonic() + self._control.timeout
         for rank in range(1, self._control.world_size):
             event = self._reads_end.get(rank)

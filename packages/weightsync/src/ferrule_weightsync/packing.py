@@ -120,10 +120,10 @@ class BucketViews:
 
 def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """Copy `tensors` into their slots (`BucketViews`). Large contiguous tensors are copied one
-    by one (a plain memcpy, which on a GPU leaves the SMs to a concurrent NCCL broadcast:
-    measured 0.91 of a raw broadcast on 2 x H200, against 0.88 with every copy fused); the rest
-    go in one fused call. Non-contiguous tensors are copied through the strided view: no
-    temporary contiguous copy."""
+    by one (a plain memcpy, which on a GPU leaves the SMs to a concurrent NCCL broadcast: it
+    measured faster than fusing every copy, benchmarks/RESULTS.md); the rest go in one fused
+    call. Non-contiguous tensors are copied through the strided view: no temporary contiguous
+    copy."""
     copy_all(views, tensors, MEMCPY_BYTES)
 
 
@@ -152,8 +152,8 @@ def coalesce(
     """The copies `targets[i].copy_(sources[i])` as fewer, longer ones: consecutive pairs
     merge where both sides continue the previous pair's memory in the same allocation, with
     the same dtypes. An engine whose weights lie in one buffer in the update's order then
-    loads a bucket with one copy (one H200, 338 tensors of 1.43 GB: 1.05-1.09 ms in one fused
-    copy as separate tensors, 0.69 ms as one span by memcpy). Empty pairs are dropped."""
+    loads a bucket with one copy (by memcpy for a long span: see LOAD_MEMCPY_BYTES). Empty
+    pairs are dropped."""
     merged_targets: list[torch.Tensor] = []
     merged_sources: list[torch.Tensor] = []
     lengths: list[int] = []
