@@ -53,3 +53,16 @@ def test_sibling_ranges_admit_the_workspace_versions(name):
                 f"packages/{name}/pyproject.toml: {requirement} excludes the workspace's "
                 f"ferrule-{sibling} {version}"
             )
+
+
+def test_the_two_servers_default_to_different_ports():
+    """Both listened on 127.0.0.1:50051: a reward server and a rollout server on one machine
+    collided unless one was told otherwise."""
+    from ferrule_rewards import cli as rewards_cli
+    from ferrule_rollout import cli as rollout_cli
+
+    assert rollout_cli.parse_args(["serve", "--model", "m"]).bind == rollout_cli.DEFAULT_BIND
+    assert (rewards_cli.DEFAULT_BIND, rollout_cli.DEFAULT_BIND) == (
+        "127.0.0.1:50051",
+        "127.0.0.1:50052",
+    )

@@ -52,6 +52,7 @@ def _number(kind, low, high=math.inf, *, low_included=True):
 
 
 _COUNT = _number(int, 1)
+DEFAULT_BIND = "127.0.0.1:50051"  # rlhf-rollout serve's is 50052: both run side by side
 # Processes are forked at start: an unbounded count forks until the machine gives out.
 _PROCESSES = _number(int, 1, 256)
 _SECONDS = _number(float, 0, low_included=False)
@@ -73,7 +74,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--bind",
-        default="127.0.0.1:50051",
+        default=DEFAULT_BIND,
         help="host:port to listen on; port 0 picks a free one. Anything but loopback needs a "
         "token or TLS (default: %(default)s)",
     )

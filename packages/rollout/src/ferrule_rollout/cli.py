@@ -1,7 +1,7 @@
 """`rlhf-rollout`: run a rollout engine as a standalone gRPC server.
 
-    rlhf-rollout serve --model PATH [--bind 127.0.0.1:50051] [--dtype float32] [--tp 2] ...
-    rlhf-rollout serve --model PATH --bind 0.0.0.0:50051 --token-file token --tls-cert ...
+    rlhf-rollout serve --model PATH [--bind 127.0.0.1:50052] [--dtype float32] [--tp 2] ...
+    rlhf-rollout serve --model PATH --bind 0.0.0.0:50052 --token-file token --tls-cert ...
 
 Prints one line `rlhf-rollout: serving MODEL on HOST:PORT` once the engine is up (tests and
 launchers wait for it), and shuts down cleanly on SIGINT / SIGTERM. Exit status 2: bad
@@ -18,6 +18,8 @@ import threading
 
 from ferrule_grpc_auth import add_server_options, check_bind, server_security
 from ferrule_rollout.security import TOKEN_ENV
+
+DEFAULT_BIND = "127.0.0.1:50052"  # the reward server's is 50051: both run side by side
 
 
 def _at_least_1(text: str) -> int:
@@ -38,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     serve.add_argument("--model", required=True, help="a local Hugging Face model folder")
     serve.add_argument(
         "--bind",
-        default="127.0.0.1:50051",
+        default=DEFAULT_BIND,
         help="HOST:PORT (port 0: any free). Anything but loopback needs a token or mutual TLS",
     )
     add_server_options(serve, token_env=TOKEN_ENV)

@@ -1,7 +1,7 @@
 """A Python client for `rlhf-rollout serve`: the RolloutEngine verbs over gRPC.
 
-    client = RolloutClient("127.0.0.1:50051")
-    client = RolloutClient("10.0.0.5:50051", token=token, tls_ca="ca.pem")   # a secured server
+    client = RolloutClient("127.0.0.1:50052")
+    client = RolloutClient("10.0.0.5:50052", token=token, tls_ca="ca.pem")   # a secured server
     samples = client.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
     client.update_weights()          # after init_weight_sync, while the trainer sends
 

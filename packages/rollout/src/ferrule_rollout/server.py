@@ -1,7 +1,7 @@
 """The gRPC front of a RolloutEngine (proto/ferrule/rollout/v1/rollout.proto).
 
-    server, port = serve(engine, "127.0.0.1:50051")      # a started grpc.Server
-    server, port = serve(engine, "0.0.0.0:50051", token=token, tls=TLS(cert, key, client_ca))
+    server, port = serve(engine, "127.0.0.1:50052")      # a started grpc.Server
+    server, port = serve(engine, "0.0.0.0:50052", token=token, tls=TLS(cert, key, client_ca))
 
 `rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
 server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
@@ -224,7 +224,7 @@ class _status:
 
 def serve(
     engine,
-    bind: str = "127.0.0.1:50051",
+    bind: str = "127.0.0.1:50052",
     max_workers: int = 64,
     *,
     token: str | None = None,
