@@ -25,15 +25,17 @@ def test_serve_and_score_from_the_command_line(spawn):
         {"response": "5", "label": "4"},
         {"response": "#### 4"},
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "ferrule_rewards", "score", server.address],
-        input="\n".join(json.dumps(line) for line in lines),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    score = [sys.executable, "-m", "ferrule_rewards", "score", server.address]
+    stdin = "\n".join(json.dumps(line) for line in lines)
+    done = subprocess.run(score, input=stdin, capture_output=True, text=True, timeout=60)
+    # a sample failed: every line is printed, and the status says so (it was 0)
+    assert done.returncode == 1, done.stderr
+    assert "rlhf-rewards score: 1 of 3 samples failed" in done.stderr
+    allowed = [*score, "--allow-failed"]
+    kept = subprocess.run(allowed, input=stdin, capture_output=True, text=True, timeout=60)
     results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert kept.returncode == 0, kept.stderr
+    assert [json.loads(line) for line in kept.stdout.splitlines()] == results
     assert results[0] == {
         "reward": 1.1,
         "status": "ok",

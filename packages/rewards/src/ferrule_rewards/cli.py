@@ -235,21 +235,33 @@ def _health(args) -> None:
 
 def _score(args) -> None:
     samples = [json.loads(line) for line in sys.stdin if line.strip()]
+    failed = 0
     with _client(args) as client:
         for result in client.score(samples):
             line = {"reward": result.reward if result.ok else None, "status": str(result.status)}
+            failed += not result.ok
             if result.error:
                 line["error"] = result.error
             if result.sub_scores:
                 line["sub_scores"] = result.sub_scores
             print(json.dumps(line))
+    if failed and not args.allow_failed:  # a script must not take failures for rewards
+        sys.stdout.flush()
+        sys.exit(f"rlhf-rewards score: {failed} of {len(samples)} samples failed")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlhf-rewards", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     _serve_arguments(commands.add_parser("serve", help="run the reward server"))
-    _client_arguments(commands.add_parser("score", help="score JSON lines from stdin"))
+    score = commands.add_parser("score", help="score JSON lines from stdin")
+    _client_arguments(score)
+    score.add_argument(
+        "--allow-failed",
+        action="store_true",
+        help="exit 0 even when samples failed (default: exit 1 when any did; every line is "
+        "printed either way)",
+    )
     _client_arguments(commands.add_parser("health", help="check servers' health"))
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
