@@ -25,6 +25,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
+from ferrule_rollout.interface import EngineBase
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -124,7 +125,7 @@ class SampleStream:
         self.cancel()
 
 
-class RolloutEngine:
+class RolloutEngine(EngineBase):
     """A vLLM engine with policy versions, pause / resume and weightsync weight updates."""
 
     continuous_batching = True
@@ -217,25 +218,12 @@ class RolloutEngine:
 
     # -- generation ------------------------------------------------------------------------
 
-    @property
-    def version(self) -> int:
-        """The policy version of the current weights (0: as loaded at start)."""
-        return self._version
-
     def generate(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> list[Sample]:
         """Generate `settings.n` samples per prompt; return them in prompt, then sample order."""
         samples = list(self.generate_stream(prompts, settings))
         return sorted(samples, key=lambda s: (s.prompt_index, s.sample_index))
-
-    def run_episodes(self, environment, prompts, settings=None, **options):
-        """Multi-turn episodes of `environment` on this engine, one per prompt
-        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
-        next to its engine)."""
-        from ferrule_rollout.episodes import run_episodes
-
-        return run_episodes(self, environment, prompts, settings, **options)
 
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
@@ -401,10 +389,6 @@ class RolloutEngine:
             self._paused = self._frozen = False
             self._cv.notify_all()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def init_weight_sync(
         self,
         transport: str,
@@ -421,16 +405,8 @@ class RolloutEngine:
         `num_receivers` counts every worker of every engine in the group. `secret`: the
         group's, when its sender has one.
         """
-        from ferrule_weightsync import TRANSPORTS
-
-        if transport not in TRANSPORTS:
-            raise BadRequestError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         tp = self._engine.vllm_config.parallel_config.world_size
-        if rank < 1 or rank + tp - 1 > num_receivers:
-            raise BadRequestError(
-                f"receiver ranks {rank}..{rank + tp - 1} (one per worker) do not fit in "
-                f"1..{num_receivers}"
-            )
+        self._check_receivers(transport, rank, tp, num_receivers)
         info = dict(
             transport=transport,
             host=host,
@@ -527,17 +503,8 @@ class RolloutEngine:
             self._engine.wake_up()
         self.resume()
 
-    def health(self) -> dict:
-        with self._cv:
-            status = "broken" if self._broken else "paused" if self._paused else "serving"
-            return {
-                "status": status,
-                "detail": self._broken,
-                "version": self._version,
-                "model": self.model,
-                "running": len(self._running),
-                "queued": len(self._queue),
-            }
+    def _counts(self) -> tuple[int, int]:
+        return len(self._running), len(self._queue)
 
     def close(self) -> None:
         with self._cv:
@@ -550,9 +517,3 @@ class RolloutEngine:
         with self._engine_lock:
             self._engine.collective_rpc("shutdown_weight_transfer_engine")
             self._engine.engine_core.shutdown()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

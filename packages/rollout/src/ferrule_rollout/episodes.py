@@ -36,6 +36,7 @@ from ferrule_rollout.environments import (
     environment_name,
     load_environment,
 )
+from ferrule_rollout.interface import Engine
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 
 _SENTINEL = "FERRULE_ASSISTANT_TURN"
@@ -117,7 +118,7 @@ class _State:
 
 
 def run_episodes(
-    engine,
+    engine: Engine,
     environment: type[Environment] | str,
     prompts: Sequence,
     settings: SamplingSettings | None = None,

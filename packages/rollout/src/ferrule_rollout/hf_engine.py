@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ferrule_rollout.decode import Decoder, slab_attention
+from ferrule_rollout.interface import EngineBase
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -82,7 +83,7 @@ class ComputedStream:
     close = cancel
 
 
-class TransformersEngine:
+class TransformersEngine(EngineBase):
     """A transformers model with policy versions, pause / resume and weightsync weight updates."""
 
     continuous_batching = False
@@ -184,11 +185,6 @@ class TransformersEngine:
         self._can_sleep = self.device.type == "cuda"
         self._receiver = None
 
-    @property
-    def version(self) -> int:
-        """The policy version of the current weights (0: as loaded at start)."""
-        return self._version
-
     # -- generation ------------------------------------------------------------------------
 
     def generate(
@@ -214,14 +210,6 @@ class TransformersEngine:
             with self._cv:
                 self._running -= len(rows)
                 self._cv.notify_all()
-
-    def run_episodes(self, environment, prompts, settings=None, **options):
-        """Multi-turn episodes of `environment` on this engine, one per prompt
-        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
-        next to its engine)."""
-        from ferrule_rollout.episodes import run_episodes
-
-        return run_episodes(self, environment, prompts, settings, **options)
 
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
@@ -311,10 +299,6 @@ class TransformersEngine:
             self._paused = False
             self._cv.notify_all()
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
-
     def init_weight_sync(
         self,
         transport: str,
@@ -332,12 +316,9 @@ class TransformersEngine:
         sender to write each update into (`IpcReceiver.receive_into`): faster, but the
         sender then keeps a mapping of them, so an engine that sleeps would not give their
         memory back until the next update; leave it off for an engine that sleeps."""
-        from ferrule_weightsync import TRANSPORTS, create_receiver
+        from ferrule_weightsync import create_receiver
 
-        if transport not in TRANSPORTS:
-            raise BadRequestError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if not 1 <= rank <= num_receivers:
-            raise BadRequestError(f"receiver rank {rank} does not fit in 1..{num_receivers}")
+        self._check_receivers(transport, rank, 1, num_receivers)
         options = {"device": self.device} if transport == "broadcast" else {}
         with self._update_lock:
             if self._receiver is not None:
@@ -502,17 +483,8 @@ class TransformersEngine:
                 tensor.copy_(param.data)
             param.data = tensor
 
-    def health(self) -> dict:
-        with self._cv:
-            status = "broken" if self._broken else "paused" if self._paused else "serving"
-            return {
-                "status": status,
-                "detail": self._broken,
-                "version": self._version,
-                "model": self.model,
-                "running": self._running,
-                "queued": self._queued,
-            }
+    def _counts(self) -> tuple[int, int]:
+        return self._running, self._queued
 
     def close(self) -> None:
         """Let the calls in flight finish (waiting ones fail), then free the model."""
@@ -528,9 +500,3 @@ class TransformersEngine:
                 self._receiver = None
             self._drop_decoder()
             self._model = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -27,6 +27,7 @@ import grpc
 from ferrule_grpc_auth import TLS, SyncTokenInterceptor, check_bind
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
+from ferrule_rollout.interface import Engine
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 from ferrule_rollout.security import TOKEN_ENV
 
@@ -88,7 +89,7 @@ class _Overloaded(Exception):
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
-        engine,
+        engine: Engine,
         *,
         max_request_sequences: int = 4096,
         max_sequences_in_flight: int = 16384,

@@ -1,0 +1,142 @@
+"""The one interface of ferrule-rollout's engines, and the code both write the same way.
+
+    def rollout(engine: Engine, prompts):      # engine.RolloutEngine (vLLM) or
+        return engine.generate(prompts)        # hf_engine.TransformersEngine (transformers)
+
+The launcher, the gRPC server and the episode runner use an engine only through `Engine`'s
+verbs, so either engine serves them. `EngineBase` holds what the two share: the version and
+pause state they report, episodes, the check of a weight-sync request, health, `with`.
+Generation, pausing and loading weights differ (vLLM steps requests in a loop of its own and
+can freeze them mid-sample; the transformers engine runs one call at a time) and stay theirs.
+"""
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from ferrule_rollout.samples import BadRequestError, Prompt, Sample, SamplingSettings
+
+
+class Stream(Protocol):
+    """`generate_stream`'s result: samples as they finish; `cancel()` drops the rest."""
+
+    def __iter__(self) -> Iterator[Sample]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Engine(Protocol):
+    model: str
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def paused(self) -> bool: ...
+
+    def generate(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> list[Sample]: ...
+
+    def generate_stream(
+        self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
+    ) -> Stream: ...
+
+    def run_episodes(self, environment, prompts, settings=None, **options) -> list: ...
+
+    def pause(self, mode: str = "wait", timeout: float | None = None) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def init_weight_sync(
+        self,
+        transport: str,
+        host: str,
+        port: int,
+        rank: int,
+        num_receivers: int,
+        timeout: float = 300.0,
+        secret: str | None = None,
+    ) -> None: ...
+
+    def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int: ...
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def health(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBase:
+    """What both engines write the same way. A subclass sets `model`, `_cv` (the condition
+    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy) and says how many
+    samples run and wait (`_counts`)."""
+
+    model: str
+    _cv: threading.Condition
+    _version: int
+    _paused: bool
+    _broken: str
+
+    @property
+    def version(self) -> int:
+        """The policy version of the current weights (0: as loaded at start)."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def run_episodes(self, environment, prompts, settings=None, **options):
+        """Multi-turn episodes of `environment` on this engine, one per prompt
+        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
+        next to its engine)."""
+        from ferrule_rollout.episodes import run_episodes
+
+        return run_episodes(self, environment, prompts, settings, **options)
+
+    @staticmethod
+    def _check_receivers(transport: str, rank: int, workers: int, num_receivers: int) -> None:
+        """A weight-sync request names a known transport and receiver ranks rank .. rank +
+        workers - 1 (one per worker of this engine) within 1 .. num_receivers."""
+        from ferrule_weightsync import TRANSPORTS
+
+        if transport not in TRANSPORTS:
+            raise BadRequestError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if rank >= 1 and rank + workers - 1 <= num_receivers:
+            return
+        if workers == 1:
+            raise BadRequestError(f"receiver rank {rank} does not fit in 1..{num_receivers}")
+        raise BadRequestError(
+            f"receiver ranks {rank}..{rank + workers - 1} (one per worker) do not fit in "
+            f"1..{num_receivers}"
+        )
+
+    def _counts(self) -> tuple[int, int]:
+        """(samples running, samples queued), read under `_cv`."""
+        raise NotImplementedError
+
+    def health(self) -> dict:
+        with self._cv:
+            status = "broken" if self._broken else "paused" if self._paused else "serving"
+            running, queued = self._counts()
+            return {
+                "status": status,
+                "detail": self._broken,
+                "version": self._version,
+                "model": self.model,
+                "running": running,
+                "queued": queued,
+            }
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
