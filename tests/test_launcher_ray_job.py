@@ -55,32 +55,37 @@ def test_submitted_as_a_ray_job():
         start_new_session=True,
     )
     try:
-        time.sleep(20)
-        result = subprocess.run(
-            [
-                ray,
-                "job",
-                "submit",
-                "--address",
-                f"http://127.0.0.1:{dashboard}",
-                "--working-dir",
-                ".",
-                "--",
-                "rlhf-launch",
-                "examples/tiny.toml",
-                "--set",
-                "loop.steps=2",
-                "--set",
-                "ray.address='auto'",
-                "--set",
-                "output.progress=false",
-            ],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=420,
-        )
+        submit = [
+            ray,
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dashboard}",
+            "--working-dir",
+            ".",
+            "--",
+            "rlhf-launch",
+            "examples/tiny.toml",
+            "--set",
+            "loop.steps=2",
+            "--set",
+            "ray.address='auto'",
+            "--set",
+            "output.progress=false",
+        ]
+        # The head's job agent comes up some seconds after the dashboard, later on a loaded
+        # machine ("No available agent to submit job, please try again later"): try again.
+        time.sleep(15)
+        deadline = time.monotonic() + 180
+        while True:
+            result = subprocess.run(
+                submit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420
+            )
+            said = result.stdout + result.stderr
+            not_up = any(s in said for s in ("No available agent", "onnection refused"))
+            if result.returncode == 0 or not not_up or time.monotonic() > deadline:
+                break
+            time.sleep(5)
         assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
         assert "summary: accuracy_before" in result.stdout
     finally:

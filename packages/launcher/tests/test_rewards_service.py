@@ -165,9 +165,11 @@ def test_a_reward_model_is_served_by_a_ray_role_of_its_own(tmp_path):
     rows = [("Reverse the string abc. Answer:", " cba"), ("Reverse the string xyz.", " zy")]
     expected = ModelScorer(folder, device="cpu", normalize=True).score(rows).rewards
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    config = RewardsConfig(model=folder, normalize=True, cpus=1.5, start_timeout=120)
-    service = RewardService.start(config, RayConfig(), tmp_path)
-    try:
+    # 300 s: a loaded 2-core CI machine once took over 120 s to start the role
+    config = RewardsConfig(model=folder, normalize=True, cpus=1.5, start_timeout=300)
+    service = None
+    try:  # Ray is shut down however this ends: the next test starts its own
+        service = RewardService.start(config, RayConfig(), tmp_path)
         where = service.where()
         assert where["pid"] != os.getpid() and where["address"].startswith("127.0.0.1:")
         assert ray.available_resources()["CPU"] == pytest.approx(0.5)  # [rewards] cpus = 1.5
@@ -185,7 +187,8 @@ def test_a_reward_model_is_served_by_a_ray_role_of_its_own(tmp_path):
         assert again.rewards == pytest.approx(expected, abs=1e-4)
         assert service.restarts == 1 and service.where()["pid"] != where["pid"]
     finally:
-        service.stop()
+        if service is not None:
+            service.stop()
         ray.shutdown()
 
 
