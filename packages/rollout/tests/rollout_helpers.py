@@ -89,3 +89,16 @@ class Result:
         if self.error is not None:
             raise self.error
         return self.value
+
+
+def assert_matches_transformers(samples, model, greedy: bool, **sampling) -> None:
+    """Each sample's logprobs are `model`'s teacher-forced ones for its tokens (within
+    LOGPROB_ATOL); greedy: its tokens are the argmax ones."""
+    import torch
+
+    for sample in samples:
+        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
+        got = torch.tensor(sample.logprobs)
+        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
+        if greedy:
+            assert sample.token_ids == argmax.tolist()

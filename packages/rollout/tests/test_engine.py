@@ -19,6 +19,7 @@ from ferrule_testkit import tiny_model
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import (
     LOGPROB_ATOL,
+    assert_matches_transformers,
     free_port,
     hf_logprobs,
     in_thread,
@@ -44,15 +45,6 @@ def policy(engine):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32).eval()
-
-
-def assert_matches_transformers(samples, model, greedy: bool, **sampling) -> None:
-    for sample in samples:
-        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
-        got = torch.tensor(sample.logprobs)
-        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
-        if greedy:
-            assert sample.token_ids == argmax.tolist()
 
 
 def test_greedy_tokens_and_logprobs_match_transformers(engine, policy):

@@ -26,6 +26,7 @@ from ferrule_testkit import tiny_model, tiny_tokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import (
     LOGPROB_ATOL,
+    assert_matches_transformers,
     free_port,
     hf_logprobs,
     in_thread,
@@ -96,15 +97,6 @@ def add_eos(folder: Path, token: int) -> Path:
     config["eos_token_id"] = [config["eos_token_id"], token]
     (folder / "generation_config.json").write_text(json.dumps(config))
     return folder
-
-
-def assert_matches_transformers(samples, model, greedy: bool, **sampling) -> None:
-    for sample in samples:
-        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
-        got = torch.tensor(sample.logprobs)
-        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
-        if greedy:
-            assert sample.token_ids == argmax.tolist()
 
 
 def connect(engine, transport: str):

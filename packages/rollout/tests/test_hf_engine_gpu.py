@@ -14,7 +14,7 @@ from ferrule_rollout import SamplingSettings
 from ferrule_testkit import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rollout_helpers import LOGPROB_ATOL, hf_logprobs, perturb_
+from rollout_helpers import assert_matches_transformers, perturb_
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Question: what is 12 + 30? Answer:", "Reverse the string hello. Answer:", [5, 6, 7]]
@@ -38,24 +38,15 @@ def policy_of(engine):
     return model.eval()
 
 
-def assert_teacher_forced(samples, model, greedy: bool, **sampling) -> None:
-    for sample in samples:
-        expected, argmax = hf_logprobs(model, sample.prompt_token_ids, sample.token_ids, **sampling)
-        got = torch.tensor(sample.logprobs)
-        assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
-        if greedy:
-            assert sample.token_ids == argmax.tolist()
-
-
 def test_graphed_greedy_and_sampled_decode_match_a_teacher_forced_forward(engine):
     samples = engine.generate(PROMPTS, GREEDY)
     assert all(s.graph for s in engine._decoder.steps.values())
     assert all(len(s.token_ids) == 40 for s in samples)
     policy = policy_of(engine)
-    assert_teacher_forced(samples, policy, greedy=True)
+    assert_matches_transformers(samples, policy, greedy=True)
     settings = SamplingSettings(n=4, temperature=0.8, top_k=50, max_tokens=30, seed=3)
     sampled = engine.generate(PROMPTS, settings)
-    assert_teacher_forced(sampled, policy, greedy=False, temperature=0.8, top_k=50)
+    assert_matches_transformers(sampled, policy, greedy=False, temperature=0.8, top_k=50)
     assert engine.generate(PROMPTS, settings) == sampled  # a seed reproduces
     alone = engine.generate(PROMPTS[:1], settings)  # in another rows bucket
     assert [s.token_ids for s in alone] == [s.token_ids for s in sampled[:4]]
@@ -70,7 +61,7 @@ def test_graphs_read_weights_changed_in_place_and_storage_after_wake(engine):
             param.copy_(cpu.get_parameter(name))
     changed = engine.generate(PROMPTS, GREEDY)
     assert [s.token_ids for s in changed] != [s.token_ids for s in before]
-    assert_teacher_forced(changed, cpu, greedy=True)
+    assert_matches_transformers(changed, cpu, greedy=True)
     engine.sleep(1)
     assert engine._decoder is None
     engine.wake_up()
@@ -104,7 +95,7 @@ def test_compiled_decode_matches_a_teacher_forced_forward():
         samples = engine.generate(PROMPTS, GREEDY)
         assert all(s.graph for s in engine._decoder.steps.values())
         assert engine._decoder.step_forward is not engine._decoder.forward
-        assert_teacher_forced(samples, policy_of(engine), greedy=True)
+        assert_matches_transformers(samples, policy_of(engine), greedy=True)
 
 
 def test_continuous_batching_under_graphs_gives_what_one_batch_gives(engine):
