@@ -106,10 +106,12 @@ class RankGroup:
     def size(self) -> int:
         return len(self.workers)
 
-    def _shards(self, batch: dict) -> list:
+    def _on_shards(self, batch: dict, call) -> list:
+        """`call(worker, shard)` (a ref) on every rank, each with its share of `batch`."""
         from ferrule_trainer.rl import split
 
-        return split(batch, batch["input_ids"].shape[0] // self.size)
+        shards = split(batch, batch["input_ids"].shape[0] // self.size)
+        return [call(w, shard) for w, shard in zip(self.workers, shards, strict=True)]
 
     def _joined(self, refs: list):
         def wait():
@@ -124,42 +126,29 @@ class RankGroup:
 
     def logprobs(self, batch: dict, micro_batch_size: int, temperature: float | None = None):
         return self._joined(
-            [
-                w.logprobs.remote(shard, micro_batch_size, temperature)
-                for w, shard in zip(self.workers, self._shards(batch), strict=True)
-            ]
+            self._on_shards(
+                batch, lambda w, shard: w.logprobs.remote(shard, micro_batch_size, temperature)
+            )
         )
 
     def values(self, batch: dict, micro_batch_size: int):
         return self._joined(
-            [
-                w.values.remote(shard, micro_batch_size)
-                for w, shard in zip(self.workers, self._shards(batch), strict=True)
-            ]
+            self._on_shards(batch, lambda w, shard: w.values.remote(shard, micro_batch_size))
         )
 
     def train_epochs(self, batch: dict, **options):
         return self._first(
-            [
-                w.train_epochs.remote(shard, **options)
-                for w, shard in zip(self.workers, self._shards(batch), strict=True)
-            ]
+            self._on_shards(batch, lambda w, shard: w.train_epochs.remote(shard, **options))
         )
 
     def likelihood_epochs(self, batch: dict, **options):
         return self._first(
-            [
-                w.likelihood_epochs.remote(shard, **options)
-                for w, shard in zip(self.workers, self._shards(batch), strict=True)
-            ]
+            self._on_shards(batch, lambda w, shard: w.likelihood_epochs.remote(shard, **options))
         )
 
     def preference_epochs(self, batch: dict, **options):
         return self._first(
-            [
-                w.preference_epochs.remote(shard, **options)
-                for w, shard in zip(self.workers, self._shards(batch), strict=True)
-            ]
+            self._on_shards(batch, lambda w, shard: w.preference_epochs.remote(shard, **options))
         )
 
     # -- collectives: every rank takes part ------------------------------------------------

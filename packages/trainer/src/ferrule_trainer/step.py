@@ -197,7 +197,6 @@ class RLStep:
         )
         batch = rl.build_batch(samples, self.pad_id)
         rows_per_pass = t.forward_batch_size or t.micro_batch_size
-        old = ref = values = None
         pending = {}
         if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
             pending["old"] = self.policy.logprobs(batch, rows_per_pass)
