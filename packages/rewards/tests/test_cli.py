@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -88,6 +89,61 @@ def test_bad_arguments_exit_2_and_say_why(spawn, args, message):
     server = spawn(*args, env={"FERRULE_REWARDS_TOKEN": ""}, ready=False)
     assert server.process.returncode == 2
     assert message in "".join(server.log), server.log
+
+
+@pytest.mark.parametrize("form", ["module", "file"])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("def score(response:\n", "{file}:1: SyntaxError: "),
+        ("1 / 0\n", "importing it raised {file}:1: ZeroDivisionError: division by zero"),
+        ("import nosuchdep\n", "importing it raised {file}:1: ModuleNotFoundError"),
+    ],
+)
+def test_a_broken_reward_module_is_one_line_and_exit_2(spawn, tmp_path, form, source, message):
+    # A SyntaxError (or any error raised while importing) was a scoring process's traceback
+    # and exit 1; a missing dependency read as if the module itself were missing.
+    (tmp_path / "broken_rewards.py").write_text(source)
+    spec = "broken_rewards:score" if form == "module" else f"{tmp_path}/broken_rewards.py:score"
+    server = spawn("--function", spec, env={"PYTHONPATH": str(tmp_path)}, ready=False)
+    log = "".join(server.log)
+    assert server.process.returncode == 2, log
+    assert "Traceback" not in log and len(log.strip().splitlines()) == 1, log
+    assert f"reward function {spec!r}: " in log
+    assert message.format(file=tmp_path / "broken_rewards.py") in log
+
+
+def test_model_without_the_model_extra_names_the_extra():
+    # torch missing made a scoring process die with a raw `No module named 'torch'` traceback
+    hide = "import sys; sys.modules['torch'] = None; from ferrule_rewards.cli import main; main()"
+    command = [sys.executable, "-c", hide, "serve", "--model", "/no/such/model"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        "rlhf-rewards serve: error: --model needs the [model] extra (torch not installed): "
+        "pip install 'ferrule-rewards[model]'\n"
+    )
+
+
+def test_score_against_no_server_fails_within_the_connect_timeout_naming_the_address():
+    address = f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "ferrule_rewards", "score", address]
+    started = time.monotonic()
+    done = subprocess.run(command, input='{"response": "4"}', capture_output=True, text=True)
+    took = time.monotonic() - started
+    assert done.returncode == 2, done.stderr
+    assert f"{address}: UNAVAILABLE" in done.stderr and "--connect-timeout" in done.stderr
+    assert took < 15, took  # 29 s before: the client's retry_for of 30 s
+    short = subprocess.run(
+        [*command, "--connect-timeout", "0.5"], input="{}", capture_output=True, text=True
+    )
+    assert short.returncode == 2 and "and 0.5s" in short.stderr, short.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_a_taken_port_is_an_error_not_a_shared_port(spawn):

@@ -14,6 +14,7 @@ the arguments exit with status 2 and say what was wrong, before anything starts.
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from ferrule_grpc_auth import (
     client_security,
     server_security,
 )
-from ferrule_rewards.client import RewardError
+from ferrule_rewards.client import RewardError, RewardServersUnavailable
 from ferrule_rewards.security import TOKEN_ENV
 
 
@@ -52,6 +53,7 @@ def _number(kind, low, high=math.inf, *, low_included=True):
 
 
 _COUNT = _number(int, 1)
+MODEL_EXTRA = ("torch", "transformers")  # what ferrule-rewards[model] adds
 DEFAULT_BIND = "127.0.0.1:50051"  # rlhf-rollout serve's is 50052: both run side by side
 # Processes are forked at start: an unbounded count forks until the machine gives out.
 _PROCESSES = _number(int, 1, 256)
@@ -157,6 +159,13 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
     add("addresses", nargs="+", metavar="ADDRESS", help="host:port of one or more replicas")
     add_client_options(parser, token_env=TOKEN_ENV)
     add("--timeout", type=_SECONDS, default=60.0, help="deadline per call in seconds")
+    add(
+        "--connect-timeout",
+        type=_SECONDS,
+        default=5.0,
+        help="seconds to keep trying while no address can be reached or takes the call, then "
+        "fail naming each address and what it said (default: %(default)s)",
+    )
 
 
 def make_scorer(args):
@@ -165,10 +174,9 @@ def make_scorer(args):
         from ferrule_rewards.functions import FunctionScorer
 
         return FunctionScorer.load(args.function, timeout=args.timeout)
-    try:
-        from ferrule_rewards.model import ModelScorer
-    except ImportError as error:
-        raise ValueError(f"--model needs `pip install ferrule-rewards[model]`: {error}") from None
+    _check_model_extra()
+    from ferrule_rewards.model import ModelScorer
+
     return ModelScorer(
         args.model,
         device=args.device,
@@ -179,10 +187,23 @@ def make_scorer(args):
     )
 
 
+def _check_model_extra() -> None:
+    """ValueError (exit 2, one line) when the reward-model backend's packages are missing:
+    they are an extra, and without this a scoring process died on `import torch`."""
+    missing = [name for name in MODEL_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"--model needs the [model] extra ({' and '.join(missing)} not installed): "
+            "pip install 'ferrule-rewards[model]'"
+        )
+
+
 def _serve(args) -> None:
     from ferrule_rewards.processes import StartFailed
     from ferrule_rewards.server import Limits, serve
 
+    if args.model:  # before anything starts
+        _check_model_extra()
     token, tls = server_security(args, token_env=TOKEN_ENV)
     limits = Limits(
         max_batch=args.max_batch,
@@ -222,6 +243,7 @@ def _client(args):
         args.addresses,
         **client_security(args, token_env=TOKEN_ENV),
         timeout=args.timeout,
+        retry_for=args.connect_timeout,
     )
 
 
@@ -272,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         {"serve": _serve, "score": _score, "health": _health}[args.command](args)
+    except RewardServersUnavailable as error:
+        hint = "(--connect-timeout sets how long to keep trying)"
+        parser.exit(2, f"rlhf-rewards {args.command}: error: {error} {hint}\n")
     except (ValueError, TypeError, OSError, RewardError) as error:
         parser.exit(2, f"rlhf-rewards {args.command}: error: {error}\n")
 

@@ -54,16 +54,23 @@ def load_function(spec: str) -> Callable:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[path.stem] = module  # so pickling and dataclasses inside it work
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as error:
+            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
             sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
-            raise ValueError(
-                f"reward function {spec!r}: cannot import {module_name!r}: {error}"
-            ) from None
+            if error.name is not None and f"{module_name}.".startswith(f"{error.name}."):
+                raise ValueError(
+                    f"reward function {spec!r}: cannot import {module_name!r}: {error}"
+                ) from None
+            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
+        except Exception as error:  # the module is there but broken: the user's to fix
+            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
     target = module
     for part in attribute.split("."):
         try:
@@ -75,6 +82,16 @@ def load_function(spec: str) -> Callable:
     if not callable(target):
         raise ValueError(f"reward function {spec!r} is a {type(target).__name__}, not callable")
     return target
+
+
+def _import_failure(error: Exception) -> str:
+    """One line on why a reward module failed to import, with the file and line to fix (a
+    traceback through importlib says no more than that, and ends in a scoring process)."""
+    if isinstance(error, SyntaxError):
+        return f"{error.filename}:{error.lineno}: {type(error).__name__}: {error.msg}"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"importing it raised {where}{type(error).__name__}: {error}"
 
 
 def signature_fields(fn: Callable) -> tuple[tuple[str, ...], bool, bool]:
