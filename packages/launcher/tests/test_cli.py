@@ -20,6 +20,14 @@ def test_help_lists_the_options():
         assert word in result.stdout
 
 
+def test_help_lists_every_table():
+    from ferrule_launcher.config import Config
+
+    help_text = " ".join(run("--help").stdout.split())  # argparse wraps the epilog
+    for table in Config.model_fields:
+        assert f"[{table}]" in help_text
+
+
 def test_missing_config_names_the_file(tmp_path):
     result = run(str(tmp_path / "nope.toml"))
     assert result.returncode == 2

@@ -18,13 +18,16 @@ from ferrule_launcher import __version__
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from ferrule_launcher.config import Config  # pydantic only: --help stays quick
+
+    tables = " ".join(f"[{name}]" for name in Config.model_fields)
     parser = argparse.ArgumentParser(
         prog="rlhf-launch",
         description="Run Ferrule's RLHF loop (rollout -> rewards -> train -> weight sync) on Ray "
         "from one TOML config file.",
-        epilog="Tables: [model] [task] [sft] [rollout] [rewards] [trainer] [critic] [loop] [ray] "
-        "[output]; see packages/launcher/README.md. Submit to a running cluster with "
-        '`ray job submit --working-dir . -- rlhf-launch config.toml` and [ray] address = "auto".',
+        epilog=f"Tables: {tables}; every key with its type, default and meaning: docs/config.md. "
+        "Submit to a running cluster with `ray job submit --working-dir . -- rlhf-launch "
+        'config.toml` and [ray] address = "auto".',
     )
     parser.add_argument("config", type=Path, help="the run's TOML file, e.g. examples/tiny.toml")
     parser.add_argument(

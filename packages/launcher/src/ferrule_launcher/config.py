@@ -73,6 +73,8 @@ class SourceConfig(Table):
 
 
 class TaskConfig(Table):
+    """[task]: where the prompts come from: a built-in synthetic task or your datasets."""
+
     name: Literal["reversal", "arithmetic", "data"] = "reversal"
     """"reversal" (reverse a short word), "arithmetic" (add two numbers), or "data": your
     prompts and labels from [[task.sources]]."""
@@ -90,6 +92,8 @@ class TaskConfig(Table):
 
 
 class WarmStartConfig(Table):
+    """[sft]: an optional supervised warm start of the policy before RL."""
+
     steps: int = Field(60, ge=0)
     """Supervised warm-start steps before RL (0: none), on data, or else on the synthetic
     task's answers."""
@@ -107,6 +111,8 @@ class WarmStartConfig(Table):
 
 
 class RolloutConfig(EngineConfig, Table):  # Table: "none" for None, as everywhere
+    """[rollout]: generation (ferrule-rollout's engine and sampling keys) and the engines' roles."""
+
     engines: int = Field(1, ge=1, le=64)
     """vLLM engines; each prompt batch is split between them."""
     prompts_per_step: int = Field(16, ge=1)
@@ -127,6 +133,8 @@ class RolloutConfig(EngineConfig, Table):  # Table: "none" for None, as everywhe
 
 
 class RewardsConfig(Table):
+    """[rewards]: how samples are scored: one of function, model or address."""
+
     function: str = ""
     """Reward function `module:function` or `file.py:function` served by ferrule-rewards."""
     model: InputPath | None = None
@@ -184,6 +192,8 @@ def _importable(module: str) -> bool:
 
 
 class LoopConfig(Table):
+    """[loop]: the RL loop: steps, what a step trains on, sync or async, evaluations."""
+
     steps: int = Field(40, ge=1)
     """RL steps (one rollout batch, its training and a weight sync each)."""
     algorithm: Literal["rl", "rejection_sampling", "iterative_dpo"] = "rl"
@@ -294,6 +304,8 @@ ROLE_KINDS = ("policy", "rollout", "critic", "rewards")
 
 
 class RayConfig(Table):
+    """[ray]: the cluster and how the roles are placed on it."""
+
     address: str = ""
     """Ray cluster to join ("auto" or "host:port"); empty starts a local cluster."""
     num_cpus: int | None = Field(None, ge=1)
@@ -339,6 +351,8 @@ class RayConfig(Table):
 
 
 class EvalConfig(Table):
+    """[eval]: the held-out evaluations (when: [loop] eval_every)."""
+
     samples: int = Field(4, ge=1, le=256)
     """Samples per held-out prompt at each evaluation ([loop] eval_every, the start and the
     end), scored by the run's reward function."""
@@ -357,6 +371,8 @@ class EvalConfig(Table):
 
 
 class OutputConfig(Table):
+    """[output]: metrics, checkpoints and the final policy."""
+
     dir: Path = Path("runs/latest")
     """Where metrics, checkpoints, the final policy and summary.json go (relative to the
     current directory)."""
