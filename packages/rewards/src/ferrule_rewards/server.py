@@ -16,7 +16,8 @@ scoring process.
 NOT_SERVING, new calls are refused with UNAVAILABLE, and calls in flight finish within the grace
 period. With `--workers N`, workers.py runs N of these on one port. Every limit answers at once
 with a status (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), before the request's body is read; nothing
-waits in an unbounded queue.
+waits in an unbounded queue. The body is read within the call's deadline before a scoring
+process is taken, so a slow sender never holds one.
 """
 
 import asyncio
@@ -49,9 +50,9 @@ class Limits:
     max_message_bytes: int = 64 << 20
     """Largest request or response; more is RESOURCE_EXHAUSTED, answered by gRPC itself."""
     max_concurrency: int = 32
-    """Score calls admitted at once (scored, or waiting for a scoring process); one more is
-    RESOURCE_EXHAUSTED (retry elsewhere). A request's body is read only once a process is free,
-    so requests buffered in memory are at most one per scoring process."""
+    """Score calls admitted at once (being read, waiting for a scoring process, or scored); one
+    more is RESOURCE_EXHAUSTED (retry elsewhere), before any of its body is read. So requests
+    buffered in memory are at most this many."""
     call_timeout: float = 60.0
     """Seconds a Score call may take, whatever its samples do (a shorter client deadline wins):
     samples without a result by then get TIMEOUT."""
@@ -143,10 +144,8 @@ class RewardServer:
             if remaining is not None:  # answer a little before the client stops waiting
                 budget = min(budget, remaining - min(0.1, remaining / 10))
             deadline = loop.time() + budget
+            body = await self._read(context, deadline)
             async with self.processes.process(deadline) as process:
-                body = await context.read()  # buffered only now, one per scoring process
-                if body is grpc.aio.EOF:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no ScoreRequest sent")
                 return await process.score(body, deadline)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -158,6 +157,22 @@ class RewardServer:
             raise
         finally:
             self.busy -= 1
+
+    async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
+        """The request's body, read before a scoring process is taken and within the call's
+        deadline: a client that sends it slowly, or never, holds one admission slot
+        (max_concurrency) and no scoring process, and only until its deadline."""
+        wait = deadline - asyncio.get_running_loop().time()
+        try:
+            body = await asyncio.wait_for(context.read(), max(0.0, wait))
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the request did not arrive within the call's deadline ({wait:.3g}s)",
+            )
+        if body is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no ScoreRequest sent")
+        return body
 
     async def drain(self, grace: float = 30.0) -> int:
         """Refuse new calls, let calls in flight finish (up to `grace` seconds), then stop.
