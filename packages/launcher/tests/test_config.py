@@ -95,7 +95,7 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
         ("[rollout]\ntransport = 'ipc'\n[ray]\nplacement = 'separate'\n", "[rollout] transport:"),
         ("[loop]\nmax_staleness = 3\n", "[loop] max_staleness: only applies"),
         ("[ray]\nroles_on_nodes = {rollout = 'w'}\n", "[ray] roles_on_nodes: cannot pin"),
-        ("[task]\nname = 'jsonl'\n", "[task] name: Input should be 'reversal', 'arithmetic'"),
+        ("[task]\nname = 'csv'\n", "[task] name: Input should be 'reversal', 'arithmetic'"),
         ("[task]\nname = 'data'\n", '[task] sources: "data" needs at least one [[task.sources]]'),
         ("[[task.sources]]\npath = 'e.jsonl'\n", '[task] sources: only read by name = "data"'),
         (
@@ -263,8 +263,8 @@ def test_model_table_is_the_trainers(write):
     assert "[model] attn_implementation: Input should be 'eager'" in error_of(
         write(text, base=REWARDS)
     )
-    assert "[model] dtype: Input should be 'float32' or 'bfloat16', got 'fp32'" in error_of(
-        write("[model]\npath = 'model'\ndtype = 'fp32'\n", base=REWARDS)
+    assert "[model] dtype: Input should be 'float32' or 'bfloat16', got 'fp16'" in error_of(
+        write("[model]\npath = 'model'\ndtype = 'fp16'\n", base=REWARDS)
     )
 
 
@@ -360,3 +360,53 @@ def test_an_environment_is_checked_before_anything_starts(write, tmp_path):
         "[environment]\nname = 'env.py:Good'\n[loop]\nalgorithm = 'iterative_dpo'\n", base=model
     )
     assert '[environment] name: [loop] algorithm must be "rl"' in error_of(path)
+
+
+LAST_MONTH = """[model]
+path = "model"
+dtype = "fp32"
+[task]
+name = "jsonl"
+train_file = "train.jsonl"
+eval_file = "test.jsonl"
+prompt_key = "question"
+label_key = "answer"
+[rewards]
+function = "ferrule_rewards.builtin:exact_text"
+attempts = 3
+"""
+
+
+@pytest.mark.parametrize(
+    "hint",
+    [
+        "[model] dtype: 'fp32' was renamed: use 'float32'",
+        '[task] name: "jsonl" was renamed: use name = "data" and one [[task.sources]] table per file',
+        '[task] train_file: was renamed: use name = "data" and a [[task.sources]] table with '
+        'path = "train.jsonl"',
+        '[task] eval_file: was renamed: use eval_path = "test.jsonl" in a [[task.sources]] table',
+        '[task] prompt_key: moved: write prompt_key = "question" in each [[task.sources]] table',
+        '[task] label_key: moved: write label_key = "answer" in each [[task.sources]] table',
+        "[rewards] attempts: was replaced by retry_for",
+    ],
+)
+def test_last_months_keys_say_what_replaced_them(write, hint):
+    """A config in the form before 0.1.0's data sources gets every hint at once."""
+    assert f"run.toml: {hint}" in error_of(write(LAST_MONTH, base=""))
+
+
+def test_the_new_form_of_last_months_config_loads(write, tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    (tmp_path / "test.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    new = (
+        LAST_MONTH.replace('"fp32"', '"float32"')
+        .replace('"jsonl"', '"data"')
+        .replace("attempts = 3", "retry_for = 20")
+    )
+    for old in ("train_file", "eval_file", "prompt_key", "label_key"):
+        new = "\n".join(line for line in new.splitlines() if not line.startswith(old)) + "\n"
+    new += '[[task.sources]]\npath = "train.jsonl"\neval_path = "test.jsonl"\n'
+    new += 'prompt_key = "question"\nlabel_key = "answer"\n'
+    config = load_config(write(new, base=""))
+    assert config.task.sources[0].path == tmp_path / "train.jsonl"
+    assert config.model.dtype == "float32"

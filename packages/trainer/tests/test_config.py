@@ -1,6 +1,7 @@
 """TOML configs: errors name the file, the table and the key before anything starts."""
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -68,3 +69,34 @@ def test_trainer_table_gives_each_call_its_keywords():
     )
     assert table.epoch_options() == dict(epochs=2, mini_batches=1, micro_batch_size=64)
     assert TrainerConfig(kl_coef=0.05).loss_options()["kl_coef"] == 0.05
+
+
+@pytest.mark.parametrize(("old", "new"), [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_renamed_dtype_says_the_new_name(tmp_path, old, new):
+    path = _write(tmp_path, f'[model]\npath = "m"\ndtype = "{old}"\n[data]\npath = "d"\n')
+    with pytest.raises(
+        ConfigError, match=f"sft.toml: \\[model\\] dtype: '{old}' was renamed: use '{new}'"
+    ):
+        load_config(path, SFTConfig)
+
+
+def test_renamed_key_says_what_replaced_it(tmp_path):
+    """A table's `renamed` entry replaces "unknown key" with its hint, the file's value in it."""
+    from ferrule_trainer.config import Table
+
+    class Old(Table):
+        renamed: ClassVar[dict[str, str]] = {"lr": "was renamed: use learning_rate = {value}"}
+        learning_rate: float = 1.0
+        """Step size."""
+
+    class File(Table):
+        train: Old
+
+    path = tmp_path / "x.toml"
+    path.write_text("[train]\nlr = 0.5\nlrr = 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, File)
+    assert str(info.value).splitlines() == [
+        f"{path}: [train] lr: was renamed: use learning_rate = 0.5",
+        f"{path}: [train] lrr: unknown key (known: learning_rate)",
+    ]

@@ -13,7 +13,7 @@ relative to the TOML file; the output directory is relative to the current direc
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -90,6 +90,24 @@ class TaskConfig(Table):
     seed: int = 0
     """Seed of the prompt streams (training order and held-out)."""
 
+    renamed: ClassVar[dict[str, str]] = {  # the form before 2026-11-25 (CHANGELOG 0.1.0)
+        "train_file": 'was renamed: use name = "data" and a [[task.sources]] table with '
+        "path = {value}",
+        "eval_file": "was renamed: use eval_path = {value} in a [[task.sources]] table",
+        "prompt_key": "moved: write prompt_key = {value} in each [[task.sources]] table",
+        "label_key": "moved: write label_key = {value} in each [[task.sources]] table",
+    }
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _renamed_name(cls, name):
+        if name == "jsonl":
+            raise ValueError(
+                '"jsonl" was renamed: use name = "data" and one [[task.sources]] table per file '
+                "(path = the train_file, eval_path = the eval_file)"
+            )
+        return name
+
 
 class WarmStartConfig(Table):
     """[sft]: an optional supervised warm start of the policy before RL."""
@@ -165,6 +183,11 @@ class RewardsConfig(Table):
     within restart_window seconds; one more death stops the run (0: the first death does)."""
     restart_window: float = Field(600.0, gt=0)
     """Seconds over which max_restarts counts."""
+
+    renamed: ClassVar[dict[str, str]] = {  # the form before 2026-11-21 (CHANGELOG 0.1.0)
+        "attempts": "was replaced by retry_for: the seconds a call keeps being retried while "
+        "no server takes it (default 20)",
+    }
 
     @field_validator("function")
     @classmethod

@@ -16,11 +16,12 @@ model validator, naming each key it blames. pydantic is imported here, not torch
 import math
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar, get_args
+from typing import Annotated, ClassVar, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -30,7 +31,17 @@ from pydantic import (
 
 T = TypeVar("T", bound=BaseModel)
 
-TrainDType = Literal["float32", "bfloat16"]
+RENAMED_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""The names tables took before the one vocabulary (0.1.0 of 2026-11-23)."""
+
+
+def _renamed_dtype(value):
+    if value in RENAMED_DTYPES:
+        raise ValueError(f"{value!r} was renamed: use {RENAMED_DTYPES[value]!r}")
+    return value
+
+
+TrainDType = Annotated[Literal["float32", "bfloat16"], BeforeValidator(_renamed_dtype)]
 """The dtype vocabulary of every Ferrule table (torch's names); training takes these two."""
 
 ESTIMATORS = (
@@ -71,6 +82,10 @@ class Problems(ValueError):
 
 class Table(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    renamed: ClassVar[dict[str, str]] = {}
+    """Keys this table no longer reads: {old key: what to write instead}. The error for such a
+    key says so instead of "unknown key"; "{value}" in the text is the file's value."""
 
     @model_validator(mode="before")
     @classmethod
@@ -135,11 +150,13 @@ def format_errors(path: Path, schema: type[BaseModel], err: ValidationError) -> 
             for key, message in cause.problems:
                 lines.append(f"{path}: {_where(loc + key.split('.'))}: {message}")
             continue
-        if e["type"] == "extra_forbidden":
+        table = _table(schema, loc[:-1])
+        if e["type"] == "extra_forbidden" and loc[-1] in getattr(table, "renamed", {}):
+            message = table.renamed[loc[-1]].format(value=_toml(e["input"]))
+        elif e["type"] == "extra_forbidden":
             message = "unknown key" if len(loc) > 1 else "unknown table"
-            known = _known_keys(schema, loc[:-1])
-            if known:
-                message += f" (known: {', '.join(known)})"
+            if table is not None:
+                message += f" (known: {', '.join(sorted(table.model_fields))})"
         elif e["type"] == "missing":
             message = "is required"
         elif e["type"] == "value_error":  # our own checks: the message says it all
@@ -156,7 +173,8 @@ def _where(loc: list[str]) -> str:
     return f"[{loc[0]}] {'.'.join(loc[1:])}"
 
 
-def _known_keys(schema: type[BaseModel], tables: list[str]) -> list[str]:
+def _table(schema: type[BaseModel], tables: list[str]) -> type[BaseModel] | None:
+    """The model of the table at `tables` (["task"] -> TaskConfig); None where there is none."""
     model: type[BaseModel] | None = schema
     for name in tables:
         field = model.model_fields.get(name) if model else None
@@ -169,7 +187,7 @@ def _known_keys(schema: type[BaseModel], tables: list[str]) -> list[str]:
             ),
             None,
         )
-    return sorted(model.model_fields) if model else []
+    return model
 
 
 def describe(config: BaseModel) -> str:
