@@ -130,3 +130,39 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
         while time.monotonic() < stop:
             pass
     return math_reward(response, label or "0") | {"metadata": float(len(metadata))}
+
+
+def spawner(response: str) -> float:
+    """Starts children that try to outlive it, appends their pids to $REWARDS_TEST_LOG, then
+    hangs (`hang` in `response`) or returns 1.0: `fork` (os.fork), `setsid` (a Popen in a new
+    session) and `daemon` (a double fork through setsid whose middle process exits)."""
+    import subprocess
+    import sys
+
+    def record(pid: int) -> None:
+        with open(os.environ["REWARDS_TEST_LOG"], "a") as log:
+            log.write(f"{pid}\n")
+
+    if "fork" in response:
+        pid = os.fork()
+        if pid == 0:
+            while True:  # burns CPU until killed
+                pass
+        record(pid)
+    if "setsid" in response:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        record(subprocess.Popen(sleeper, start_new_session=True).pid)
+    if "daemon" in response:
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.setsid()
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(600)
+                os._exit(0)
+            os.write(write, f"{pid}".encode())
+            os._exit(0)
+        record(int(os.read(read, 32)))
+    if "hang" in response:
+        time.sleep(600)
+    return 1.0

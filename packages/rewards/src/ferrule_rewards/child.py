@@ -43,7 +43,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
-from ferrule_rewards import wire
+from ferrule_rewards import tree, wire
 from ferrule_rewards.functions import collect
 from ferrule_rewards.records import Progress, Scores
 
@@ -240,4 +240,8 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    tree.become_subreaper()
+    try:
+        main()
+    finally:  # exiting by itself (recycled, or its server gone): what its function started too
+        tree.kill_tree(os.getpid(), include_root=False)

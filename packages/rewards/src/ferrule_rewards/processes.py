@@ -21,6 +21,7 @@ with ERROR, and the next process scores the rest.
 import asyncio
 import contextlib
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -29,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from ferrule_rewards import child, wire
+from ferrule_rewards import child, tree, wire
 from ferrule_rewards.records import Status
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,14 @@ class ScoringProcess:
 
     @property
     def alive(self) -> bool:
-        return not self.killed and self.process is not None and self.process.poll() is None
+        """Running; asked without reaping it (see kill)."""
+        if self.killed or self.process is None or self.process.returncode is not None:
+            return False
+        try:
+            flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+            return os.waitid(os.P_PID, self.process.pid, flags) is None
+        except ChildProcessError:
+            return False
 
     async def start(self) -> dict:
         """Start the process; its ready message, or StartFailed with what it said."""
@@ -93,6 +101,9 @@ class ScoringProcess:
                 str(self.mark.fd),
             ],
             pass_fds=(theirs.fileno(), self.mark.fd),
+            # Its own session and process group, so that a Ctrl-C at the terminal reaches the
+            # server alone, and kill() reaches the function's children even once it is gone.
+            start_new_session=True,
         )
         theirs.close()
         reader, self.writer = await asyncio.open_connection(sock=ours)
@@ -243,7 +254,8 @@ class ScoringProcess:
         job.results[index] = wire.failure(Status.ERROR, message)
 
     async def _exit(self) -> str:
-        """How the process ended, in words."""
+        """How the process ended, in words (it is killed first, with what it started)."""
+        self.kill()
         loop = asyncio.get_running_loop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             await loop.run_in_executor(None, self.process.wait, 1.0)
@@ -255,11 +267,17 @@ class ScoringProcess:
         return f"exited with status {code}"
 
     def kill(self) -> None:
-        """SIGKILL: the only way to stop a call that may hold the GIL."""
+        """SIGKILL, the only way to stop a call that may hold the GIL, to the process and to
+        everything its function started (tree.py): children that called setsid through its
+        tree, and those orphaned when it died through its process group."""
         self.killed = True
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(OSError):
-                self.process.kill()
+        # Only before it is reaped: until then its pid, which is its group's id, is not reused.
+        # So every wait for it comes after a kill.
+        if self.process is None or self.process.returncode is not None:
+            return
+        tree.kill_tree(self.process.pid)
+        with contextlib.suppress(OSError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     async def stop(self) -> None:
         self.kill()
