@@ -17,6 +17,7 @@ step), so a seeded sample is the same whatever else is in the batch.
 import torch
 import torch.nn.functional as F
 
+from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.sampling import sample, uniforms
 
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
@@ -145,8 +146,16 @@ class Decoder:
     whenever the parameters move to new storage (sleep / wake): graphs read them in place.
     `compile`: on CUDA, decode steps go through torch.compile before they are captured."""
 
-    def __init__(self, model, float_mask: bool, keep_last: bool = True, compile: bool = False):
+    def __init__(
+        self,
+        model,
+        float_mask: bool,
+        keep_last: bool = True,
+        compile: bool = False,
+        exact: ExactNumerics | None = None,
+    ):
         self.model = model
+        self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
         first = next(model.parameters())
         self.device = first.device
         config = model.config.get_text_config()
@@ -159,7 +168,7 @@ class Decoder:
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # compile (CUDA only): decode steps through inductor, which fuses the norms, rotary and
         # residual kernels between the GEMMs; each new shape compiles first (tens of seconds).
-        compiled = compile and self.use_graphs
+        compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
 
     def release(self) -> None:
@@ -168,9 +177,10 @@ class Decoder:
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
         self.pool = self.step_forward = None
 
-    def forward(self, ids, positions, pad_ok, slots, rows=None):
+    def forward(self, ids, positions, pad_ok, slots, rows=None, last=None):
         """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
-        slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs)."""
+        slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs); `last`
+        (right-padded prompts): the logits of each row at its own last column instead."""
         where = torch.arange(pad_ok.shape[1], device=self.device)
         query = slots[:, None] if rows is None else slots[None, :]  # [rows or 1, tokens]
         keep = (pad_ok[:, None, :] & (where <= query[..., None])) | (where == query[..., None])
@@ -180,15 +190,22 @@ class Decoder:
             mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
             mask.masked_fill_(~keep[:, None], low)
         self.cache.rows, self.cache.slots = rows, slots
+        extra, pick = self.extra, None
+        if last is not None:  # the distinct last columns through the LM head, then each row's
+            columns, pick = torch.unique(last, return_inverse=True)
+            extra = {"logits_to_keep": columns} if self.extra else {}
+            pick = pick if self.extra else last
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            **self.extra,
+            **extra,
         )
-        return out.logits[:, -1]
+        if pick is None:
+            return out.logits[:, -1]
+        return out.logits[torch.arange(len(pick), device=self.device), pick]
 
     def _step(self, rows: int, length: int) -> Step:
         if self.cache.reserve(rows, length):
@@ -228,6 +245,13 @@ class Decoder:
         running = min(count, max_rows or count)
         batch = bucket(running) if self.use_graphs else running
         length = -(-(widest + max(limits) - 1) // SLOT_ALIGN) * SLOT_ALIGN
+        if self.exact is not None:  # every attention sums over the same slots
+            if length > self.exact.key_slots:
+                raise ValueError(
+                    f"{widest} prompt + {max(limits)} new tokens do not fit the exact mode's "
+                    f"{self.exact.key_slots} key slots"
+                )
+            length = self.exact.key_slots
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
         with torch.inference_mode():
             state.step = self._step(batch, length)
@@ -303,13 +327,19 @@ class _Rows:
         ids = torch.full((taking, width), self.pad, dtype=torch.long)
         positions = torch.zeros((taking, width), dtype=torch.long)
         pad_ok = torch.zeros((taking, self.length), dtype=torch.bool)
-        for k, prompt in enumerate(group):  # left padding: every row's next token is last
-            ids[k, width - len(prompt) :] = torch.tensor(prompt)
-            positions[k, width - len(prompt) :] = torch.arange(len(prompt))
-            pad_ok[k, width - len(prompt) :] = True
+        exact = self.decoder.exact is not None
+        for k, prompt in enumerate(group):
+            # left padding: every row's next token is last; exact mode pads on the right, so a
+            # sequence's tokens sit at slots 0.. as in the trainer's view (its pad columns are
+            # overwritten by the row's own next tokens before anything attends to them)
+            start = 0 if exact else width - len(prompt)
+            ids[k, start : start + len(prompt)] = torch.tensor(prompt)
+            positions[k, start : start + len(prompt)] = torch.arange(len(prompt))
+            pad_ok[k, start:] = True
         at = torch.tensor(rows, device=dev)
         self.step.pad_ok[at] = pad_ok = pad_ok.to(dev)
-        logits = self.prefill(group, ids, positions, pad_ok, at)
+        lengths = torch.tensor([len(p) for p in group])
+        logits = self.prefill(group, ids, positions, pad_ok, at, lengths if exact else None)
         limits = [self.limits[i] for i in taken]
         self.grow(t + max(limits) + 1)
         draws = uniforms([self.keys[i] for i in taken], max(limits)).to(dev)
@@ -320,16 +350,17 @@ class _Rows:
         if self.eos is not None:
             ends = torch.where(torch.isin(first, self.eos), ends.clamp(max=t + 1), ends)
         self.ends[at] = ends
-        self.step.positions[at] = torch.tensor([[len(p)] for p in group], device=dev)
-        self.step.slot[at] = width
+        self.step.positions[at] = lengths[:, None].to(dev)
+        self.step.slot[at] = lengths.to(dev) if exact else width
         for r, i in zip(rows, taken, strict=True):
             self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, []
             self.stops.pop(r, None)
         self.horizon = max(self.horizon, t + max(limits))
 
-    def prefill(self, group, ids, positions, pad_ok, at):
+    def prefill(self, group, ids, positions, pad_ok, at, lengths=None):
         """The group's forward into slots [0, width) of rows `at`, each distinct prompt once
-        (the n samples of a prompt share it: its other rows get copies); last logits."""
+        (the n samples of a prompt share it: its other rows get copies); last logits (at
+        column lengths - 1 of right-padded prompts when `lengths` is given)."""
         index: dict[tuple, int] = {}  # a distinct prompt -> its place among the prefilled
         firsts, where = [], []
         for k, prompt in enumerate(group):
@@ -345,6 +376,7 @@ class _Rows:
             pad_ok[once],
             torch.arange(width, device=dev),
             rows=at[once],
+            last=None if lengths is None else (lengths[firsts] - 1).to(dev),
         )
         if len(firsts) == len(group):
             return logits

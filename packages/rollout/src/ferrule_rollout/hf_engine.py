@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ferrule_rollout.decode import Decoder, slab_attention
+from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.interface import EngineBase
 from ferrule_rollout.samples import (
     BadRequestError,
@@ -101,12 +102,15 @@ class TransformersEngine(EngineBase):
         max_batch_size: int = 256,
         attn_implementation: str | None = None,
         compile_decode: bool = False,
+        exact: bool = False,
     ):
         """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
         device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
         `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
         graphs as without it; faster, once the first call of each (rows bucket, slots) shape
-        has compiled its step (tens of seconds)."""
+        has compiled its step (tens of seconds). `exact`: exact.py's batch-invariant numerics,
+        so a trainer that applies the same `exact_numerics` computes the very same logprobs
+        from the same weights (slower; no torch.compile)."""
         path = Path(model).expanduser()
         if not path.is_dir():
             raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
@@ -114,6 +118,8 @@ class TransformersEngine(EngineBase):
             raise RolloutError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+        if exact and compile_decode:
+            raise RolloutError("exact and compile_decode exclude each other: inductor reorders math")
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
@@ -161,6 +167,11 @@ class TransformersEngine(EngineBase):
                 f"max_model_len {max_model_len} does not fit the model's length {longest} "
                 f"(max_position_embeddings in {self.model}/config.json)"
             )
+        self.exact_numerics = None
+        if exact:  # after max_model_len: the slab's slots follow from it
+            self.exact_numerics = ExactNumerics(self.max_model_len)
+            self.exact_numerics.apply(self._model, slab=True)
+            self._float_mask = False
         self.vocab_size = config.vocab_size
         self.max_batch_size = max_batch_size
         generation = getattr(self._model, "generation_config", None)  # its list counts too
@@ -236,7 +247,11 @@ class TransformersEngine(EngineBase):
 
         if self._decoder is None:
             self._decoder = Decoder(
-                self._model, self._float_mask, self._keep_last, compile=self._compile
+                self._model,
+                self._float_mask,
+                self._keep_last,
+                compile=self._compile,
+                exact=self.exact_numerics,
             )
         results = self._decoder.generate(
             prompts,
