@@ -166,3 +166,15 @@ def spawner(response: str) -> float:
     if "hang" in response:
         time.sleep(600)
     return 1.0
+
+
+def flood(response: str) -> float:
+    """Writes `response` MiB to stdout and as many to stderr, in lines of 1 KiB; returns 1.0."""
+    import sys
+
+    line = "x" * 1023 + "\n"
+    for _ in range(int(response or 0) * 1024):
+        sys.stdout.write(line)
+        sys.stderr.write(line)
+    sys.stdout.flush()
+    return 1.0

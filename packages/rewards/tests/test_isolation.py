@@ -2,11 +2,15 @@
 sent slowly, a function that floods its output, forks children or returns huge sub-scores, a
 process that dies after finishing samples. Real servers on loopback, real scoring processes."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.client import METHOD
@@ -89,3 +93,46 @@ def test_children_of_a_reward_function_die_with_its_process(serve, tmp_path, mon
     assert len(left) == 3 and all(map(running, left))
     server.stop(grace=0)
     assert wait_until(lambda: not any(map(running, left)), 2.0), [*filter(running, left)]
+
+
+def test_a_flood_of_output_reaches_the_log_capped(spawn, fn_spec):
+    """A function's prints went to the server's stderr without a cap (3.8 GB in 5 s into a log
+    file). Now each scoring process's output is capped by --max-log-mb."""
+    server = spawn("--function", fn_spec("flood"), "--max-log-mb", "0.25")
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        assert statuses(call(request({"response": "20"}), timeout=30)) == ["OK"]  # 40 MiB
+        assert wait_until(lambda: any("the rest is dropped" in line for line in server.log), 5)
+    logged = sum(len(line) for line in server.log)
+    assert (1 << 18) <= logged < (1 << 18) * 1.5, logged  # the cap, and each line's prefix
+    assert server.stop() == 0
+
+
+def test_a_server_whose_stderr_nobody_reads_keeps_answering(tmp_path, fn_spec):
+    """The scoring processes wrote into the server's own stderr: once a pipe there stopped
+    being read, a flooding function blocked, was killed at its timeout, and the server froze
+    writing that warning (health timed out). Now nothing the server does waits on stderr."""
+    address_file = tmp_path / "address"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ferrule_rewards", "serve", "--function", fn_spec("flood"),
+         "--timeout", "1", "--bind", "127.0.0.1:0", "--address-file", str(address_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ,
+    )  # fmt: skip
+    try:
+        assert wait_until(address_file.exists, 60)
+        address = address_file.read_text().strip()
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+            health = health_pb2_grpc.HealthStub(channel)
+            for _ in range(3):  # 6 MiB of output each, never read past the pipe's 64 KiB
+                flooding = call.future(request({"response": "3"}), timeout=20)
+                started = time.monotonic()
+                while not flooding.done() or time.monotonic() - started < 1.5:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                    time.sleep(0.1)
+                assert statuses(flooding.result()) == ["OK"]
+            assert statuses(call(request({"response": "0"}), timeout=5)) == ["OK"]
+    finally:
+        server.kill()
+        server.wait()

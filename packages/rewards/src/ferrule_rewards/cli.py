@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import logging
 import math
 import sys
 from functools import partial
@@ -27,6 +26,7 @@ from ferrule_grpc_auth import (
     client_security,
     server_security,
 )
+from ferrule_rewards import logs
 from ferrule_rewards.client import RewardError, RewardServersUnavailable
 from ferrule_rewards.security import TOKEN_ENV
 
@@ -115,6 +115,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=_number(float, 0, 1024, low_included=False),
         default=64,
         help="largest request, in MiB, at most 1024 (default: %(default)s)",
+    )
+    add(
+        "--max-log-mb",
+        type=_number(float, 0, 1024),
+        default=1,
+        help="MiB of each scoring process's stdout and stderr (the function's prints) that "
+        "reach the server's log, 0 to 1024; the rest is dropped until the process is replaced "
+        "(default: %(default)s)",
     )
     add(
         "--workers",
@@ -210,6 +218,7 @@ def _serve(args) -> None:
         max_message_bytes=int(args.max_message_mb * (1 << 20)),
         max_concurrency=args.max_concurrency,
         call_timeout=args.call_timeout,
+        max_log_bytes=int(args.max_log_mb * (1 << 20)),
     )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
     options["address_file"] = args.address_file
@@ -287,11 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     _client_arguments(commands.add_parser("health", help="check servers' health"))
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(args.log_level)  # through a queue: a stderr nobody reads never blocks
     try:
         {"serve": _serve, "score": _score, "health": _health}[args.command](args)
     except RewardServersUnavailable as error:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from ferrule_rewards import child, tree, wire
+from ferrule_rewards import child, logs, tree, wire
 from ferrule_rewards.records import Status
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,9 @@ class ScoringProcess:
         self.killed, self.recycle = False, False
         ours, theirs = socket.socketpair()
         self.mark = child.Mark.create()
+        # Its stdout and stderr: a pipe of its own, read by logs.forward. On the server's
+        # stderr, a flood filled disks, and a reader that stopped froze the server.
+        output, output_end = os.pipe()
         # A fresh interpreter, not multiprocessing: a fork of a process that runs gRPC is not
         # safe, and multiprocessing's spawn runs the parent's __main__ again in the child.
         self.process = subprocess.Popen(
@@ -104,8 +107,12 @@ class ScoringProcess:
             # Its own session and process group, so that a Ctrl-C at the terminal reaches the
             # server alone, and kill() reaches the function's children even once it is gone.
             start_new_session=True,
+            stdout=output_end,
+            stderr=output_end,
         )
         theirs.close()
+        os.close(output_end)
+        logs.forward(output, f"scoring process {self.process.pid}", self.pool.max_log_bytes)
         reader, self.writer = await asyncio.open_connection(sock=ours)
         self.frames = asyncio.Queue()
         self._reading = asyncio.ensure_future(self._read(reader))
@@ -317,10 +324,18 @@ class _Job:
 
 
 class ScoringProcesses:
-    def __init__(self, make_scorer: Callable, processes: int = 1, max_batch: int = 4096):
+    def __init__(
+        self,
+        make_scorer: Callable,
+        processes: int = 1,
+        max_batch: int = 4096,
+        *,
+        max_log_bytes: int = 1 << 20,
+    ):
         if processes < 1:
             raise ValueError(f"scoring processes must be 1 or more, got {processes}")
         self.make_scorer, self.count, self.max_batch = make_scorer, processes, max_batch
+        self.max_log_bytes = max_log_bytes  # of each process's output that reaches the log
         self.name, self.timeout, self.hang_after, self.tick = "?", None, None, 1.0
         self.healthy = True
         self.on_health_change: Callable[[bool], None] | None = None  # set by the server

@@ -41,6 +41,7 @@ from ferrule_rewards.wire import InvalidRequest
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
+MAX_LOG_MB = 1024
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,16 @@ class Limits:
     samples without a result by then get TIMEOUT."""
     max_health_watches: int = 64
     """Health Watch streams open at once (they need no token); more are RESOURCE_EXHAUSTED."""
+    max_log_bytes: int = 1 << 20
+    """Bytes of each scoring process's stdout and stderr (a function's prints) that reach the
+    server's log; the rest is dropped until the process is replaced. 0 drops all of it."""
 
     def __post_init__(self):
         for name in ("max_batch", "max_message_bytes", "max_concurrency", "max_health_watches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be 1 or more, got {getattr(self, name)}")
+        if not 0 <= self.max_log_bytes <= MAX_LOG_MB << 20:
+            raise ValueError(f"max_log_bytes is {self.max_log_bytes}; 0 to {MAX_LOG_MB} MiB")
         if self.max_message_bytes > MAX_MESSAGE_MB << 20:
             raise ValueError(
                 f"max_message_bytes is {self.max_message_bytes}; at most {MAX_MESSAGE_MB} MiB"
@@ -227,7 +233,9 @@ async def start(
         client_auth=tls is not None and tls.client_ca is not None,
         token_env=TOKEN_ENV,
     )
-    scoring = ScoringProcesses(make_scorer, processes, limits.max_batch)
+    scoring = ScoringProcesses(
+        make_scorer, processes, limits.max_batch, max_log_bytes=limits.max_log_bytes
+    )
     await scoring.start()
     try:
         return await _serve_grpc(RewardServer(scoring, limits), bind, token, tls, reuse_port)

@@ -24,6 +24,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 
 from ferrule_grpc_auth import check_bind, split_address
+from ferrule_rewards import logs
 from ferrule_rewards.security import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -240,11 +241,7 @@ def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> Non
     """A worker process: build the scorer, serve, tell the supervisor; drain on SIGTERM or
     when the supervisor's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us
-    logging.basicConfig(
-        level=log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s[worker {index}]: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(log_level, f"%(asctime)s %(levelname)s %(name)s[worker {index}]: %(message)s")
     from ferrule_rewards.processes import StartFailed
 
     try:

@@ -1,0 +1,91 @@
+"""The server's log, which never blocks the server, and the output of its scoring processes,
+capped.
+
+    configure("info")                          # rlhf-rewards serve, and each of its workers
+    forward(read_fd, "scoring process 1234", max_bytes=1 << 20)    # a thread per process
+
+A log line is queued and written to stderr by a thread of its own: when nobody reads the
+server's stderr (a full pipe), lines are dropped and counted, and the event loop goes on
+answering. A scoring process writes its stdout and stderr (a reward function's prints) into a
+pipe of its own that `forward` reads: its first `max_bytes` become log lines, the rest is read
+and thrown away, so a function that floods neither fills a disk nor blocks.
+"""
+
+import logging
+import logging.handlers
+import queue
+import sys
+import threading
+
+QUEUED_LINES = 10_000  # lines waiting for a slow stderr before new ones are dropped
+LINE_BYTES = 8192  # a longer line is logged in pieces
+log = logging.getLogger("ferrule_rewards.function")
+
+
+def configure(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
+    """Log to stderr at `level` through a bounded queue and a writer thread."""
+    lines: queue.Queue = queue.Queue(QUEUED_LINES)
+    writer = _Writer(sys.stderr)
+    writer.setFormatter(logging.Formatter(fmt))
+
+    class Handler(logging.handlers.QueueHandler):
+        def enqueue(self, record):
+            try:
+                self.queue.put_nowait(record)
+            except queue.Full:  # stderr is not being read: drop, never wait
+                writer.dropped += 1
+
+    handler = Handler(lines)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # the writer adds the rest
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    threading.Thread(target=_write, args=(lines, writer), name="log-writer", daemon=True).start()
+
+
+class _Writer(logging.StreamHandler):
+    dropped = 0
+
+    def emit(self, record):
+        if self.dropped:  # say so once stderr is read again
+            dropped, self.dropped = self.dropped, 0
+            self.stream.write(f"... {dropped} log line(s) dropped: stderr was not being read\n")
+        super().emit(record)
+
+
+def _write(lines: queue.Queue, writer: _Writer) -> None:
+    while True:
+        writer.handle(lines.get())
+
+
+def forward(fd: int, name: str, max_bytes: int) -> threading.Thread:
+    """A daemon thread that logs what the pipe `fd` carries, `max_bytes` of it at most, and
+    reads it until every writer has closed it (the process and its children are gone)."""
+    thread = threading.Thread(
+        target=_forward, args=(fd, name, max_bytes), name=f"output of {name}", daemon=True
+    )
+    thread.start()
+    return thread
+
+
+def _forward(fd: int, name: str, max_bytes: int) -> None:
+    left, partial = max_bytes, b""
+    with open(fd, "rb", buffering=0, closefd=True) as pipe:
+        while chunk := pipe.read(1 << 16):
+            if left <= 0:
+                continue  # past the cap: read, so that the writer never blocks, and drop
+            chunk = partial + chunk[:left]
+            left -= len(chunk) - len(partial)
+            *lines, partial = chunk.split(b"\n")
+            if len(partial) >= LINE_BYTES or left <= 0:
+                lines.append(partial)
+                partial = b""
+            for line in lines:
+                log.info("%s: %s", name, line.decode(errors="replace"))
+            if left <= 0:
+                log.warning(
+                    "%s: its output is past %d bytes, this server's --max-log-mb; the rest is "
+                    "dropped until it is replaced",
+                    name,
+                    max_bytes,
+                )
+        if partial:
+            log.info("%s: %s", name, partial.decode(errors="replace"))
