@@ -50,7 +50,8 @@ class SourceConfig(Table):
     """Mixing weight: a training prompt comes from this source with probability weight / the
     sum of the weights."""
     prompt_key: str = "prompt"
-    """The column of the prompt (a string)."""
+    """The column of the prompt: a string, or chat messages ([{"role": ..., "content": ...}])
+    rendered with the model's chat template."""
     label_key: str = "label"
     """The column of the label: the reward function's `label` (may be absent; not a string:
     sent as JSON)."""
