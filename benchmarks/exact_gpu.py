@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from rollout_gpu import QWEN25_15B, VOCAB, prompts_of
 from transformers import AutoModelForCausalLM
 
 from ferrule_rollout import SamplingSettings
@@ -31,8 +32,6 @@ from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_testkit import tiny_model
 from ferrule_trainer.sequences import response_logits, token_logprobs
-
-from rollout_gpu import QWEN25_15B, VOCAB, prompts_of  # noqa: E402 (benchmarks/ is on sys.path)
 
 
 def timed(call) -> float:

@@ -76,6 +76,14 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
     assert "[rewards] function: no module 'no_such_module'" in error_of(path)
 
 
+def test_exact_refuses_a_chosen_attention(write):
+    base = '[model]\npath = "model"\nattn_implementation = "eager"\n' + REWARDS
+    path = write("[rollout]\nbackend = 'transformers'\nexact = true\n", base=base)
+    assert "[model] attn_implementation: [rollout] exact = true sets the attention" in error_of(
+        path
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -193,6 +201,15 @@ def test_missing_table_and_missing_model_files(write, tmp_path):
             "[trainer] lora_targets: needs at least one module name",
         ),
         ("[loop]\npartial_rollout = true\n", '[loop] partial_rollout: needs mode = "async"'),
+        ("[rollout]\nexact = true\n", '[rollout] exact: exact needs backend = "transformers"'),
+        (
+            "[rollout]\nbackend = 'transformers'\ntop_p = 0.9\nexact = true\n",
+            "[rollout] exact: exact samples from the policy's own softmax",
+        ),
+        (
+            "[rollout]\nbackend = 'transformers'\nexact = true\n[trainer]\nlora_rank = 8\n",
+            "[rollout] exact: needs no LoRA",
+        ),
         (
             "[loop]\npartial_rollout = true\nmode = 'async'\n[rollout]\nbackend = 'transformers'\n",
             "[loop] partial_rollout: needs [rollout] backend = \"vllm\", got 'transformers'",

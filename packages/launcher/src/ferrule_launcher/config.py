@@ -479,6 +479,18 @@ class Config(Table):
             problems.append(
                 ("loop.partial_rollout", f'needs [rollout] backend = "vllm", got {r.backend!r}')
             )
+        if r.exact and self.trainer.lora_rank:
+            problems.append(
+                ("rollout.exact", "needs no LoRA (the engine's merged weights round differently)")
+            )
+        if r.exact and self.model.attn_implementation is not None:
+            problems.append(
+                (
+                    "model.attn_implementation",
+                    "[rollout] exact = true sets the attention of the engine and the trainer; "
+                    f"leave attn_implementation unset, got {self.model.attn_implementation!r}",
+                )
+            )
         buffer = self.trainer.overlong_buffer
         if buffer is not None and buffer > r.max_tokens:
             problems.append(

@@ -253,12 +253,21 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
     options, groups = place_roles(config.ray, wanted)
     roles = Roles(RankGroup([], "policy"), [], groups=groups)  # filled in as they start, for stop()
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
+    scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
+    if r.exact:
+        from ferrule_rollout.exact import ExactNumerics
+
+        scoring["prepare_model"] = ExactNumerics(r.max_model_len).apply
     steps = config.loop.steps
     setup = {
         "policy": dict(
-            temperature=r.temperature, **t.optimizer_options(steps), **t.lora_options(), **model
+            temperature=r.temperature,
+            **t.optimizer_options(steps),
+            **t.lora_options(),
+            **model,
+            **scoring,
         ),
-        "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model),
+        "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model, **scoring),
     }
     critic_path = model_path
     if config.critic is not None:

@@ -55,9 +55,7 @@ class ExactNumerics:
 
 
 def _row_wise(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear | nn.LayerNorm) or type(module).__name__.endswith(
-        "RMSNorm"
-    )
+    return isinstance(module, nn.Linear | nn.LayerNorm) or type(module).__name__.endswith("RMSNorm")
 
 
 def _fixed_rows(forward):

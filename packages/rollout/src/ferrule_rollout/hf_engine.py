@@ -119,7 +119,9 @@ class TransformersEngine(EngineBase):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
         if exact and compile_decode:
-            raise RolloutError("exact and compile_decode exclude each other: inductor reorders math")
+            raise RolloutError(
+                "exact and compile_decode exclude each other: inductor reorders math"
+            )
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 

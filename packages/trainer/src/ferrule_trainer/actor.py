@@ -15,7 +15,7 @@ exports and checkpoints gather under ZeRO-3, so all ranks take part; only rank 0
 """
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,7 @@ class Actor(TrainedModel):
         temperature: float = 1.0,
         attn_implementation: str | None = None,
         seed: int = 0,
+        prepare_model: Callable[[torch.nn.Module], Any] | None = None,
     ):
         engine.init_distributed()
         torch.manual_seed(seed)  # LoRA initialisation is random: the same on every rank
@@ -92,6 +93,7 @@ class Actor(TrainedModel):
             lora_alpha=lora_alpha,
             lora_targets=lora_targets,
             attn_implementation=attn_implementation,
+            prepare=prepare_model,
         )
         self.engine = engine.build_engine(
             model,

@@ -165,6 +165,7 @@ def load_model(
     lora_alpha: int = 16,
     lora_targets: Sequence[str] = LORA_TARGETS,
     attn_implementation: str | None = None,
+    prepare: Callable[[torch.nn.Module], Any] | None = None,
 ) -> torch.nn.Module:
     """A Hugging Face model from `path`, ready for `build_engine`.
 
@@ -172,6 +173,8 @@ def load_model(
     the last hidden state, `AutoModelForTokenClassification` with one label) or "reward" (one
     score per sequence, `AutoModelForSequenceClassification` with one label).
     lora_rank > 0 wraps the model with peft LoRA adapters on `lora_targets`; only they train.
+    `prepare(model)` runs on the loaded model before checkpointing, LoRA and DeepSpeed (the
+    launcher passes ferrule-rollout's exact numerics this way, so the trainer imports none).
     """
     import transformers
 
@@ -194,6 +197,8 @@ def load_model(
     )
     with _partitioned_load(ds_config):
         model = classes[kind].from_pretrained(path, config=config, dtype=torch_dtype, **extra)
+    if prepare is not None:
+        prepare(model)
     if kind != "causal-lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
