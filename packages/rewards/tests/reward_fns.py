@@ -178,3 +178,23 @@ def flood(response: str) -> float:
         sys.stderr.write(line)
     sys.stdout.flush()
     return 1.0
+
+
+def sub_scores(response: str) -> dict[str, float]:
+    """Reward 1.0 with `response` sub-scores (named s0, s1...)."""
+    return {"reward": 1.0} | {f"s{i}": float(i) for i in range(int(response or 0))}
+
+
+def once(response: str, metadata: dict[str, str]) -> float:
+    """Appends the sample's id to $REWARDS_TEST_LOG (a side effect that must happen once per
+    sample), then returns id * 2; `crash` then kills its own process, `gil` holds the GIL for
+    hours (the watchdog kills it)."""
+    import signal
+
+    with open(os.environ["REWARDS_TEST_LOG"], "a") as log:
+        log.write(metadata["id"] + "\n")
+    if response == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if response == "gil":
+        re.match(r"(a|aa)*c", "a" * 60)
+    return 2.0 * int(metadata["id"])

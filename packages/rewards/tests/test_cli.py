@@ -75,6 +75,10 @@ def test_serve_and_score_from_the_command_line(spawn):
         # it forked until killed
         (["--processes", "100000"], "100000 is out of range: must be >= 1 and <= 256"),
         (["--workers", "100000"], "argument --workers: 100000 is out of range"),
+        (["--max-log-mb", "-1"], "argument --max-log-mb: -1 is out of range: must be >= 0"),
+        (["--max-log-mb", "2048"], "2048 is out of range: must be >= 0 and <= 1024"),
+        (["--max-sub-scores", "-1"], "argument --max-sub-scores: -1 is out of range"),
+        (["--max-sub-scores", "2000000"], "2000000 is out of range: must be >= 0 and <= 1e+06"),
         (["--max-batch", "many"], "argument --max-batch: 'many' is not a int"),
         (["--max-stuck", "1"], "unrecognized arguments: --max-stuck"),
         (

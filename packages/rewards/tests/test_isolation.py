@@ -136,3 +136,47 @@ def test_a_server_whose_stderr_nobody_reads_keeps_answering(tmp_path, fn_spec):
     finally:
         server.kill()
         server.wait()
+
+
+def test_sub_scores_past_the_limit_fail_their_sample_only(serve):
+    """A sample may return at most --max-sub-scores sub-scores; past it, that sample's
+    INVALID_REWARD. And a response that would pass the message limit failed the whole call
+    with RESOURCE_EXHAUSTED ("Sent message larger than max"): now each sample whose result
+    does not fit gets an error of its own."""
+    server = serve("sub_scores", limits=Limits(max_sub_scores=50_000, max_message_bytes=1 << 20))
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request(*[{"response": r} for r in ("3", "50001", "2")]), timeout=20)
+        assert statuses(reply) == ["OK", "INVALID_REWARD", "OK"]
+        assert len(reply.results[0].sub_scores) == 3 and reply.results[0].sub_scores["s2"] == 2
+        assert "50001 sub-scores" in reply.results[1].error
+        assert "--max-sub-scores" in reply.results[1].error
+        # 40000 sub-scores are ~0.6 MiB: one fits in 1 MiB, the second would not.
+        big = [{"response": r} for r in ("1", "40000", "40000", "1", "40000", "1")]
+        reply = call(request(*big), timeout=20)
+        assert statuses(reply) == ["OK", "OK", "ERROR", "OK", "ERROR", "OK"]
+        assert len(reply.results[1].sub_scores) == 40000
+        assert "message limit" in reply.results[2].error
+        assert reply.ByteSize() <= 1 << 20
+
+
+def test_a_finished_sample_is_never_scored_twice(serve, tmp_path, monkeypatch):
+    """Results finished in the last 50 ms before a process died (a crash, or a hang that holds
+    the GIL, which stopped the thread that sent them ahead) were lost and scored again by the
+    next process: a function with side effects saw those samples twice. Now each result is in
+    memory the server reads before the next sample starts."""
+    log = tmp_path / "ids"
+    monkeypatch.setenv("REWARDS_TEST_LOG", str(log))
+    server = serve("once", timeout=1.0)
+    responses = [""] * 40
+    responses[15], responses[30] = "crash", "gil"
+    samples = [{"response": r, "metadata": {"id": str(i)}} for i, r in enumerate(responses)]
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request(*samples), timeout=20)
+    expected = ["OK"] * 40
+    expected[15], expected[30] = "ERROR", "TIMEOUT"
+    assert statuses(reply) == expected
+    assert all(reply.results[i].reward == 2 * i for i in range(40) if expected[i] == "OK")
+    assert "SIGKILL" in reply.results[15].error
+    assert sorted(map(int, log.read_text().split())) == list(range(40))  # each once

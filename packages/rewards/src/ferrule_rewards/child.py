@@ -10,20 +10,21 @@ Talk with the server goes over a socket pair, as frames: one kind byte, a marsha
 (plain data: numbers, strings, lists, dicts; marshal runs no code) and raw bytes.
 
     server -> here   S  -  the pickled `make_scorer`             first: what to build
-                     J  {"max_batch", "skip"}  request bytes     score this request
+                     J  {"max_batch", "skip", "max_bytes",       score this request, but not
+                         "max_sub_scores", "used"}  request bytes   the samples in skip
     here -> server   R  {"name", "hang_after", "timeout"}        built the scorer, ready
                      X  [exit status, message]                   could not build it
                      A  [n, indices without a response]          decoded; scoring starts
-                     P  [[index, result], ...]                   finished results, sent ahead
                      D  {"recycle"}  response bytes              the whole response
-                     E  {"recycle", "results": [[index, result], ...]}  the rest, when some
-                                                                 were sent ahead or skipped
+                     E  {"recycle"}                              done: the results are in the
+                                                                 journal (some were skipped)
                      I  message                                  not a request we score
 
 The pickle comes from the server that started this process, never from the network. A Mark,
 shared memory, says what the process is doing: a counter bumped at every sample started, and
 that sample's index (-1: the whole batch; DECODING, IDLE). The watchdog reads it even when this
-process is frozen.
+process is frozen. The same memory holds the journal (journal.py): each result, written as its
+sample finishes, which the server reads when this process dies or is killed mid-batch.
 
     python -m ferrule_rewards.child SOCKET_FD MARK_FD       # how processes.py starts one
 """
@@ -38,18 +39,15 @@ import signal
 import socket
 import struct
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 
 from ferrule_rewards import tree, wire
-from ferrule_rewards.functions import collect
+from ferrule_rewards.functions import collect, reward_of
+from ferrule_rewards.journal import Journal
 from ferrule_rewards.records import Progress, Scores
 
 DECODING, IDLE = -2, -3
-SEND_AHEAD_EVERY = 0.05
-"""Seconds between sends of finished results while a batch is scored (see _Reporter)."""
 RECYCLE_GROWTH = 512 << 20
 """A process whose memory grew this much since it was ready exits after its answer and is
 replaced: a large request's objects leave the heap fragmented, and only an exit returns it."""
@@ -80,7 +78,7 @@ class Mark:
     @classmethod
     def create(cls) -> "Mark":
         fd = os.memfd_create("ferrule-rewards-mark")
-        os.ftruncate(fd, 16)
+        os.ftruncate(fd, 24)  # and the journal's end offset (journal.py), 0: empty
         return cls(fd)
 
     def __getitem__(self, item: int) -> int:
@@ -113,7 +111,7 @@ def main() -> None:
         return
     timeout = getattr(scorer, "timeout", None)
     _send(conn, b"R", {"name": scorer.name, "hang_after": scorer.hang_after, "timeout": timeout})
-    threading.Thread(target=_send_ahead, name="send-ahead", daemon=True).start()
+    journal = Journal(int(sys.argv[2]))
     ready_rss = _rss()
     while True:
         try:
@@ -122,13 +120,13 @@ def main() -> None:
             return
         _, meta, body = unpack(frame)
         mark[1] = DECODING
-        recycle = _score_request(conn, mark, scorer, meta, body, timeout, ready_rss)
+        recycle = _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss)
         mark[1] = IDLE
         if recycle:
             return  # the server was told with the answer: it starts another process
 
 
-def _score_request(conn, mark, scorer, meta, body, timeout, ready_rss) -> bool:
+def _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss) -> bool:
     """Score one request and answer it; True when this process should now exit."""
     try:
         samples = wire.decode(body, meta["max_batch"])
@@ -139,83 +137,65 @@ def _score_request(conn, mark, scorer, meta, body, timeout, ready_rss) -> bool:
     missing = wire.without_response(samples)
     skip = set(meta["skip"]) | set(missing)
     todo = [index for index in range(n) if index not in skip] if skip else range(n)
+    journal.reset()
     _send(conn, b"A", [n, missing])
     rows = wire.rows([samples[index] for index in todo] if skip else samples, scorer.fields)
     del samples
-    global _current
-    reporter = _current = _Reporter(conn, mark, todo, timeout)
-    try:
-        scores = scorer.score(rows, reporter) if rows else Scores([])
-    finally:
-        with reporter.lock:
-            _current = None
+    budget = wire.Budget(meta["max_bytes"], meta["max_sub_scores"], n - len(meta["skip"]))
+    budget.used = meta["used"]
+    reporter = _Reporter(mark, journal, todo, timeout, budget)
+    scores = scorer.score(rows, reporter) if rows else Scores([])
+    chunks = reporter.chunks
+    if len(chunks) < len(todo):  # a per-batch or async function: its results come together
+        chunks = [budget.fit(result) for result in wire.results(scores)]
+        if meta["skip"]:
+            for index, data in zip(todo, chunks, strict=True):
+                journal.append(index, data)
     recycle = _rss() > ready_rss + RECYCLE_GROWTH
-    if reporter.sent or meta["skip"]:
-        rest = wire.results(scores, start=reporter.sent)
-        indices = list(todo)[reporter.sent :]
-        results = [[index, result] for index, result in zip(indices, rest, strict=True)]
-        _send(conn, b"E", {"recycle": recycle, "results": results})
+    if meta["skip"]:  # the server holds some results: it takes these from the journal
+        _send(conn, b"E", {"recycle": recycle})
         return recycle
-    results = wire.results(scores)
     for index in missing:
-        results.insert(index, wire.MISSING_RESPONSE)
-    _send(conn, b"D", {"recycle": recycle}, wire.encode(results))
+        chunks.insert(index, wire.MISSING_CHUNK)
+    _send(conn, b"D", {"recycle": recycle}, b"".join(chunks))
     return recycle
 
 
 class _Reporter(Progress):
-    """Marks each sample as it starts, and sends finished results ahead, in order (a sync
-    function finishes its samples in order): every SEND_AHEAD_EVERY seconds, and from a
-    thread of its own (_send_ahead) while one sample runs longer than that, so that a sample
-    that hangs (and gets its process killed) loses none of the results before it. A hang that
-    holds the GIL stops that thread too: then the last SEND_AHEAD_EVERY seconds of results are
-    lost, and scored again by the next process unless the call's deadline has passed."""
+    """Marks each sample as it starts, and writes each result to the journal as it finishes,
+    before the next one starts: the server finds there every sample that a crash or a kill
+    left finished, and scores none of them again."""
 
-    def __init__(self, conn, mark, todo, timeout):
-        self.conn, self.mark, self.todo, self.timeout = conn, mark, todo, timeout
-        self.lock = threading.Lock()
-        self.pending: list = []  # outputs finished and not yet sent
-        self.sent = 0  # how many of the batch's first samples were sent ahead
-        self.running_since: float | None = None  # when the sample in progress started
-        self.send_at = time.monotonic() + SEND_AHEAD_EVERY
+    def __init__(self, mark, journal, todo, timeout, budget: wire.Budget):
+        self.mark, self.journal, self.todo = mark, journal, todo
+        self.timeout, self.budget = timeout, budget
+        self.chunks: list[bytes] = []
 
     def start(self, index: int) -> None:
         self.mark[1] = self.todo[index] if index >= 0 else -1
         self.mark[0] += 1
-        self.running_since = time.monotonic()
 
     def done(self, index: int, output: object) -> None:
-        with self.lock:
-            self.running_since = None
-            self.pending.append(output)
-            if time.monotonic() >= self.send_at:
-                self.send_pending()
-
-    def send_pending(self) -> None:
-        """Send what is pending (with self.lock held)."""
-        scores = Scores([0.0] * len(self.pending))
-        collect(self.pending, scores, self.timeout)
-        first, results = self.sent, wire.results(scores)
-        _send(self.conn, b"P", [[self.todo[first + k], r] for k, r in enumerate(results)])
-        self.sent += len(self.pending)
-        self.pending.clear()
-        self.send_at = time.monotonic() + SEND_AHEAD_EVERY
-
-
-_current: _Reporter | None = None  # the batch being scored, for _send_ahead
-
-
-def _send_ahead() -> None:
-    """A daemon thread: while a sample runs long, send the results finished before it."""
-    while True:
-        time.sleep(SEND_AHEAD_EVERY / 2)
-        reporter = _current
-        if reporter is None:
-            continue
-        with reporter.lock:
-            started = reporter.running_since
-            if reporter.pending and started and time.monotonic() - started >= SEND_AHEAD_EVERY:
-                reporter.send_pending()
+        data = None
+        if type(output) is float and output - output == 0.0:  # finite: most outputs
+            data = wire.float_chunk(output)
+            self.budget.left -= 1
+            self.budget.used += len(data)
+        elif type(output) is dict:  # with sub-scores, the next most
+            try:
+                reward, subs = reward_of(output)
+            except (TypeError, ValueError):
+                pass  # collect below says what is wrong
+            else:
+                data = self.budget.fit(
+                    {"reward": reward, "sub_scores": subs} if subs else {"reward": reward}
+                )
+        if data is None:
+            scores = Scores([0.0])
+            collect([output], scores, self.timeout)
+            data = self.budget.fit(wire.results(scores)[0])
+        self.journal.append(self.todo[index], data)
+        self.chunks.append(data)
 
 
 def _send(conn, kind: bytes, meta=None, body=b"") -> None:

@@ -125,6 +125,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     add(
+        "--max-sub-scores",
+        type=_number(int, 0, 1_000_000),
+        default=1024,
+        help="sub-scores one sample may return, 0 to 1000000; more is that sample's "
+        "INVALID_REWARD (default: %(default)s)",
+    )
+    add(
         "--workers",
         type=_PROCESSES,
         default=1,
@@ -219,6 +226,7 @@ def _serve(args) -> None:
         max_concurrency=args.max_concurrency,
         call_timeout=args.call_timeout,
         max_log_bytes=int(args.max_log_mb * (1 << 20)),
+        max_sub_scores=args.max_sub_scores,
     )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
     options["address_file"] = args.address_file

@@ -256,7 +256,7 @@ def collect(outputs: list, scores: Scores, timeout: float) -> None:
             scores.fail(index, Status.ERROR, _describe(output))
         else:
             try:
-                rewards[index], subs = _reward_of(output)
+                rewards[index], subs = reward_of(output)
             except (TypeError, ValueError) as error:
                 scores.fail(index, Status.INVALID_REWARD, str(error))
                 continue
@@ -264,7 +264,9 @@ def collect(outputs: list, scores: Scores, timeout: float) -> None:
                 scores.sub_scores[index] = subs
 
 
-def _reward_of(output: object) -> tuple[float, dict[str, float]]:
+def reward_of(output: object) -> tuple[float, dict[str, float]]:
+    """(reward, sub-scores) of what a function returned; TypeError or ValueError saying what is
+    wrong with it."""
     if not isinstance(output, Mapping):
         return check_reward(output), {}
     if "reward" not in output:

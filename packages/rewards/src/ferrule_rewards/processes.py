@@ -10,12 +10,13 @@ A request runs in a process of child.py, from its bytes to the response's, so th
 request or a reward function does can hold the server's event loop. The watchdog here kills
 the process and starts another when:
 - a sample runs past the scorer's `hang_after` (the sample gets TIMEOUT, the next process
-  scores the rest; samples it had finished but not yet sent are scored again);
+  scores the rest; those it had finished are read from its journal, never scored again);
 - the call's deadline passes (the client's, or the server's `call_timeout`): samples without a
   result get TIMEOUT;
 - the call is cancelled (its client went away): nobody waits for the work any more.
 A process that dies on a sample (a crash in C code, the kernel's OOM killer) fails that sample
-with ERROR, and the next process scores the rest.
+with ERROR, and the next process scores the rest. Results travel as encoded bytes (wire.chunk),
+which the server joins in order and never decodes: a huge result costs its event loop a copy.
 """
 
 import asyncio
@@ -30,7 +31,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from ferrule_rewards import child, logs, tree, wire
+from ferrule_rewards import child, journal, logs, tree, wire
 from ferrule_rewards.records import Status
 
 log = logging.getLogger(__name__)
@@ -150,15 +151,23 @@ class ScoringProcess:
         job = _Job()
         try:
             while True:
-                self._send(b"J", {"max_batch": self.pool.max_batch, "skip": job.skip()}, body)
+                pool = self.pool
+                meta = {
+                    "max_batch": pool.max_batch,
+                    "skip": job.skip(),
+                    "max_bytes": pool.max_message_bytes,
+                    "max_sub_scores": pool.max_sub_scores,
+                    "used": sum(map(len, job.results.values())),
+                }
+                self._send(b"J", meta, body)
                 await self.writer.drain()
                 try:
                     await self._follow(job, deadline)
                 except _Done:
-                    return job.response or wire.encode(job.in_order())
+                    return job.response or job.in_order()
                 # It was killed or died in a sample: a fresh process scores the rest.
                 if not await self._restart_within(deadline, job):
-                    return wire.encode(job.in_order())
+                    return job.in_order()
         except BaseException:  # cancelled (the client went away), or the request is invalid
             if job.running:
                 self.kill()
@@ -193,24 +202,22 @@ class ScoringProcess:
             except TimeoutError:
                 now = loop.time()
                 if now >= deadline:
-                    self._past_deadline(job)
+                    await self._past_deadline(job)
                 if self.mark[0] != counter:
                     counter, since = self.mark[0], now
                 elif hang_after and now - since >= hang_after and self.mark[1] >= -1:
-                    self._hung(job)
+                    await self._hung(job)
                     return
                 continue
             if kind == b"A":
                 job.n, job.missing = meta
-            elif kind == b"P":
-                job.results.update(meta)
             elif kind in (b"D", b"E"):
                 job.running = False
                 self.recycle = meta["recycle"]
                 if kind == b"D":
                     job.response = bytes(body)
-                else:
-                    job.results.update(meta["results"])
+                else:  # it wrote them all before answering, and waits: safe to read
+                    job.results.update(journal.read(self.mark.fd))
                 raise _Done
             elif kind == b"I":
                 job.running = False
@@ -219,8 +226,8 @@ class ScoringProcess:
                 await self._died(job)
                 return
 
-    def _past_deadline(self, job: "_Job") -> None:
-        self.kill()
+    async def _past_deadline(self, job: "_Job") -> None:
+        await self._recover(job)
         job.running = False
         if job.n is None:
             raise CallFailed(
@@ -229,9 +236,9 @@ class ScoringProcess:
         job.fail_rest(Status.TIMEOUT, "the call's deadline passed before this sample was scored")
         raise _Done
 
-    def _hung(self, job: "_Job") -> None:
+    async def _hung(self, job: "_Job") -> None:
         index = self.mark[1]
-        self.kill()
+        await self._recover(job)
         timeout = self.pool.timeout
         log.warning(
             "%s ran past its %gs timeout (sample %d); replacing its process",
@@ -242,10 +249,25 @@ class ScoringProcess:
         if index == -1:  # the whole batch at once: a per-batch or async function
             job.fail_rest(Status.TIMEOUT, f"no rewards for the batch within {timeout:g}s")
             raise _Done
-        job.results[index] = wire.failure(Status.TIMEOUT, f"no reward within {timeout:g}s")
+        # setdefault: it may have finished, and written its result, just before the kill.
+        job.results.setdefault(
+            index, wire.failure_chunk(Status.TIMEOUT, f"no reward within {timeout:g}s")
+        )
+
+    async def _recover(self, job: "_Job") -> None:
+        """Kill the process, wait for it to be gone, and take the results it finished from
+        its journal: they are never scored again."""
+        self.kill()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await loop.run_in_executor(None, self.process.wait, 1.0)
+        if self.process.returncode is not None:  # a writer that still runs is never read
+            job.results.update(journal.read(self.mark.fd))
 
     async def _died(self, job: "_Job") -> None:
         why = await self._exit()
+        if self.process.returncode is not None:
+            job.results.update(journal.read(self.mark.fd))
         index = self.mark[1]
         log.warning("the scoring process %s (sample %d); replacing it", why, index)
         message = f"the reward function's process {why} while scoring this sample"
@@ -258,7 +280,7 @@ class ScoringProcess:
         if index < 0:
             job.fail_rest(Status.ERROR, message)
             raise _Done
-        job.results[index] = wire.failure(Status.ERROR, message)
+        job.results.setdefault(index, wire.failure_chunk(Status.ERROR, message))
 
     async def _exit(self) -> str:
         """How the process ended, in words (it is killed first, with what it started)."""
@@ -305,7 +327,7 @@ class _Job:
     def __init__(self):
         self.n: int | None = None
         self.missing: list[int] = []
-        self.results: dict[int, dict] = {}  # index -> wire result
+        self.results: dict[int, bytes] = {}  # index -> its result's bytes (wire.chunk)
         self.response: bytes | None = None
         self.running = False
 
@@ -313,14 +335,15 @@ class _Job:
         return sorted(self.results)
 
     def fail_rest(self, status: Status, message: str) -> None:
-        failed = wire.failure(status, message)
+        failed = wire.failure_chunk(status, message)
         for index in range(self.n):
             self.results.setdefault(index, failed)
 
-    def in_order(self) -> list[dict]:
+    def in_order(self) -> bytes:
+        """The ScoreResponse's bytes: the results' bytes in order, joined, none decoded."""
         for index in self.missing:
-            self.results[index] = wire.MISSING_RESPONSE
-        return [self.results[index] for index in range(self.n)]
+            self.results[index] = wire.MISSING_CHUNK
+        return b"".join([self.results[index] for index in range(self.n)])
 
 
 class ScoringProcesses:
@@ -331,11 +354,14 @@ class ScoringProcesses:
         max_batch: int = 4096,
         *,
         max_log_bytes: int = 1 << 20,
+        max_sub_scores: int = 1024,
+        max_message_bytes: int = 64 << 20,
     ):
         if processes < 1:
             raise ValueError(f"scoring processes must be 1 or more, got {processes}")
         self.make_scorer, self.count, self.max_batch = make_scorer, processes, max_batch
         self.max_log_bytes = max_log_bytes  # of each process's output that reaches the log
+        self.max_sub_scores, self.max_message_bytes = max_sub_scores, max_message_bytes
         self.name, self.timeout, self.hang_after, self.tick = "?", None, None, 1.0
         self.healthy = True
         self.on_health_change: Callable[[bool], None] | None = None  # set by the server

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 MAX_LOG_MB = 1024
+MAX_SUB_SCORES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,15 @@ class Limits:
     max_log_bytes: int = 1 << 20
     """Bytes of each scoring process's stdout and stderr (a function's prints) that reach the
     server's log; the rest is dropped until the process is replaced. 0 drops all of it."""
+    max_sub_scores: int = 1024
+    """Sub-scores one sample may return; more is that sample's INVALID_REWARD."""
 
     def __post_init__(self):
         for name in ("max_batch", "max_message_bytes", "max_concurrency", "max_health_watches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be 1 or more, got {getattr(self, name)}")
+        if not 0 <= self.max_sub_scores <= MAX_SUB_SCORES:
+            raise ValueError(f"max_sub_scores is {self.max_sub_scores}; 0 to {MAX_SUB_SCORES}")
         if not 0 <= self.max_log_bytes <= MAX_LOG_MB << 20:
             raise ValueError(f"max_log_bytes is {self.max_log_bytes}; 0 to {MAX_LOG_MB} MiB")
         if self.max_message_bytes > MAX_MESSAGE_MB << 20:
@@ -234,7 +239,12 @@ async def start(
         token_env=TOKEN_ENV,
     )
     scoring = ScoringProcesses(
-        make_scorer, processes, limits.max_batch, max_log_bytes=limits.max_log_bytes
+        make_scorer,
+        processes,
+        limits.max_batch,
+        max_log_bytes=limits.max_log_bytes,
+        max_sub_scores=limits.max_sub_scores,
+        max_message_bytes=limits.max_message_bytes,
     )
     await scoring.start()
     try:

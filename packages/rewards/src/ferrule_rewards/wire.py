@@ -1,7 +1,13 @@
 """The Score call's bytes: a ScoreRequest into rows for a scorer, and results into a
 ScoreResponse. This runs in the scoring processes (child.py), never on the server's event loop:
-decoding a large request takes seconds, and health checks must not wait for it."""
+decoding a large request takes seconds, and health checks must not wait for it.
 
+A ScoreResponse's bytes are its results' bytes one after another (each a `results` field), so
+a scoring process encodes each result as a `chunk`, and the server puts chunks together in
+order without decoding any. `Budget` keeps the whole within the server's message limit.
+"""
+
+import struct
 from operator import attrgetter, methodcaller
 
 from google.protobuf.message import DecodeError
@@ -79,5 +85,57 @@ def failure(status: Status, message: str) -> dict:
     return {"status": STATUS_TO_WIRE[status], "error": message}
 
 
-def encode(results_in_order: list[dict]) -> bytes:
-    return pb.ScoreResponse(results=results_in_order).SerializeToString()
+SMALL = 256
+"""Bytes a failed result takes at most (its message is short): what a Budget keeps for each
+result still to come, so that every sample gets a result within the limit."""
+_FLOAT_CHUNK = b"\x0a\x09\x09"  # results (field 1), 9 bytes: reward (field 1), a double
+_DOUBLE = struct.Struct("<d")
+
+
+def chunk(result: dict) -> bytes:
+    """One wire result as the bytes it takes in a ScoreResponse."""
+    if len(result) == 1 and "reward" in result:  # most results: no need for protobuf
+        return _FLOAT_CHUNK + _DOUBLE.pack(result["reward"])
+    return pb.ScoreResponse(results=[result]).SerializeToString()
+
+
+def float_chunk(reward: float) -> bytes:
+    return _FLOAT_CHUNK + _DOUBLE.pack(reward)
+
+
+def failure_chunk(status: Status, message: str) -> bytes:
+    return chunk(failure(status, message[:200]))
+
+
+MISSING_CHUNK = chunk(MISSING_RESPONSE)
+
+
+class Budget:
+    """What a response may still take: a result past `max_sub_scores` sub-scores is its
+    sample's INVALID_REWARD, and one that would take the response past `max_bytes` (counting
+    SMALL bytes for each of the `left` results still to come) its sample's ERROR. So a huge
+    result fails its own sample, never the whole call."""
+
+    def __init__(self, max_bytes: int, max_sub_scores: int, left: int, used: int = 0):
+        self.max_bytes, self.max_sub_scores = max_bytes, max_sub_scores
+        self.left, self.used = left, used
+
+    def fit(self, result: dict) -> bytes:
+        subs = result.get("sub_scores")
+        if subs is not None and len(subs) > self.max_sub_scores:
+            data = failure_chunk(
+                Status.INVALID_REWARD,
+                f"{len(subs)} sub-scores, over this server's limit of {self.max_sub_scores} "
+                "(--max-sub-scores)",
+            )
+        else:
+            data = chunk(result)
+        self.left -= 1
+        if len(data) > SMALL and self.used + len(data) + SMALL * self.left > self.max_bytes:
+            data = failure_chunk(
+                Status.ERROR,
+                f"its result ({len(data)} bytes) would take the response past this server's "
+                "message limit (--max-message-mb); return fewer or shorter sub-scores",
+            )
+        self.used += len(data)
+        return data
