@@ -15,6 +15,7 @@ import functools
 import os
 import random
 import statistics
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,11 @@ def cpu_ticks(pid: int) -> int:
 
 def _channel(address: str) -> grpc.Channel:
     # Each its own connection, and big enough for the attacks' messages.
-    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    options = [
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+    ]
     return grpc.insecure_channel(address, options=options)
 
 
@@ -259,6 +264,117 @@ def garbage(address, token):
     return _calls(address, bodies, token=token, timeout=10, expect=expect)
 
 
+def slow_senders(address, token):
+    """4 calls whose body never comes, with no client deadline: each holds an admission place
+    until the server's --call-timeout, and no scoring process (finding 2)."""
+    never = threading.Event()
+
+    def body():
+        never.wait(60)
+        yield NORMAL
+
+    with _channel(address) as channel:
+        call = channel.stream_unary(METHOD)
+        pending = [call.future(body(), metadata=_auth(token)) for _ in range(4)]
+        answered = 0
+        for future in pending:
+            try:
+                future.result(timeout=30)
+            except grpc.RpcError as error:
+                answered += error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        never.set()
+    return answered, len(pending)
+
+
+def output_flood(address, token):
+    """Functions that write 50 MiB to stdout and as much to stderr, twice at once: answered,
+    with --max-log-mb of it in the log (finding 3)."""
+    return _calls(
+        address, [_request("@flood")] * 2, token=token, timeout=30, expect=_statuses("OK")
+    )
+
+
+def forking(address, token):
+    """Functions that fork, spawn in a new session and double-fork a daemon, then hang past
+    their timeout: the sample times out and none of the children outlives its process
+    (finding 4)."""
+    answered = sent = 0
+    for _ in range(2):
+        with tempfile.NamedTemporaryFile("r") as pids:
+            ok, one = _calls(
+                address,
+                [_request("@fork", metadata={"pids": pids.name})],
+                token=token,
+                timeout=30,
+                expect=_statuses("TIMEOUT"),
+            )
+            children = [int(pid) for pid in Path(pids.name).read_text().split()]
+            time.sleep(1.0)
+            answered += ok and len(children) == 3 and not any(map(_running, children))
+            sent += one
+    return answered, sent
+
+
+def huge_sub_scores(address, token):
+    """Samples with a million sub-scores each, next to normal ones: those samples get
+    INVALID_REWARD (--max-sub-scores), the others their rewards (finding 5)."""
+
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            return False
+        statuses = [pb.SampleStatus.Name(r.status)[14:] for r in reply.results]
+        return statuses == ["INVALID_REWARD"] * 3 + ["OK"] and reply.results[3].reward == 1.1
+
+    body = _request("@subs", "@subs", "@subs", "#### 4")
+    return _calls(address, [body] * 2, token=token, timeout=30, expect=expect)
+
+
+def big_results(address, token):
+    """Calls whose 1000 samples return 1000 sub-scores each: 16 MB of results through the
+    server, which joins their bytes and decodes none (finding 5)."""
+
+    def expect(reply) -> bool:
+        return not isinstance(reply, grpc.RpcError) and all(
+            r.status == pb.SAMPLE_STATUS_OK and len(r.sub_scores) == 1000 for r in reply.results
+        )
+
+    body = _request(*["@thousand"] * 1000)
+    return _calls(address, [body] * 2, token=token, timeout=30, expect=expect)
+
+
+def crash_after_finished(address, token):
+    """Batches whose 16th sample kills its process, after 15 that wrote a side effect: each
+    sample runs once, none of them twice (finding 7)."""
+    answered = sent = 0
+    for _ in range(3):
+        with tempfile.NamedTemporaryFile("r") as log:
+            samples = [
+                {"response": "@crash" if i == 15 else "#### 4", "label": "4",
+                 "metadata": {"log": log.name, "id": str(i)}}
+                for i in range(40)
+            ]  # fmt: skip
+            body = pb.ScoreRequest(samples=samples).SerializeToString()
+            expected = ["OK"] * 15 + ["ERROR"] + ["OK"] * 24
+
+            def expect(reply, expected=expected) -> bool:
+                if isinstance(reply, grpc.RpcError):
+                    return False
+                return [pb.SampleStatus.Name(r.status)[14:] for r in reply.results] == expected
+
+            ok, one = _calls(address, [body], token=token, timeout=30, expect=expect)
+            once = sorted(map(int, Path(log.name).read_text().split())) == list(range(40))
+            answered += ok and once
+            sent += one
+    return answered, sent
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 ATTACKS = [
     quadratic_answers,
     gil_hang,
@@ -267,6 +383,12 @@ ATTACKS = [
     huge_metadata,
     watch_flood,
     garbage,
+    slow_senders,
+    output_flood,
+    forking,
+    huge_sub_scores,
+    big_results,
+    crash_after_finished,
 ]
 
 

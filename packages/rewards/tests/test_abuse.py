@@ -24,6 +24,7 @@ pytestmark = pytest.mark.soak
 TOKEN = "abuse-suite-token-0123456789abcdef"
 PROCESSES = 2
 SERVER_RSS_BOUND = 400 << 20  # the gRPC process: it buffers one request per scoring process
+LOG_BOUND = 8 << 20  # the 1 MiB default of --max-log-mb, for each of a few scoring processes
 
 
 def test_no_request_freezes_starves_or_bloats_the_server(spawn, fn_spec):
@@ -47,5 +48,9 @@ def test_no_request_freezes_starves_or_bloats_the_server(spawn, fn_spec):
     assert not failures, "\n".join(failures)
     assert watch.normal_s and watch.health_ms
     assert watch.peak_server_rss < SERVER_RSS_BOUND, watch.peak_server_rss >> 20
+    # 200 MiB of prints (output_flood) reach the log as --max-log-mb per scoring process.
+    logged = sum(map(len, server.log))
+    print({"log_bytes": logged, "peak_server_rss_mb": watch.peak_server_rss >> 20})
+    assert logged < LOG_BOUND, logged
     assert server.process.poll() is None
     assert server.stop() == 0

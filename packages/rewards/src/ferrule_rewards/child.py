@@ -181,6 +181,9 @@ class _Reporter(Progress):
             data = wire.float_chunk(output)
             self.budget.left -= 1
             self.budget.used += len(data)
+        elif type(output) is dict and len(output) > self.budget.max_sub_scores + 1:
+            # Said before checking each value: a million of them take longer than a timeout.
+            data = self.budget.fit(self.budget.too_many(len(output) - 1))
         elif type(output) is dict:  # with sub-scores, the next most
             try:
                 reward, subs = reward_of(output)

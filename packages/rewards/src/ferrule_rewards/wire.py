@@ -123,11 +123,7 @@ class Budget:
     def fit(self, result: dict) -> bytes:
         subs = result.get("sub_scores")
         if subs is not None and len(subs) > self.max_sub_scores:
-            data = failure_chunk(
-                Status.INVALID_REWARD,
-                f"{len(subs)} sub-scores, over this server's limit of {self.max_sub_scores} "
-                "(--max-sub-scores)",
-            )
+            data = chunk(self.too_many(len(subs)))
         else:
             data = chunk(result)
         self.left -= 1
@@ -139,3 +135,10 @@ class Budget:
             )
         self.used += len(data)
         return data
+
+    def too_many(self, count: int) -> dict:
+        return failure(
+            Status.INVALID_REWARD,
+            f"{count} sub-scores, over this server's limit of {self.max_sub_scores} "
+            "(--max-sub-scores)",
+        )
