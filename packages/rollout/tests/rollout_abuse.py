@@ -1,0 +1,242 @@
+"""Attacks on `rlhf-rollout serve`, and what a well-behaved client sees meanwhile.
+
+    rows, watch = run_all(server_pid, address, token)      # a row of figures per attack
+
+Each attack returns (calls answered as they should be, calls made). `Watch` meanwhile asks
+Health every 100 ms (1 s deadline), makes a normal Generate call (n = 1, 4 tokens, 10 s
+deadline) every 250 ms, and samples the memory of the server's process tree. After each attack
+the server must be back to idle (nothing running or queued but the normal client's one
+sequence) within IDLE_WITHIN seconds. tests/test_abuse.py asserts on it.
+"""
+
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ferrule_grpc_auth import bearer
+from ferrule_rollout import rollout_pb2 as pb
+
+SERVICE = "/ferrule.rollout.v1.RolloutService/"
+NORMAL_DEADLINE = 10.0
+IDLE_WITHIN = 5.0
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in task.read_text().split()]
+    return pids
+
+
+def rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096
+    except (OSError, IndexError):
+        return 0
+
+
+def _channel(address: str) -> grpc.Channel:
+    options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", -1)]
+    options.append(("grpc.max_receive_message_length", -1))
+    return grpc.insecure_channel(address, options=options)
+
+
+def _generate(channel, token):
+    return channel.unary_unary(
+        SERVICE + "Generate",
+        request_serializer=pb.GenerateRequest.SerializeToString,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+
+
+def _health(channel, token):
+    call = channel.unary_unary(
+        SERVICE + "Health",
+        request_serializer=pb.HealthRequest.SerializeToString,
+        response_deserializer=pb.HealthResponse.FromString,
+    )
+    return lambda timeout: call(pb.HealthRequest(), timeout=timeout, metadata=bearer(token))
+
+
+def request(n: int, max_tokens: int, text: str = "hi", prompts: int = 1) -> pb.GenerateRequest:
+    sampling = pb.SamplingSettings(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+    return pb.GenerateRequest(prompts=[pb.Prompt(text=text)] * prompts, sampling=sampling)
+
+
+@dataclass
+class Watch:
+    server_pid: int
+    address: str
+    token: str
+    health_ms: list[float] = field(default_factory=list)
+    health_failures: list[str] = field(default_factory=list)
+    normal_s: list[float] = field(default_factory=list)
+    normal_failures: list[str] = field(default_factory=list)
+    peak_rss: int = 0
+    seen: set[int] = field(default_factory=set)  # every process of the server's tree
+
+    def __post_init__(self):
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=target, daemon=True)
+            for target in (self._check_health, self._normal, self._memory)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def mark(self) -> tuple[int, int, int, int]:
+        return tuple(map(len, (self.health_ms, self.health_failures, self.normal_s,
+                               self.normal_failures)))  # fmt: skip
+
+    def _check_health(self) -> None:
+        with _channel(self.address) as channel:
+            health = _health(channel, self.token)
+            while not self._stop.wait(0.1):
+                started = time.perf_counter()
+                try:
+                    reply = health(1.0)
+                    if reply.status != pb.HealthResponse.SERVING:
+                        self.health_failures.append(f"status {reply.status}")
+                except grpc.RpcError as error:
+                    self.health_failures.append(f"{error.code().name}: {error.details()}")
+                self.health_ms.append((time.perf_counter() - started) * 1000)
+
+    def _normal(self) -> None:
+        with _channel(self.address) as channel:
+            generate = _generate(channel, self.token)
+            while not self._stop.wait(0.25):
+                started = time.perf_counter()
+                try:
+                    reply = generate(
+                        request(1, 4), timeout=NORMAL_DEADLINE, metadata=bearer(self.token)
+                    )
+                    if len(reply.samples) != 1 or len(reply.samples[0].token_ids) != 4:
+                        self.normal_failures.append(f"wrong answer: {reply}")
+                    else:
+                        self.normal_s.append(time.perf_counter() - started)
+                except grpc.RpcError as error:
+                    self.normal_failures.append(f"{error.code().name}: {error.details()}")
+
+    def _memory(self) -> None:
+        while not self._stop.wait(0.1):
+            pids = tree(self.server_pid)
+            self.seen.update(pids)
+            self.peak_rss = max(self.peak_rss, sum(map(rss, pids)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(NORMAL_DEADLINE + 2)
+
+
+def _calls(address, token, requests, *, timeout, expect) -> tuple[int, int]:
+    """Send `requests` at once; (answered as `expect(reply or error)` says, sent)."""
+    with _channel(address) as channel:
+        generate = _generate(channel, token)
+
+        def one(message):
+            try:
+                return expect(generate(message, timeout=timeout, metadata=bearer(token)))
+            except grpc.RpcError as error:
+                return expect(error)
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            outcomes = list(pool.map(one, requests))
+    return sum(outcomes), len(outcomes)
+
+
+def _code(*names):
+    return lambda reply: isinstance(reply, grpc.RpcError) and reply.code().name in names
+
+
+def unary_past_deadline(address, token):
+    """Unary calls of 256 sequences x 240 tokens with a 1.5 s deadline: DEADLINE_EXCEEDED,
+    and their sequences stop with them (finding 8: 360 of 1000 still ran 40 s later)."""
+    requests = [request(256, 240)] * 2
+    return _calls(address, token, requests, timeout=1.5, expect=_code("DEADLINE_EXCEEDED"))
+
+
+def huge_n(address, token):
+    """n = 10^6 in one call: refused before any work (finding 9: 291k sequences admitted)."""
+    requests = [request(10**6, 16), request(1, 16, prompts=300)] * 2
+    return _calls(address, token, requests, timeout=5, expect=_code("INVALID_ARGUMENT"))
+
+
+def in_flight_flood(address, token):
+    """6 calls of 256 sequences at once, over the server's 600 in flight: each is served
+    whole or refused at once with RESOURCE_EXHAUSTED (finding 9), and one is refused."""
+    refused = []
+
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            refused.append(reply)
+            return reply.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return len(reply.samples) == 256
+
+    answered, sent = _calls(address, token, [request(256, 96)] * 6, timeout=60, expect=expect)
+    return (answered if refused else 0), sent
+
+
+def huge_prompts(address, token):
+    """4 prompts of 10 MiB at once: INVALID_ARGUMENT before the tokenizer runs (finding 10:
+    17.5 s and +1.2 GB each)."""
+    requests = [request(1, 4, text="x" * (10 << 20))] * 4
+    return _calls(address, token, requests, timeout=5, expect=_code("INVALID_ARGUMENT"))
+
+
+ATTACKS = [unary_past_deadline, huge_n, in_flight_flood, huge_prompts]
+
+
+def idle_within(address: str, token: str, seconds: float) -> float | None:
+    """Seconds until nothing runs or waits but the normal client's sequence; None if never."""
+    started = time.monotonic()
+    with _channel(address) as channel:
+        health = _health(channel, token)
+        while time.monotonic() - started < seconds:
+            reply = health(1.0)
+            if reply.running + reply.queued <= 1:
+                return time.monotonic() - started
+            time.sleep(0.05)
+    return None
+
+
+def run_all(server_pid: int, address: str, token: str) -> tuple[list, Watch]:
+    watch = Watch(server_pid, address, token)
+    rows = []
+    try:
+        time.sleep(1.0)
+        for attack in ATTACKS:
+            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
+            started = time.monotonic()
+            answered, sent = attack(address, token)
+            took = time.monotonic() - started
+            idle = idle_within(address, token, IDLE_WITHIN)
+            health = watch.health_ms[health_at:]
+            rows.append(
+                {
+                    "attack": attack.__name__,
+                    "answered": answered,
+                    "sent": sent,
+                    "seconds": round(took, 2),
+                    "idle_after_s": None if idle is None else round(idle, 2),
+                    "health_ms_max": round(max(health, default=0), 1),
+                    "health_failures": watch.health_failures[health_failed_at:],
+                    "normal_calls": len(watch.normal_s) - normal_at,
+                    "normal_s_max": round(max(watch.normal_s[normal_at:], default=0), 3),
+                    "normal_failures": watch.normal_failures[normal_failed_at:],
+                    "tree_rss_mb": watch.peak_rss >> 20,
+                }
+            )
+    finally:
+        watch.stop()
+    return rows, watch
