@@ -133,9 +133,13 @@ def test_a_server_whose_stderr_nobody_reads_keeps_answering(tmp_path, fn_spec):
                     time.sleep(0.1)
                 assert statuses(flooding.result()) == ["OK"]
             assert statuses(call(request({"response": "0"}), timeout=5)) == ["OK"]
+        # And it stops on SIGTERM: exiting waited forever to flush the log into that pipe.
+        server.terminate()
+        assert server.wait(15) == 0
     finally:
-        server.kill()
-        server.wait()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
 
 def test_sub_scores_past_the_limit_fail_their_sample_only(serve):

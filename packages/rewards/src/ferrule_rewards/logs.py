@@ -11,11 +11,13 @@ pipe of its own that `forward` reads: its first `max_bytes` become log lines, th
 and thrown away, so a function that floods neither fills a disk nor blocks.
 """
 
+import atexit
 import logging
 import logging.handlers
+import os
 import queue
-import sys
 import threading
+import time
 
 QUEUED_LINES = 10_000  # lines waiting for a slow stderr before new ones are dropped
 LINE_BYTES = 8192  # a longer line is logged in pieces
@@ -23,10 +25,11 @@ log = logging.getLogger("ferrule_rewards.function")
 
 
 def configure(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
-    """Log to stderr at `level` through a bounded queue and a writer thread."""
+    """Log to stderr at `level` through a bounded queue and a writer thread; at exit, queued
+    lines get DRAIN_SECONDS to be written (call `drain` where atexit does not run)."""
+    global _lines
     lines: queue.Queue = queue.Queue(QUEUED_LINES)
-    writer = _Writer(sys.stderr)
-    writer.setFormatter(logging.Formatter(fmt))
+    writer = _Writer(fmt)
 
     class Handler(logging.handlers.QueueHandler):
         def enqueue(self, record):
@@ -38,22 +41,46 @@ def configure(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(mess
     handler = Handler(lines)
     handler.setFormatter(logging.Formatter("%(message)s"))  # the writer adds the rest
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
-    threading.Thread(target=_write, args=(lines, writer), name="log-writer", daemon=True).start()
+    threading.Thread(target=writer.run, args=(lines,), name="log-writer", daemon=True).start()
+    _lines = lines
+    atexit.register(drain)
 
 
-class _Writer(logging.StreamHandler):
-    dropped = 0
-
-    def emit(self, record):
-        if self.dropped:  # say so once stderr is read again
-            dropped, self.dropped = self.dropped, 0
-            self.stream.write(f"... {dropped} log line(s) dropped: stderr was not being read\n")
-        super().emit(record)
+_lines: queue.Queue | None = None
+DRAIN_SECONDS = 2.0
 
 
-def _write(lines: queue.Queue, writer: _Writer) -> None:
-    while True:
-        writer.handle(lines.get())
+def drain(seconds: float = DRAIN_SECONDS) -> None:
+    """Wait, `seconds` at most, for the queued lines to be written."""
+    deadline = time.monotonic() + seconds
+    while _lines is not None and _lines.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class _Writer:
+    """Writes each line to file descriptor 2 itself, holding no lock that the interpreter's
+    exit or logging.shutdown would wait for: a writer stuck on a full pipe blocks only itself,
+    and the process still exits."""
+
+    def __init__(self, fmt: str):
+        self.formatter = logging.Formatter(fmt)
+        self.dropped = 0
+
+    def run(self, lines: queue.Queue) -> None:
+        while True:
+            record = lines.get()
+            try:
+                text = self.formatter.format(record) + "\n"
+                if self.dropped:  # say so once stderr is read again
+                    dropped, self.dropped = self.dropped, 0
+                    text = f"... {dropped} log line(s) dropped: stderr was not read\n" + text
+                data = text.encode(errors="replace")
+                while data:
+                    data = data[os.write(2, data) :]
+            except OSError:  # stderr closed: nothing to tell
+                pass
+            finally:
+                lines.task_done()
 
 
 def forward(fd: int, name: str, max_bytes: int) -> threading.Thread:

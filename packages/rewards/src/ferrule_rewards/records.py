@@ -64,7 +64,8 @@ class Progress:
     """What a scorer tells its process about a batch while it scores it: which sample it has
     started (`start`), and each output as it comes (`done`). The scoring process (child.py)
     shares the first with the server, whose watchdog kills the process when one sample runs past
-    the timeout, and sends outputs ahead in groups, so that a kill loses little finished work.
+    the timeout, and writes each output where the server finds it after a kill (journal.py), so
+    that a kill loses no finished work and no sample is scored twice.
     This one does nothing: for scoring in the current process (tests, embedding)."""
 
     def start(self, index: int) -> None:

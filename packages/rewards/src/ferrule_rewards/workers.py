@@ -255,6 +255,8 @@ def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> Non
     except BaseException:
         _tell(pipe, "error", traceback.format_exc().rstrip(), 1)
         sys.exit(1)
+    finally:  # a multiprocessing child runs no atexit: the last log lines, written now
+        logs.drain()
     sys.exit(1 if cut_off else 0)
 
 
