@@ -59,9 +59,9 @@ class Group:
         return control.open_store("127.0.0.1", self.port, False, 10.0)
 
     def close(self):
-        self.sender.close()
-        if self.receiver is not None:
+        if self.receiver is not None:  # first: a sender closing waits for live receivers
             self.receiver.close()
+        self.sender.close()
 
 
 class Touch:

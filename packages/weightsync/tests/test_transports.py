@@ -436,6 +436,8 @@ def test_checksum_catches_corruption(monkeypatch):
             receiver.receive().to_state_dict()
         except WeightSyncError as err:
             errors["receiver"] = str(err)
+        finally:
+            receiver.close()
 
     thread = threading.Thread(target=receive)
     thread.start()

@@ -4,8 +4,9 @@
 
 Two transports with the same verbs (`send`, `receive`, `close`): "broadcast" (NCCL on GPUs, gloo
 on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, shared memory on
-CPU; colocated processes). Depends on torch only. See README.md for a complete example; pass
-the same `secret=` to every rank to authenticate the group.
+CPU; colocated processes). Depends on torch only. The sender's `close` ends the stream: each
+receiver's `receive` then returns None. See examples/weightsync/ for a complete sender and
+receiver; pass the same `secret=` to every rank to authenticate the group.
 """
 
 from importlib.metadata import PackageNotFoundError

@@ -25,6 +25,7 @@ any receiver failed: no round trip through the store when all went well.
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 
@@ -34,7 +35,14 @@ import torch.distributed as dist
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, own_bytes, pack
-from ferrule_weightsync.update import ReceiverState, Update, UpdateSender, open_update
+from ferrule_weightsync.update import (
+    END_SECONDS,
+    ReceiverState,
+    Update,
+    UpdateSender,
+    leave,
+    open_update,
+)
 
 # Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets 0.87-0.89 of a raw
 # broadcast, 256 MB 0.84, 1 GB no better; buckets ramping up from 16 or 64 MB were slower.
@@ -280,6 +288,10 @@ class BroadcastSender:
         self._group.abort(f"aborted: {reason}")
 
     def close(self) -> None:
+        """End the stream: each receiver's `receive` returns None (waiting up to END_SECONDS
+        for them to read that), then leave the group."""
+        if not self._group.broken:
+            self._updates.end(min(self._group.timeout, END_SECONDS))
         self._group.close()
 
 
@@ -303,25 +315,33 @@ class BroadcastReceiver:
             host, port, rank, num_receivers, device, timeout, connect_timeout, None, secret
         )
         self._state = ReceiverState()
+        # closed, or its process exits: a sender closing later need not wait for this rank
+        self._leave = weakref.finalize(self, leave, self._group.control, self._state)
 
     def receive(
         self,
         expected: Mapping | None = None,
         cast: bool | torch.dtype = False,
         timeout: float | None = None,
-    ) -> Update:
+        partial: bool = False,
+    ) -> Update | None:
         """Wait for the next update (up to `timeout` seconds; None: as long as the sender lives).
+        Returns None once the sender closed: the stream ended (and every later call returns
+        None), so `while (update := receiver.receive()) is not None:` is a receiver's loop.
 
         `expected` (a state dict or name -> TensorSpec) makes the update refuse, before any data
-        moves, tensors this receiver does not know or whose shape or dtype differ. `cast=True`
-        converts to the expected dtypes instead; `cast=torch.bfloat16` converts every floating
-        tensor.
+        moves, tensors this receiver does not know or whose shape or dtype differ, and (unless
+        `partial`) an update that lacks any of its names. `cast=True` converts to the expected
+        dtypes instead; `cast=torch.bfloat16` converts every floating tensor.
         """
+        if self._state.ended:
+            return None
         self._group.check_usable()
         control = self._group.control
         return open_update(
-            control, self._state, self._receive_buckets, expected, cast, timeout, self._finish
-        )
+            control, self._state, self._receive_buckets, expected, cast, timeout, self._finish,
+            partial,
+        )  # fmt: skip
 
     def receive_into(
         self,
@@ -329,10 +349,14 @@ class BroadcastReceiver:
         loaded: list[str] | None = None,
         timeout: float | None = None,
         offer: bool = False,
-    ) -> int:
-        """`receive(expected=targets, cast=True)`, then `load_into(targets, loaded)`: the
-        version loaded (the same verb as `IpcReceiver.receive_into`; nothing to offer here)."""
-        update = self.receive(expected=targets, cast=True, timeout=timeout)
+    ) -> int | None:
+        """`receive(expected=targets, cast=True, partial=True)`, then `load_into(targets,
+        loaded)`: the version loaded, None once the stream ended (the same verb as
+        `IpcReceiver.receive_into`; nothing to offer here). An update may fill some of the
+        targets only (`loaded` names those it did)."""
+        update = self.receive(expected=targets, cast=True, timeout=timeout, partial=True)
+        if update is None:
+            return None
         update.load_into(targets, loaded)
         return update.version
 
@@ -364,4 +388,5 @@ class BroadcastReceiver:
             yield bucket, buffer
 
     def close(self) -> None:
+        self._leave()
         self._group.close()

@@ -20,6 +20,11 @@ Once every receiver has accepted a layout, its later updates skip the handshake 
 before the first byte moves, every step). The broadcast transport also replaces the "done"
 round trip with a one-number all-reduce on its own group; only a failing receiver writes "done".
 
+The end of the stream (the sender's `close`) is one more manifest, END, under the next update's
+key: each receiver's `receive` returns None on reading it and reports `end/r`, which the sender
+waits for (briefly) before its store, and the group, go away. A receiver that closes (or whose
+process exits) reports the same, so that a sender closing after it does not wait for it.
+
 Every value is JSON, checked on arrival and signed when the group has a secret (messages.py):
 the store is open to anyone who reaches its port, so nothing read from it can run code.
 
@@ -30,6 +35,7 @@ later message of the group, either way, is signed under that key.
 """
 
 import hmac
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -47,6 +53,9 @@ from ferrule_weightsync.errors import (
 from ferrule_weightsync.messages import Seal, fields, integer
 
 FORGET_EVERY = 32  # updates between sweeps of old control keys out of the store
+WAIT_LOG_SECONDS = 30.0  # a sender waiting longer for receivers says whom it waits for, this often
+END = {"end": True}  # the manifest that ends the stream (the sender's close)
+logger = logging.getLogger("ferrule_weightsync")
 
 
 @dataclass(frozen=True)
@@ -236,8 +245,23 @@ class Control:
         """The layout published under `key`, as `check(value, store key)` makes it."""
         return self._take(f"layouts/{key}", "the sender", check)
 
-    def read_manifest(self, seq: int, timeout: float | None) -> Manifest:
-        return self._take(f"u{seq}/manifest", "the sender", Manifest.from_wire, timeout)
+    def read_manifest(self, seq: int, timeout: float | None) -> Manifest | None:
+        """The manifest of update `seq`, or None where the sender ended the stream."""
+        return self._take(f"u{seq}/manifest", "the sender", _manifest_or_end, timeout)
+
+    def end(self, seq: int, timeout: float) -> None:
+        """Sender: publish END as update `seq`'s manifest and wait up to `timeout` seconds for
+        every receiver to read it (or to have closed); log those that did not."""
+        self._put(f"u{seq}/manifest", END)
+        try:
+            self._wait_all("end", "see the end of the stream", timeout)
+        except WeightSyncError as err:  # closing anyway: they find the group gone
+            logger.warning("closing without every receiver seeing the end: %s", err)
+
+    def report_end(self) -> None:
+        """Receiver: this rank has read END (or closes before it): a sender closing need not
+        wait for it."""
+        self._put(f"end/{self.rank}", "")
 
     def publish(self, key: str, value: object) -> None:
         """A transport's own message (JSON-able)."""
@@ -379,25 +403,47 @@ class Control:
     ) -> list[tuple[str, bytes]]:
         """Block (in the store, not by polling: CPU is scarce while data moves) until every
         receiver has set `prefix/<rank>`, and return (key, value) for each in rank order: one
-        round trip, the store's get waiting for the keys. On timeout, name the ranks still
-        missing. An abort from another thread wakes the wait by setting the keys itself."""
+        round trip, the store's get waiting for the keys. A wait longer than WAIT_LOG_SECONDS
+        logs, that often, the ranks still missing; on timeout the error names them. An abort
+        from another thread wakes the wait by setting the keys itself."""
         keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         self._waiting = keys  # before the check: abort() sets its flag, then reads this
         try:
-            self.check_aborted()
-            self.store.set_timeout(timedelta(seconds=timeout))
-            found = self._multi_get(keys)
-        except dist.DistError as err:
-            missing = [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
-            raise PeerTimeoutError(
-                f"receivers {missing} did not {what} within {timeout:g}s on the {self.where}"
-            ) from err
+            while True:
+                self.check_aborted()
+                step = min(WAIT_LOG_SECONDS, max(0.001, deadline - time.monotonic()))
+                self.store.set_timeout(timedelta(seconds=step))
+                try:
+                    found = self._multi_get(keys)
+                    break
+                except dist.DistError as err:
+                    missing = self._missing(keys)
+                    if time.monotonic() >= deadline:
+                        raise PeerTimeoutError(
+                            f"receivers {missing} did not {what} within {timeout:g}s on the "
+                            f"{self.where} ({self._count(missing)})"
+                        ) from err
+                    logger.warning(
+                        "%s: waiting for receivers %s to %s (%s; %.0fs of %gs)",
+                        self.where, missing, what, self._count(missing),
+                        timeout - (deadline - time.monotonic()), timeout,
+                    )  # fmt: skip
         finally:
             self._waiting = []
             self.store.set_timeout(timedelta(seconds=self.timeout))  # for the other calls
         self.check_aborted()  # woken by abort(), not by the receivers
         return found
+
+    def _missing(self, keys: list[str]) -> list[int]:
+        return [rank for rank, key in enumerate(keys, 1) if not self.store.check([key])]
+
+    def _count(self, missing: list[int]) -> str:
+        expected = self.world_size - 1
+        return f"the sender expects {expected} receivers, ranks 1 to {expected}; " + (
+            f"{expected - len(missing)} did"
+        )
 
     def _forget(self, seq: int) -> None:
         """Drop an old update's keys so the store does not grow with every step."""
@@ -459,6 +505,10 @@ def _step(deadline: float | None) -> float:
 def _timed_out(err: Exception) -> bool:
     text = str(err).lower()
     return "timeout" in text or "timed out" in text
+
+
+def _manifest_or_end(value: object, key: str) -> Manifest | None:
+    return None if value == END else Manifest.from_wire(value, key)
 
 
 def _null(value: object, key: str) -> None:

@@ -33,6 +33,7 @@ import mmap
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -51,12 +52,14 @@ from ferrule_weightsync.packing import (
     pack,
 )
 from ferrule_weightsync.update import (
+    END_SECONDS,
     MAX_PLACED_BUFFERS,
     Layout,
     ReceiverState,
     Update,
     UpdateSender,
     check_against_specs,
+    leave,
     open_update,
 )
 
@@ -122,6 +125,10 @@ class _SharedBuffer:
                 # held until this process closes the segment or dies
                 self._lock = os.open(SEGMENTS / self.shm.name, os.O_RDONLY)
                 fcntl.flock(self._lock, fcntl.LOCK_SH)
+            # A sender never closed (dropped, or alive at exit): the segment is removed when
+            # this buffer is collected or the interpreter exits, not left to the resource
+            # tracker's "leaked shared_memory objects" warning and a GiB of /dev/shm meanwhile.
+            self._removed = weakref.finalize(self, _remove_segment, self.shm, self._lock)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
 
     @classmethod
@@ -159,8 +166,16 @@ class _SharedBuffer:
         del self.tensor
         if self.shm is not None:
             self.shm.close()
-            self.shm.unlink()
-            os.close(self._lock)
+            self._removed()  # unlinks, once
+
+
+def _remove_segment(shm: shared_memory.SharedMemory, lock: int) -> None:
+    """Unlink a segment and drop its creator's lock. Its mapping may still be in use (at exit,
+    views of it can outlive this): unlinking removes the name, the memory goes with the last
+    mapping."""
+    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another sender's sweep)
+        shm.unlink()
+    os.close(lock)
 
 
 class _MappedBuffer:
@@ -552,7 +567,10 @@ class IpcSender:
         self._control.abort(reason)
 
     def close(self) -> None:
+        """End the stream (each receiver's `receive` returns None; waiting up to END_SECONDS
+        for them to read that) and remove the shared buffers."""
         self._updates.settle(min(self._control.timeout, CLOSE_SETTLE_SECONDS))
+        self._updates.end(min(self._control.timeout, END_SECONDS))
         self._last_pushed = None
         for offer in self._offers.values():
             offer.close()
@@ -610,6 +628,8 @@ class IpcReceiver:
         self._mapped: list[_MappedBuffer] = []
         self._generation = 0
         self._state = ReceiverState()
+        # closed, or its process exits: a sender closing later need not wait for this rank
+        self._leave = weakref.finalize(self, leave, self._control, self._state)
         self.handles_opened = 0  # for tests and benchmarks: reuse means this stays at 2
         self._reads_end: torch.cuda.Event | None = None  # in place: marks our reads' end
         self.offers_published = 0  # for tests: how often our weights were shared (push)
@@ -623,10 +643,14 @@ class IpcReceiver:
         expected: Mapping | None = None,
         cast: bool | torch.dtype = False,
         timeout: float | None = None,
-    ) -> Update:
-        """Wait for the next update; same contract as `BroadcastReceiver.receive`."""
+        partial: bool = False,
+    ) -> Update | None:
+        """Wait for the next update; None once the sender closed (the stream ended). Same
+        contract as `BroadcastReceiver.receive`."""
+        if self._state.ended:
+            return None
         self._decline()
-        return self._open(expected, cast, timeout)
+        return self._open(expected, cast, timeout, partial)
 
     def receive_into(
         self,
@@ -634,9 +658,10 @@ class IpcReceiver:
         loaded: list[str] | None = None,
         timeout: float | None = None,
         offer: bool = True,
-    ) -> int:
+    ) -> int | None:
         """Receive the next update into `targets` (name -> tensor, in place): what
-        `receive(expected=targets, cast=True)` and `load_into(targets, loaded)` do, and with
+        `receive(expected=targets, cast=True, partial=True)` and `load_into(targets, loaded)`
+        do (None once the stream ended), and with
         `offer`, on a GPU where the targets lie contiguous in at most MAX_PLACED_BUFFERS
         allocations, less: they are offered to the sender (their allocations shared once,
         again when they move), and a sender of an in-place update with the same names, shapes
@@ -647,19 +672,23 @@ class IpcReceiver:
         then. Returns the version. On an error after the sender took the offer, `loaded` gets
         every name: the targets may be partly written."""
         loaded = [] if loaded is None else loaded
+        if self._state.ended:
+            return None
         made = self._offer(targets) if offer else self._decline()
         try:
-            update = self._open(targets, True, timeout)
+            update = self._open(targets, True, timeout, True)
         except PeerTimeoutError:
             if made is None or self._control.swap(
                 self._ready_key(), made, {"withdrawn": made["offer"]}
             ):
                 raise  # not taken: the targets are as they were
             try:  # taken: the sender is writing, and its manifest comes right after
-                update = self._open(targets, True, -1.0)
+                update = self._open(targets, True, -1.0, True)
             except WeightSyncError:
                 loaded.extend(targets)
                 raise
+        if update is None:
+            return None
         try:  # pushed: no data to load, only the sender's writes to wait for
             update.load_into(targets, loaded)
         finally:  # pushed: written, or being written if the wait failed: every name either way
@@ -667,10 +696,11 @@ class IpcReceiver:
                 loaded.extend(spec.name for spec in update.specs)
         return update.version
 
-    def _open(self, expected, cast, timeout) -> Update:
+    def _open(self, expected, cast, timeout, partial) -> Update | None:
         return open_update(
-            self._control, self._state, self._receive_buckets, expected, cast, timeout
-        )
+            self._control, self._state, self._receive_buckets, expected, cast, timeout,
+            partial=partial,
+        )  # fmt: skip
 
     def _decline(self) -> None:
         """Receive the next update the usual way, telling a sender that waits for our offers
@@ -772,6 +802,7 @@ class IpcReceiver:
                 self._control.publish(_reads_end_key(self._control.rank), handle)
 
     def close(self) -> None:
+        self._leave()
         for mapped in self._mapped:
             mapped.close()
         self._mapped = []

@@ -8,10 +8,11 @@ telling the sender who failed) lives here, once.
 """
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
+from datetime import timedelta
 from itertools import islice
 
 import torch
@@ -39,6 +40,8 @@ ReceiveBuckets = Callable[[int, "Layout", Manifest], Iterator[tuple[Bucket, torc
 Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
 MAX_KEPT_LOADS = 1024  # (buffer, bucket) pairs whose merged loads a receiver keeps
+END_SECONDS = 10.0  # how long a closing sender waits for receivers to see the stream end
+LEAVE_SECONDS = 2.0  # how long a receiver that leaves tries to tell the sender
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ class ReceiverState:
 
     def __init__(self):
         self.seq = 0
+        self.ended = False  # the sender ended the stream: every later receive returns None
         self.layouts: dict[str, Layout] = {}
         self.views = BucketViews()
         self._loads: dict[int, tuple] = {}
@@ -371,6 +375,13 @@ class UpdateSender:
                 "not every receiver took it:\n  " + "\n  ".join(failed)
             )
 
+    def end(self, timeout: float) -> None:
+        """Tell the receivers the stream ended (each one's `receive` returns None), waiting up
+        to `timeout` seconds for them to read it: the group goes when the sender closes. Not
+        after a failure in mid-transfer, where receivers are out of step (they time out)."""
+        if not self.broken and not self.control._aborted:
+            self.control.end(self.seq, timeout)
+
     def settle(self, timeout: float) -> None:
         """Before the group closes: wait up to `timeout` seconds for the receivers to take the
         manifest of a last pushed update (closing takes the store, and it, away)."""
@@ -415,12 +426,25 @@ def expected_specs(expected: Mapping | None) -> dict[str, TensorSpec] | None:
 
 
 def check_specs(
-    specs: tuple[TensorSpec, ...], expected: dict[str, TensorSpec] | None, cast: bool | torch.dtype
+    specs: tuple[TensorSpec, ...],
+    expected: dict[str, TensorSpec] | None,
+    cast: bool | torch.dtype,
+    partial: bool = False,
 ) -> list[str]:
-    """Every way the announced tensors differ from what this receiver can load."""
+    """Every way the announced tensors differ from what this receiver can load; unless
+    `partial`, expected names the update lacks too."""
     if expected is None:
         return []
     problems = []
+    if not partial:
+        sent = {spec.name for spec in specs}
+        absent = [name for name in expected if name not in sent]
+        if absent:
+            problems.append(
+                f"{len(absent)} expected tensor(s) not in the update: {absent[:MAX_LISTED]}"
+                f"{' ...' if len(absent) > MAX_LISTED else ''} (receive with partial=True to "
+                "accept an update of some of them)"
+            )
     for spec in specs:
         want = expected.get(spec.name)
         if want is None:
@@ -563,14 +587,23 @@ def open_update(
     cast: bool | torch.dtype,
     timeout: float | None,
     finish: Finish | None = None,
-) -> Update:
-    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed.
+    partial: bool = False,
+) -> Update | None:
+    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed;
+    None once the sender ended the stream (its `close`).
 
-    `finish` is the transport's way of saying "done" (default: a report through the store)."""
+    `finish` is the transport's way of saying "done" (default: a report through the store).
+    `partial`: an update may lack some expected names."""
     if cast is True and expected is None:
         raise ValueError("cast=True converts to the expected dtypes: pass expected= as well")
+    if state.ended:  # the sender, and its store, may be gone
+        return None
     seq = state.seq
     manifest = control.read_manifest(seq, timeout)
+    if manifest is None:
+        state.ended = True
+        control.report_end()
+        return None
     state.seq += 1
     layout = state.layouts.get(manifest.layout)
     if layout is None:
@@ -578,8 +611,8 @@ def open_update(
         layout = state.layouts[manifest.layout] = control.read_layout(manifest.layout, check)
     # pushed: the sender wrote into the tensors this receiver offered, as their specs
     wanted = None if manifest.pushed else expected_specs(expected)
-    problems = check_specs(layout.specs, wanted, cast)
-    finish = finish or partial(_report_done, control)
+    problems = check_specs(layout.specs, wanted, cast, partial)
+    finish = finish or functools.partial(_report_done, control)
     update = Update(control, seq, manifest, layout, state, receive_buckets, finish, wanted, cast)
     refusals = ""
     if manifest.handshake:
@@ -598,6 +631,16 @@ def open_update(
             f"update to version {manifest.version} refused by other receivers:\n  {refusals}"
         )
     return update
+
+
+def leave(control: Control, state: ReceiverState) -> None:
+    """Receiver closing, or its process exiting without a close (a `weakref.finalize`): tell
+    a sender that closes later not to wait for this rank (where the sender is still there to
+    be told, within a second or two)."""
+    if not state.ended:
+        with contextlib.suppress(RuntimeError):  # the sender and its store are gone
+            control.store.set_timeout(timedelta(seconds=LEAVE_SECONDS))
+            control.report_end()
 
 
 def _report_done(control: Control, seq: int, error: str) -> None:

@@ -1,0 +1,179 @@
+"""A group's beginning and end as a user meets them: the sender's close ends the receivers'
+loops, shared memory goes away without a close, a sender waiting for receivers says which,
+and `expected=` names what an update lacks."""
+
+import contextlib
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from ferrule_weightsync import (
+    MismatchError,
+    PeerTimeoutError,
+    WeightSyncError,
+    control,
+    create_receiver,
+    create_sender,
+    ipc,
+)
+
+STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _receive_all(transport: str, port: int, rank: int, receivers: int, out: dict, **options):
+    """A receiver's whole life: its loop until the stream ends, then two more calls."""
+    try:
+        receiver = create_receiver(transport, "127.0.0.1", port, rank, receivers, timeout=20)
+        versions = []
+        while (update := receiver.receive(**options)) is not None:
+            update.to_state_dict()
+            versions.append(update.version)
+        out[rank] = (versions, receiver.receive(), receiver.receive_into(dict(STATE)))
+        receiver.close()
+    except Exception as error:  # the test names it
+        out[rank] = error
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_the_senders_close_ends_every_receivers_loop_without_an_error(transport):
+    # The receiver got "lost the weight-sync group ... Failed to recv" once the sender went.
+    port, out = free_port(), {}
+    threads = [
+        threading.Thread(target=_receive_all, args=(transport, port, rank, 2, out))
+        for rank in (1, 2)
+    ]
+    for thread in threads:
+        thread.start()
+    sender = create_sender(transport, "127.0.0.1", port, 2, timeout=20)
+    for _ in range(3):
+        sender.send(STATE.items())
+    sender.close()
+    for thread in threads:
+        thread.join(30)
+    assert out == {1: ([1, 2, 3], None, None), 2: ([1, 2, 3], None, None)}
+
+
+def test_a_sender_closing_after_its_receivers_does_not_wait_for_them():
+    port, out = free_port(), {}
+    thread = threading.Thread(target=lambda: out.setdefault("receiver", _receiver(port)))
+    thread.start()
+    sender = create_sender("ipc", "127.0.0.1", port, 1, timeout=20)
+    thread.join()
+    out["receiver"].close()
+    started = time.monotonic()
+    sender.close()
+    assert time.monotonic() - started < 2  # not END_SECONDS (10 s) for a receiver that left
+
+
+def _receiver(port: int):
+    return create_receiver("ipc", "127.0.0.1", port, 1, 1, timeout=20)
+
+
+FORGETFUL = """
+import threading, torch
+from ferrule_weightsync import create_receiver, create_sender
+port = {port}
+made = {{}}
+thread = threading.Thread(target=lambda: made.setdefault("r", create_receiver("ipc", "127.0.0.1", port, 1, 1)))
+thread.start()
+sender = create_sender("ipc", "127.0.0.1", port, 1, bucket_bytes=1 << 16)
+thread.join()
+thread = threading.Thread(target=lambda: made["r"].receive().to_state_dict())
+thread.start()
+sender.send([("w", torch.ones(100))])
+thread.join()
+print(" ".join(buffer.shm.name for buffer in sender._buffers), flush=True)
+{end}
+"""
+
+
+DROP = "del sender; import gc; gc.collect(); print('dropped', flush=True); input()"
+
+
+@pytest.mark.parametrize("end", ["pass", DROP], ids=["exit", "dropped"])
+def test_a_senders_segments_go_when_it_is_never_closed(end):
+    # Without close() two /dev/shm/ferrule-ws-* segments (1 GiB each by default) stayed until
+    # the resource tracker removed them at exit, warning of "leaked shared_memory objects".
+    process = subprocess.Popen(
+        [sys.executable, "-c", FORGETFUL.format(port=free_port(), end=end)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    names = process.stdout.readline().split()
+    assert len(names) == 2, process.communicate(timeout=30)
+    if end == DROP:  # dropped, the process still running: gone already
+        assert process.stdout.readline() == "dropped\n"
+        assert not any((ipc.SEGMENTS / name).exists() for name in names)
+    _, stderr = process.communicate("\n", timeout=60)
+    assert process.returncode == 0, stderr
+    assert not any((ipc.SEGMENTS / name).exists() for name in names)
+    assert "leaked" not in stderr, stderr
+
+
+def test_a_sender_waiting_for_receivers_says_which_and_how_many(monkeypatch, caplog):
+    # It waited silently for connect_timeout (900 s by default), then named the ranks only.
+    monkeypatch.setattr(control, "WAIT_LOG_SECONDS", 0.5)
+    port = free_port()
+    thread = threading.Thread(target=lambda: _receiver_of(port, 1, 2))
+    thread.start()
+    with (
+        caplog.at_level(logging.WARNING, "ferrule_weightsync"),
+        pytest.raises(PeerTimeoutError) as raised,
+    ):
+        create_sender("broadcast", "127.0.0.1", port, 2, connect_timeout=3, timeout=3)
+    thread.join()
+    assert "receivers [2] did not join the group within 3s" in str(raised.value)
+    assert "the sender expects 2 receivers, ranks 1 to 2; 1 did" in str(raised.value)
+    waits = [r.getMessage() for r in caplog.records if "waiting for receivers" in r.getMessage()]
+    assert len(waits) >= 2, caplog.text
+    assert "waiting for receivers [2] to join the group (the sender expects 2" in waits[0]
+
+
+def _receiver_of(port: int, rank: int, receivers: int) -> None:
+    with contextlib.suppress(WeightSyncError):  # the group never forms: it times out too
+        create_receiver("broadcast", "127.0.0.1", port, rank, receivers, timeout=3)
+
+
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_expected_names_an_update_lacks_are_refused_unless_partial(transport):
+    # A partial update passed `expected=`: only names the receiver did not know were refused.
+    port, out = free_port(), {}
+    expected = {**STATE, "extra": torch.zeros(2)}
+
+    def receive():
+        receiver = create_receiver(transport, "127.0.0.1", port, 1, 1, timeout=20)
+        try:
+            receiver.receive(expected=expected)
+        except MismatchError as error:
+            out["refused"] = str(error)
+        out["partial"] = receiver.receive(expected=expected, partial=True).to_state_dict()
+        targets = {name: torch.zeros_like(t) for name, t in expected.items()}
+        loaded = []
+        out["into"] = (receiver.receive_into(targets, loaded), loaded)  # targets may be more
+        receiver.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    sender = create_sender(transport, "127.0.0.1", port, 1, timeout=20)
+    with pytest.raises(
+        MismatchError, match=r"1 expected tensor\(s\) not in the update: \['extra'\]"
+    ):
+        sender.send(STATE.items())
+    sender.send(STATE.items())
+    sender.send(STATE.items())
+    sender.close()
+    thread.join(30)
+    assert "receive with partial=True" in out["refused"]
+    assert set(out["partial"]) == set(STATE)
+    assert out["into"] == (2, ["w", "b"])  # the refused update took no version
