@@ -24,13 +24,13 @@ import statistics
 import time
 
 import torch
-from rollout_gpu import QWEN25_15B, VOCAB, prompts_of
+from rollout_gpu import prompts_of
 from transformers import AutoModelForCausalLM
 
 from ferrule_rollout import SamplingSettings
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.hf_engine import TransformersEngine
-from ferrule_testkit import tiny_model
+from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
 from ferrule_trainer.sequences import response_logits, token_logprobs
 
 
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=512)
     args = parser.parse_args()
-    path = tiny_model("qwen2", vocab_size=VOCAB, **QWEN25_15B)
+    path = tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
     prompts = prompts_of(args.prompts)
     result = {"name": "exact_gpu", "device": torch.cuda.get_device_name()}
     common = dict(dtype="bfloat16", max_model_len=args.max_model_len)

@@ -33,20 +33,8 @@ from transformers import AutoModelForCausalLM
 from ferrule_rollout import SamplingSettings
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_rollout.sampling import sample
-from ferrule_testkit import tiny_model
+from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
 
-QWEN25_15B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-VOCAB = 151_936
 HBM_TB_S = {"H100": 3.35, "H200": 4.8}  # SXM datasheet bandwidth
 
 
@@ -173,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
 
     began = time.perf_counter()
-    path = tiny_model("qwen2", vocab_size=VOCAB, **QWEN25_15B)
+    path = tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
     built = time.perf_counter() - began
     batches = [int(b) for b in args.step_batches.split(",") if b]
     rows, tokens = args.prompts * args.n, args.new_tokens

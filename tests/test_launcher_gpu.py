@@ -87,6 +87,17 @@ def test_hybrid_engine_on_one_gpu_ipc_offload_and_sleep(tmp_path):
 
 
 @pytest.mark.gpu(count=1)
+def test_exact_mode_on_one_gpu_samples_with_the_trainers_own_logprobs(tmp_path):
+    """[rollout] exact = true, hybrid on one GPU: every step's vllm_kl is exactly 0 (the engine's
+    logprobs are the trainer's bit for bit), and the run learns as the others do."""
+    records, summary = launch(
+        tmp_path / "exact", 'ray.placement="colocate_all"', "rollout.exact=true"
+    )
+    assert_learns_and_engines_hold_the_policy(records, summary)
+    assert all(r["vllm_kl"] == 0.0 for r in records), [r["vllm_kl"] for r in records]
+
+
+@pytest.mark.gpu(count=1)
 def test_resident_engine_on_one_gpu_takes_the_policys_weights_in_place(tmp_path):
     """colocate_all with nothing offloaded: CUDA IPC in place. The first sync the engine reads
     from the policy's own memory (its specs checked); every later one the policy writes into

@@ -110,3 +110,85 @@ def test_continuous_batching_under_graphs_gives_what_one_batch_gives(engine):
     for a, b in zip(queued, full, strict=True):
         assert a.finish_reason == b.finish_reason
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def real_size():
+    """A Qwen2.5-1.5B-shaped model with the real vocabulary, and prompts of 16-64 tokens."""
+    from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 65, (12,), generator=generator).tolist()
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in lengths]
+    return tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B), prompts
+
+
+def trainer_logprobs(model, samples, micro_batch: int = 8) -> list[torch.Tensor]:
+    """A teacher-forced bf16 forward in the trainer's layout (left-padded prompts, right-padded
+    responses, micro-batches), each sample's sampled-token logprobs."""
+    out = []
+    for start in range(0, len(samples), micro_batch):
+        part = samples[start : start + micro_batch]
+        width = max(len(s.prompt_token_ids) for s in part)
+        length = max(len(s.token_ids) for s in part)
+        ids = torch.zeros(len(part), width + length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(part):
+            ids[r, width - len(s.prompt_token_ids) : width] = torch.tensor(s.prompt_token_ids)
+            ids[r, width : width + len(s.token_ids)] = torch.tensor(s.token_ids)
+            mask[r, width - len(s.prompt_token_ids) : width + len(s.token_ids)] = 1
+        ids, mask = ids.cuda(), mask.cuda()
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                logits_to_keep=length + 1,
+            ).logits[:, :-1]
+        chosen = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, width:, None])[..., 0]
+        out += [chosen[r, : len(s.token_ids)].cpu() for r, s in enumerate(part)]
+    return out
+
+
+def k3(samples, theirs) -> float:
+    """The launcher's vllm_kl: the k3 estimate of KL(engine || trainer) per token."""
+    log_ratio = torch.cat(theirs) - torch.cat([torch.tensor(s.logprobs) for s in samples])
+    return (log_ratio.exp() - 1 - log_ratio).mean().item()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, exact):
+    """bf16 at 1.5B: vllm_kl <= 1e-3 by default; bit for bit in exact mode. In exact mode
+    continuous batching (4 rows at a time) and each prompt alone also give the same tokens and
+    logprobs as one batch (batch invariance), here greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_rollout.exact import ExactNumerics
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    path, prompts = real_size
+    settings = SamplingSettings(n=2, max_tokens=128, ignore_eos=True, seed=4)
+    with TransformersEngine(path, dtype="bfloat16", max_model_len=512, exact=exact) as engine:
+        samples = engine.generate(prompts, settings)
+        if exact:
+            greedy = SamplingSettings(max_tokens=64, temperature=0.0, ignore_eos=True)
+            together = engine.generate(prompts, greedy)
+            alone = [engine.generate([p], greedy)[0] for p in prompts[:3]]
+            engine.max_batch_size = 4
+            queued = engine.generate(prompts, greedy)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    if exact:
+        ExactNumerics(512).apply(model)
+    theirs = trainer_logprobs(model, samples)
+    if not exact:
+        assert k3(samples, theirs) <= 1e-3
+        return
+    for sample, expected in zip(samples, theirs, strict=True):
+        assert torch.equal(torch.tensor(sample.logprobs), expected)
+    assert k3(samples, theirs) == 0.0
+
+    def outputs(samples):
+        return [(s.token_ids, s.logprobs) for s in samples]
+
+    assert outputs(queued) == outputs(together)
+    assert outputs(alone) == outputs(together[:3])

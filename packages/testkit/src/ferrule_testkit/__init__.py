@@ -5,10 +5,19 @@ tokenizers and transformers load when a model is first built.
 """
 
 from ferrule_testkit.corpus import synthetic_corpus
-from ferrule_testkit.models import SPECS, cache_root, tiny_model, tiny_tokenizer
+from ferrule_testkit.models import (
+    QWEN25_1_5B,
+    QWEN25_VOCAB,
+    SPECS,
+    cache_root,
+    tiny_model,
+    tiny_tokenizer,
+)
 from ferrule_testkit.preferences import policy_reversal_pairs, reversal_pairs, reversal_sft_rows
 
 __all__ = [
+    "QWEN25_1_5B",
+    "QWEN25_VOCAB",
     "SPECS",
     "cache_root",
     "policy_reversal_pairs",

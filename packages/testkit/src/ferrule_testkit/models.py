@@ -43,6 +43,20 @@ SPECS = {
         tie_word_embeddings=False,
     ),
 }
+# A real size for GPU tests and benchmarks: tiny_model("qwen2", vocab_size=QWEN25_VOCAB,
+# **QWEN25_1_5B) is shaped as Qwen2.5-1.5B (random weights, the kit's tokenizer).
+QWEN25_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+QWEN25_VOCAB = 151_936
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 _KIT_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
 
