@@ -166,6 +166,8 @@ class _Reporter(Progress):
     before the next one starts: the server finds there every sample that a crash or a kill
     left finished, and scores none of them again."""
 
+    takes_outputs = True
+
     def __init__(self, mark, journal, todo, timeout, budget: wire.Budget):
         self.mark, self.journal, self.todo = mark, journal, todo
         self.timeout, self.budget = timeout, budget

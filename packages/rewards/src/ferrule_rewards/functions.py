@@ -177,6 +177,8 @@ class FunctionScorer:
                 outputs = self._run(self._score_rows_async(rows))
             else:
                 outputs = self._score_rows(rows, progress)
+                if progress.takes_outputs:  # it has every result (see Progress)
+                    return scores
         if outputs is not None:
             collect(outputs, scores, self.timeout)
         return scores

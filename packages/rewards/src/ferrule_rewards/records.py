@@ -68,6 +68,11 @@ class Progress:
     that a kill loses no finished work and no sample is scored twice.
     This one does nothing: for scoring in the current process (tests, embedding)."""
 
+    takes_outputs = False
+    """True when `done` turns every output into its result itself (child.py's): a scorer whose
+    samples all go through `done` then leaves its Scores' rewards at 0 rather than convert each
+    output a second time."""
+
     def start(self, index: int) -> None:
         pass
 
