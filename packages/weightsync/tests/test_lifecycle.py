@@ -65,16 +65,20 @@ def test_the_senders_close_ends_every_receivers_loop_without_an_error(transport)
     assert out == {1: ([1, 2, 3], None, None), 2: ([1, 2, 3], None, None)}
 
 
-def test_a_sender_closing_after_its_receivers_does_not_wait_for_them():
+@pytest.mark.parametrize("leaves", [True, False], ids=["receiver-closed", "timeout-0"])
+def test_a_sender_closing_does_not_wait_for_receivers_that_left_or_with_timeout_0(leaves):
     port, out = free_port(), {}
     thread = threading.Thread(target=lambda: out.setdefault("receiver", _receiver(port)))
     thread.start()
     sender = create_sender("ipc", "127.0.0.1", port, 1, timeout=20)
     thread.join()
-    out["receiver"].close()
+    if leaves:
+        out["receiver"].close()
     started = time.monotonic()
-    sender.close()
-    assert time.monotonic() - started < 2  # not END_SECONDS (10 s) for a receiver that left
+    sender.close(**({} if leaves else {"timeout": 0}))
+    assert time.monotonic() - started < 2  # not END_SECONDS (10 s)
+    if not leaves:
+        out["receiver"].close()
 
 
 def _receiver(port: int):

@@ -99,7 +99,9 @@ class RankWorker:
     def close_weight_sync(self) -> None:
         """Leave this rank's weight-sync group (receivers still in it see it gone at once)."""
         if self.sender is not None:
-            self.sender.close()
+            # Engines receive only when told to, never at a close: waiting for them to read
+            # the end of the stream would only delay a stop or an engine's replacement.
+            self.sender.close(timeout=0)
             self.sender = None
 
     def abort_weight_sync(self, reason: str) -> None:

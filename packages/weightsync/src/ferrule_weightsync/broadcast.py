@@ -287,11 +287,12 @@ class BroadcastSender:
         self._group.control.abort(reason)
         self._group.abort(f"aborted: {reason}")
 
-    def close(self) -> None:
-        """End the stream: each receiver's `receive` returns None (waiting up to END_SECONDS
-        for them to read that), then leave the group."""
+    def close(self, timeout: float = END_SECONDS) -> None:
+        """End the stream: each receiver's `receive` returns None. Waits up to `timeout`
+        seconds for the receivers to read that (0: not at all; one that calls `receive` after
+        the group went gets `WeightSyncError`), then leaves the group."""
         if not self._group.broken:
-            self._updates.end(min(self._group.timeout, END_SECONDS))
+            self._updates.end(min(self._group.timeout, timeout))
         self._group.close()
 
 

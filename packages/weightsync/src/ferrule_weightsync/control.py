@@ -253,6 +253,8 @@ class Control:
         """Sender: publish END as update `seq`'s manifest and wait up to `timeout` seconds for
         every receiver to read it (or to have closed); log those that did not."""
         self._put(f"u{seq}/manifest", END)
+        if timeout <= 0:
+            return
         try:
             self._wait_all("end", "see the end of the stream", timeout)
         except WeightSyncError as err:  # closing anyway: they find the group gone

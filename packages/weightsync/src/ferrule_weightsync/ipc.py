@@ -566,17 +566,19 @@ class IpcSender:
         group."""
         self._control.abort(reason)
 
-    def close(self) -> None:
-        """End the stream (each receiver's `receive` returns None; waiting up to END_SECONDS
-        for them to read that) and remove the shared buffers."""
+    def close(self, timeout: float = END_SECONDS) -> None:
+        """Remove the shared buffers (receivers keep what they mapped) and end the stream:
+        each receiver's `receive` returns None. Waits up to `timeout` seconds for the
+        receivers to read that (0: not at all; one that calls `receive` after the group went
+        gets `WeightSyncError`)."""
         self._updates.settle(min(self._control.timeout, CLOSE_SETTLE_SECONDS))
-        self._updates.end(min(self._control.timeout, END_SECONDS))
         self._last_pushed = None
         for offer in self._offers.values():
             offer.close()
         for buffer in self._buffers + self._shared:
             buffer.close()
         self._buffers, self._shared, self._offers = [], [], {}
+        self._updates.end(min(self._control.timeout, timeout))
         self._control.close()
 
 
