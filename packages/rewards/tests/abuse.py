@@ -287,7 +287,7 @@ def slow_senders(address, token):
 
 
 def output_flood(address, token):
-    """Functions that write 50 MiB to stdout and as much to stderr, twice at once: answered,
+    """Functions that write 20 MiB to stdout and as much to stderr, twice at once: answered,
     with --max-log-mb of it in the log (finding 3)."""
     return _calls(
         address, [_request("@flood")] * 2, token=token, timeout=30, expect=_statuses("OK")

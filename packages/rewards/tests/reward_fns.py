@@ -121,7 +121,7 @@ def pid(response: str) -> dict[str, float]:
 def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, float]:
     """The built-in math_reward (reading the metadata, as a real function may), except for
     `@gil` (C code that holds the GIL for hours), `@spin` (5 s of pure Python work), `@flood`
-    (50 MiB to stdout and to stderr), `@fork` (children that try to outlive it: see spawner,
+    (20 MiB to stdout and to stderr), `@fork` (children that try to outlive it: see spawner,
     then a hang), `@subs` (a million sub-scores) and `@crash` (SIGKILL to itself). With
     metadata "log" (a file), it first appends metadata "id" there: a side effect."""
     from ferrule_rewards.builtin import math_reward
@@ -130,7 +130,7 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
         with open(metadata["log"], "a") as log:
             log.write(metadata["id"] + "\n")
     if response == "@flood":
-        flood("50")
+        flood("20")
     if response == "@fork":
         os.environ["REWARDS_TEST_LOG"] = metadata["pids"]
         spawner("fork setsid daemon hang")
