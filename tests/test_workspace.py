@@ -1,4 +1,4 @@
-"""The workspace's shape: six published members plus the dev kit, each complete and consistent."""
+"""The workspace's shape: seven published members plus the dev kit, each complete and consistent."""
 
 import tomllib
 from pathlib import Path
@@ -8,14 +8,14 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).parents[1]
-PUBLISHED = ["weightsync", "grpc-auth", "rewards", "rollout", "trainer", "launcher"]
+PUBLISHED = ["config", "weightsync", "grpc-auth", "rewards", "rollout", "trainer", "launcher"]
 MEMBERS = {
     path.parent.name: tomllib.loads(path.read_text())
     for path in sorted(ROOT.glob("packages/*/pyproject.toml"))
 }
 
 
-def test_members_are_the_six_packages_and_the_kit():
+def test_members_are_the_seven_packages_and_the_kit():
     assert sorted(MEMBERS) == sorted([*PUBLISHED, "testkit"])
 
 

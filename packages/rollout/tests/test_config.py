@@ -22,7 +22,9 @@ def test_each_backend_gets_its_class_and_options():
     )
     hf = EngineConfig(backend="transformers", max_batch_size=32)
     assert hf.engine_class() is TransformersEngine
-    assert hf.engine_options() == dict(max_model_len=128, max_batch_size=32)
+    assert hf.engine_options() == dict(
+        max_model_len=128, max_batch_size=32, exact=False, compile_decode=False
+    )
 
 
 def test_sampling_settings_of_the_table():

@@ -1,11 +1,10 @@
 """TOML configs: errors name the file, the table and the key before anything starts."""
 
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
-from ferrule_trainer.config import ConfigError, load_config
+from ferrule_config import ConfigError, load_config
 from ferrule_trainer.sft import SFTConfig
 
 
@@ -78,25 +77,3 @@ def test_renamed_dtype_says_the_new_name(tmp_path, old, new):
         ConfigError, match=f"sft.toml: \\[model\\] dtype: '{old}' was renamed: use '{new}'"
     ):
         load_config(path, SFTConfig)
-
-
-def test_renamed_key_says_what_replaced_it(tmp_path):
-    """A table's `renamed` entry replaces "unknown key" with its hint, the file's value in it."""
-    from ferrule_trainer.config import Table
-
-    class Old(Table):
-        renamed: ClassVar[dict[str, str]] = {"lr": "was renamed: use learning_rate = {value}"}
-        learning_rate: float = 1.0
-        """Step size."""
-
-    class File(Table):
-        train: Old
-
-    path = tmp_path / "x.toml"
-    path.write_text("[train]\nlr = 0.5\nlrr = 1\n")
-    with pytest.raises(ConfigError) as info:
-        load_config(path, File)
-    assert str(info.value).splitlines() == [
-        f"{path}: [train] lr: was renamed: use learning_rate = 0.5",
-        f"{path}: [train] lrr: unknown key (known: learning_rate)",
-    ]

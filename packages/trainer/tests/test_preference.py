@@ -88,7 +88,7 @@ def config_file(
 
 def sft_on_the_task(tmp_path: Path, model: Path, steps: int) -> Path:
     """`rlhf-train sft` on the reversal task for `steps` steps of 32 examples."""
-    from ferrule_trainer.config import load_config
+    from ferrule_config import load_config
     from ferrule_trainer.sft import SFTConfig, train
 
     data = write(tmp_path / "sft.jsonl", reversal_sft_rows(steps * 32, seed=7))
@@ -104,8 +104,8 @@ def sft_on_the_task(tmp_path: Path, model: Path, steps: int) -> Path:
 
 @pytest.mark.soak  # a learning curve: 2 epochs of pairs
 def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
+    from ferrule_config import load_config
     from ferrule_rewards.model import ModelScorer
-    from ferrule_trainer.config import load_config
     from ferrule_trainer.rm import RMConfig, train
 
     # The scorer is a 4-layer, 4-head tiny model SFT'd on the task: the 2-layer, 2-head policy
@@ -141,7 +141,7 @@ def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
 def test_dpo_raises_the_margin_and_the_greedy_accuracy(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ferrule_trainer.config import load_config
+    from ferrule_config import load_config
     from ferrule_trainer.dpo import DPOConfig, train
 
     path = config_file(
@@ -241,7 +241,7 @@ def test_preference_training_resumes_exactly(tmp_path, kind, zero_stage, lora_ra
     """Killed after step 5 (saved at step 4), `rlhf-train rm|dpo` resumes and ends where the
     uninterrupted run ends: the same losses from step 5 on, the same held-out figures, the same
     saved weights. Under ZeRO-2 and -3, with and without LoRA."""
-    from ferrule_trainer.config import load_config
+    from ferrule_config import load_config
     from ferrule_trainer.dpo import DPOConfig
     from ferrule_trainer.dpo import train as train_dpo
     from ferrule_trainer.rm import RMConfig

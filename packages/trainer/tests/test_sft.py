@@ -53,7 +53,7 @@ class Crash(Exception):
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_resume_continues_exactly(tmp_path, zero_stage):
-    from ferrule_trainer.config import load_config
+    from ferrule_config import load_config
     from ferrule_trainer.sft import train
 
     data = _data(tmp_path)

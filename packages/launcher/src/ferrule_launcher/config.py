@@ -17,19 +17,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from ferrule_config import ConfigError, InputPath, Problems, Table, describe
+from ferrule_config import load_config as load_file
 from ferrule_rollout.config import EngineConfig
-from ferrule_trainer.config import (
-    ConfigError,
-    CriticConfig,
-    InputPath,
-    ModelConfig,
-    Problems,
-    Table,
-    TrainerConfig,
-    describe,
-    rl_batch_problems,
-)
-from ferrule_trainer.config import load_config as load_file
+from ferrule_trainer.config import CriticConfig, ModelConfig, TrainerConfig, rl_batch_problems
 
 __all__ = ["Config", "ConfigError", "describe", "load_config"]
 
@@ -129,7 +120,7 @@ class WarmStartConfig(Table):
     """SFT peak learning rate (AdamW)."""
 
 
-class RolloutConfig(EngineConfig, Table):  # Table: "none" for None, as everywhere
+class RolloutConfig(EngineConfig):
     """[rollout]: generation (ferrule-rollout's engine and sampling keys) and the engines' roles."""
 
     engines: int = Field(1, ge=1, le=64)

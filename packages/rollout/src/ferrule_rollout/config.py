@@ -4,20 +4,20 @@
     engine = table.engine_class()(model, dtype="float32", **table.engine_options())
     samples = engine.generate(prompts, table.sampling(n=8))
 
-A pydantic model with a docstring under each field; unknown keys are errors. The loader that
-reads and reports errors for a whole file is the reader's (ferrule-launcher uses
-ferrule-trainer's `load_config`).
+A ferrule_config `Table` (a pydantic model with a docstring under each field; unknown keys are
+errors); `ferrule_config.load_config` reads a whole file and reports every error at once.
 """
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
+from ferrule_config import Table
 from ferrule_rollout.samples import SamplingSettings
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+class EngineConfig(Table):
+    """The rollout engine's keys (ferrule-launcher's [rollout] adds the engines' roles)."""
 
     backend: Literal["vllm", "transformers"] = "vllm"
     """"vllm" (the default, and the engine for speed), or "transformers" (Hugging Face generate:

@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from ferrule_trainer.config import ConfigError, load_config
+from ferrule_config import ConfigError, load_config
 
 COMMANDS = {  # name: (module, config class, help)
     "sft": ("sft", "SFTConfig", "supervised fine-tuning on JSONL prompt/response pairs"),

@@ -1,47 +1,19 @@
-"""Ferrule's one config system: TOML files of typed tables, and the trainer's own tables.
+"""The trainer's config tables: [model], [trainer], [critic] (ferrule_config reads the files).
 
-    config = load_config("sft.toml", SFTConfig)    # raises ConfigError naming file, table, key
+    config = load_config("sft.toml", SFTConfig)    # ferrule_config: errors name file, table, key
 
-Every entry point (`rlhf-train sft`, `rlhf-launch`) reads its file with `load_config` and gets
-errors of one form, all of them at once, before anything heavy starts:
-
-    sft.toml: [train] lr: unknown key (known: batch_size, epochs, ...)
-    run.toml: [trainer] kl_kind: "k1" has zero gradient in expectation as a loss term; ...
-
-A table is a pydantic model with a docstring under each field. Paths read by a run
-(`InputPath`) are relative to the TOML file. A check that spans keys raises `Problems` from a
-model validator, naming each key it blames. pydantic is imported here, not torch.
+pydantic is imported here, not torch.
 """
 
 import math
-import tomllib
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, TypeVar, get_args
+from typing import Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    model_validator,
-)
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-T = TypeVar("T", bound=BaseModel)
+from ferrule_config import InputPath, Problems, Table, renamed_dtype
 
-RENAMED_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-"""The names tables took before the one vocabulary (0.1.0 of 2026-11-23)."""
-
-
-def _renamed_dtype(value):
-    if value in RENAMED_DTYPES:
-        raise ValueError(f"{value!r} was renamed: use {RENAMED_DTYPES[value]!r}")
-    return value
-
-
-TrainDType = Annotated[Literal["float32", "bfloat16"], BeforeValidator(_renamed_dtype)]
+TrainDType = Annotated[Literal["float32", "bfloat16"], BeforeValidator(renamed_dtype)]
 """The dtype vocabulary of every Ferrule table (torch's names); training takes these two."""
 
 ESTIMATORS = (
@@ -65,155 +37,6 @@ LORA_TARGETS = (  # every linear layer of the decoder, as OpenRLHF defaults to
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
 """Estimators that compare the samples of one prompt: they need >= 2 samples per prompt."""
-
-
-class ConfigError(ValueError):
-    """The configuration is wrong; each line names the file, the table and the key."""
-
-
-class Problems(ValueError):
-    """Settings that are each valid but contradict one another: [(key, message), ...], where
-    key is "table.key" from the top-level model, or "key" from a table's own validator."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        super().__init__("; ".join(message for _, message in problems))
-        self.problems = problems
-
-
-class Table(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
-
-    renamed: ClassVar[dict[str, str]] = {}
-    """Keys this table no longer reads: {old key: what to write instead}. The error for such a
-    key says so instead of "unknown key"; "{value}" in the text is the file's value."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _none_from_toml(cls, data):
-        """TOML has no null: "none" turns off a key that may be None (dual_clip = "none"), as
-        `describe` writes it."""
-        if not isinstance(data, dict):
-            return data
-        return {
-            key: None if value == NONE and _may_be_none(cls, key) else value
-            for key, value in data.items()
-        }
-
-
-NONE = "none"
-"""How a TOML file (and `describe`) spells None."""
-
-
-def _may_be_none(table: type[BaseModel], key: str) -> bool:
-    field = table.model_fields.get(key)
-    return field is not None and type(None) in get_args(field.annotation)
-
-
-def _near_the_file(path: Path, info: ValidationInfo) -> Path:
-    base = (info.context or {}).get("base")
-    return path if path.is_absolute() or base is None else (base / path).resolve()
-
-
-InputPath = Annotated[Path, AfterValidator(_near_the_file)]
-"""A path the run reads: relative paths are taken from the TOML file's folder."""
-
-
-# -- loading ----------------------------------------------------------------------------------
-
-
-def load_config(path: str | Path, schema: type[T], overrides: dict | None = None) -> T:
-    """Read and validate `path` as `schema`; overrides {"table.key": value} win over the file.
-    Every problem found raises one ConfigError listing all of them."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    for key, value in (overrides or {}).items():
-        table, _, name = key.partition(".")
-        data.setdefault(table, {})[name] = value
-    try:
-        return schema.model_validate(data, context={"base": path.resolve().parent})
-    except ValidationError as err:
-        raise ConfigError(format_errors(path, schema, err)) from None
-
-
-def format_errors(path: Path, schema: type[BaseModel], err: ValidationError) -> str:
-    """One line per problem: `file: [table] key: message`."""
-    lines = []
-    for e in err.errors():
-        loc = [str(part) for part in e["loc"]]
-        cause = (e.get("ctx") or {}).get("error")
-        if isinstance(cause, Problems):
-            for key, message in cause.problems:
-                lines.append(f"{path}: {_where(loc + key.split('.'))}: {message}")
-            continue
-        table = _table(schema, loc[:-1])
-        if e["type"] == "extra_forbidden" and loc[-1] in getattr(table, "renamed", {}):
-            message = table.renamed[loc[-1]].format(value=_toml(e["input"]))
-        elif e["type"] == "extra_forbidden":
-            message = "unknown key" if len(loc) > 1 else "unknown table"
-            if table is not None:
-                message += f" (known: {', '.join(sorted(table.model_fields))})"
-        elif e["type"] == "missing":
-            message = "is required"
-        elif e["type"] == "value_error":  # our own checks: the message says it all
-            message = str(cause)
-        else:
-            message = f"{e['msg']}, got {e['input']!r}"
-        lines.append(f"{path}: {_where(loc)}: {message}")
-    return "\n".join(lines)
-
-
-def _where(loc: list[str]) -> str:
-    if len(loc) == 1:
-        return f"table [{loc[0]}]"
-    return f"[{loc[0]}] {'.'.join(loc[1:])}"
-
-
-def _table(schema: type[BaseModel], tables: list[str]) -> type[BaseModel] | None:
-    """The model of the table at `tables` (["task"] -> TaskConfig); None where there is none."""
-    model: type[BaseModel] | None = schema
-    for name in tables:
-        field = model.model_fields.get(name) if model else None
-        annotation = field.annotation if field else None
-        model = next(
-            (
-                a
-                for a in getattr(annotation, "__args__", (annotation,))
-                if isinstance(a, type) and issubclass(a, BaseModel)
-            ),
-            None,
-        )
-    return model
-
-
-def describe(config: BaseModel) -> str:
-    """A validated configuration as TOML (resolved paths, defaults filled in), for --dry-run."""
-    lines = []
-    for table, value in config.model_dump(mode="json").items():
-        if value is None:
-            continue
-        lines.append(f"[{table}]")
-        lines += [f"{key} = {_toml(item)}" for key, item in value.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml(value) -> str:
-    if value is None:
-        return f'"{NONE}"'
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    return repr(value)
 
 
 # -- the trainer's tables ------------------------------------------------------------------------

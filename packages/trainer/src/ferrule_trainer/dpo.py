@@ -28,8 +28,8 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from ferrule_config import Problems, Table
 from ferrule_trainer import engine
-from ferrule_trainer.config import Problems, Table
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
+from ferrule_config import InputPath, Table
 from ferrule_trainer import engine
 from ferrule_trainer.chat import prompt_text
-from ferrule_trainer.config import InputPath, Table
 from ferrule_trainer.jsonl import records
 from ferrule_trainer.sft import collate, epoch_order
 

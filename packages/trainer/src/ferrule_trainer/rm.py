@@ -27,8 +27,8 @@ from typing import Literal
 
 import torch
 
+from ferrule_config import Table
 from ferrule_trainer import engine
-from ferrule_trainer.config import Table
 from ferrule_trainer.pairwise import reward_model_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,

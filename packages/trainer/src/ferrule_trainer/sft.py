@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from ferrule_config import InputPath, Table
 from ferrule_trainer import engine
 from ferrule_trainer.aggregation import aggregate_loss
 from ferrule_trainer.chat import prompt_text
-from ferrule_trainer.config import InputPath, ModelConfig, Table, TrainDType
+from ferrule_trainer.config import ModelConfig, TrainDType
 from ferrule_trainer.jsonl import records
 
 
