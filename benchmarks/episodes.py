@@ -4,7 +4,7 @@ at a time through the engine's plain `generate` from a Python loop.
     uv run python benchmarks/episodes.py [--episodes 64] [--turns 3] [--max-tokens 16]
                                          [--step-ms 20] [--rounds 5]
 
-Both sides use one RolloutEngine (vLLM on CPU, the tiny kit model) and the same environment: each
+Both sides use one VLLMEngine (vLLM on CPU, the tiny kit model) and the same environment: each
 episode answers every model turn with a short observation after `step_ms` milliseconds on
 average (uniform in [0, 2 x step_ms]: a tool call, a sandbox, a lookup), until `turns` model
 turns are done. Sampling: temperature 1, `max_tokens` per turn, end-of-sequence ignored, so both
@@ -94,10 +94,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from ferrule_rollout import RolloutEngine, SamplingSettings
+    from ferrule_rollout import SamplingSettings, VLLMEngine
     from ferrule_testkit import tiny_model
 
-    engine = RolloutEngine(
+    engine = VLLMEngine(
         tiny_model("qwen2"),
         dtype="float32",
         max_model_len=512,

@@ -5,7 +5,7 @@
 Every contender gets the same prompts and sampling settings (temperature 1, fixed seed,
 `ignore_eos`, the sampled token's logprob, which RL needs and our engine always returns, prefix
 caching on for every vLLM engine) on the tiny kit model:
-  ours      RolloutEngine.generate, in this process
+  ours      VLLMEngine.generate, in this process
   baseline  vllm.LLM.generate, a second in-process engine in this same process
   grpc      a `rlhf-rollout serve` server in its own process, driven by RolloutClient
   hf        transformers `generate` on the same weights, sampling as many tokens
@@ -40,7 +40,7 @@ def contenders(model: str, prompts: list[str], args) -> tuple[dict, callable]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from ferrule_rollout import RolloutEngine, SamplingSettings
+    from ferrule_rollout import SamplingSettings, VLLMEngine
     from ferrule_rollout.client import RolloutClient
 
     options = dict(
@@ -54,7 +54,7 @@ def contenders(model: str, prompts: list[str], args) -> tuple[dict, callable]:
     )
 
     llm = LLM(model, distributed_executor_backend="uni", **options)
-    engine = RolloutEngine(model, **options)
+    engine = VLLMEngine(model, **options)
 
     command = [sys.executable, "-m", "ferrule_rollout", "serve", "--model", model]
     command += ["--bind", "127.0.0.1:0", "--dtype", "float32", "--max-model-len", "256"]

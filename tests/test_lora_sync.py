@@ -35,7 +35,7 @@ def test_engine_logprobs_after_a_lora_sync_equal_the_merged_model(tmp_path, monk
     from transformers import AutoModelForCausalLM
 
     from ferrule_rollout import SamplingSettings
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
     from ferrule_trainer.actor import Actor
     from ferrule_weightsync import create_sender
 
@@ -48,7 +48,7 @@ def test_engine_logprobs_after_a_lora_sync_equal_the_merged_model(tmp_path, monk
         for name, param in actor.module.named_parameters():
             if "lora_B" in name:
                 param.copy_(0.2 * torch.randn(param.shape, generator=g))
-    with RolloutEngine(base, dtype="float32", max_model_len=256) as engine:
+    with VLLMEngine(base, dtype="float32", max_model_len=256) as engine:
         port, joined = free_port(), {}
         joining = threading.Thread(
             target=lambda: joined.update(sender=create_sender("ipc", "127.0.0.1", port, 1)),

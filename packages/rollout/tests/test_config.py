@@ -7,11 +7,11 @@ from ferrule_rollout.config import EngineConfig
 
 
 def test_each_backend_gets_its_class_and_options():
-    from ferrule_rollout.engine import RolloutEngine
     from ferrule_rollout.hf_engine import TransformersEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
     vllm = EngineConfig(sleep_between_phases=True, enable_prefix_caching=True)
-    assert vllm.engine_class() is RolloutEngine
+    assert vllm.engine_class() is VLLMEngine
     assert vllm.engine_options() == dict(
         max_model_len=128,
         gpu_memory_utilization=0.3,

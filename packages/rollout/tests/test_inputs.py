@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from ferrule_rollout import BadRequestError, RolloutError, SamplingSettings
-from ferrule_rollout import engine as engine_module
+from ferrule_rollout import vllm_engine as engine_module
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,7 @@ def test_valid_sampling_settings():
 def test_unsupported_vllm_names_installed_and_supported(installed, monkeypatch):
     monkeypatch.setattr(engine_module, "installed_vllm_version", lambda: installed)
     with pytest.raises(RolloutError) as caught:
-        engine_module.RolloutEngine("/models/whatever")
+        engine_module.VLLMEngine("/models/whatever")
     message = str(caught.value)
     assert f"vLLM {installed} is installed" in message and "vllm>=0.32,<0.33" in message
 
@@ -52,7 +52,7 @@ def test_supported_vllm_versions_pass():
 
 def test_missing_model_path_is_an_error_naming_it():
     with pytest.raises(RolloutError, match="model path '/no/such/model' does not exist"):
-        engine_module.RolloutEngine("/no/such/model")
+        engine_module.VLLMEngine("/no/such/model")
 
 
 def test_cli_missing_model_exits_2_with_the_path():

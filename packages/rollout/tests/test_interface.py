@@ -5,9 +5,9 @@ import inspect
 
 import pytest
 
-from ferrule_rollout.engine import RolloutEngine
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_rollout.interface import Engine
+from ferrule_rollout.vllm_engine import VLLMEngine
 
 VERBS = [
     name
@@ -34,7 +34,7 @@ def test_the_interface_names_every_verb_the_callers_use():
     }
 
 
-@pytest.mark.parametrize("engine", [RolloutEngine, TransformersEngine])
+@pytest.mark.parametrize("engine", [VLLMEngine, TransformersEngine])
 @pytest.mark.parametrize("verb", VERBS)
 def test_each_engine_has_the_verb_with_its_parameters(engine, verb):
     wanted, found = getattr(Engine, verb), getattr(engine, verb, None)

@@ -22,11 +22,11 @@ GREEDY = SamplingSettings(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(vllm_cpu_env):
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
     # vllm-cpu binds one worker per core; without this it asks for two NUMA nodes.
     vllm_cpu_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with RolloutEngine(
+    with VLLMEngine(
         tiny_model("qwen2"), dtype="float32", max_model_len=256, tensor_parallel_size=2
     ) as engine:
         yield engine

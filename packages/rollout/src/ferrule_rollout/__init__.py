@@ -1,7 +1,7 @@
 """ferrule-rollout: a vLLM rollout engine and gRPC server with in-place weight updates.
 
-    from ferrule_rollout import RolloutEngine, SamplingSettings
-    engine = RolloutEngine("path/to/model", dtype="float32")
+    from ferrule_rollout import VLLMEngine, SamplingSettings
+    engine = VLLMEngine("path/to/model", dtype="float32")
     samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
 
 `TransformersEngine` (hf_engine.py) has the same interface without vLLM. Importing this package
@@ -27,10 +27,10 @@ except PackageNotFoundError:  # run from a source checkout on PYTHONPATH (the GP
 
 
 def __getattr__(name: str):
-    if name == "RolloutEngine":  # lazily: it imports vLLM only when an engine starts, but
-        from ferrule_rollout.engine import RolloutEngine  # keep the module itself light too
+    if name == "VLLMEngine":  # lazily: it imports vLLM only when an engine starts, but
+        from ferrule_rollout.vllm_engine import VLLMEngine  # keep the module itself light too
 
-        return RolloutEngine
+        return VLLMEngine
     if name == "TransformersEngine":
         from ferrule_rollout.hf_engine import TransformersEngine
 
@@ -41,10 +41,10 @@ def __getattr__(name: str):
 __all__ = [
     "BadRequestError",
     "Prompt",
-    "RolloutEngine",
     "RolloutError",
     "Sample",
     "SamplingSettings",
     "TransformersEngine",
+    "VLLMEngine",
     "VersionSpan",
 ]

@@ -98,11 +98,11 @@ def _engine(args: argparse.Namespace):
         return TransformersEngine(
             args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed
         )
-    from ferrule_rollout.engine import RolloutEngine
+    from ferrule_rollout.vllm_engine import VLLMEngine
 
     if args.kv_cache_gib is not None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gib:g}")
-    return RolloutEngine(
+    return VLLMEngine(
         args.model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,

@@ -84,9 +84,9 @@ class EngineConfig(Table):
             from ferrule_rollout.hf_engine import TransformersEngine
 
             return TransformersEngine
-        from ferrule_rollout.engine import RolloutEngine
+        from ferrule_rollout.vllm_engine import VLLMEngine
 
-        return RolloutEngine
+        return VLLMEngine
 
     def engine_options(self) -> dict:
         """The keyword arguments of `engine_class()` that this table sets."""

@@ -12,7 +12,7 @@ tokenized on its own. `mask` is 1 on the model's tokens and 0 on the environment
 One thread (the caller's) drives every episode as a small state machine. Environment calls run
 in their own daemon threads with a deadline: a step that hangs fails its episode
 ("env_timeout") and is abandoned, never joined. Turns waiting for the model are sent together
-as one generate call; an engine that batches across calls (RolloutEngine: one step loop serves
+as one generate call; an engine that batches across calls (VLLMEngine: one step loop serves
 every caller) gets a new call as soon as turns are waiting, and its samples come back as they
 finish, so a long generation or a slow environment holds only its own episode. The transformers
 engine runs calls one at a time, so there turns wait for the running call and go as one batch.
@@ -134,7 +134,7 @@ def run_episodes(
     """Run one episode per prompt (repeat a prompt for several) and return them in order.
 
     `engine`: anything with `generate(prompts, settings)` (and, used when present,
-    `generate_stream`) taking token-id prompts: RolloutEngine, TransformersEngine,
+    `generate_stream`) taking token-id prompts: VLLMEngine, TransformersEngine,
     RolloutClient. `environment`: a class or a `module:Class` / `file.py:Class` spec, made once
     per episode as `environment(**options)`. `settings`: each turn's sampling (n must be 1, and
     seed None: one call serves many episodes, so a seed would repeat across them); a turn's

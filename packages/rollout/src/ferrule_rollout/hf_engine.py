@@ -1,4 +1,4 @@
-"""The transformers rollout engine: `RolloutEngine`'s interface on a plain Hugging Face model.
+"""The transformers rollout engine: `VLLMEngine`'s interface on a plain Hugging Face model.
 
     engine = TransformersEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256)
     samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
@@ -227,7 +227,7 @@ class TransformersEngine(EngineBase):
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> ComputedStream:
-        """`generate`, for callers written for RolloutEngine's stream: it computes every sample
+        """`generate`, for callers written for VLLMEngine's stream: it computes every sample
         first, then yields them (calls do not join a running one); `cancel()` drops the rest."""
         return ComputedStream(self.generate(prompts, settings))
 

@@ -1,6 +1,6 @@
 """The one interface of ferrule-rollout's engines, and the code both write the same way.
 
-    def rollout(engine: Engine, prompts):      # engine.RolloutEngine (vLLM) or
+    def rollout(engine: Engine, prompts):      # engine.VLLMEngine (vLLM) or
         return engine.generate(prompts)        # hf_engine.TransformersEngine (transformers)
 
 The launcher, the gRPC server and the episode runner use an engine only through `Engine`'s

@@ -1,4 +1,4 @@
-"""The gRPC front of a RolloutEngine (proto/ferrule/rollout/v1/rollout.proto).
+"""The gRPC front of a VLLMEngine (proto/ferrule/rollout/v1/rollout.proto).
 
     server, port = serve(engine, "127.0.0.1:50052")      # a started grpc.Server
     server, port = serve(engine, "0.0.0.0:50052", token=token, tls=TLS(cert, key, client_ca))

@@ -7,7 +7,7 @@ memory on CPU, NCCL or CUDA IPC on GPU) and loads what arrives through vLLM's la
 path, the one that works on every platform (plain `load_weights` after start-up fails on CPU,
 whose backend repacks linear weights). It is registered under the backend name "ferrule" in each
 vLLM process by the `vllm.general_plugins` entry point `register` (see pyproject.toml), so
-tensor-parallel workers in their own processes find it too. `engine.RolloutEngine` drives it.
+tensor-parallel workers in their own processes find it too. `engine.VLLMEngine` drives it.
 """
 
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """The rollout engine: vLLM generation with per-token logprobs, policy versions and weight updates.
 
-    engine = RolloutEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256)
+    engine = VLLMEngine(tiny_model("qwen2"), dtype="float32", max_model_len=256)
     samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
     engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
     engine.update_weights()         # pauses, receives from the trainer, resumes; returns version
@@ -93,7 +93,7 @@ class SampleStream:
 
     _CANCELLED = object()
 
-    def __init__(self, engine: "RolloutEngine", requests: list[_Request]):
+    def __init__(self, engine: "VLLMEngine", requests: list[_Request]):
         self._engine, self._requests = engine, requests
         self._sink = requests[0].sink if requests else queue.Queue()
         self._left = len(requests)
@@ -125,7 +125,7 @@ class SampleStream:
         self.cancel()
 
 
-class RolloutEngine(EngineBase):
+class VLLMEngine(EngineBase):
     """A vLLM engine with policy versions, pause / resume and weightsync weight updates."""
 
     continuous_batching = True
