@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ferrule_rollout.decode import Decoder, slab_attention
 from ferrule_rollout.exact import ExactNumerics
-from ferrule_rollout.interface import EngineBase
+from ferrule_rollout.interface import EngineBase, WeightSyncGroup
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -311,52 +311,22 @@ class TransformersEngine(EngineBase):
                     "(the engine stays paused; resume() or wait longer)"
                 )
 
-    def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-
-    def init_weight_sync(
-        self,
-        transport: str,
-        host: str,
-        port: int,
-        rank: int,
-        num_receivers: int,
-        timeout: float = 300.0,
-        secret: str | None = None,
-        offer_weights: bool = False,
-    ) -> None:
-        """Join the trainer's weight-sync group as receiver `rank` of `num_receivers` (blocks
-        until the sender is there too). A previous group is left first. `secret`: the group's,
-        when its sender has one. `offer_weights`: under CUDA IPC, offer the parameters for the
-        sender to write each update into (`IpcReceiver.receive_into`): faster, but the
-        sender then keeps a mapping of them, so an engine that sleeps would not give their
-        memory back until the next update; leave it off for an engine that sleeps."""
+    def _join(self, group: WeightSyncGroup, offer_weights: bool = False) -> None:
+        """`offer_weights`: under CUDA IPC, offer the parameters for the sender to write each
+        update into (`IpcReceiver.receive_into`): faster, but the sender then keeps a mapping
+        of them, so an engine that sleeps would not give their memory back until the next
+        update; leave it off for an engine that sleeps."""
         from ferrule_weightsync import create_receiver
 
-        self._check_receivers(transport, rank, 1, num_receivers)
-        options = {"device": self.device} if transport == "broadcast" else {}
+        options = group.options()
+        if group.transport == "broadcast":
+            options["device"] = self.device
         with self._update_lock:
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
             self._offer_weights = offer_weights
-            try:
-                self._receiver = create_receiver(
-                    transport,
-                    host,
-                    port,
-                    rank,
-                    num_receivers,
-                    timeout=timeout,
-                    secret=secret,
-                    **options,
-                )
-            except Exception as err:
-                raise RolloutError(
-                    f"could not join the {transport} weight-sync group at {host}:{port}: {err}"
-                ) from err
+            self._receiver = create_receiver(**options)
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update and copy it into the model; return its version.

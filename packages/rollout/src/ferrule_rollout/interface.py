@@ -5,16 +5,18 @@
 
 The launcher, the gRPC server and the episode runner use an engine only through `Engine`'s
 verbs, so either engine serves them. `EngineBase` holds what the two share: the version and
-pause state they report, episodes, the check of a weight-sync request, health, `with`.
+pause state they report, resume, joining a weight-sync group (each engine's `_join` does the
+joining itself), episodes, health, `with`.
 Generation, pausing and loading weights differ (vLLM steps requests in a loop of its own and
 can freeze them mid-sample; the transformers engine runs one call at a time) and stay theirs.
 """
 
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
-from ferrule_rollout.samples import BadRequestError, Prompt, Sample, SamplingSettings
+from ferrule_rollout.samples import BadRequestError, Prompt, RolloutError, Sample, SamplingSettings
 
 
 class Stream(Protocol):
@@ -70,15 +72,34 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class WeightSyncGroup:
+    """The trainer's weight-sync group an engine joins: where, which receiver rank, how long to
+    wait for the sender, and its secret."""
+
+    transport: str
+    host: str
+    port: int
+    rank: int
+    num_receivers: int
+    timeout: float
+    secret: str | None
+
+    def options(self) -> dict:
+        return asdict(self)
+
+
 class EngineBase:
     """What both engines write the same way. A subclass sets `model`, `_cv` (the condition
-    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy) and says how many
-    samples run and wait (`_counts`)."""
+    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy), says how many
+    samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it joins a
+    weight-sync group (`_join`)."""
 
     model: str
     _cv: threading.Condition
     _version: int
     _paused: bool
+    _frozen: bool = False  # running samples do not advance either (vLLM's "keep" pause)
     _broken: str
 
     @property
@@ -89,6 +110,46 @@ class EngineBase:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def resume(self) -> None:
+        """Start the queued calls (and continue the frozen ones)."""
+        with self._cv:
+            self._paused = self._frozen = False
+            self._cv.notify_all()
+
+    def init_weight_sync(
+        self,
+        transport: str,
+        host: str,
+        port: int,
+        rank: int,
+        num_receivers: int,
+        timeout: float = 300.0,
+        secret: str | None = None,
+        **options,
+    ) -> None:
+        """Join the trainer's weight-sync group (blocks until the sender is there too); a
+        previous group is left first. An engine of several workers (vLLM with tensor
+        parallelism) is receivers `rank` .. `rank + workers - 1`, and `num_receivers` counts
+        every worker of every engine in the group. `secret`: the group's, when its sender has
+        one. `options`: the engine's own (see its `_join`)."""
+        self._check_receivers(transport, rank, self._workers(), num_receivers)
+        group = WeightSyncGroup(transport, host, port, rank, num_receivers, timeout, secret)
+        try:
+            self._join(group, **options)
+        except (BadRequestError, RolloutError):
+            raise
+        except Exception as err:
+            raise RolloutError(
+                f"could not join the {transport} weight-sync group at {host}:{port}: {err}"
+            ) from err
+
+    def _workers(self) -> int:
+        """How many weight-sync receivers this engine is (one per worker)."""
+        return 1
+
+    def _join(self, group: WeightSyncGroup, **options) -> None:
+        raise NotImplementedError
 
     def run_episodes(self, environment, prompts, settings=None, **options):
         """Multi-turn episodes of `environment` on this engine, one per prompt

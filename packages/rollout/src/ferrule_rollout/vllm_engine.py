@@ -25,7 +25,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from ferrule_rollout.interface import EngineBase
+from ferrule_rollout.interface import EngineBase, WeightSyncGroup
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -383,51 +383,17 @@ class VLLMEngine(EngineBase):
         with self._engine_lock:  # the step that was running when we paused has ended
             pass
 
-    def resume(self) -> None:
-        """Start the queued requests and continue the frozen ones."""
-        with self._cv:
-            self._paused = self._frozen = False
-            self._cv.notify_all()
+    def _workers(self) -> int:
+        return self._engine.vllm_config.parallel_config.world_size
 
-    def init_weight_sync(
-        self,
-        transport: str,
-        host: str,
-        port: int,
-        rank: int,
-        num_receivers: int,
-        timeout: float = 300.0,
-        secret: str | None = None,
-    ) -> None:
-        """Join the trainer's weight-sync group (blocks until the sender is there too).
-
-        With tensor parallelism, worker w of this engine is receiver `rank + w`, and
-        `num_receivers` counts every worker of every engine in the group. `secret`: the
-        group's, when its sender has one.
-        """
-        tp = self._engine.vllm_config.parallel_config.world_size
-        self._check_receivers(transport, rank, tp, num_receivers)
-        info = dict(
-            transport=transport,
-            host=host,
-            port=port,
-            rank=rank,
-            num_receivers=num_receivers,
-            timeout=timeout,
-            secret=secret,
-        )
+    def _join(self, group: WeightSyncGroup) -> None:
         with self._engine_lock:
             self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
             self._weight_sync = ""
-            try:
-                self._engine.collective_rpc(
-                    "init_weight_transfer_engine", kwargs={"init_info": info}
-                )
-            except Exception as err:
-                raise RolloutError(
-                    f"could not join the {transport} weight-sync group at {host}:{port}: {err}"
-                ) from err
-            self._weight_sync = f"{transport} group at {host}:{port}"
+            self._engine.collective_rpc(
+                "init_weight_transfer_engine", kwargs={"init_info": group.options()}
+            )
+            self._weight_sync = f"{group.transport} group at {group.host}:{group.port}"
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update from the weight-sync group and load it; return its version.
