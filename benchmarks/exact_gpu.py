@@ -11,8 +11,8 @@ with EOS ignored, with the transformers engine twice in the same run:
   baseline:  TransformersEngine() (the default: CUDA graphs, sdpa).
 Tokens/s are medians of --rounds timed rounds after one warm-up. Then each engine's sampled
 logprobs against the trainer's teacher-forced forward of the same bf16 weights
-(ferrule_trainer.sequences.response_logits + token_logprobs over micro-batches of
---micro-batch rows, left-padded prompts and right-padded responses as the trainer lays them out;
+(ferrule_trainer's `rl.build_batch` layout and `sequences.response_logits` + `token_logprobs`,
+over micro-batches of --micro-batch rows;
 for exact mode the trainer's model has the same ExactNumerics applied): tokens whose logprobs
 are equal bit for bit, max |difference| and vllm_kl (the launcher's k3 estimate per token).
 Last line: one JSON object, ratio = ours / baseline tokens/s (goal: >= 0.7, a cost <= 30%).
@@ -31,7 +31,8 @@ from ferrule_rollout import SamplingSettings
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
-from ferrule_trainer.sequences import response_logits, token_logprobs
+from ferrule_trainer.rl import build_batch
+from ferrule_trainer.sequences import response_logits, response_tokens, token_logprobs
 
 
 def timed(call) -> float:
@@ -50,24 +51,14 @@ def tokens_per_s(engine, prompts, n, tokens, rounds) -> float:
 
 
 def trainer_logprobs(model, samples, micro_batch: int) -> list[torch.Tensor]:
-    """The trainer's logprobs of each sample's tokens (its layout, its functions)."""
+    """The trainer's logprobs of each sample's tokens: its batch layout (`rl.build_batch`) and
+    its forward (`response_logits` + `token_logprobs`), `micro_batch` rows at a time."""
     out = []
     for start in range(0, len(samples), micro_batch):
         part = samples[start : start + micro_batch]
-        width = max(len(s.prompt_token_ids) for s in part)
-        length = max(len(s.token_ids) for s in part)
-        ids = torch.zeros(len(part), width + length, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        response_mask = torch.zeros(len(part), length)
-        for r, s in enumerate(part):
-            p, t = s.prompt_token_ids, s.token_ids
-            ids[r, width - len(p) : width], mask[r, width - len(p) : width] = torch.tensor(p), 1
-            ids[r, width : width + len(t)], mask[r, width : width + len(t)] = torch.tensor(t), 1
-            response_mask[r, : len(t)] = 1
-        batch = {"input_ids": ids, "attention_mask": mask, "response_mask": response_mask}
-        batch = {k: v.cuda() for k, v in batch.items()}
+        batch = {k: v.cuda() for k, v in build_batch(part, pad_id=0).items()}
         with torch.no_grad():
-            logprobs = token_logprobs(response_logits(model, batch), ids[:, width:].cuda())
+            logprobs = token_logprobs(response_logits(model, batch), response_tokens(batch))
         out += [logprobs[r, : len(s.token_ids)].cpu() for r, s in enumerate(part)]
     return out
 

@@ -15,7 +15,7 @@ from ferrule_rollout import RolloutError, SamplingSettings
 from ferrule_rollout.config import EngineConfig
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.hf_engine import TransformersEngine
-from ferrule_testkit import tiny_model
+from ferrule_testkit import teacher_forced_logprobs, tiny_model
 
 PROMPTS = ["2 + 2 =", "the quick brown fox jumps over", "a", [5, 6, 7, 8, 9] * 7]
 MAX_MODEL_LEN = 160
@@ -39,33 +39,6 @@ def trainer_model(path):
     return ExactNumerics(MAX_MODEL_LEN).apply(model)
 
 
-def teacher_forced(model, samples, micro_batch: int, temperature: float) -> list[torch.Tensor]:
-    """Logprobs of each sample's tokens as the trainer lays the batch out and scores it."""
-    out = []
-    for start in range(0, len(samples), micro_batch):
-        part = samples[start : start + micro_batch]
-        width = max(len(s.prompt_token_ids) for s in part)
-        length = max(len(s.token_ids) for s in part)
-        ids = torch.zeros(len(part), width + length, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(part):
-            prompt, tokens = s.prompt_token_ids, s.token_ids
-            ids[r, width - len(prompt) : width] = torch.tensor(prompt)
-            ids[r, width : width + len(tokens)] = torch.tensor(tokens)
-            mask[r, width - len(prompt) : width + len(tokens)] = 1
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                logits_to_keep=length + 1,
-            ).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-        chosen = logprobs.gather(-1, ids[:, width:, None])[..., 0]
-        out += [chosen[r, : len(s.token_ids)] for r, s in enumerate(part)]
-    return out
-
-
 @pytest.mark.parametrize("max_batch_size", [1, 3, 256])
 def test_logprobs_equal_the_trainers_bit_for_bit(engine, trainer_model, max_batch_size):
     """Rows joining and leaving mid-call (1, 3), all at once (256), EOS ends (other lengths)."""
@@ -73,7 +46,7 @@ def test_logprobs_equal_the_trainers_bit_for_bit(engine, trainer_model, max_batc
     settings = SamplingSettings(n=3, max_tokens=48, temperature=0.7, seed=11)
     samples = engine.generate(PROMPTS, settings)
     for micro_batch in (1, 5):
-        theirs = teacher_forced(trainer_model, samples, micro_batch, temperature=0.7)
+        theirs = teacher_forced_logprobs(trainer_model, samples, micro_batch, temperature=0.7)
         for sample, expected in zip(samples, theirs, strict=True):
             assert torch.equal(torch.tensor(sample.logprobs), expected), (sample, micro_batch)
 
@@ -86,7 +59,7 @@ def test_default_engine_is_not_bit_exact(path, trainer_model):
         samples = engine.generate(PROMPTS, SamplingSettings(n=2, max_tokens=32, seed=3))
     finally:
         engine.close()
-    theirs = teacher_forced(trainer_model, samples, 4, temperature=1.0)
+    theirs = teacher_forced_logprobs(trainer_model, samples, 4)
     ours = [torch.tensor(s.logprobs) for s in samples]
     differences = torch.cat([a - b for a, b in zip(ours, theirs, strict=True)]).abs()
     assert 0 < differences.max() < 1e-4

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferrule_rollout import SamplingSettings
-from ferrule_testkit import tiny_model
+from ferrule_testkit import teacher_forced_logprobs, tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import assert_matches_transformers, perturb_
@@ -123,33 +123,6 @@ def real_size():
     return tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B), prompts
 
 
-def trainer_logprobs(model, samples, micro_batch: int = 8) -> list[torch.Tensor]:
-    """A teacher-forced bf16 forward in the trainer's layout (left-padded prompts, right-padded
-    responses, micro-batches), each sample's sampled-token logprobs."""
-    out = []
-    for start in range(0, len(samples), micro_batch):
-        part = samples[start : start + micro_batch]
-        width = max(len(s.prompt_token_ids) for s in part)
-        length = max(len(s.token_ids) for s in part)
-        ids = torch.zeros(len(part), width + length, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(part):
-            ids[r, width - len(s.prompt_token_ids) : width] = torch.tensor(s.prompt_token_ids)
-            ids[r, width : width + len(s.token_ids)] = torch.tensor(s.token_ids)
-            mask[r, width - len(s.prompt_token_ids) : width + len(s.token_ids)] = 1
-        ids, mask = ids.cuda(), mask.cuda()
-        with torch.no_grad():
-            logits = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                logits_to_keep=length + 1,
-            ).logits[:, :-1]
-        chosen = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, width:, None])[..., 0]
-        out += [chosen[r, : len(s.token_ids)].cpu() for r, s in enumerate(part)]
-    return out
-
-
 def k3(samples, theirs) -> float:
     """The launcher's vllm_kl: the k3 estimate of KL(engine || trainer) per token."""
     log_ratio = torch.cat(theirs) - torch.cat([torch.tensor(s.logprobs) for s in samples])
@@ -179,7 +152,7 @@ def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, exact)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     if exact:
         ExactNumerics(512).apply(model)
-    theirs = trainer_logprobs(model, samples)
+    theirs = teacher_forced_logprobs(model, samples, micro_batch=8)
     if not exact:
         assert k3(samples, theirs) <= 1e-3
         return

@@ -14,6 +14,7 @@ from ferrule_testkit.models import (
     tiny_tokenizer,
 )
 from ferrule_testkit.preferences import policy_reversal_pairs, reversal_pairs, reversal_sft_rows
+from ferrule_testkit.scoring import teacher_forced_logprobs
 
 __all__ = [
     "QWEN25_1_5B",
@@ -24,6 +25,7 @@ __all__ = [
     "reversal_pairs",
     "reversal_sft_rows",
     "synthetic_corpus",
+    "teacher_forced_logprobs",
     "tiny_model",
     "tiny_tokenizer",
 ]
