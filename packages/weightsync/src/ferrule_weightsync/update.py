@@ -40,7 +40,10 @@ ReceiveBuckets = Callable[[int, "Layout", Manifest], Iterator[tuple[Bucket, torc
 Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
 MAX_KEPT_LOADS = 1024  # (buffer, bucket) pairs whose merged loads a receiver keeps
-END_SECONDS = 10.0  # how long a closing sender waits for receivers to see the stream end
+# How long a closing sender waits for receivers to read the end of the stream: time enough for
+# one that has just loaded the last update to call `receive` again, short enough that closing
+# next to receivers busy elsewhere (an engine generating) costs little.
+END_SECONDS = 2.0
 LEAVE_SECONDS = 2.0  # how long a receiver that leaves tries to tell the sender
 
 
