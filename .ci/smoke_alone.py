@@ -47,7 +47,7 @@ def rewards() -> None:
     reward = math_reward("<think>2+2</think> The answer is 4", "4")
     assert reward["reward"] == 1.1, reward
     said = run(str(BIN / "rlhf-rewards"), "serve", "--model", "/nowhere", status=2)
-    assert "pip install 'ferrule-rewards[model]'" in said, said
+    assert "install 'ferrule-rewards[model]'" in said, said
     print(f"rewards: math_reward {reward}; --model asks for the [model] extra")
 
 

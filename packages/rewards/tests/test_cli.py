@@ -125,7 +125,7 @@ def test_model_without_the_model_extra_names_the_extra():
     assert done.returncode == 2, done.stderr
     assert done.stderr == (
         "rlhf-rewards serve: error: --model needs the [model] extra (torch not installed): "
-        "pip install 'ferrule-rewards[model]'\n"
+        "install 'ferrule-rewards[model]' (in a clone: pip install './packages/rewards[model]')\n"
     )
 
 

@@ -208,8 +208,8 @@ def _check_model_extra() -> None:
     missing = [name for name in MODEL_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(
-            f"--model needs the [model] extra ({' and '.join(missing)} not installed): "
-            "pip install 'ferrule-rewards[model]'"
+            f"--model needs the [model] extra ({' and '.join(missing)} not installed): install "
+            "'ferrule-rewards[model]' (in a clone: pip install './packages/rewards[model]')"
         )
 
 
