@@ -17,11 +17,10 @@ of the model with `receive_into`, the load of ferrule-rollout's transformers eng
 weights laid out as that engine lays out its parameters (one allocation per dtype, in the
 model's order: copies that continue each other on both sides merge into one). Under ipc the
 policy of one rank also sends in place, as the launcher does (`send(..., in_place=True)`):
-after the first update the sender writes it into the weights the receiver offers, timed as
-`ours_in_place`, and again into weights each allocated on its own (`ours_in_place_separate`:
-one copy per tensor); `pushed` counts the updates each sender wrote so. Timed on rank 0 from
-the start of the export until the sender's `send` returns, which is after every receiver
-reported its load done and the sender's own writes ended. Each export
+the receiver reads the policy's own memory into weights in the engine's layout, timed as
+`ours_in_place`, and into weights each allocated on its own (`ours_in_place_separate`: one
+copy per tensor). Timed on rank 0 from the start of the export until the sender's `send`
+returns, which is after every receiver reported its load done and its reads ended. Each export
 bucket size given is timed in the same rounds, beside `gather_only` (every rank iterates the
 export, each gathering the whole model, nothing sent) and the baseline: one raw broadcast of a
 flat buffer of the same bytes in the sender's own group (nccl), or one device-to-device copy of
@@ -160,14 +159,12 @@ def policy_worker(rank: int, world: int, ports: dict, args, out) -> None:
         from ferrule_weightsync import digest
 
         sent = digest(actor.export_weights())
-        pushes = {way: getattr(sender, "pushes", 0) for way, sender in senders.items()}
         out.put(
             {
                 "bytes": nbytes,
                 "tensors": len(specs),
                 "times": times,
                 "sent_digest": sent,
-                "pushes": pushes,
             }
         )
         for sender in senders.values():
@@ -318,7 +315,6 @@ def main() -> None:
         "tensors": results["tensors"],
         "ms": {key: round(value * 1e3, 2) for key, value in median.items()},
         "best": best,
-        **({"pushed": results["pushes"]} if args.mode == "ipc" else {}),
         "ratio": round(median["baseline"] / median[best], 3),
     }
     print(json.dumps(line))

@@ -83,7 +83,6 @@ def test_hybrid_engine_on_one_gpu_ipc_offload_and_sleep(tmp_path):
     )
     assert_learns_and_engines_hold_the_policy(records, summary)
     assert all(r["time/sync"] > 0 for r in records)
-    assert summary["weights_pushed"] == 0  # offloaded between phases: sent packed
 
 
 @pytest.mark.gpu(count=1)
@@ -99,14 +98,11 @@ def test_exact_mode_on_one_gpu_samples_with_the_trainers_own_logprobs(tmp_path):
 
 @pytest.mark.gpu(count=1)
 def test_resident_engine_on_one_gpu_takes_the_policys_weights_in_place(tmp_path):
-    """colocate_all with nothing offloaded: CUDA IPC in place. The first sync the engine reads
-    from the policy's own memory (its specs checked); every later one the policy writes into
-    the weights the engine offers (no packing copy, no manifest before the copy); every sync
-    lands bit for bit."""
+    """colocate_all with nothing offloaded: CUDA IPC in place. Every sync the engine reads
+    the policy's own memory (no packing copy); every sync lands bit for bit."""
     records, summary = launch(tmp_path / "resident", 'ray.placement="colocate_all"')
     assert_learns_and_engines_hold_the_policy(records, summary)
     assert all(r["time/sync"] > 0 for r in records)
-    assert summary["weights_pushed"] == len(records) - 1  # a sync a step; the first is read
 
 
 @pytest.mark.gpu(count=2)

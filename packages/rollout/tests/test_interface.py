@@ -43,5 +43,5 @@ def test_each_engine_has_the_verb_with_its_parameters(engine, verb):
         assert isinstance(found, property), f"{engine.__name__}.{verb} is not a property"
         return
     expected = list(inspect.signature(wanted).parameters)
-    # an engine may take more (the transformers engine's offer_weights), never fewer or others
+    # an engine may take more, never fewer or others
     assert list(inspect.signature(found).parameters)[: len(expected)] == expected, verb

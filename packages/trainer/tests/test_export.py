@@ -77,16 +77,14 @@ def test_zero3_export_of_one_rank_is_the_model_in_any_bucket_size():
 
 
 def test_an_export_of_the_models_own_memory_is_in_place_and_follows_swapped_parameters():
-    """In place: each tensor is a view of its parameter, kept from one export to the next,
-    which sees in-place changes and is made again when a parameter's memory is swapped."""
+    """In place: each tensor is a view of its parameter, which sees in-place changes and
+    follows a parameter whose memory is swapped."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"))
     exporter = WeightExport(model)
     assert exporter.in_place
     first = dict(exporter.weights())
     params = dict(model.named_parameters())
     assert all(first[n].data_ptr() == params[n].data_ptr() for n in first)
-    again = dict(exporter.weights())
-    assert all(again[n] is first[n] for n in first)  # no views made anew
     name = "model.layers.0.mlp.up_proj.weight"
     with torch.no_grad():
         params[name].mul_(2)  # what an optimizer step does
@@ -110,7 +108,7 @@ def test_zero3_export_of_one_rank_is_in_place_and_follows_its_partitions():
     assert actor.export_in_place() and not actor.export_in_place(torch.bfloat16)
     params = dict(actor.module.named_parameters())
     name = "model.layers.0.self_attn.q_proj.weight"
-    dict(actor.export_weights())  # the views are made here and kept
+    dict(actor.export_weights())
     with torch.no_grad():
         params[name].ds_tensor.mul_(3)  # an optimizer step, in place
     exported = dict(actor.export_weights())

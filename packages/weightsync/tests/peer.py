@@ -86,28 +86,15 @@ def run_receiver(args) -> None:
             _, like = trainer_weights()
             targets = engine_weights(like)
         for number in range(1, args.updates + 1):
-            if args.receive_into:  # an engine's load: the sender may write into our weights
-                result = {}
-                if number == args.withdraw_at:  # give up once before the sender comes
-                    before = {n: t.cpu() for n, t in targets.items()}
-                    try:
-                        receiver.receive_into(targets, timeout=0.5)
-                    except Exception as err:
-                        after = {n: t.cpu() for n, t in targets.items()}
-                        untouched = all(torch.equal(before[n], after[n]) for n in before)
-                        result = {
-                            "withdrew": f"{type(err).__name__}: {err}",
-                            "untouched": untouched,
-                        }
+            if args.receive_into:  # an engine's load into its own weights
                 loaded = []
                 try:
-                    result["version"] = receiver.receive_into(targets, loaded)
+                    result = {"version": receiver.receive_into(targets, loaded)}
                 except WeightSyncError as err:  # what a caller that goes on knows of the update
                     results.append({"error": f"{type(err).__name__}: {err}", "loaded": loaded})
                     continue
                 torch.cuda.synchronize()
                 result["state"] = {name: targets[name].cpu() for name in loaded}
-                result["offers_published"] = receiver.offers_published
                 results.append(result)
                 continue
             if number == args.refuse_update:  # expectations that changed since the last update
@@ -202,7 +189,6 @@ if __name__ == "__main__":
         "--gpu-load-after-ms", type=float, help="load_into on the GPU, late from update 2 on"
     )
     parser.add_argument("--receive-into", help="receive_into an engine's weights on cuda:0")
-    parser.add_argument("--withdraw-at", type=int, help="with --receive-into: time out once")
     parser.add_argument("--refuse-update", type=int, help="refuse update N (1-based), go on")
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")

@@ -121,17 +121,17 @@ def test_a_pickle_written_into_the_store_is_refused_and_runs_nothing(group, tmp_
     ("manifest", "why"),
     [
         ({"version": "1", "layout": "layout0", "checksums": False, "generation": 1,
-          "handshake": True, "pushed": False}, "version must be an integer, got a string"),
+          "handshake": True}, "version must be an integer, got a string"),
         ({"version": True, "layout": "layout0", "checksums": False, "generation": 1,
-          "handshake": True, "pushed": False}, "version must be an integer, got a boolean"),
+          "handshake": True}, "version must be an integer, got a boolean"),
         ({"version": -1, "layout": "layout0", "checksums": False, "generation": 1,
-          "handshake": True, "pushed": False}, "version -1 not in"),
+          "handshake": True}, "version -1 not in"),
         ({"version": 1, "layout": "../../etc/passwd", "checksums": False, "generation": 1,
-          "handshake": True, "pushed": False}, r"layout '\.\./\.\./etc/passwd' is not a layout"),
+          "handshake": True}, r"layout '\.\./\.\./etc/passwd' is not a layout"),
         ({"version": 1, "layout": "layout0", "checksums": False, "generation": 1,
-          "handshake": True, "pushed": False, "run": "os.system"}, "fields .* expected"),
+          "handshake": True, "run": "os.system"}, "fields .* expected"),
         ({"version": 1, "layout": "layout0", "checksums": False, "generation": 1,
-          "handshake": False, "pushed": 1}, "pushed must be a boolean"),
+          "handshake": 1}, "handshake must be a boolean"),
         ([1, 2, 3], "the message must be an object, got an array"),
     ],
 )  # fmt: skip
@@ -164,7 +164,7 @@ def test_a_hostile_layout_is_refused(group, spec, why):
     stranger = g.stranger()
     stranger.set("layouts/layout0", messages.encode({"bucket_bytes": 4096, "specs": [spec]}))
     manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 1}
-    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": True, "pushed": False}))
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": True}))
     with pytest.raises(MalformedMessageError, match=f"layouts/layout0: {why}"):
         g.receiver.receive(timeout=5)
 
@@ -175,7 +175,7 @@ def test_a_shared_memory_handle_must_name_one_of_ours_never_a_path(group):
     specs = [["w", [3, 4], "float32"]]
     stranger.set("layouts/layout0", messages.encode({"bucket_bytes": 4096, "specs": specs}))
     manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 7}
-    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": False, "pushed": False}))
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": False}))
     handle = {"kind": "shm", "name": "../../etc/passwd", "nbytes": 4096}
     stranger.set("ipc/handles/7", messages.encode([handle, handle]))
     with pytest.raises(MalformedMessageError, match=r"'\.\./\.\./etc/passwd' is not ours"):
@@ -223,7 +223,7 @@ def test_a_hostile_in_place_layout_is_refused(group, placed, why):
     layout = {"bucket_bytes": 4096, "specs": PLACED_SPECS, **placed}
     stranger.set("layouts/layout0", messages.encode(layout))
     manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 1}
-    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": True, "pushed": False}))
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": True}))
     with pytest.raises(MalformedMessageError, match=f"layouts/layout0: {why}"):
         g.receiver.receive(timeout=5)
 
@@ -237,7 +237,7 @@ def in_place_update(g, segment, buffers: list[int]) -> None:
     handle = {"kind": "shm", "name": segment.shm.name, "nbytes": segment.tensor.numel()}
     stranger.set("ipc/handles/1", messages.encode([handle]))
     manifest = {"version": 1, "layout": "layout0", "checksums": False, "generation": 1}
-    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": False, "pushed": False}))
+    stranger.set("u0/manifest", messages.encode({**manifest, "handshake": False}))
 
 
 def test_an_in_place_update_is_read_where_the_sender_placed_it(group):
@@ -295,9 +295,7 @@ def test_with_a_secret_updates_flow_and_forged_or_replayed_messages_are_refused(
 def test_with_a_secret_a_forged_manifest_is_refused(group):
     g = group(sender_secret=SECRET, receiver_secret=SECRET)
     manifest = {"version": 9, "layout": "layout0", "checksums": False, "generation": 1}
-    g.stranger().set(
-        "u0/manifest", messages.encode({**manifest, "handshake": True, "pushed": False})
-    )
+    g.stranger().set("u0/manifest", messages.encode({**manifest, "handshake": True}))
     with pytest.raises(ForgedMessageError, match="u0/manifest fails its signature check"):
         g.receiver.receive(timeout=5)
 
@@ -339,80 +337,3 @@ def test_a_secret_on_one_side_only_is_a_clear_error(sender_secret, receiver_secr
 def test_a_short_secret_is_refused_before_connecting():
     with pytest.raises(ValueError, match="at least 16 bytes, got 5"):
         create_sender("ipc", "127.0.0.1", free_port(), 1, secret="short")
-
-
-@pytest.mark.parametrize("secret", [None, SECRET])
-def test_an_offer_is_either_taken_by_the_sender_or_withdrawn_never_both(group, secret):
-    """The one step of the store that decides whether a CUDA IPC sender may write into a
-    receiver's weights (the GPU side is in test_gpu.py): the first swap wins, the other
-    fails and changes nothing, signed under the group's key when it has one."""
-    from ferrule_weightsync.ipc import _ready
-
-    g = group(sender_secret=secret, receiver_secret=secret)
-    sender, receiver = g.sender._control, g.receiver._control
-    for turn, (first, second) in enumerate([(sender, receiver), (receiver, sender)]):
-        key = f"u{turn}/ready/1"  # never "u9", which nobody offers below
-        receiver.publish(key, {"offer": 1})
-        won = {"taken": 1} if first is sender else {"withdrawn": 1}
-        lost = {"withdrawn": 1} if first is sender else {"taken": 1}
-        assert first.swap(key, {"offer": 1}, won)
-        assert not second.swap(key, {"offer": 1}, lost)
-        assert sender.read(key, _ready) == won
-    assert not sender.swap("u9/ready/1", {"offer": 1}, {"taken": 1})  # nothing offered
-    assert not sender.has("u9/ready/1")
-
-
-@pytest.mark.parametrize(
-    ("value", "why"),
-    [
-        ({"offer": 1, "taken": 1}, "expected one of"),
-        ({"run": 1}, "expected one of"),
-        ({"offer": -1}, "offer -1 not in"),
-        ({"taken": "1"}, "taken must be an integer"),
-        ([1], "expected one of"),
-    ],
-)
-def test_a_hostile_offer_state_is_refused(value, why):
-    from ferrule_weightsync.ipc import _ready
-
-    assert _ready({"offer": 3}, "u0/ready/1") == {"offer": 3}
-    with pytest.raises(MalformedMessageError, match=f"u0/ready/1: {why}"):
-        _ready(value, "u0/ready/1")
-
-
-def _offer_of(placement, buffers, kind="cuda"):
-    specs = [["w", [4, 4], "float32"], ["b", [4], "float32"]]
-    layout = {"bucket_bytes": 1, "specs": specs, "buffers": buffers, "placement": placement}
-    cuda = {
-        "kind": "cuda", "offset": 0, "device": 0, "handle": messages.to_b64(bytes(64)),
-        "storage_bytes": 0, "storage_offset": 0, "ref_counter": messages.to_b64(bytes(8)),
-        "ref_counter_offset": 0, "event": messages.to_b64(bytes(64)),
-        "event_sync_required": False,
-    }  # fmt: skip
-    handles = [
-        {**cuda, "nbytes": n} if kind == "cuda" else {"kind": "shm", "name": "x", "nbytes": n}
-        for n in buffers
-    ]
-    return {"layout": layout, "handles": handles}
-
-
-@pytest.mark.parametrize(
-    ("offer", "why"),
-    [
-        (_offer_of([[0, 0], [0, 60]], [64]), r"'b' \(16 bytes\) at offset 60 does not lie"),
-        (_offer_of([[0, 0], [1, 0]], [64]), "'b' placed in buffer 1 of 1"),
-        (_offer_of([[0, 0], [0, 2]], [80]), "'b' .* at offset 2 does not lie aligned"),
-        (_offer_of([[0, 0], [0, 64]], [80], kind="shm"), "is not ours|CUDA memory only"),
-        ({**_offer_of([[0, 0], [0, 64]], [80]), "run": "os.system"}, "fields"),
-        ({"layout": {"bucket_bytes": 1, "specs": []}, "handles": []}, "non-empty"),
-    ],
-)
-def test_a_hostile_offer_is_refused_before_anything_is_mapped(offer, why):
-    """What a CUDA IPC sender maps and writes into: every tensor whole and aligned inside a
-    buffer whose handle comes with it, CUDA handles only."""
-    from ferrule_weightsync.ipc import _offer
-
-    layout, handles = _offer(_offer_of([[0, 0], [0, 64]], [80]), "ipc/offer/1/1")
-    assert layout.placement == ((0, 0), (0, 64)) and handles[0]["nbytes"] == 80
-    with pytest.raises(MalformedMessageError, match=f"ipc/offer/1/1: .*({why})"):
-        _offer(offer, "ipc/offer/1/1")

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_weightsync import KeptTensors, PeerTimeoutError, WeightSyncError, create_sender, ipc
-from ferrule_weightsync.messages import to_b64
+from ferrule_weightsync import PeerTimeoutError, WeightSyncError, create_sender
 
 PEER = Path(__file__).with_name("peer.py")
 sys.path.insert(0, str(PEER.parent))
@@ -177,129 +176,47 @@ def test_cuda_ipc_in_place_send_returns_only_once_the_receivers_reads_have_run(t
 
 
 @pytest.mark.gpu(count=1)
-def test_cuda_ipc_in_place_update_is_written_into_the_weights_a_receiver_offers(tmp_path):
-    """A receiver that offers its weights (`receive_into`, as the transformers engine loads):
-    after the first update (its specs checked, read in place), the sender writes each update
-    into them itself; the receiver gets every byte, its weights shared once, while the sender
-    changes its own the moment `send` returns. A receiver that gives up waiting (update 4)
-    withdraws its offer, its weights untouched, and offers them again."""
+def test_cuda_ipc_in_place_updates_load_into_an_engines_own_weights(tmp_path):
+    """A receiver that loads each update into weights of its own (`receive_into`, as the
+    transformers engine does) from a sender that sends in place and changes its weights the
+    moment `send` returns: every byte as sent, five times."""
     port = free_port()
-    proc, out = start_receiver(
-        tmp_path, transport="ipc", port=port, updates=5, receive_into="yes", withdraw_at=4
-    )
+    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=5, receive_into="yes")
     flat, state = trainer_weights()
     sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
-    sent, pushes = [], []
-    for update in range(5):
-        if update == 3:
-            time.sleep(2)  # the receiver's first try at update 4 gives up after 0.5 s
+    sent = []
+    for _ in range(5):
         sent.append({name: t.cpu() for name, t in state.items()})
         sender.send(state.items(), in_place=True)
-        pushes.append(sender.pushes)
         flat.mul_(3)  # the next optimizer step, at once
         state["step"].add_(1)
     sender.close()
-    assert pushes == [0, 1, 2, 3, 4]
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     results = torch.load(out, weights_only=False)
-    assert "error" not in results[-1], results[-1].get("trace")
+    assert "error" not in results[-1], results[-1]
     assert [r["version"] for r in results] == [1, 2, 3, 4, 5]
     for result, state_sent in zip(results, sent, strict=True):
         assert result["state"].keys() == state_sent.keys()
         for name, tensor in state_sent.items():
             assert torch.equal(result["state"][name], tensor), name
-    assert [r["offers_published"] for r in results] == [1] * 5
-    assert "did not answer within 0.5s" in results[3]["withdrew"]
-    assert results[3]["untouched"]
 
 
 @pytest.mark.gpu(count=1)
-@pytest.mark.parametrize("kept", [False, True])
-def test_cuda_ipc_push_of_tensors_that_moved_writes_where_they_are_now(tmp_path, monkeypatch, kept):
-    """A push queues the last push's copies before it looks at the tensors (a trainer's export
-    hands over the same views step after step). When they moved (new views of a new buffer;
-    one tensor `set_` to new memory of its shape), the copies from where they are now are
-    queued after those, and the receiver gets every byte as sent. `kept`: the tensors come as
-    `KeptTensors`, whose keeper makes a new list whenever one moves (the sender checks each
-    tensor only then)."""
-    queued, queue = [], ipc._queue
-    monkeypatch.setattr(ipc, "_queue", lambda copies: (queued.append(copies), queue(copies)))
+def test_cuda_ipc_send_to_a_receiver_that_left_fails_within_its_timeout(tmp_path):
+    """A receiver takes two in-place updates and exits without closing: the next send waits
+    for it only as long as the group's timeout, then says so."""
     port = free_port()
-    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=5, receive_into="yes")
-    _, state = trainer_weights()
-    listed = list(state.items())
-    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=60)
-    sent = []
-    for update in range(5):
-        if update == 3:  # a new buffer: every view moved
-            flat, moved = trainer_weights()
-            flat.mul_(5)
-            state = dict(state, **{n: t for n, t in moved.items() if n.startswith("layers.")})
-        if update == 4:  # one tensor object, its memory replaced
-            state["norm.weight"].set_(torch.randn(17, device="cuda:0"))
-        if update >= 3:
-            listed = list(state.items())
-        sent.append({name: t.cpu() for name, t in state.items()})
-        sender.send(KeptTensors(lambda now=listed: now) if kept else state.items(), in_place=True)
-    assert sender.pushes == 4
-    sender.close()
-    assert len(queued) == 6  # update 2: anew; 3: the last ones; 4, 5: the last, the right ones
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, output
-    results = torch.load(out, weights_only=False)
-    assert [r.get("version") for r in results] == [1, 2, 3, 4, 5], results[-1].get("error")
-    for result, state_sent in zip(results, sent, strict=True):
-        for name, tensor in state_sent.items():
-            assert torch.equal(result["state"][name], tensor), name
-
-
-@pytest.mark.gpu(count=1)
-def test_a_pushed_update_the_receiver_cannot_wait_for_counts_every_weight_as_replaced(tmp_path):
-    """The sender writes updates 2 and 3 into the receiver's offered weights, but the event
-    that orders the receiver after those writes cannot be opened (a bad `ipc/written`): the
-    receiver's `receive_into` fails naming the key, with every name in `loaded` (its weights
-    were written, or are being), and the sender learns of it at its next send."""
-    port = free_port()
-    proc, out = start_receiver(tmp_path, transport="ipc", port=port, updates=3, receive_into="yes")
-    _, state = trainer_weights()
-    sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=30)
-    try:
-        sender.send(state.items(), in_place=True)  # read in place: the specs checked
-        sender._written = torch.cuda.Event(interprocess=True)  # ours is never published, then
-        sender._control.publish("ipc/written", to_b64(bytes(64)))
-        sender.send(state.items(), in_place=True)
-        with pytest.raises(WeightSyncError, match=r"(?s)version 2 .* not every .*ipc/written"):
-            sender.send(state.items(), in_place=True)
-        assert sender.pushes == 2
-        output, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, output
-    finally:
-        proc.kill()
-        sender.close()
-    results = torch.load(out, weights_only=False)
-    assert results[0]["version"] == 1
-    for failed in results[1:]:
-        assert "MalformedMessageError: control message ipc/written" in failed["error"]
-        assert failed["loaded"] == list(state)
-
-
-@pytest.mark.gpu(count=1)
-def test_cuda_ipc_send_to_a_receiver_that_offered_and_left_fails_within_its_timeout(tmp_path):
-    """A receiver that offered its weights takes two pushed updates and exits: the next send
-    waits for its offer only as long as the group's timeout, then names it."""
-    port = free_port()
-    proc, _ = start_receiver(tmp_path, transport="ipc", port=port, updates=3, receive_into="yes")
+    proc, _ = start_receiver(tmp_path, transport="ipc", port=port, updates=2, receive_into="yes")
     _, state = trainer_weights()
     sender = create_sender("ipc", "127.0.0.1", port, 1, device="cuda:0", timeout=5)
     try:
-        for _ in range(3):
+        for _ in range(2):
             sender.send(state.items(), in_place=True)
-        assert sender.pushes == 2
         output, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, output
         started = time.monotonic()
-        with pytest.raises(PeerTimeoutError, match=r"receiver 1 did not answer .*u3/ready/1"):
+        with pytest.raises(WeightSyncError):
             sender.send(state.items(), in_place=True)
         assert time.monotonic() - started < 20
     finally:

@@ -18,7 +18,6 @@ import torch
 from torch.distributed import TCPStore
 
 from ferrule_weightsync import (
-    KeptTensors,
     MismatchError,
     PeerTimeoutError,
     TensorSpec,
@@ -162,30 +161,6 @@ def test_lazy_stream_with_specs_is_sent_bucket_by_bucket(peers):
     sender.close()
     assert pulled == list(state)
     assert_same(peers.results(1)[0]["state"], state)
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_kept_tensors_are_asked_for_once_a_send_and_sent_like_any_stream(transport, peers):
-    """`KeptTensors`, as a trainer's in-place export hands them over: every send, with specs
-    announced or not, in place or not, asks the keeper for its current list exactly once."""
-    port = free_port()
-    peers.start(1, transport=transport, port=port, updates=3)
-    sender = create_sender(transport, "127.0.0.1", port, 1, bucket_bytes=4096, timeout=30)
-    state = realistic_state_dict()
-    specs = [TensorSpec.of(name, tensor) for name, tensor in state.items()]
-    asked = []
-
-    def current():
-        asked.append(len(asked))
-        return list(scaled(state, len(asked)).items())
-
-    sender.send(KeptTensors(current))
-    sender.send(KeptTensors(current), specs=specs)
-    sender.send(KeptTensors(current), specs=specs, in_place=True)
-    sender.close()
-    assert asked == [0, 1, 2]
-    for factor, result in enumerate(peers.results(1), 1):
-        assert_same(result["state"], scaled(state, factor))
 
 
 def test_tensors_of_half_a_bucket_or_more_are_sent_unpacked(peers):

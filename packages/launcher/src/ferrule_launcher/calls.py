@@ -124,16 +124,36 @@ class RankGroup:
     def _first(self, refs: list):  # training metrics are global: rank 0's stand for all
         return lambda: get(refs, self.role)[0]
 
-    def logprobs(self, batch: dict, micro_batch_size: int, temperature: float | None = None):
+    def logprobs(
+        self,
+        batch: dict,
+        micro_batch_size: int,
+        temperature: float | None = None,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
+    ):
+        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
         return self._joined(
             self._on_shards(
-                batch, lambda w, shard: w.logprobs.remote(shard, micro_batch_size, temperature)
+                batch,
+                lambda w, shard: w.logprobs.remote(shard, micro_batch_size, temperature, **tokens),
             )
         )
 
-    def values(self, batch: dict, micro_batch_size: int):
+    def values(
+        self,
+        batch: dict,
+        micro_batch_size: int,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
+    ):
+        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
         return self._joined(
-            self._on_shards(batch, lambda w, shard: w.values.remote(shard, micro_batch_size))
+            self._on_shards(
+                batch, lambda w, shard: w.values.remote(shard, micro_batch_size, **tokens)
+            )
         )
 
     def train_epochs(self, batch: dict, **options):
@@ -167,9 +187,6 @@ class RankGroup:
 
     def weights_digest(self) -> list:
         return [w.weights_digest.remote() for w in self.workers]
-
-    def weights_pushed(self) -> list:
-        return [w.weights_pushed.remote() for w in self.workers]
 
     def offload(self) -> list:
         return [w.offload.remote() for w in self.workers]

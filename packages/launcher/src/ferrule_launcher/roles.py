@@ -122,12 +122,16 @@ class RankWorker:
         return self.sender.send(weights, version=version, specs=specs, in_place=in_place)
 
     def logprobs(
-        self, batch: dict, micro_batch_size: int | None = None, temperature: float | None = None
+        self,
+        batch: dict,
+        micro_batch_size: int | None = None,
+        temperature: float | None = None,
+        **tokens,  # micro_batch_tokens, packed: see Actor.logprobs
     ):
-        return self.actor.logprobs(batch, micro_batch_size, temperature)
+        return self.actor.logprobs(batch, micro_batch_size, temperature, **tokens)
 
-    def values(self, batch: dict, micro_batch_size: int | None = None):
-        return self.actor.values(batch, micro_batch_size)
+    def values(self, batch: dict, micro_batch_size: int | None = None, **tokens):
+        return self.actor.values(batch, micro_batch_size, **tokens)
 
     def train_epochs(self, batch: dict, **options) -> dict:
         return self.actor.train_epochs(batch, **options)
@@ -159,11 +163,6 @@ class RankWorker:
 
     def weights_digest(self) -> str:
         return self.actor.weights_digest()
-
-    def weights_pushed(self) -> int:
-        """Updates this rank's sender wrote into the engines' own weights (CUDA IPC in place,
-        to engines that offer them)."""
-        return getattr(self.sender, "pushes", 0)
 
     def offload(self) -> None:
         self.actor.offload()
@@ -348,11 +347,6 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
     in_place = not config.trainer.offload_between_phases
-    # the transformers engine may offer its weights for the sender to write into, unless it
-    # frees them between phases: the sender's mapping would keep that memory allocated
-    offer = {}
-    if config.rollout.backend == "transformers":
-        offer["offer_weights"] = not config.rollout.sleep_between_phases
     calls = []
     for rank in range(senders):
         members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
@@ -378,7 +372,6 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
                     1 + j * per_engine,
                     receivers,
                     secret=secret,
-                    **offer,
                 ),
                 f"rollout engine {i} (weight sync receiver)",
             )

@@ -168,7 +168,6 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             **prompts.summary(),
             **outputs.reward_summary(log.history),
             "weights_digest": digests,
-            "weights_pushed": max(get(roles.policy.weights_pushed(), "policy")),
             "policy": str(out / "policy"),
         }
         log.finish(summary)

@@ -311,11 +311,7 @@ class TransformersEngine(EngineBase):
                     "(the engine stays paused; resume() or wait longer)"
                 )
 
-    def _join(self, group: WeightSyncGroup, offer_weights: bool = False) -> None:
-        """`offer_weights`: under CUDA IPC, offer the parameters for the sender to write each
-        update into (`IpcReceiver.receive_into`): faster, but the sender then keeps a mapping
-        of them, so an engine that sleeps would not give their memory back until the next
-        update; leave it off for an engine that sleeps."""
+    def _join(self, group: WeightSyncGroup) -> None:
         from ferrule_weightsync import create_receiver
 
         options = group.options()
@@ -325,7 +321,6 @@ class TransformersEngine(EngineBase):
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
-            self._offer_weights = offer_weights
             self._receiver = create_receiver(**options)
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
@@ -366,9 +361,8 @@ class TransformersEngine(EngineBase):
         try:
             # Names and shapes are checked before any data moves. In place, a few copies per
             # bucket (weightsync merges those that continue each other, as our parameters do;
-            # a tied weight is one tensor); under CUDA IPC from a trainer's own memory, the
-            # sender writes into our parameters itself.
-            version = self._receiver.receive_into(targets, loaded, timeout, self._offer_weights)
+            # a tied weight is one tensor).
+            version = self._receiver.receive_into(targets, loaded, timeout)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as err:

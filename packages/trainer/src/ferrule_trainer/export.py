@@ -29,8 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrule_weightsync import KeptTensors, TensorSpec
-from ferrule_weightsync.packing import Bucket, lying_in_one_buffer, plan_buckets
+from ferrule_weightsync import Bucket, TensorSpec, lying_in_one_buffer, plan_buckets
 
 # Large enough that a 0.5B model gathers in a handful of collectives, small enough that a bucket
 # of gathered full weights fits beside the sharded model.
@@ -137,8 +136,6 @@ class WeightExport:
         # it lies (ferrule-weightsync's `IpcSender.send(..., in_place=True)`), as long as the
         # module does not change until that send returns.
         self.in_place = all(self._source(item) is not None for item in self.items)
-        self._views: dict[str, tuple[int, torch.Tensor]] = {}
-        self._all_views: tuple[list[int], list] = ([], [])  # (sources' addresses, the views)
         self._specs = tuple(TensorSpec(item.name, item.shape, item.dtype) for item in self.items)
 
     def _source(self, item: _Item) -> torch.Tensor | None:
@@ -150,35 +147,12 @@ class WeightExport:
             source = source.ds_tensor if whole else None
         return source if source is not None and source.dtype == item.dtype else None
 
-    def forget_views(self) -> None:
-        """Drops the views kept between exports: they hold the memory the weights lay in, which
-        an offload (DeepSpeed's `offload_states`) means to free."""
-        self._views.clear()
-        self._all_views = ([], [])
-
-    def _view(self, item: _Item) -> torch.Tensor:
-        """`item`'s tensor as a view of its source, kept from one export to the next and made
-        again only when the source moved (DeepSpeed's offload swaps partitions): making the
-        views anew costs host time comparable to CUDA IPC's whole move of the weights
-        (benchmarks/RESULTS.md)."""
-        source = item.plain.ds_tensor if self.sharded else item.plain  # in place: whole
-        held = self._views.get(item.name)
-        if held is None or held[0] != source.data_ptr():
-            view = _whole(item.plain, item.shape) if self.sharded else source.detach()
-            held = self._views[item.name] = (source.data_ptr(), view)
-        return held[1]
-
     def _in_place_views(self) -> list[tuple[str, torch.Tensor]]:
-        """Every item's view (`_view`), as one list kept while no source moved: a sender then
-        meets the same tensors step after step, and checking costs one address a tensor."""
+        """Every item's tensor where it lies: a view of its parameter, or of its one ZeRO-3
+        partition (a policy of one rank holds it whole)."""
         if self.sharded:
-            sources = [item.plain.ds_tensor for item in self.items]
-        else:
-            sources = [item.plain for item in self.items]
-        where = list(map(torch.Tensor.data_ptr, sources))
-        if where != self._all_views[0]:
-            self._all_views = (where, [(item.name, self._view(item)) for item in self.items])
-        return self._all_views[1]
+            return [(item.name, _whole(item.plain, item.shape)) for item in self.items]
+        return [(item.name, item.plain.detach()) for item in self.items]
 
     def specs(self) -> tuple[TensorSpec, ...]:
         """TensorSpecs of the export, in its order; metadata only, so a weightsync sender can
@@ -193,8 +167,8 @@ class WeightExport:
 
         Without ZeRO-3 the tensors come straight from the parameters (cast or detached, no
         gather)."""
-        if self.in_place:  # checked when iterated: a CUDA IPC sender does so after queuing
-            return KeptTensors(self._in_place_views)  # its copies, and then checks no view
+        if self.in_place:
+            return self._in_place_views()
         return self._exported(bucket_bytes)
 
     def _exported(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:

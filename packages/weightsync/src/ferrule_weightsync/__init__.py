@@ -7,6 +7,10 @@ on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, sh
 CPU; colocated processes). Depends on torch only. The sender's `close` ends the stream: each
 receiver's `receive` then returns None. See examples/weightsync/ for a complete sender and
 receiver; pass the same `secret=` to every rank to authenticate the group.
+
+A producer that gathers or lays out the weights itself (a ZeRO-3 trainer's export) can match a
+sender's buckets: `plan_buckets(specs, bucket_bytes)` is the sender's layout, and a bucket
+whose tensors `lying_in_one_buffer` finds back to back in one buffer is sent without packing.
 """
 
 from importlib.metadata import PackageNotFoundError
@@ -20,8 +24,14 @@ from ferrule_weightsync.errors import (
     PeerTimeoutError,
     WeightSyncError,
 )
-from ferrule_weightsync.ipc import IpcReceiver, IpcSender, KeptTensors
-from ferrule_weightsync.packing import TensorSpec, digest
+from ferrule_weightsync.ipc import IpcReceiver, IpcSender
+from ferrule_weightsync.packing import (
+    Bucket,
+    TensorSpec,
+    digest,
+    lying_in_one_buffer,
+    plan_buckets,
+)
 from ferrule_weightsync.update import Update
 
 try:
@@ -51,10 +61,10 @@ __all__ = [
     "TRANSPORTS",
     "BroadcastReceiver",
     "BroadcastSender",
+    "Bucket",
     "ForgedMessageError",
     "IpcReceiver",
     "IpcSender",
-    "KeptTensors",
     "MalformedMessageError",
     "MismatchError",
     "PeerTimeoutError",
@@ -64,4 +74,6 @@ __all__ = [
     "create_receiver",
     "create_sender",
     "digest",
+    "lying_in_one_buffer",
+    "plan_buckets",
 ]

@@ -37,6 +37,7 @@ from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, own_bytes, pack
 from ferrule_weightsync.update import (
     END_SECONDS,
+    LoadsInto,
     ReceiverState,
     Update,
     UpdateSender,
@@ -296,7 +297,7 @@ class BroadcastSender:
         self._group.close()
 
 
-class BroadcastReceiver:
+class BroadcastReceiver(LoadsInto):
     """Rank 1..N of the group: receives every update the sender broadcasts."""
 
     def __init__(
@@ -343,23 +344,6 @@ class BroadcastReceiver:
             control, self._state, self._receive_buckets, expected, cast, timeout, self._finish,
             partial,
         )  # fmt: skip
-
-    def receive_into(
-        self,
-        targets: Mapping[str, torch.Tensor],
-        loaded: list[str] | None = None,
-        timeout: float | None = None,
-        offer: bool = False,
-    ) -> int | None:
-        """`receive(expected=targets, cast=True, partial=True)`, then `load_into(targets,
-        loaded)`: the version loaded, None once the stream ended (the same verb as
-        `IpcReceiver.receive_into`; nothing to offer here). An update may fill some of the
-        targets only (`loaded` names those it did)."""
-        update = self.receive(expected=targets, cast=True, timeout=timeout, partial=True)
-        if update is None:
-            return None
-        update.load_into(targets, loaded)
-        return update.version
 
     def _finish(self, seq: int, error: str) -> None:
         if error:  # the sender reads why once the all-reduce says that someone failed

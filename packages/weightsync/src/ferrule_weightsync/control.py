@@ -65,7 +65,6 @@ class Manifest:
     checksums: bool
     generation: int = 0  # ipc: which generation of shared buffers to map (broadcast: 0)
     handshake: bool = True  # receivers ack before data moves (False: layout accepted before)
-    pushed: bool = False  # ipc: the sender wrote the update into the receivers' own tensors
 
     def to_wire(self) -> dict:
         return {
@@ -74,7 +73,6 @@ class Manifest:
             "checksums": self.checksums,
             "generation": self.generation,
             "handshake": self.handshake,
-            "pushed": self.pushed,
         }
 
     @classmethod
@@ -85,7 +83,6 @@ class Manifest:
             "checksums": messages.flag,
             "generation": integer,
             "handshake": messages.flag,
-            "pushed": messages.flag,
         }
         return cls(**fields(value, key, checks))
 
@@ -268,13 +265,6 @@ class Control:
     def publish(self, key: str, value: object) -> None:
         """A transport's own message (JSON-able)."""
         self._put(key, value)
-
-    def swap(self, key: str, expected: object, value: object) -> bool:
-        """Replace `expected` under `key` with `value` in one step of the store: False, and
-        nothing changed, when the key holds anything else (another rank swapped it first)."""
-        sealed = self._seal.close(key, messages.encode(value))
-        was = self._seal.close(key, messages.encode(expected))
-        return self.store.compare_set(key, was, sealed) == sealed
 
     def has(self, key: str) -> bool:
         """Whether a message was published under `key` (no wait)."""

@@ -231,18 +231,11 @@ class UpdateSender:
         self.layouts: dict[tuple, Layout] = {}
         self.accepted: set[str] = set()  # layout keys every receiver took: no handshake
         self.broken = ""  # set when an update fails after data started to move
-        self.unconfirmed: tuple[int, int] | None = None  # (seq, version): pushed, reports unread
-        self._last_layout: tuple | None = None  # (specs, placed, layout) of the last `layout`
 
     def layout(self, specs: list[TensorSpec], placed: tuple | None = None) -> Layout:
         """The layout of these specs, published to the store the first time it is used.
         `placed`: (placement, buffer sizes) of a placed layout."""
         specs = tuple(specs)
-        last = self._last_layout
-        # the last one first: a model sends the same every step, and hashing ~300 specs to
-        # look it up costs ~0.1 ms where comparing the same objects costs ~0.01
-        if last is not None and last[1] is placed and last[0] == specs:
-            return last[2]
         known = self.layouts.get((specs, placed))
         if known is None:
             duplicates = sorted(n for n, c in Counter(s.name for s in specs).items() if c > 1)
@@ -257,20 +250,7 @@ class UpdateSender:
                 known = Layout.placed(key, specs, *placed, self.bucket_bytes)
             self.control.publish_layout(known.key, known.to_wire())
             self.layouts[specs, placed] = known
-        self._last_layout = (specs, placed, known)
         return known
-
-    def accepted_layout(self, specs: list[TensorSpec]) -> tuple | None:
-        """A layout of these specs that every receiver took before (their names, shapes and
-        dtypes checked), as the one-tuple of its `placed` argument; None if there is none."""
-        specs = tuple(specs)
-        last = self._last_layout
-        if last is not None and last[2].key in self.accepted and last[0] == specs:
-            return (last[1],)
-        for (known, placed), layout in self.layouts.items():
-            if layout.key in self.accepted and known == specs:
-                return (placed,)
-        return None
 
     def send(
         self,
@@ -281,18 +261,12 @@ class UpdateSender:
         generation: int = 0,
         placed: tuple | None = None,
         reads_end: Callable[[], None] | None = None,
-        pushed: bool = False,
     ) -> int:
         """`placed`: (placement, buffer sizes) when the tensors stay where the sender keeps them
         (checked against the specs by the transport); `send_buckets` then gets (bucket, None)
-        pairs: nothing to move, only the buffers to hand over. `pushed`: the transport has
-        already written the tensors into every receiver's own (`placed` names a layout they
-        accepted before, `accepted_layout`): nothing moves, the manifest says so, and the
-        update is done once `reads_end` (the transport's own writes) returns; the receivers'
-        reports, read during the next send (which raises once its own update is done) or at
-        close, can only say one failed to take the manifest. `reads_end`: called once every
+        pairs: nothing to move, only the buffers to hand over. `reads_end`: called once every
         receiver has reported, failed or not, to wait until their reads of the sender's memory
-        (or its writes into theirs) have ended."""
+        have ended."""
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
@@ -305,15 +279,10 @@ class UpdateSender:
                 f"{self.control.where} is out of step since {self.broken}; "
                 "create a new sender and receivers"
             )
-        earlier = self.unconfirmed  # the last pushed update's reports
-        if not pushed:
-            self.confirm()
         version = self.version + 1 if version is None else int(version)
         layout = self.layout(specs, placed)
         handshake = layout.key not in self.accepted
-        if pushed and handshake:
-            raise ValueError("only a layout every receiver accepted before can be pushed")
-        manifest = Manifest(version, layout.key, self.checksums, generation, handshake, pushed)
+        manifest = Manifest(version, layout.key, self.checksums, generation, handshake)
         seq = self.seq
         self.control.publish_manifest(seq, manifest, len(layout.buckets))
         rejected = []
@@ -323,18 +292,6 @@ class UpdateSender:
         self.seq += 1
         if rejected:
             raise MismatchError(f"update to version {version} refused:\n  " + "\n  ".join(rejected))
-        if pushed:  # in the receivers' weights once our writes end; reports read next time
-            self.unconfirmed, self.version = (seq, version), version
-            failure = None
-            try:  # the last push's reports (there by now) while our copy runs
-                if earlier is not None:
-                    self._check_reports(*earlier)
-            except WeightSyncError as err:
-                failure = err  # raised once this update is done: the group stays in step
-            reads_end()
-            if failure is not None:
-                raise failure
-            return version
         if placed is None:
             stream = _bucketed(iter(named_tensors), layout.buckets, check=not trusted)
         else:
@@ -362,34 +319,12 @@ class UpdateSender:
         self.version = version
         return version
 
-    def confirm(self, timeout: float | None = None) -> None:
-        """Read the receivers' reports on the last pushed update (sent by now, as each took
-        its manifest): raise if one could not."""
-        if self.unconfirmed is not None:
-            unconfirmed, self.unconfirmed = self.unconfirmed, None
-            self._check_reports(*unconfirmed, timeout)
-
-    def _check_reports(self, seq: int, version: int, timeout: float | None = None) -> None:
-        failed = self.control.collect(seq, "done", timeout)
-        if failed:
-            self.accepted.clear()  # check every layout with the receivers again
-            raise WeightSyncError(
-                f"update to version {version} was written into the receivers' weights, but "
-                "not every receiver took it:\n  " + "\n  ".join(failed)
-            )
-
     def end(self, timeout: float) -> None:
         """Tell the receivers the stream ended (each one's `receive` returns None), waiting up
         to `timeout` seconds for them to read it: the group goes when the sender closes. Not
         after a failure in mid-transfer, where receivers are out of step (they time out)."""
         if not self.broken and not self.control._aborted:
             self.control.end(self.seq, timeout)
-
-    def settle(self, timeout: float) -> None:
-        """Before the group closes: wait up to `timeout` seconds for the receivers to take the
-        manifest of a last pushed update (closing takes the store, and it, away)."""
-        with contextlib.suppress(WeightSyncError):  # closing anyway: it is in their weights
-            self.confirm(timeout)
 
     def packed(self, seq: int, bucket: Bucket, buffer: torch.Tensor) -> None:
         """Transports call this once a bucket is packed: publishes its checksum when enabled."""
@@ -582,6 +517,25 @@ class Update:
         return tensor
 
 
+class LoadsInto:
+    """`receive_into`, the same for every receiver (its `receive` does the transport's part)."""
+
+    def receive_into(
+        self,
+        targets: Mapping[str, torch.Tensor],
+        loaded: list[str] | None = None,
+        timeout: float | None = None,
+    ) -> int | None:
+        """`receive(expected=targets, cast=True, partial=True)`, then `load_into(targets,
+        loaded)`: the version loaded, None once the stream ended. An update may fill some of
+        the targets only (`loaded` names those it did)."""
+        update = self.receive(expected=targets, cast=True, timeout=timeout, partial=True)
+        if update is None:
+            return None
+        update.load_into(targets, loaded)
+        return update.version
+
+
 def open_update(
     control: Control,
     state: ReceiverState,
@@ -612,8 +566,7 @@ def open_update(
     if layout is None:
         check = Layout.from_wire(manifest.layout)
         layout = state.layouts[manifest.layout] = control.read_layout(manifest.layout, check)
-    # pushed: the sender wrote into the tensors this receiver offered, as their specs
-    wanted = None if manifest.pushed else expected_specs(expected)
+    wanted = expected_specs(expected)
     problems = check_specs(layout.specs, wanted, cast, partial)
     finish = finish or functools.partial(_report_done, control)
     update = Update(control, seq, manifest, layout, state, receive_buckets, finish, wanted, cast)
