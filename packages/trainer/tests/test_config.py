@@ -66,7 +66,13 @@ def test_trainer_table_gives_each_call_its_keywords():
     assert table.estimate_options() == dict(
         kl_coef=0.05, kl_kind="k1", kl_in="reward", kl_max=10.0, gamma=0.9, lam=0.95
     )
-    assert table.epoch_options() == dict(epochs=2, mini_batches=1, micro_batch_size=64)
+    assert table.epoch_options() == dict(
+        epochs=2,
+        mini_batches=1,
+        micro_batch_size=64,
+        micro_batch_tokens=8192,
+        pack_sequences=False,
+    )
     assert TrainerConfig(kl_coef=0.05).loss_options()["kl_coef"] == 0.05
 
 

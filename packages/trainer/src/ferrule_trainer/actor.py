@@ -5,6 +5,8 @@
     batch["ref_logprobs"] = reference.logprobs(batch)          # layout: sequences.py
     metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
     metrics = actor.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8, clip_low=0.2)
+    metrics = actor.train_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=64,
+                                 micro_batch_tokens=8192, pack_sequences=True)  # by tokens
     metrics = actor.likelihood_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=8)  # SFT
     metrics = actor.preference_epochs(pairs, epochs=1, mini_batches=1, micro_batch_size=8, beta=0.1)
     sender.send(actor.export_weights(dtype=torch.bfloat16), specs=actor.weight_specs(torch.bfloat16))
@@ -123,9 +125,14 @@ class Actor(TrainedModel):
         batch: dict[str, torch.Tensor],
         micro_batch_size: int | None = None,
         temperature: float | None = None,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
     ) -> torch.Tensor:
         """(B, R) log-probabilities of the response tokens (the reference's or the old policy's),
-        on the host; the forward passes take `micro_batch_size` rows at a time (None: all).
+        on the host; the forward passes take `micro_batch_size` rows at a time (None: all), and
+        with `micro_batch_tokens` rows sorted by length within that many tokens each (`packed`:
+        without padding; see sequences.forward_in_micro_batches), 0 on padding.
         `temperature`: of the softmax (None: the rollout's, as the sampler drew the tokens;
         1.0: the model's own distribution, what DPO compares)."""
         was_training = self.engine.training
@@ -133,11 +140,13 @@ class Actor(TrainedModel):
         temperature = self.temperature if temperature is None else temperature
 
         def forward(micro_batch):
-            logits = response_logits(self.engine, micro_batch)
+            logits = response_logits(self.engine, micro_batch, packed)
             return token_logprobs(logits, response_tokens(micro_batch), temperature)
 
         try:
-            return forward_in_micro_batches(forward, batch, micro_batch_size, self.device)
+            return forward_in_micro_batches(
+                forward, batch, micro_batch_size, self.device, micro_batch_tokens, packed
+            )
         finally:
             self.engine.train(was_training)
 
@@ -154,8 +163,10 @@ class Actor(TrainedModel):
         kl_max: float | None = 10.0,
         ratio_level: str = "token",
         entropy_coef: float = 0.0,
+        packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the PPO clipped loss over this rank's micro-batches.
+        """One optimizer step of the PPO clipped loss over this rank's micro-batches (`packed`:
+        each forward packs its micro-batch's rows without padding, `sequences.packed_inputs`).
 
         Each micro-batch holds the layout of sequences.py plus (B, R) "old_logprobs" and
         "advantages", "ref_logprobs" when kl_coef > 0, and optionally "is_weights" (rollout /
@@ -183,7 +194,7 @@ class Actor(TrainedModel):
 
         def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro_batch["response_mask"]
-            logits = response_logits(self.engine, micro_batch)
+            logits = response_logits(self.engine, micro_batch, packed)
             logprobs = token_logprobs(logits, response_tokens(micro_batch), self.temperature)
             old = logprobs.detach() if on_policy else micro_batch["old_logprobs"]
             pg = policy_loss(
@@ -229,17 +240,19 @@ class Actor(TrainedModel):
     def likelihood_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
         """SFT on chosen samples (rejection sampling): `rl.ppo_epochs` of `likelihood_step` over
         this rank's share of the batch (layout of sequences.py); options: epochs, mini_batches,
-        micro_batch_size."""
+        micro_batch_size, micro_batch_tokens, pack_sequences."""
         return ppo_epochs(self.likelihood_step, batch, **options)
 
-    def likelihood_step(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def likelihood_step(
+        self, micro_batches: Sequence[dict[str, torch.Tensor]], *, packed: bool = False
+    ) -> dict[str, float]:
         """One optimizer step of the responses' negative log-likelihood, the mean over the valid
         response tokens of the step on all ranks."""
         micro_batches = self._on_device(micro_batches)
         tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
 
         def loss_fn(micro_batch):
-            logits = response_logits(self.engine, micro_batch)
+            logits = response_logits(self.engine, micro_batch, packed)
             logprobs = token_logprobs(logits, response_tokens(micro_batch))
             nll = aggregate_loss(-logprobs, micro_batch["response_mask"], num_tokens=tokens)
             return nll, {}
@@ -280,6 +293,7 @@ class Actor(TrainedModel):
         kind: str = "sigmoid",
         label_smoothing: float = 0.0,
         nll_coef: float = 0.0,
+        packed: bool = False,
     ) -> dict[str, float]:
         """One optimizer step of DPO (pairwise.dpo_loss) over the pairs of `micro_batches` (see
         preference_epochs), the mean over the step's pairs on all ranks; nll_coef > 0 adds the
@@ -292,7 +306,7 @@ class Actor(TrainedModel):
 
         def loss_fn(micro_batch):
             mask = micro_batch["response_mask"].float()
-            logits = response_logits(self.engine, micro_batch)
+            logits = response_logits(self.engine, micro_batch, packed)
             lengths = mask.sum(-1).clamp(min=1)
             sums = (token_logprobs(logits, response_tokens(micro_batch)) * mask).sum(-1)
             ref = (micro_batch["ref_logprobs"].float() * mask).sum(-1)
@@ -321,7 +335,8 @@ class Actor(TrainedModel):
 
     def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
         """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see
-        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, then train_step's keywords).
+        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, micro_batch_tokens,
+        pack_sequences, then train_step's keywords).
         A batch without "old_logprobs" must take exactly one optimizer step (see train_step)."""
         steps = options.get("epochs", 1) * options.get("mini_batches", 1)
         if "old_logprobs" not in batch and steps != 1:

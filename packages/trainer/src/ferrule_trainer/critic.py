@@ -86,17 +86,25 @@ class Critic(TrainedModel):
 
     @torch.no_grad()
     def values(
-        self, batch: dict[str, torch.Tensor], micro_batch_size: int | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int | None = None,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
     ) -> torch.Tensor:
         """(B, R) values of the states before each response token, on the host; the forward
-        passes take `micro_batch_size` rows at a time (None: all)."""
+        passes take `micro_batch_size` rows at a time (None: all), and with
+        `micro_batch_tokens` as `Actor.logprobs` does."""
         self.engine.eval()
         try:
             return forward_in_micro_batches(
-                lambda mb: response_values(self.engine, mb),
+                lambda mb: response_values(self.engine, mb, packed),
                 batch,
                 micro_batch_size,
                 engine.device(),
+                micro_batch_tokens,
+                packed,
             )
         finally:
             self.engine.train()
@@ -107,9 +115,10 @@ class Critic(TrainedModel):
         *,
         clip: float | None = 0.2,
         agg_mode: str = "token-mean",
+        packed: bool = False,
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss; micro-batches carry (B, R) "old_values"
-        and "returns" beside the layout of sequences.py."""
+        and "returns" beside the layout of sequences.py (`packed`: as `Actor.train_step`)."""
         for micro_batch in micro_batches:
             check_batch(micro_batch, "old_values", "returns")
         micro_batches = [to_device(mb, engine.device()) for mb in micro_batches]
@@ -117,7 +126,7 @@ class Critic(TrainedModel):
         sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
 
         def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-            values = response_values(self.engine, micro_batch)
+            values = response_values(self.engine, micro_batch, packed)
             result = value_loss(
                 values,
                 micro_batch["old_values"],

@@ -25,7 +25,7 @@ from ferrule_trainer.reward_shaping import (
     shape_scores,
     token_rewards,
 )
-from ferrule_trainer.sequences import split
+from ferrule_trainer.sequences import plan_micro_batches, split, take
 
 Batch = dict[str, torch.Tensor]
 __all__ = [
@@ -260,19 +260,36 @@ def ppo_epochs(
     epochs: int,
     mini_batches: int,
     micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    pack_sequences: bool = False,
     unit: int = 1,
     **loss_options,
 ) -> dict[str, float]:
     """`epochs` passes over `batch`, `mini_batches` optimizer steps each, every step in
-    micro-batches of `micro_batch_size`; returns each metric's mean over the steps. `unit`:
-    rows that stay together in every mini- and micro-batch (2: preference pairs)."""
+    micro-batches of `micro_batch_size` rows; returns each metric's mean over the steps. With
+    `micro_batch_tokens`, each mini-batch's rows are sorted by length into micro-batches of at
+    most that many tokens (and `micro_batch_size` rows): `sequences.plan_micro_batches`.
+    `pack_sequences`: each micro-batch is one row without padding (the step gets packed=True).
+    The step's loss is aggregated over the whole mini-batch's counts, so the split does not
+    change it. `unit`: rows that stay together in every mini- and micro-batch (2: preference pairs)."""
     size = max(batch["input_ids"].shape[0] // unit // mini_batches, 1) * unit
     micro = max(micro_batch_size // unit, 1) * unit
+    if pack_sequences:
+        loss_options = dict(loss_options, packed=True)
+
+    def micro_batches(mini: Batch) -> list[Batch]:
+        if micro_batch_tokens is None:
+            return split(mini, micro)
+        plan = plan_micro_batches(
+            mini, max_rows=micro, max_tokens=micro_batch_tokens, packed=pack_sequences, unit=unit
+        )
+        return [take(mini, rows) for rows in plan]
+
     totals: dict[str, float] = {}
     steps = 0
     for _ in range(epochs):
         for mini in split(batch, size):
-            for key, value in train_step(split(mini, micro), **loss_options).items():
+            for key, value in train_step(micro_batches(mini), **loss_options).items():
                 totals[key] = totals.get(key, 0.0) + value
             steps += 1
     return {key: value / steps for key, value in totals.items()}

@@ -61,23 +61,144 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def row_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's real prompt and response tokens, (B,) and (B,)."""
+    response_len = batch["response_mask"].shape[1]
+    attention = batch["attention_mask"]
+    return attention[:, :-response_len].sum(-1), attention[:, -response_len:].sum(-1)
+
+
+def plan_micro_batches(
+    batch: dict[str, torch.Tensor],
+    *,
+    max_rows: int,
+    max_tokens: int,
+    packed: bool = False,
+    unit: int = 1,
+) -> list[list[int]]:
+    """The rows of each micro-batch, by a token budget: rows sorted by length, longest first,
+    into micro-batches of at most `max_rows` rows whose padded size (rows x the longest prompt
+    + the longest response among them, see `take`) stays within `max_tokens`; `packed`: whose
+    real tokens (one row of them back to back, `response_logits(packed=True)`) do. A row
+    longer than the budget goes alone. `unit` rows stay together (2: preference pairs).
+    Sorting keeps rows of like length together, so little of the budget is padding."""
+    if max_tokens < 1 or max_rows < 1:
+        raise ValueError(f"max_tokens and max_rows must be >= 1, got {max_tokens}, {max_rows}")
+    prompt, response = (x.view(-1, unit).amax(-1).clamp(min=1).tolist() for x in row_lengths(batch))
+    units = sorted(range(len(prompt)), key=lambda u: (-(prompt[u] + response[u]), u))
+    max_units = max(max_rows // unit, 1)
+    groups: list[list[int]] = []
+    if packed:  # first fit, decreasing: each micro-batch is one row of its real tokens
+        room: list[int] = []
+        for u in units:
+            size = unit * (prompt[u] + response[u])
+            fit = next(
+                (g for g, left in enumerate(room) if size <= left and len(groups[g]) < max_units),
+                None,
+            )
+            if fit is None:
+                groups.append([])
+                room.append(max_tokens)
+                fit = len(groups) - 1
+            groups[fit].append(u)
+            room[fit] -= size
+    else:  # in sorted order: a new micro-batch where the next row would pass the budget
+        longest = (0, 0)
+        for u in units:
+            wider = (max(longest[0], prompt[u]), max(longest[1], response[u]))
+            rows = unit * (len(groups[-1]) + 1) if groups else 0
+            if not groups or len(groups[-1]) >= max_units or rows * sum(wider) > max_tokens:
+                groups.append([])
+                wider = (prompt[u], response[u])
+            groups[-1].append(u)
+            longest = wider
+    return [[u * unit + i for u in group for i in range(unit)] for group in groups]
+
+
+def take(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """The micro-batch of `rows`, without the columns that are padding in all of them: the
+    prompt columns left of its longest prompt and the response columns right of its longest
+    response (per-token tensors, (B, R), lose the same response columns)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    prompt, response = row_lengths(
+        {k: batch[k][index] for k in ("attention_mask", "response_mask")}
+    )
+    start = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    keep_prompt, keep_response = max(int(prompt.max()), 1), max(int(response.max()), 1)
+    columns = slice(start - keep_prompt, start + keep_response)
+    out = {}
+    for key, value in batch.items():
+        value = value[index]
+        if key in ("input_ids", "attention_mask"):
+            value = value[:, columns]
+        elif value.dim() >= 2:  # per-token, (B, R)
+            value = value[:, :keep_response]
+        out[key] = value
+    return out
+
+
 def forward_in_micro_batches(
-    forward, batch: dict[str, torch.Tensor], size: int | None, device: torch.device
+    forward,
+    batch: dict[str, torch.Tensor],
+    size: int | None,
+    device: torch.device,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """`forward(micro_batch)` over micro-batches of `size` rows (None: all at once) on `device`,
     concatenated on the host. A forward's activations and logits scale with its rows: a whole
-    rank's shard at once can be far larger than the device."""
-    parts = [
-        forward(to_device(mb, device)).cpu() for mb in split(batch, size or len(batch["input_ids"]))
-    ]
-    return torch.cat(parts)
+    rank's shard at once can be far larger than the device. With `max_tokens`, the micro-batches
+    are `plan_micro_batches` of that budget (`packed`: one row each, `forward` packs it), each
+    trimmed by `take`; the (B, R) result comes back in the batch's row order, 0 on padding."""
+    rows = len(batch["input_ids"])
+    if max_tokens is None:
+        parts = [forward(to_device(mb, device)).cpu() for mb in split(batch, size or rows)]
+        return torch.cat(parts)
+    response_len = batch["response_mask"].shape[1]
+    out = None
+    for group in plan_micro_batches(
+        batch, max_rows=size or rows, max_tokens=max_tokens, packed=packed
+    ):
+        part = forward(to_device(take(batch, group), device)).cpu()
+        if out is None:
+            out = part.new_zeros((rows, response_len, *part.shape[2:]))
+        out[torch.tensor(group), : part.shape[1]] = part
+    real = batch["attention_mask"][:, -response_len:].bool()
+    return torch.where(real.view(*real.shape, *[1] * (out.dim() - 2)), out, 0)
 
 
-def response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def packed_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The rows of `batch` packed without padding: (1, N) input ids of every row's real tokens
+    back to back, (1, N) position ids that restart at 0 with each row, and the (B, R) indices
+    into the N positions of those whose output predicts each response token (padding: any).
+
+    Given position ids and no attention mask, transformers' sdpa and eager attention build a
+    document mask from the restarts (`masking_utils.find_packed_sequence_indices`) and flash
+    attention runs variable-length kernels, so no token attends across rows."""
+    attention = batch["attention_mask"].bool()
+    lengths = attention.sum(-1)
+    starts = lengths.cumsum(0) - lengths
+    ids = batch["input_ids"][attention]  # row-major: each row's prompt, then its response
+    positions = torch.arange(len(ids), device=ids.device) - starts.repeat_interleave(lengths)
+    prompt, _ = row_lengths(batch)
+    response_len = batch["response_mask"].shape[1]
+    column = torch.arange(response_len, device=ids.device)
+    index = (starts + prompt - 1)[:, None] + column
+    index = torch.minimum(index, (starts + lengths - 1)[:, None]).clamp(min=0)
+    return ids[None], positions[None], index
+
+
+def response_logits(model, batch: dict[str, torch.Tensor], packed: bool = False) -> torch.Tensor:
     """(B, R, vocab) logits that predict the R response tokens. Only the last R + 1 positions go
     through the LM head (`logits_to_keep`): with a 150k vocabulary the full logits would be the
-    largest tensor of the step."""
+    largest tensor of the step. `packed`: one forward of `packed_inputs(batch)`, no padding."""
     response_len = check_batch(batch)
+    if packed:
+        ids, positions, index = packed_inputs(batch)
+        output = model(
+            input_ids=ids, position_ids=positions, logits_to_keep=index.flatten(), use_cache=False
+        )
+        return output.logits.view(*index.shape, -1)
     output = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -106,10 +227,14 @@ def response_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return batch["input_ids"][:, -batch["response_mask"].shape[1] :]
 
 
-def response_values(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_values(model, batch: dict[str, torch.Tensor], packed: bool = False) -> torch.Tensor:
     """(B, R) critic values: the value of the state before each response token, read at the same
-    positions as the logits that predict it."""
+    positions as the logits that predict it. `packed`: as `response_logits`."""
     response_len = check_batch(batch)
+    if packed:
+        ids, positions, index = packed_inputs(batch)
+        output = model(input_ids=ids, position_ids=positions, use_cache=False)
+        return output.logits[0, :, 0][index].float()
     output = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],

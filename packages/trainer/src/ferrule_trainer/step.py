@@ -45,10 +45,23 @@ class Ranks(Protocol):
     size: int
 
     def logprobs(
-        self, batch: rl.Batch, micro_batch_size: int, temperature: float | None = None
+        self,
+        batch: rl.Batch,
+        micro_batch_size: int,
+        temperature: float | None = None,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
     ) -> Pending: ...
 
-    def values(self, batch: rl.Batch, micro_batch_size: int) -> Pending: ...
+    def values(
+        self,
+        batch: rl.Batch,
+        micro_batch_size: int,
+        *,
+        micro_batch_tokens: int | None = None,
+        packed: bool = False,
+    ) -> Pending: ...
 
     def train_epochs(self, batch: rl.Batch, **options) -> Pending: ...
 
@@ -65,11 +78,15 @@ class LocalRanks:
     def __init__(self, model):
         self.model = model
 
-    def logprobs(self, batch, micro_batch_size, temperature=None) -> Pending:
-        return _done(self.model.logprobs(batch, micro_batch_size, temperature))
+    def logprobs(
+        self, batch, micro_batch_size, temperature=None, *, micro_batch_tokens=None, packed=False
+    ) -> Pending:
+        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
+        return _done(self.model.logprobs(batch, micro_batch_size, temperature, **tokens))
 
-    def values(self, batch, micro_batch_size) -> Pending:
-        return _done(self.model.values(batch, micro_batch_size))
+    def values(self, batch, micro_batch_size, *, micro_batch_tokens=None, packed=False) -> Pending:
+        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
+        return _done(self.model.values(batch, micro_batch_size, **tokens))
 
     def train_epochs(self, batch, **options) -> Pending:
         return _done(self.model.train_epochs(batch, **options))
@@ -196,14 +213,14 @@ class RLStep:
             shaped, self.reward_moments, norm=t.reward_norm, clip=t.reward_clip
         )
         batch = rl.build_batch(samples, self.pad_id)
-        rows_per_pass = t.forward_batch_size or t.micro_batch_size
+        forward = t.forward_options()  # rows and tokens per pass
         pending = {}
         if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
-            pending["old"] = self.policy.logprobs(batch, rows_per_pass)
+            pending["old"] = self.policy.logprobs(batch, **forward)
         if self.reference is not None:
-            pending["ref"] = self.reference.logprobs(batch, rows_per_pass)
+            pending["ref"] = self.reference.logprobs(batch, **forward)
         if self.critic_ranks is not None:
-            pending["values"] = self.critic_ranks.values(batch, rows_per_pass)
+            pending["values"] = self.critic_ranks.values(batch, **forward)
         done = {name: wait() for name, wait in pending.items()}
         old, ref, values = done.get("old"), done.get("ref"), done.get("values")
         advantages, returns = rl.estimate(
@@ -302,8 +319,8 @@ class RLStep:
             return {"train/pairs": 0}
         rows = [i for pair in pairs for i in pair]  # chosen in even rows, rejected in odd ones
         batch = rl.build_batch([samples[i] for i in rows], self.pad_id)
-        micro = self.trainer.micro_batch_size
-        batch["ref_logprobs"] = self.reference.logprobs(batch, micro, temperature=1.0)()
+        forward = self.trainer.forward_options()
+        batch["ref_logprobs"] = self.reference.logprobs(batch, temperature=1.0, **forward)()
         metrics = self.policy.preference_epochs(
             batch, **self.trainer.epoch_options(), beta=self.dpo_beta, nll_coef=self.dpo_nll_coef
         )()

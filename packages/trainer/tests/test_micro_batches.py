@@ -1,0 +1,260 @@
+"""Micro-batches by a token budget ([trainer] micro_batch_tokens) and packed sequences
+(pack_sequences): the same log-probabilities, values, losses and gradients as one whole batch,
+in the batch's row order."""
+
+import pytest
+import torch
+
+from ferrule_testkit import tiny_model
+from ferrule_trainer.config import TrainerConfig
+from ferrule_trainer.sequences import plan_micro_batches, row_lengths, take
+
+B, T, R = 8, 24, 10
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Rows of unlike lengths: left-padded prompts of 3-14 tokens, right-padded responses of
+    1-10, one response with tokens an environment inserted (attended to, no loss)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 500, (B, T), generator=generator)
+    attention = torch.zeros(B, T, dtype=torch.long)
+    prompts = torch.randint(3, T - R + 1, (B,), generator=generator)
+    responses = torch.randint(1, R + 1, (B,), generator=generator)
+    responses[2] = R  # one full-length response
+    for row in range(B):
+        attention[row, T - R - prompts[row] : T - R + responses[row]] = 1
+    response_mask = attention[:, -R:].clone()
+    response_mask[2, 3:5] = 0  # an environment's tokens
+    batch = dict(input_ids=ids, attention_mask=attention, response_mask=response_mask)
+    batch["advantages"] = torch.randn(B, R, generator=generator)
+    return batch
+
+
+def _padded_cost(batch, rows):
+    prompt, response = row_lengths({k: batch[k][rows] for k in ("attention_mask", "response_mask")})
+    return len(rows) * (int(prompt.max()) + int(response.max()))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("max_tokens, max_rows", [(60, 8), (100, 3), (1, 8), (10_000, 8)])
+def test_the_plan_covers_every_row_once_within_the_budget_and_the_row_bound(
+    max_tokens, max_rows, packed
+):
+    batch = _batch()
+    plan = plan_micro_batches(batch, max_rows=max_rows, max_tokens=max_tokens, packed=packed)
+    assert sorted(row for rows in plan for row in rows) == list(range(B))
+    prompt, response = row_lengths(batch)
+    for rows in plan:
+        assert len(rows) <= max_rows
+        if len(rows) > 1:  # a row over the budget goes alone
+            real = int((prompt[rows] + response[rows]).sum())
+            assert (real if packed else _padded_cost(batch, rows)) <= max_tokens
+    if max_tokens == 1:
+        assert all(len(rows) == 1 for rows in plan)
+    if max_tokens == 10_000:
+        assert len(plan) == -(-B // max_rows)
+
+
+def test_the_plan_sorts_rows_by_length_and_keeps_units_together():
+    batch = _batch()
+    prompt, response = row_lengths(batch)
+    lengths = (prompt + response).tolist()
+    plan = plan_micro_batches(batch, max_rows=3, max_tokens=10_000)
+    order = [row for rows in plan for row in rows]
+    assert [lengths[row] for row in order] == sorted(lengths, reverse=True)
+    pairs = plan_micro_batches(batch, max_rows=4, max_tokens=70, unit=2)
+    for rows in pairs:  # whole pairs, chosen (even) before rejected (odd)
+        assert all(rows[i] % 2 == 0 and rows[i + 1] == rows[i] + 1 for i in range(0, len(rows), 2))
+        assert len(rows) == 2 or _padded_cost(batch, rows) <= 70
+
+
+def test_take_drops_the_columns_that_are_padding_in_every_row_it_takes():
+    batch = _batch()
+    prompt, response = row_lengths(batch)
+    rows = [1, 5]
+    part = take(batch, rows)
+    p, r = int(prompt[rows].max()), int(response[rows].max())
+    assert part["input_ids"].shape == (2, p + r) and part["response_mask"].shape == (2, r)
+    assert part["advantages"].shape == (2, r)
+    torch.testing.assert_close(
+        part["input_ids"], batch["input_ids"][rows][:, T - R - p : T - R + r]
+    )
+    torch.testing.assert_close(part["advantages"], batch["advantages"][rows][:, :r])
+    assert int(part["attention_mask"].sum()) == int(batch["attention_mask"][rows].sum())
+
+
+@pytest.fixture(scope="module")
+def actor():
+    from ferrule_trainer.actor import Actor
+
+    return Actor(tiny_model("qwen2"), train=False, zero_stage=0, dtype="float32", temperature=0.7)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("tokens, rows", [(60, None), (100, 3), (1, None), (10_000, 2)])
+def test_logprobs_by_tokens_equal_the_whole_batch_in_row_order(actor, tokens, rows, packed):
+    """Sorted, split (a budget of 1 token: one row each), trimmed and packed: the old policy's and
+    the reference's log-probabilities come back in the batch's order, 0 on padding."""
+    batch = _batch()
+    whole = actor.logprobs(batch)
+    by_tokens = actor.logprobs(batch, rows, micro_batch_tokens=tokens, packed=packed)
+    real = batch["attention_mask"][:, -R:].bool()
+    torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
+    assert (by_tokens[~real] == 0).all()
+
+
+def test_packed_rows_do_not_attend_to_each_other(actor):
+    """The document mask of a packed row: changing one sequence's tokens changes nothing of the
+    others' log-probabilities (without it, every later sequence would read the earlier ones)."""
+    batch = _batch()
+    other = dict(batch, input_ids=batch["input_ids"].clone())
+    other["input_ids"][0] = (other["input_ids"][0] + 7) % 500
+    packed = dict(micro_batch_tokens=10_000, packed=True)
+    one, two = actor.logprobs(batch, **packed), actor.logprobs(other, **packed)
+    torch.testing.assert_close(one[1:], two[1:], rtol=0, atol=0)
+    assert not torch.equal(one[0], two[0])
+
+
+def test_critic_values_by_tokens_equal_the_whole_batch():
+    from ferrule_trainer.critic import Critic
+
+    critic = Critic(tiny_model("qwen2"), zero_stage=0, dtype="float32")
+    batch = _batch()
+    whole = critic.values(batch)
+    real = batch["attention_mask"][:, -R:].bool()
+    for tokens, packed in [(50, False), (1, False), (50, True)]:
+        by_tokens = critic.values(batch, 4, micro_batch_tokens=tokens, packed=packed)
+        torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
+
+
+def _with_gradients(model):
+    """Records the gradients each optimizer step applies (ZeRO-0, fp32: they are the .grad of
+    the parameters when `engine.step` is called)."""
+    seen = []
+    step = model.engine.step
+
+    def recording_step(*args, **kwargs):
+        grads = {
+            n: p.grad.clone()
+            for n, p in model.engine.module.named_parameters()
+            if p.grad is not None
+        }
+        seen.append(grads)
+        return step(*args, **kwargs)
+
+    model.engine.step = recording_step
+    return seen
+
+
+def _assert_same_steps(ours, theirs, ours_grads, theirs_grads):
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+    assert len(ours_grads) == len(theirs_grads) > 0
+    for mine, whole in zip(ours_grads, theirs_grads, strict=True):
+        assert mine.keys() == whole.keys()
+        for name in whole:  # to float32 rounding of sums in another order
+            scale = float(whole[name].abs().max())
+            torch.testing.assert_close(mine[name], whole[name], rtol=1e-4, atol=1e-4 * scale)
+
+
+POLICY_CASES = [
+    dict(),  # on-policy: the training forward supplies the old log-probabilities
+    dict(old=True, kl_coef=0.05, entropy_coef=0.01),
+    dict(old=True, agg_mode="seq-mean-token-mean", mini_batches=2),
+    dict(old=True, agg_mode="seq-mean-token-sum", ratio_level="sequence", clip_low=3e-4),
+]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("case", POLICY_CASES, ids=lambda c: "-".join(map(str, c.items())))
+def test_a_policy_step_by_tokens_equals_the_step_over_the_whole_batch(case, packed):
+    from ferrule_trainer.actor import Actor
+
+    case = dict(case)
+    model = tiny_model("qwen2")
+    common = dict(dtype="float32", zero_stage=0, seed=0, temperature=0.7, learning_rate=1e-2)
+    whole, by_tokens = Actor(model, **common), Actor(model, **common)
+    batch = _batch()
+    generator = torch.Generator().manual_seed(1)
+    old = whole.logprobs(batch) - 0.1 * torch.rand(B, R, generator=generator)
+    if case.pop("old", False):
+        batch["old_logprobs"] = old
+    if case.get("kl_coef"):
+        batch["ref_logprobs"] = old + 0.1 * torch.randn(B, R, generator=generator)
+    else:
+        batch["rollout_logprobs"] = old
+    mini = case.pop("mini_batches", 1)
+    options = dict(epochs=1, mini_batches=mini, **case)
+    grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
+
+    reference = whole.train_epochs(batch, micro_batch_size=B, **options)
+    ours = by_tokens.train_epochs(
+        batch, micro_batch_size=3, micro_batch_tokens=50, pack_sequences=packed, **options
+    )
+
+    _assert_same_steps(ours, reference, grads_tokens, grads_whole)
+    assert len(grads_whole) == mini
+    for key in ("vllm_kl", "kl"):
+        if key in reference:
+            assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7)
+
+
+def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():
+    """The recipes' steps (rejection sampling's likelihood, iterative DPO's pairs, split by
+    tokens in whole pairs) give the same loss and gradients as well."""
+    from ferrule_trainer.actor import Actor
+
+    model = tiny_model("qwen2")
+    common = dict(dtype="float32", zero_stage=0, seed=0, learning_rate=1e-2)
+    batch = _batch()
+    batch["ref_logprobs"] = -torch.rand(B, R, generator=torch.Generator().manual_seed(2))
+    for method, options in [
+        ("likelihood_epochs", {}),
+        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}),
+    ]:
+        whole, by_tokens = Actor(model, **common), Actor(model, **common)
+        grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
+        steps = dict(epochs=1, mini_batches=1, **options)
+        reference = getattr(whole, method)(batch, micro_batch_size=B, **steps)
+        ours = getattr(by_tokens, method)(
+            batch, micro_batch_size=4, micro_batch_tokens=60, pack_sequences=True, **steps
+        )
+        _assert_same_steps(ours, reference, grads_tokens, grads_whole)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(packed):
+    from ferrule_trainer.critic import Critic
+
+    common = dict(zero_stage=0, dtype="float32", learning_rate=1e-2)
+    whole, by_tokens = Critic(tiny_model("qwen2"), **common), Critic(tiny_model("qwen2"), **common)
+    batch = _batch()
+    batch["old_values"] = whole.values(batch)
+    batch["returns"] = torch.randn(B, R, generator=torch.Generator().manual_seed(3))
+    grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
+    for agg_mode in ("token-mean", "seq-mean-token-mean"):
+        options = dict(epochs=1, mini_batches=1, clip=0.2, agg_mode=agg_mode)
+        reference = whole.train_epochs(batch, micro_batch_size=B, **options)
+        ours = by_tokens.train_epochs(
+            batch, micro_batch_size=B, micro_batch_tokens=40, pack_sequences=packed, **options
+        )
+        _assert_same_steps(ours, reference, grads_tokens[-1:], grads_whole[-1:])
+
+
+def test_the_trainer_table_sets_the_budgets_of_every_pass():
+    t = TrainerConfig()
+    assert t.epoch_options()["micro_batch_tokens"] == 8192
+    assert t.forward_options() == dict(micro_batch_size=64, micro_batch_tokens=8192, packed=False)
+    t = TrainerConfig(
+        micro_batch_size=4,
+        forward_batch_size=16,
+        micro_batch_tokens=2048,
+        forward_batch_tokens=8192,
+        pack_sequences=True,
+    )
+    assert t.forward_options() == dict(micro_batch_size=16, micro_batch_tokens=8192, packed=True)
+    assert t.epoch_options() == dict(
+        epochs=1, mini_batches=1, micro_batch_size=4, micro_batch_tokens=2048, pack_sequences=True
+    )
+    off = TrainerConfig(micro_batch_tokens=None)
+    assert off.forward_options()["micro_batch_tokens"] is None
