@@ -95,10 +95,11 @@ class TrainerConfig(Table):
     """Tokens per forward pass of the old-policy, reference and value passes, at most, as
     micro_batch_tokens (None: micro_batch_tokens); forward_batch_size rows at most."""
     pack_sequences: bool = False
-    """Pack each micro-batch's sequences into one row without padding (positions restarting
-    at 0 for each; transformers' sdpa / eager attention masks across them and flash attention
-    runs variable-length), within micro_batch_tokens / forward_batch_tokens real tokens. For
-    models whose attention builds its mask with transformers' masking utilities (Llama, Qwen2,
+    """Pack each micro-batch's sequences into one row without padding, within
+    micro_batch_tokens / forward_batch_tokens real tokens: positions restart at 0 with each
+    sequence, from which transformers' sdpa and eager attention build a document mask (no
+    token attends across sequences) and flash attention runs variable-length kernels. For
+    models whose attention masks come from transformers' masking utilities (Llama, Qwen2,
     Mistral, ...); the log-probabilities equal the padded ones to rounding."""
     clip_low: float = Field(0.2, ge=0)
     """PPO ratio clip below 1."""
