@@ -223,7 +223,8 @@ def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(packed):
+@pytest.mark.parametrize("tokens", [40, 1])  # 1: every row alone, over the budget
+def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(tokens, packed):
     from ferrule_trainer.critic import Critic
 
     common = dict(zero_stage=0, dtype="float32", learning_rate=1e-2)
@@ -236,7 +237,7 @@ def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(packed):
         options = dict(epochs=1, mini_batches=1, clip=0.2, agg_mode=agg_mode)
         reference = whole.train_epochs(batch, micro_batch_size=B, **options)
         ours = by_tokens.train_epochs(
-            batch, micro_batch_size=B, micro_batch_tokens=40, pack_sequences=packed, **options
+            batch, micro_batch_size=B, micro_batch_tokens=tokens, pack_sequences=packed, **options
         )
         _assert_same_steps(ours, reference, grads_tokens[-1:], grads_whole[-1:])
 
