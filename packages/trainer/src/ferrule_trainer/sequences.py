@@ -10,6 +10,10 @@ column, T - R:
 
 Per-token tensors (old_logprobs, advantages, values, ...) are (B, R) and line up with the last R
 columns of input_ids, as in OpenRLHF's `action_mask` and the losses' `mask`.
+
+Micro-batches by tokens: `plan_micro_batches` sorts rows by length into groups within a token
+budget, `take` cuts a group out without its shared padding, `packed_inputs` lays a group out as
+one row without padding; `forward_in_micro_batches` runs a forward over them in row order.
 """
 
 import torch
