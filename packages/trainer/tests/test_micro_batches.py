@@ -259,3 +259,66 @@ def test_the_trainer_table_sets_the_budgets_of_every_pass():
     )
     off = TrainerConfig(micro_batch_tokens=None)
     assert off.forward_options()["micro_batch_tokens"] is None
+
+
+def _write_jsonl(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
+def test_rlhf_train_by_tokens_takes_the_steps_it_takes_by_rows(tmp_path, kind):
+    """`rlhf-train sft | rm | dpo` with [train] micro_batch_tokens (sequences, or whole pairs,
+    sorted into micro-batches of 40 tokens, most of them alone) give the losses and weights of
+    micro-batches of rows."""
+    from safetensors.torch import load_file
+
+    from ferrule_config import load_config
+    from ferrule_trainer import dpo, rm, sft
+
+    schema, train = {
+        "sft": (sft.SFTConfig, sft.train),
+        "rm": (rm.RMConfig, rm.train),
+        "dpo": (dpo.DPOConfig, dpo.train),
+    }[kind]
+    words = ["a", "bb cc", "ddd eee fff", "g h i j k l m", "nn oo pp qq rr ss tt uu"]
+    rows = [
+        {
+            "prompt": words[i % 5] + f" {i} =",
+            "response": words[(i * 3) % 5],
+            "chosen": words[(i * 3) % 5],
+            "rejected": words[(i * 2 + 1) % 5] + " x",
+        }
+        for i in range(16)
+    ]
+    data = _write_jsonl(tmp_path / "data.jsonl", rows)
+    losses, weights = {}, {}
+    for tokens in ("none", 40):
+        out = tmp_path / str(tokens)
+        path = tmp_path / f"{tokens}.toml"
+        path.write_text(
+            f'[model]\npath = "{tiny_model("qwen2")}"\ndtype = "float32"\nzero_stage = 0\n'
+            f'[data]\npath = "{data}"\n'
+            "[train]\nbatch_size = 8\nmicro_batch_size = 8\nlearning_rate = 1e-3\n"
+            f'micro_batch_tokens = {json_value(tokens)}\n[output]\ndir = "{out}"\n'
+        )
+        lines = []
+        train(load_config(path, schema), log=lines.append)
+        losses[tokens] = [
+            float(line.split(" loss ")[1].split()[0]) for line in lines if line.startswith("step ")
+        ]
+        model = out / ("model" if kind == "sft" else f"{kind}/model")
+        weights[tokens] = {}
+        for file in sorted(model.glob("*.safetensors")):
+            weights[tokens].update(load_file(file))
+    assert len(losses[40]) == len(losses["none"]) == 2
+    assert losses[40] == pytest.approx(losses["none"], rel=1e-4)
+    assert weights[40].keys() == weights["none"].keys()
+    for name, value in weights["none"].items():
+        torch.testing.assert_close(weights[40][name], value, rtol=1e-4, atol=1e-5)
+
+
+def json_value(value):
+    return f'"{value}"' if isinstance(value, str) else str(value)

@@ -22,7 +22,7 @@ from ferrule_config import InputPath, Table
 from ferrule_trainer import engine
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.jsonl import records
-from ferrule_trainer.sft import collate, epoch_order
+from ferrule_trainer.sft import collate, epoch_order, micro_batch_groups
 
 
 class PreferenceDataConfig(Table):
@@ -90,11 +90,17 @@ def _sequence(tokenizer, prompt: str, response: str, max_length: int) -> tuple[l
 def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> dict:
     """Right-padded input_ids, attention_mask and response_mask, (2B, T) each, the chosen
     sequences first; margin (B,)."""
-    sequences = [
-        _sequence(tokenizer, p.prompt, response, max_length)
-        for responses in ([p.chosen for p in pairs], [p.rejected for p in pairs])
-        for p, response in zip(pairs, responses, strict=True)
-    ]
+    return _collate_pairs([_pair(tokenizer, p, max_length) for p in pairs], pairs, pad_id)
+
+
+def _pair(tokenizer, pair: Pair, max_length: int) -> tuple[tuple[list, list], ...]:
+    return tuple(
+        _sequence(tokenizer, pair.prompt, r, max_length) for r in (pair.chosen, pair.rejected)
+    )
+
+
+def _collate_pairs(tokenized: list, pairs: list[Pair], pad_id: int) -> dict:
+    sequences = [chosen for chosen, _ in tokenized] + [rejected for _, rejected in tokenized]
     batch = collate(sequences, pad_id, mask_key="response_mask")
     batch["margin"] = torch.tensor([p.margin for p in pairs])
     return batch
@@ -146,19 +152,15 @@ def train_pairs(
     while step < total:
         epoch, index = divmod(step, steps_per_epoch)
         order = epoch_order(len(pairs), t.seed, epoch)
-        chosen = order[index * t.batch_size : (index + 1) * t.batch_size][rank::world]
+        chosen = [pairs[i] for i in order[index * t.batch_size : (index + 1) * t.batch_size]]
+        chosen = chosen[rank::world]
+        tokenized = [_pair(tokenizer, p, config.data.max_length) for p in chosen]
+        sizes = [(max(len(c), len(r)),) for (c, _), (r, _) in tokenized]
         micro_batches = [
-            {
-                k: v.to(engine.device())
-                for k, v in pair_batch(
-                    tokenizer,
-                    [pairs[i] for i in chosen[first : first + t.micro_batch_size]],
-                    config.data.max_length,
-                    pad_id,
-                ).items()
-            }
-            for first in range(0, len(chosen), t.micro_batch_size)
+            _collate_pairs([tokenized[i] for i in group], [chosen[i] for i in group], pad_id)
+            for group in micro_batch_groups(sizes, t, rows_per_item=2)
         ]
+        micro_batches = [{k: v.to(engine.device()) for k, v in mb.items()} for mb in micro_batches]
         started = time.perf_counter()
         metrics = engine.optimizer_step(
             model.engine, micro_batches, lambda mb: pair_loss(mb, t.batch_size)

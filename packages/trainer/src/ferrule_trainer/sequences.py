@@ -12,8 +12,9 @@ Per-token tensors (old_logprobs, advantages, values, ...) are (B, R) and line up
 columns of input_ids, as in OpenRLHF's `action_mask` and the losses' `mask`.
 
 Micro-batches by tokens: `plan_micro_batches` sorts rows by length into groups within a token
-budget, `take` cuts a group out without its shared padding, `packed_inputs` lays a group out as
-one row without padding; `forward_in_micro_batches` runs a forward over them in row order.
+budget (`group_by_length`, which SFT, RM and DPO use too), `take` cuts a group out without its
+shared padding, `packed_inputs` lays a group out as one row without padding;
+`forward_in_micro_batches` runs a forward over them in row order.
 """
 
 import torch
@@ -72,6 +73,51 @@ def row_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return attention[:, :-response_len].sum(-1), attention[:, -response_len:].sum(-1)
 
 
+def group_by_length(
+    sizes: list[tuple[int, ...]],
+    *,
+    max_items: int,
+    max_tokens: int,
+    rows_per_item: int = 1,
+    packed: bool = False,
+) -> list[list[int]]:
+    """Items (sequences, or pairs of them) grouped into micro-batches by a token budget: sorted
+    by length, longest first, at most `max_items` to a group, and a group's padded size, rows x
+    the sum over an item's parts (a left-padded prompt, a right-padded response) of the longest
+    part in the group, within `max_tokens`; `packed`: its real tokens (rows x an item's parts)
+    within it, first fit. An item over the budget goes alone. Sorting keeps items of like
+    length together, so little of the budget goes to padding. Returns item indices."""
+    if max_tokens < 1 or max_items < 1:
+        raise ValueError(f"max_tokens and max_items must be >= 1, got {max_tokens}, {max_items}")
+    order = sorted(range(len(sizes)), key=lambda i: (-sum(sizes[i]), i))
+    groups: list[list[int]] = []
+    if packed:  # first fit, decreasing
+        room: list[int] = []
+        for i in order:
+            size = rows_per_item * sum(sizes[i])
+            fit = next(
+                (g for g, left in enumerate(room) if size <= left and len(groups[g]) < max_items),
+                None,
+            )
+            if fit is None:
+                groups.append([])
+                room.append(max_tokens)
+                fit = len(groups) - 1
+            groups[fit].append(i)
+            room[fit] -= size
+        return groups
+    widest: tuple[int, ...] = ()
+    for i in order:  # in sorted order: a new group where the next item would pass the budget
+        wider = tuple(map(max, widest, sizes[i])) if widest else sizes[i]
+        rows = rows_per_item * (len(groups[-1]) + 1) if groups else 0
+        if not groups or len(groups[-1]) >= max_items or rows * sum(wider) > max_tokens:
+            groups.append([])
+            wider = sizes[i]
+        groups[-1].append(i)
+        widest = wider
+    return groups
+
+
 def plan_micro_batches(
     batch: dict[str, torch.Tensor],
     *,
@@ -80,42 +126,18 @@ def plan_micro_batches(
     packed: bool = False,
     unit: int = 1,
 ) -> list[list[int]]:
-    """The rows of each micro-batch, by a token budget: rows sorted by length, longest first,
-    into micro-batches of at most `max_rows` rows whose padded size (rows x the longest prompt
-    + the longest response among them, see `take`) stays within `max_tokens`; `packed`: whose
-    real tokens (one row of them back to back, `response_logits(packed=True)`) do. A row
-    longer than the budget goes alone. `unit` rows stay together (2: preference pairs).
-    Sorting keeps rows of like length together, so little of the budget is padding."""
-    if max_tokens < 1 or max_rows < 1:
-        raise ValueError(f"max_tokens and max_rows must be >= 1, got {max_tokens}, {max_rows}")
+    """The rows of each micro-batch of `batch` (the layout above) by a token budget:
+    `group_by_length` of its rows' prompt and response lengths, at most `max_rows` rows each; a
+    group's padded size is what `take` cuts out, its packed size what `packed_inputs` lays out.
+    `unit` rows stay together, in order (2: preference pairs)."""
     prompt, response = (x.view(-1, unit).amax(-1).clamp(min=1).tolist() for x in row_lengths(batch))
-    units = sorted(range(len(prompt)), key=lambda u: (-(prompt[u] + response[u]), u))
-    max_units = max(max_rows // unit, 1)
-    groups: list[list[int]] = []
-    if packed:  # first fit, decreasing: each micro-batch is one row of its real tokens
-        room: list[int] = []
-        for u in units:
-            size = unit * (prompt[u] + response[u])
-            fit = next(
-                (g for g, left in enumerate(room) if size <= left and len(groups[g]) < max_units),
-                None,
-            )
-            if fit is None:
-                groups.append([])
-                room.append(max_tokens)
-                fit = len(groups) - 1
-            groups[fit].append(u)
-            room[fit] -= size
-    else:  # in sorted order: a new micro-batch where the next row would pass the budget
-        longest = (0, 0)
-        for u in units:
-            wider = (max(longest[0], prompt[u]), max(longest[1], response[u]))
-            rows = unit * (len(groups[-1]) + 1) if groups else 0
-            if not groups or len(groups[-1]) >= max_units or rows * sum(wider) > max_tokens:
-                groups.append([])
-                wider = (prompt[u], response[u])
-            groups[-1].append(u)
-            longest = wider
+    groups = group_by_length(
+        list(zip(prompt, response, strict=True)),
+        max_items=max(max_rows // unit, 1),
+        max_tokens=max_tokens,
+        rows_per_item=unit,
+        packed=packed,
+    )
     return [[u * unit + i for u in group for i in range(unit)] for group in groups]
 
 

@@ -29,6 +29,7 @@ from ferrule_trainer.aggregation import aggregate_loss
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import ModelConfig, TrainDType
 from ferrule_trainer.jsonl import records
+from ferrule_trainer.sequences import group_by_length
 
 
 class SFTModelConfig(ModelConfig):
@@ -68,7 +69,12 @@ class SFTTrainConfig(Table):
     batch_size: int = Field(32, ge=1)
     """Sequences per optimizer step over all ranks."""
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward on one rank."""
+    """Sequences (rm, dpo: pairs) per forward/backward on one rank, at most."""
+    micro_batch_tokens: int | None = Field(8192, ge=1)
+    """Tokens per forward/backward on one rank, at most (rows x padded length): each rank's
+    share of a step is sorted by length into micro-batches within it, up to micro_batch_size;
+    a sequence (pair) longer than this goes alone. The loss is the same however the step is
+    split. "none": micro_batch_size in data order."""
     learning_rate: float = Field(1e-5, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -149,6 +155,20 @@ def collate(
     return batch
 
 
+def micro_batch_groups(
+    sizes: list[tuple[int, ...]], train: SFTTrainConfig, rows_per_item: int = 1
+) -> list[list[int]]:
+    """The micro-batches of a rank's share of a step, as indices of its items (sequences; rm,
+    dpo: pairs of `rows_per_item` rows): by [train] micro_batch_tokens
+    (`sequences.group_by_length` of the items' `sizes`), else micro_batch_size in order."""
+    size = train.micro_batch_size
+    if train.micro_batch_tokens is None:
+        return [list(range(i, min(i + size, len(sizes)))) for i in range(0, len(sizes), size)]
+    return group_by_length(
+        sizes, max_items=size, max_tokens=train.micro_batch_tokens, rows_per_item=rows_per_item
+    )
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(num_examples, generator=generator).tolist()
@@ -223,11 +243,8 @@ def train(config: SFTConfig, log=print) -> list[float]:
         chosen = order[index * cfg_t.batch_size : (index + 1) * cfg_t.batch_size][rank::world]
         tokenized = [tokenize(tokenizer, *examples[i], config.data.max_length) for i in chosen]
         micro_batches = [
-            {
-                k: v.to(device)
-                for k, v in collate(tokenized[i : i + cfg_t.micro_batch_size], pad_id).items()
-            }
-            for i in range(0, len(tokenized), cfg_t.micro_batch_size)
+            {k: v.to(device) for k, v in collate([tokenized[i] for i in group], pad_id).items()}
+            for group in micro_batch_groups([(len(ids),) for ids, _ in tokenized], cfg_t)
         ]
         tokens = engine.global_sum(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in micro_batches))
         start = time.perf_counter()
