@@ -60,7 +60,7 @@ def perturbed_and_loaded(engine, sender, policy, seed: int) -> int:
         sending.get()
         return version
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
 
 
 def in_thread(fn, *args, **kwargs) -> "Result":

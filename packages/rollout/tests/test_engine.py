@@ -113,7 +113,7 @@ def test_update_changes_greedy_output_to_the_new_weights(engine, policy, transpo
         sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
         assert engine.update_weights(timeout=60) == version + 1 == sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     after = engine.generate(PROMPTS, GREEDY)
     assert all(s.version == version + 1 for s in after)
     assert_matches_transformers(after, policy, greedy=True)
@@ -151,7 +151,7 @@ def test_pause_resume_under_concurrent_requests_loses_nothing(engine, policy):
     for thread in clients:
         thread.join(120)
     assert updating.get() == start + 1 == sending.get()
-    sender.close()
+    sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert not errors
     samples = [s for batch in results for s in batch]
     assert len(samples) == 12 * 2 * 2  # every sample of every request came back
@@ -219,7 +219,7 @@ def test_update_in_keep_mode_continues_running_samples_on_the_new_weights(engine
     try:
         assert engine.update_weights(mode="keep", timeout=60) == start + 1 == sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     samples = running.get()
     assert all(len(s.token_ids) == 200 for s in samples)
     for sample in samples:
@@ -254,7 +254,7 @@ def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine
         sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
         assert engine.update_weights(timeout=60) == version + 1 == sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
 
 

@@ -297,7 +297,7 @@ def test_update_loads_the_sent_weights_exactly(engine, policy, transport):
         sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 1)
         assert engine.update_weights(timeout=60) == version + 1 == sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     after = engine.generate(PROMPTS, GREEDY)
     assert all(s.version == version + 1 and s.versions[0].version == version + 1 for s in after)
     assert_matches_transformers(after, policy, greedy=True)
@@ -356,7 +356,7 @@ def test_a_tied_weight_loads_under_either_name(engine, policy):
         engine.update_weights(timeout=60)
         sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     embedding = engine._model.get_input_embeddings().weight
     assert torch.equal(embedding, policy.model.embed_tokens.weight)
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
@@ -383,7 +383,7 @@ def test_unknown_names_and_shapes_are_refused_before_any_weight_changes(engine, 
         sending = in_thread(sender.send, list(policy.named_parameters()), version=version + 7)
         assert engine.update_weights(timeout=60) == version + 7 == sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
 
 
@@ -398,7 +398,7 @@ def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine
         assert isinstance(caught.value.__cause__, PeerTimeoutError)
         assert engine.health()["status"] == "serving" and engine.version == version
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
 
 
@@ -424,7 +424,7 @@ def test_an_update_waits_for_the_running_call_and_paused_calls_queue(engine, pol
         engine.resume()
         samples = [s for call in late for s in call.get()]
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert len(samples) == 12 and {s.version for s in samples} == {start + 2}
     assert_matches_transformers(samples, policy, greedy=False)
 
@@ -470,7 +470,7 @@ def test_sleep_levels_free_and_restore_the_weights(engine, policy, monkeypatch):
         engine.update_weights(timeout=60)
         sending.get()
     finally:
-        sender.close()
+        sender.close(timeout=0)  # the engine receives only when told to: no end to wait for
     assert_laid_out(engine)
     assert engine.health()["status"] == "serving"
     after = engine.generate(PROMPTS, GREEDY)
