@@ -194,9 +194,38 @@ def test_a_policy_step_by_tokens_equals_the_step_over_the_whole_batch(case, pack
 
     _assert_same_steps(ours, reference, grads_tokens, grads_whole)
     assert len(grads_whole) == mini
-    for key in ("vllm_kl", "kl"):
+    for key in ("vllm_kl", "kl", "clip_fraction", "approx_kl"):  # per token, however split
         if key in reference:
-            assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7)
+            assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
+
+
+def test_the_step_metrics_are_token_means_however_the_rows_are_split():
+    """clip_fraction and approx_kl are means over the step's tokens: micro-batches of unlike
+    token counts (rows of unlike length, or split by tokens) weigh by their tokens. Before,
+    each micro-batch's own mean counted once: 3 rows of 30 tokens weighed as 1 row of 2."""
+    from ferrule_trainer.actor import Actor
+    from ferrule_trainer.critic import Critic
+
+    model = tiny_model("qwen2")
+    common = dict(dtype="float32", zero_stage=0, seed=0, learning_rate=1e-2)
+    batch = _batch()
+    generator = torch.Generator().manual_seed(4)
+    actors = Actor(model, **common), Actor(model, **common)
+    batch["old_logprobs"] = actors[0].logprobs(batch) - 0.3 * torch.rand(B, R, generator=generator)
+    options = dict(epochs=1, mini_batches=1, clip_low=0.05, clip_high=0.05)
+    whole = actors[0].train_epochs(batch, micro_batch_size=B, **options)
+    by_rows = actors[1].train_epochs(batch, micro_batch_size=3, **options)
+    assert 0 < whole["clip_fraction"] < 1
+    for key in ("clip_fraction", "approx_kl"):
+        assert by_rows[key] == pytest.approx(whole[key], rel=1e-4), key
+    critics = Critic(model, **common), Critic(model, **common)
+    old_values = critics[0].values(batch) + 0.3 * torch.randn(B, R, generator=generator)
+    values = dict(batch, old_values=old_values)  # some values move past the 0.2 clip
+    values["returns"] = old_values + torch.randn(B, R, generator=generator)
+    whole = critics[0].train_epochs(values, micro_batch_size=B, epochs=1, mini_batches=1)
+    by_rows = critics[1].train_epochs(values, micro_batch_size=3, epochs=1, mini_batches=1)
+    assert 0 < whole["value_clip_fraction"] < 1
+    assert by_rows["value_clip_fraction"] == pytest.approx(whole["value_clip_fraction"], rel=1e-4)
 
 
 def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():

@@ -188,7 +188,8 @@ class Actor(TrainedModel):
         for micro_batch in micro_batches:
             check_batch(micro_batch, *required)
         micro_batches = [to_device(mb, self.device) for mb in micro_batches]
-        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+        own_tokens = sum(int(mb["response_mask"].sum()) for mb in micro_batches)
+        tokens = engine.global_sum(own_tokens)
         sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
         counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)
 
@@ -210,7 +211,12 @@ class Actor(TrainedModel):
                 **counts,
             )
             loss = pg.loss
-            metrics = {"clip_fraction": pg.clip_fraction, "approx_kl": pg.approx_kl}
+            # token means over this rank's step: optimizer_step averages over micro-batches
+            weight = mask.sum() * len(micro_batches) / max(own_tokens, 1)
+            metrics = {
+                "clip_fraction": pg.clip_fraction * weight,
+                "approx_kl": pg.approx_kl * weight,
+            }
             if on_policy:  # this rank's token sums over the step's global count, summed below
                 share = len(micro_batches) / tokens
                 if "rollout_logprobs" in micro_batch:

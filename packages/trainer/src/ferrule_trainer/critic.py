@@ -122,7 +122,8 @@ class Critic(TrainedModel):
         for micro_batch in micro_batches:
             check_batch(micro_batch, "old_values", "returns")
         micro_batches = [to_device(mb, engine.device()) for mb in micro_batches]
-        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+        own_tokens = sum(int(mb["response_mask"].sum()) for mb in micro_batches)
+        tokens = engine.global_sum(own_tokens)
         sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
 
         def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -137,7 +138,9 @@ class Critic(TrainedModel):
                 num_tokens=tokens,
                 num_sequences=sequences,
             )
-            return result.loss, {"value_clip_fraction": result.clip_fraction}
+            # a token mean over this rank's step: optimizer_step averages over micro-batches
+            weight = micro_batch["response_mask"].sum() * len(micro_batches) / max(own_tokens, 1)
+            return result.loss, {"value_clip_fraction": result.clip_fraction * weight}
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
