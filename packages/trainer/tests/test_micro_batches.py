@@ -237,18 +237,22 @@ def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():
     common = dict(dtype="float32", zero_stage=0, seed=0, learning_rate=1e-2)
     batch = _batch()
     batch["ref_logprobs"] = -torch.rand(B, R, generator=torch.Generator().manual_seed(2))
-    for method, options in [
-        ("likelihood_epochs", {}),
-        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}),
+    for method, options, tokens, packed in [
+        ("likelihood_epochs", {}, 60, True),
+        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}, 60, True),
+        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}, 80, False),  # 2, 2 and 4 rows
     ]:
         whole, by_tokens = Actor(model, **common), Actor(model, **common)
         grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
         steps = dict(epochs=1, mini_batches=1, **options)
         reference = getattr(whole, method)(batch, micro_batch_size=B, **steps)
         ours = getattr(by_tokens, method)(
-            batch, micro_batch_size=4, micro_batch_tokens=60, pack_sequences=True, **steps
+            batch, micro_batch_size=4, micro_batch_tokens=tokens, pack_sequences=packed, **steps
         )
         _assert_same_steps(ours, reference, grads_tokens, grads_whole)
+        for key in ("accuracy", "margin", "chosen_nll"):  # means over pairs, however split
+            if key in reference:
+                assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -300,7 +304,8 @@ def _write_jsonl(path, rows):
 @pytest.mark.parametrize("kind", ["sft", "rm", "dpo"])
 def test_rlhf_train_by_tokens_takes_the_steps_it_takes_by_rows(tmp_path, kind):
     """`rlhf-train sft | rm | dpo` with [train] micro_batch_tokens (sequences, or whole pairs,
-    sorted into micro-batches of 40 tokens, most of them alone) give the losses and weights of
+    sorted into micro-batches of 64 tokens, one to three to a micro-batch) give the losses,
+    the metrics (means over pairs, however many a micro-batch holds) and the weights of
     micro-batches of rows."""
     from safetensors.torch import load_file
 
@@ -324,7 +329,7 @@ def test_rlhf_train_by_tokens_takes_the_steps_it_takes_by_rows(tmp_path, kind):
     ]
     data = _write_jsonl(tmp_path / "data.jsonl", rows)
     losses, weights = {}, {}
-    for tokens in ("none", 40):
+    for tokens in ("none", 64):
         out = tmp_path / str(tokens)
         path = tmp_path / f"{tokens}.toml"
         path.write_text(
@@ -335,18 +340,27 @@ def test_rlhf_train_by_tokens_takes_the_steps_it_takes_by_rows(tmp_path, kind):
         )
         lines = []
         train(load_config(path, schema), log=lines.append)
-        losses[tokens] = [
-            float(line.split(" loss ")[1].split()[0]) for line in lines if line.startswith("step ")
-        ]
+        losses[tokens] = [_step_figures(line) for line in lines if line.startswith("step ")]
         model = out / ("model" if kind == "sft" else f"{kind}/model")
         weights[tokens] = {}
         for file in sorted(model.glob("*.safetensors")):
             weights[tokens].update(load_file(file))
-    assert len(losses[40]) == len(losses["none"]) == 2
-    assert losses[40] == pytest.approx(losses["none"], rel=1e-4)
-    assert weights[40].keys() == weights["none"].keys()
+    assert len(losses[64]) == len(losses["none"]) == 2
+    for ours, theirs in zip(losses[64], losses["none"], strict=True):  # loss, accuracy, margin...
+        assert ours.keys() == theirs.keys() and "loss" in ours
+        for key, value in theirs.items():
+            assert ours[key] == pytest.approx(value, rel=2e-3, abs=1e-6), key
+    assert weights[64].keys() == weights["none"].keys()
     for name, value in weights["none"].items():
-        torch.testing.assert_close(weights[40][name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(weights[64][name], value, rtol=1e-4, atol=1e-5)
+
+
+def _step_figures(line: str) -> dict[str, float]:
+    """The figures of a "step 1/2 epoch 0 key value key value ... s 0.12" log line, less the
+    timings."""
+    words = line.split()[4:]
+    figures = dict(zip(words[0::2], map(float, words[1::2]), strict=True))
+    return {k: v for k, v in figures.items() if k not in ("s", "tokens/s")}
 
 
 def json_value(value):

@@ -308,7 +308,8 @@ class Actor(TrainedModel):
         for micro_batch in micro_batches:
             check_batch(micro_batch, "ref_logprobs")
         micro_batches = self._on_device(micro_batches)
-        pairs = engine.global_sum(sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches))
+        own_pairs = sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches)
+        pairs = engine.global_sum(own_pairs)
 
         def loss_fn(micro_batch):
             mask = micro_batch["response_mask"].float()
@@ -323,10 +324,12 @@ class Actor(TrainedModel):
                 sums[0::2], sums[1::2], ref[0::2], ref[1::2],
                 beta=beta, kind=kind, label_smoothing=label_smoothing,
             )  # fmt: skip
+            # means over the rank's pairs: optimizer_step averages over micro-batches
+            share = len(micro_batches) / own_pairs
             metrics = {
-                "accuracy": out.correct.mean(),
-                "margin": (out.chosen_reward - out.rejected_reward).mean(),
-                "chosen_nll": chosen_nll.detach().mean(),
+                "accuracy": out.correct.float().sum() * share,
+                "margin": (out.chosen_reward - out.rejected_reward).sum() * share,
+                "chosen_nll": chosen_nll.detach().sum() * share,
             }
             return (out.loss + nll_coef * chosen_nll).sum() / pairs, metrics
 

@@ -161,10 +161,17 @@ def train_pairs(
             for group in micro_batch_groups(sizes, t, rows_per_item=2)
         ]
         micro_batches = [{k: v.to(engine.device()) for k, v in mb.items()} for mb in micro_batches]
+
+        # metrics: means over the rank's pairs (optimizer_step averages over micro-batches)
+        share = len(micro_batches) / len(chosen)
+
+        def loss_fn(micro_batch, share=share):
+            loss, metrics = pair_loss(micro_batch, t.batch_size)
+            weight = len(micro_batch["margin"]) * share
+            return loss, {key: value * weight for key, value in metrics.items()}
+
         started = time.perf_counter()
-        metrics = engine.optimizer_step(
-            model.engine, micro_batches, lambda mb: pair_loss(mb, t.batch_size)
-        )
+        metrics = engine.optimizer_step(model.engine, micro_batches, loss_fn)
         step += 1
         losses.append(metrics["loss"])
         if config.eval.every and step % config.eval.every == 0 and step < total:
