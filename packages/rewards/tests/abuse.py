@@ -315,6 +315,21 @@ def forking(address, token):
     return answered, sent
 
 
+def huge_reward(address, token):
+    """A batch of 32 whose first reward is 10**400 (no float holds it): that sample gets
+    INVALID_REWARD, the 31 others their rewards (finding 1: the whole batch failed, its
+    scoring process dying on every retry)."""
+
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            return False
+        statuses = [pb.SampleStatus.Name(r.status)[14:] for r in reply.results]
+        return statuses == ["INVALID_REWARD"] + ["OK"] * 31
+
+    body = _request("@huge", *["#### 4"] * 31)
+    return _calls(address, [body] * 2, token=token, timeout=30, expect=expect)
+
+
 def huge_sub_scores(address, token):
     """Samples with a million sub-scores each, next to normal ones: those samples get
     INVALID_REWARD (--max-sub-scores), the others their rewards (finding 5)."""
@@ -386,6 +401,7 @@ ATTACKS = [
     slow_senders,
     output_flood,
     forking,
+    huge_reward,
     huge_sub_scores,
     big_results,
     crash_after_finished,

@@ -187,13 +187,16 @@ def test_startup_errors_are_reported_before_serving(spawn, args, message, status
     assert " serving " not in log
 
 
-def test_a_worker_that_crashes_at_startup_exits_1_with_its_traceback(spawn, tmp_path):
+def test_a_worker_whose_function_fails_to_import_exits_2_with_one_line(spawn, tmp_path):
+    """With workers too, a reward module that raises on import is the one-line error (exit 2)
+    that names the file and line, not a worker's traceback."""
     broken = tmp_path / "broken.py"
     broken.write_text("raise RuntimeError('broken on purpose')\n")
     server = spawn("--function", f"{broken}:f", "--workers", "2", ready=False)
     log = "".join(server.log)
-    assert server.process.returncode == 1, log
-    assert "RuntimeError: broken on purpose" in log and " serving " not in log
+    assert server.process.returncode == 2, log
+    assert f"{broken}:1: RuntimeError: broken on purpose" in log and " serving " not in log
+    assert "Traceback" not in log
 
 
 @pytest.mark.parametrize(("first", "second"), [("1", "2"), ("2", "1"), ("2", "2")])
