@@ -372,11 +372,6 @@ class Actor(TrainedModel):
         """The full weights as (Hugging Face name, tensor), LoRA merged; see export.py."""
         return self._export(dtype).weights(bucket_bytes)
 
-    def offload(self) -> None:
-        for exporter in self._exports.values():  # else their views keep the weights' GPU memory
-            exporter.forget_views()
-        super().offload()
-
     def export_in_place(self, dtype: torch.dtype | None = None) -> bool:
         """Whether `export_weights(dtype)` yields this rank's own parameter memory, nothing
         gathered, cast or merged: a CUDA IPC sender may let engines read it where it lies."""
