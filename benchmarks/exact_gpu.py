@@ -21,10 +21,9 @@ Last line: one JSON object, ratio = ours / baseline tokens/s (goal: >= 0.7, a co
 import argparse
 import json
 import statistics
-import time
 
 import torch
-from rollout_gpu import prompts_of
+from rollout_gpu import prompts_of, timed
 from transformers import AutoModelForCausalLM
 
 from ferrule_rollout import SamplingSettings
@@ -33,14 +32,6 @@ from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
 from ferrule_trainer.rl import build_batch
 from ferrule_trainer.sequences import response_logits, response_tokens, token_logprobs
-
-
-def timed(call) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def tokens_per_s(engine, prompts, n, tokens, rounds) -> float:
