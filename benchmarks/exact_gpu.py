@@ -31,7 +31,7 @@ from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
 from ferrule_trainer.rl import build_batch
-from ferrule_trainer.sequences import response_logits, response_tokens, token_logprobs
+from ferrule_trainer.sequences import response_logits, token_logprobs
 
 
 def tokens_per_s(engine, prompts, n, tokens, rounds) -> float:
@@ -47,9 +47,9 @@ def trainer_logprobs(model, samples, micro_batch: int) -> list[torch.Tensor]:
     out = []
     for start in range(0, len(samples), micro_batch):
         part = samples[start : start + micro_batch]
-        batch = {k: v.cuda() for k, v in build_batch(part, pad_id=0).items()}
+        batch = build_batch(part, pad_id=0).to("cuda")
         with torch.no_grad():
-            logprobs = token_logprobs(response_logits(model, batch), response_tokens(batch))
+            logprobs = token_logprobs(response_logits(model, batch), batch.response_tokens)
         out += [logprobs[r, : len(s.token_ids)].cpu() for r, s in enumerate(part)]
     return out
 

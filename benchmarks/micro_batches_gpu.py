@@ -34,9 +34,10 @@ from trainer_gpu import qwen2_05b_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ferrule_trainer.actor import Actor  # noqa: E402
+from ferrule_trainer.batch import Batch  # noqa: E402
 
 
-def rl_batch(rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def rl_batch(rows: int, seed: int = 0) -> Batch:
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(64, 193, (rows // 8,), generator=generator).repeat_interleave(8)
     # long-tailed, as RL responses are: log-uniform over 16-1024 tokens
@@ -46,9 +47,8 @@ def rl_batch(rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
     attention = torch.zeros(rows, P + R, dtype=torch.long)
     for row in range(rows):
         attention[row, P - prompts[row] : P + responses[row]] = 1
-    batch = dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, P:].clone())
-    batch["advantages"] = torch.randn(rows, R, generator=generator)
-    return batch
+    advantages = torch.randn(rows, R, generator=generator)
+    return Batch(ids, attention, attention[:, P:].clone(), advantages=advantages)
 
 
 def timed(fn, repeats: int) -> tuple[float, object, float]:
@@ -77,8 +77,8 @@ def main() -> None:
     )
     actor = Actor(directory, zero_stage=2, dtype="bfloat16", learning_rate=1e-7)
     batch = rl_batch(args.rows)
-    real = batch["attention_mask"][:, -batch["response_mask"].shape[1] :].bool()
-    tokens = int(batch["attention_mask"].sum())
+    real = batch.attention_mask[:, -batch.response_len :].bool()
+    tokens = int(batch.attention_mask.sum())
     ways = {
         "rows": dict(micro_batch_size=args.micro),
         "tokens": dict(micro_batch_size=args.rows, micro_batch_tokens=args.tokens),
@@ -90,7 +90,7 @@ def main() -> None:
         seconds, out, peak = timed(lambda way=way: actor.logprobs(batch, **way), args.steps)
         logprobs[name] = out
         result[f"logprobs_s/{name}"], result[f"logprobs_peak_gib/{name}"] = seconds, peak
-    batch["old_logprobs"] = logprobs["rows"]
+    batch = batch.replace(old_logprobs=logprobs["rows"])
     for name in ("tokens", "packed"):
         diff = (logprobs[name] - logprobs["rows"])[real].abs()
         result[f"logprobs_max_abs_diff/{name}"] = float(diff.max())

@@ -31,7 +31,9 @@ def rollout():
     finally:
         engine.close()
     batch = rl.build_batch(samples, pad_id=0)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator())
+    batch = batch.replace(
+        advantages=torch.randn(batch.response_mask.shape, generator=torch.Generator())
+    )
     return path, batch, rl.rollout_logprobs(samples, batch)
 
 
@@ -51,7 +53,7 @@ def actor(path, exact: bool) -> Actor:
 def test_the_trainer_scores_exact_samples_as_the_engine_did(rollout):
     path, batch, engine_logprobs = rollout
     exact, default = actor(path, exact=True), actor(path, exact=False)
-    mask = batch["response_mask"].bool()
+    mask = batch.response_mask.bool()
 
     for micro_batch_size in (1, 5, None):
         old = exact.logprobs(batch, micro_batch_size=micro_batch_size)
@@ -59,7 +61,7 @@ def test_the_trainer_scores_exact_samples_as_the_engine_did(rollout):
     assert not torch.equal(default.logprobs(batch)[mask], engine_logprobs[mask])
 
     options = dict(epochs=1, mini_batches=1, micro_batch_size=4)
-    step = dict(batch, rollout_logprobs=engine_logprobs)
+    step = batch.replace(rollout_logprobs=engine_logprobs)
     exact_metrics = exact.train_epochs(step, **options)
     default_metrics = default.train_epochs(step, **options)
     assert exact_metrics["vllm_kl"] == 0.0

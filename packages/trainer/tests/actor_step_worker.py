@@ -17,6 +17,7 @@ import torch
 
 from ferrule_trainer import export
 from ferrule_trainer.actor import Actor
+from ferrule_trainer.batch import Batch
 
 model_path, out_dir, zero_stage, lora_rank = (
     sys.argv[1],
@@ -34,14 +35,13 @@ ids = torch.randint(0, 500, (B, T), generator=generator)
 attention = torch.ones(B, T, dtype=torch.long)
 attention[0, :5] = 0  # left padding of a short prompt
 attention[3, -3:] = 0  # right padding of a short response
-batch = dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, -R:].clone())
-batch["old_logprobs"] = actor.logprobs(batch) - 0.05 * torch.randn(B, R, generator=generator)
-batch["advantages"] = torch.randn(B, R, generator=generator)
+batch = Batch(ids, attention, attention[:, -R:].clone())
+old = actor.logprobs(batch) - 0.05 * torch.randn(B, R, generator=generator)
+batch = batch.replace(old_logprobs=old, advantages=torch.randn(B, R, generator=generator))
 # rows [rank::world], then micro-batches of 2 / world rows: 1 process x 2 micro-batches of
 # 2 rows, or 2 processes x 1 micro-batch of 2 rows
-mine = {k: v[rank::world] for k, v in batch.items()}
-size = 2
-micro_batches = [{k: v[i : i + size] for k, v in mine.items()} for i in range(0, B // world, size)]
+mine = Batch(**{k: v[rank::world] for k, v in vars(batch).items() if v is not None})
+micro_batches = mine.split(2)
 # an export before the step: the actor's export layout is worked out here, and the one after the
 # step below must still read the updated partitions
 dict(actor.export_weights(bucket_bytes=64 * 1024))

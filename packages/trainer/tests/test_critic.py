@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
+from ferrule_trainer.batch import Batch
 
 
 def _batch(B=4, T=16, R=6):
@@ -13,7 +14,7 @@ def _batch(B=4, T=16, R=6):
     attention = torch.ones(B, T, dtype=torch.long)
     attention[0, :4] = 0
     attention[2, -2:] = 0
-    return dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, -R:].clone())
+    return Batch(ids, attention, attention[:, -R:].clone())
 
 
 def test_critic_fits_returns_and_round_trips(tmp_path):
@@ -23,11 +24,10 @@ def test_critic_fits_returns_and_round_trips(tmp_path):
     from ferrule_trainer.sequences import response_values
 
     critic = Critic(tiny_model("qwen2"), zero_stage=2, dtype="float32", learning_rate=2e-3)
-    batch = _batch()
-    batch["returns"] = torch.ones(4, 6)
+    batch = _batch().replace(returns=torch.ones(4, 6))
     losses = []
     for _ in range(6):
-        batch["old_values"] = critic.values(batch)
+        batch = batch.replace(old_values=critic.values(batch))
         losses.append(critic.train_step([batch], clip=None)["loss"])
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -42,9 +42,8 @@ def test_grad_norm_is_reported_the_same_at_zero_0_and_zero_2():
     norms = {}
     for stage in (0, 2):  # DeepSpeed itself records no norm on its plain ZeRO-0 fp32 path
         critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype="float32", learning_rate=2e-3)
-        batch = _batch()
-        batch["returns"] = torch.ones(4, 6)
-        batch["old_values"] = critic.values(batch)
+        batch = _batch().replace(returns=torch.ones(4, 6))
+        batch = batch.replace(old_values=critic.values(batch))
         norms[stage] = critic.train_step([batch], clip=None)["grad_norm"]
     assert norms[2] > 0
     assert norms[0] == pytest.approx(norms[2], rel=1e-5)
@@ -56,11 +55,10 @@ def test_a_non_finite_gradient_stops_training_with_a_clear_error(stage, dtype):
     from ferrule_trainer.engine import NonFiniteGradientError
 
     critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype=dtype, learning_rate=2e-3)
-    batch = _batch()
-    batch["old_values"] = critic.values(batch)
-    batch["returns"] = torch.ones(4, 6)
+    batch = _batch().replace(returns=torch.ones(4, 6))
+    batch = batch.replace(old_values=critic.values(batch))
     assert critic.train_step([batch], clip=None)["grad_norm"] > 0  # a finite step goes through
-    batch["returns"][1, 2] = float("nan")  # one poisoned target
+    batch.returns[1, 2] = float("nan")  # one poisoned target
     with pytest.raises(NonFiniteGradientError, match=r"gradient norm is (nan|inf)"):
         critic.train_step([batch], clip=None)
 

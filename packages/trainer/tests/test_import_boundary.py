@@ -14,7 +14,16 @@ def test_import_boundary(import_boundary):
 
 def test_rl_math_modules_import_torch_only():
     """The losses and estimators stay testable without DeepSpeed or transformers (DESIGN.md)."""
-    modules = ["advantages", "aggregation", "importance", "kl", "losses", "reward_shaping", "rl"]
+    modules = [
+        "advantages",
+        "aggregation",
+        "batch",
+        "importance",
+        "kl",
+        "losses",
+        "reward_shaping",
+        "rl",
+    ]
     imports = "; ".join(f"import ferrule_trainer.{name}" for name in modules)
     code = f"import sys; {imports}; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run(

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import TrainerConfig
-from ferrule_trainer.sequences import plan_micro_batches, row_lengths, take
+from ferrule_trainer.sequences import plan_micro_batches
 
 B, T, R = 8, 24, 10
 
 
-def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+def _batch(seed: int = 0) -> Batch:
     """Rows of unlike lengths: left-padded prompts of 3-14 tokens, right-padded responses of
     1-10, one response with tokens an environment inserted (attended to, no loss)."""
     generator = torch.Generator().manual_seed(seed)
@@ -25,13 +26,13 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
         attention[row, T - R - prompts[row] : T - R + responses[row]] = 1
     response_mask = attention[:, -R:].clone()
     response_mask[2, 3:5] = 0  # an environment's tokens
-    batch = dict(input_ids=ids, attention_mask=attention, response_mask=response_mask)
-    batch["advantages"] = torch.randn(B, R, generator=generator)
-    return batch
+    advantages = torch.randn(B, R, generator=generator)
+    return Batch(ids, attention, response_mask, advantages=advantages)
 
 
 def _padded_cost(batch, rows):
-    prompt, response = row_lengths({k: batch[k][rows] for k in ("attention_mask", "response_mask")})
+    prompt, response = batch.lengths()
+    prompt, response = prompt[rows], response[rows]
     return len(rows) * (int(prompt.max()) + int(response.max()))
 
 
@@ -43,7 +44,7 @@ def test_the_plan_covers_every_row_once_within_the_budget_and_the_row_bound(
     batch = _batch()
     plan = plan_micro_batches(batch, max_rows=max_rows, max_tokens=max_tokens, packed=packed)
     assert sorted(row for rows in plan for row in rows) == list(range(B))
-    prompt, response = row_lengths(batch)
+    prompt, response = batch.lengths()
     for rows in plan:
         assert len(rows) <= max_rows
         if len(rows) > 1:  # a row over the budget goes alone
@@ -57,7 +58,7 @@ def test_the_plan_covers_every_row_once_within_the_budget_and_the_row_bound(
 
 def test_the_plan_sorts_rows_by_length_and_keeps_units_together():
     batch = _batch()
-    prompt, response = row_lengths(batch)
+    prompt, response = batch.lengths()
     lengths = (prompt + response).tolist()
     plan = plan_micro_batches(batch, max_rows=3, max_tokens=10_000)
     order = [row for rows in plan for row in rows]
@@ -70,17 +71,15 @@ def test_the_plan_sorts_rows_by_length_and_keeps_units_together():
 
 def test_take_drops_the_columns_that_are_padding_in_every_row_it_takes():
     batch = _batch()
-    prompt, response = row_lengths(batch)
+    prompt, response = batch.lengths()
     rows = [1, 5]
-    part = take(batch, rows)
+    part = batch.take(rows)
     p, r = int(prompt[rows].max()), int(response[rows].max())
-    assert part["input_ids"].shape == (2, p + r) and part["response_mask"].shape == (2, r)
-    assert part["advantages"].shape == (2, r)
-    torch.testing.assert_close(
-        part["input_ids"], batch["input_ids"][rows][:, T - R - p : T - R + r]
-    )
-    torch.testing.assert_close(part["advantages"], batch["advantages"][rows][:, :r])
-    assert int(part["attention_mask"].sum()) == int(batch["attention_mask"][rows].sum())
+    assert part.input_ids.shape == (2, p + r) and part.response_mask.shape == (2, r)
+    assert part.advantages.shape == (2, r)
+    torch.testing.assert_close(part.input_ids, batch.input_ids[rows][:, T - R - p : T - R + r])
+    torch.testing.assert_close(part.advantages, batch.advantages[rows][:, :r])
+    assert int(part.attention_mask.sum()) == int(batch.attention_mask[rows].sum())
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,7 @@ def test_logprobs_by_tokens_equal_the_whole_batch_in_row_order(actor, tokens, ro
     batch = _batch()
     whole = actor.logprobs(batch)
     by_tokens = actor.logprobs(batch, rows, micro_batch_tokens=tokens, packed=packed)
-    real = batch["attention_mask"][:, -R:].bool()
+    real = batch.attention_mask[:, -R:].bool()
     torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
     assert (by_tokens[~real] == 0).all()
 
@@ -107,8 +106,8 @@ def test_packed_rows_do_not_attend_to_each_other(actor):
     """The document mask of a packed row: changing one sequence's tokens changes nothing of the
     others' log-probabilities (without it, every later sequence would read the earlier ones)."""
     batch = _batch()
-    other = dict(batch, input_ids=batch["input_ids"].clone())
-    other["input_ids"][0] = (other["input_ids"][0] + 7) % 500
+    other = batch.replace(input_ids=batch.input_ids.clone())
+    other.input_ids[0] = (other.input_ids[0] + 7) % 500
     packed = dict(micro_batch_tokens=10_000, packed=True)
     one, two = actor.logprobs(batch, **packed), actor.logprobs(other, **packed)
     torch.testing.assert_close(one[1:], two[1:], rtol=0, atol=0)
@@ -121,7 +120,7 @@ def test_critic_values_by_tokens_equal_the_whole_batch():
     critic = Critic(tiny_model("qwen2"), zero_stage=0, dtype="float32")
     batch = _batch()
     whole = critic.values(batch)
-    real = batch["attention_mask"][:, -R:].bool()
+    real = batch.attention_mask[:, -R:].bool()
     for tokens, packed in [(50, False), (1, False), (50, True)]:
         by_tokens = critic.values(batch, 4, micro_batch_tokens=tokens, packed=packed)
         torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
@@ -178,11 +177,11 @@ def test_a_policy_step_by_tokens_equals_the_step_over_the_whole_batch(case, pack
     generator = torch.Generator().manual_seed(1)
     old = whole.logprobs(batch) - 0.1 * torch.rand(B, R, generator=generator)
     if case.pop("old", False):
-        batch["old_logprobs"] = old
+        batch = batch.replace(old_logprobs=old)
     if case.get("kl_coef"):
-        batch["ref_logprobs"] = old + 0.1 * torch.randn(B, R, generator=generator)
+        batch = batch.replace(ref_logprobs=old + 0.1 * torch.randn(B, R, generator=generator))
     else:
-        batch["rollout_logprobs"] = old
+        batch = batch.replace(rollout_logprobs=old)
     mini = case.pop("mini_batches", 1)
     options = dict(epochs=1, mini_batches=mini, **case)
     grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
@@ -211,7 +210,8 @@ def test_the_step_metrics_are_token_means_however_the_rows_are_split():
     batch = _batch()
     generator = torch.Generator().manual_seed(4)
     actors = Actor(model, **common), Actor(model, **common)
-    batch["old_logprobs"] = actors[0].logprobs(batch) - 0.3 * torch.rand(B, R, generator=generator)
+    old = actors[0].logprobs(batch) - 0.3 * torch.rand(B, R, generator=generator)
+    batch = batch.replace(old_logprobs=old)
     options = dict(epochs=1, mini_batches=1, clip_low=0.05, clip_high=0.05)
     whole = actors[0].train_epochs(batch, micro_batch_size=B, **options)
     by_rows = actors[1].train_epochs(batch, micro_batch_size=3, **options)
@@ -220,8 +220,8 @@ def test_the_step_metrics_are_token_means_however_the_rows_are_split():
         assert by_rows[key] == pytest.approx(whole[key], rel=1e-4), key
     critics = Critic(model, **common), Critic(model, **common)
     old_values = critics[0].values(batch) + 0.3 * torch.randn(B, R, generator=generator)
-    values = dict(batch, old_values=old_values)  # some values move past the 0.2 clip
-    values["returns"] = old_values + torch.randn(B, R, generator=generator)
+    returns = old_values + torch.randn(B, R, generator=generator)
+    values = batch.replace(old_values=old_values, returns=returns)  # some move past the 0.2 clip
     whole = critics[0].train_epochs(values, micro_batch_size=B, epochs=1, mini_batches=1)
     by_rows = critics[1].train_epochs(values, micro_batch_size=3, epochs=1, mini_batches=1)
     assert 0 < whole["value_clip_fraction"] < 1
@@ -236,7 +236,9 @@ def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():
     model = tiny_model("qwen2")
     common = dict(dtype="float32", zero_stage=0, seed=0, learning_rate=1e-2)
     batch = _batch()
-    batch["ref_logprobs"] = -torch.rand(B, R, generator=torch.Generator().manual_seed(2))
+    batch = batch.replace(
+        ref_logprobs=-torch.rand(B, R, generator=torch.Generator().manual_seed(2))
+    )
     for method, options, tokens, packed in [
         ("likelihood_epochs", {}, 60, True),
         ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}, 60, True),
@@ -263,8 +265,8 @@ def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(tokens, pa
     common = dict(zero_stage=0, dtype="float32", learning_rate=1e-2)
     whole, by_tokens = Critic(tiny_model("qwen2"), **common), Critic(tiny_model("qwen2"), **common)
     batch = _batch()
-    batch["old_values"] = whole.values(batch)
-    batch["returns"] = torch.randn(B, R, generator=torch.Generator().manual_seed(3))
+    returns = torch.randn(B, R, generator=torch.Generator().manual_seed(3))
+    batch = batch.replace(old_values=whole.values(batch), returns=returns)
     grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
     for agg_mode in ("token-mean", "seq-mean-token-mean"):
         options = dict(epochs=1, mini_batches=1, clip=0.2, agg_mode=agg_mode)

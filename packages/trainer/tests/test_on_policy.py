@@ -7,6 +7,7 @@ import torch
 
 from ferrule_testkit import tiny_model
 from ferrule_trainer import rl
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import TrainerConfig
 
 
@@ -17,9 +18,8 @@ def _batch():
     attention = torch.ones(B, T, dtype=torch.long)
     attention[0, :5] = 0  # left padding of a short prompt
     attention[3, -3:] = 0  # right padding of a short response
-    batch = dict(input_ids=ids, attention_mask=attention, response_mask=attention[:, -R:].clone())
-    batch["advantages"] = torch.randn(B, R, generator=generator)
-    return batch, generator
+    advantages = torch.randn(B, R, generator=generator)
+    return Batch(ids, attention, attention[:, -R:].clone(), advantages=advantages), generator
 
 
 def test_an_on_policy_step_equals_the_step_with_explicit_old_logprobs():
@@ -30,16 +30,16 @@ def test_an_on_policy_step_equals_the_step_with_explicit_old_logprobs():
     explicit, on_policy = Actor(model, **common), Actor(model, **common)
     batch, generator = _batch()
     old = explicit.logprobs(batch)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     # the engine's log-probabilities of the same tokens, a little off (and far off for one)
     rollout = old - 0.05 * torch.randn(old.shape, generator=generator)
     rollout[1, 2] = old[1, 2] - 30.0
     ref = old + 0.1 * torch.randn(old.shape, generator=generator)
     options = dict(epochs=1, mini_batches=1, micro_batch_size=4, kl_coef=0.05)
 
-    with_old = explicit.train_epochs(dict(batch, old_logprobs=old, ref_logprobs=ref), **options)
+    with_old = explicit.train_epochs(batch.replace(old_logprobs=old, ref_logprobs=ref), **options)
     without = on_policy.train_epochs(
-        dict(batch, ref_logprobs=ref, rollout_logprobs=rollout), **options
+        batch.replace(ref_logprobs=ref, rollout_logprobs=rollout), **options
     )
 
     assert without["loss"] == pytest.approx(with_old["loss"], rel=1e-5, abs=1e-7)
@@ -54,7 +54,7 @@ def test_an_on_policy_step_equals_the_step_with_explicit_old_logprobs():
     assert without["approx_kl"] == 0.0 and without["clip_fraction"] == 0.0  # ratio exactly 1
 
     with pytest.raises(ValueError, match="one optimizer step; epochs x mini_batches = 2"):
-        on_policy.train_epochs(dict(batch), **dict(options, epochs=2, kl_coef=0.0))
+        on_policy.train_epochs(batch, **dict(options, epochs=2, kl_coef=0.0))
 
 
 @pytest.mark.parametrize(

@@ -199,6 +199,7 @@ def test_preference_and_likelihood_steps_on_the_rl_layout():
     from transformers import AutoTokenizer
 
     from ferrule_trainer.actor import Actor
+    from ferrule_trainer.batch import Batch
     from ferrule_trainer.rl import build_batch
 
     tokenizer = AutoTokenizer.from_pretrained(WARM)
@@ -211,7 +212,7 @@ def test_preference_and_likelihood_steps_on_the_rl_layout():
     batch = build_batch(rows, tokenizer.pad_token_id)
     common = dict(dtype="float32", zero_stage=0, seed=0, temperature=0.7)
     reference = Actor(WARM, train=False, **common)
-    batch["ref_logprobs"] = reference.logprobs(batch, temperature=1.0)
+    batch = batch.replace(ref_logprobs=reference.logprobs(batch, temperature=1.0))
     policy = Actor(WARM, learning_rate=1e-3, **common)
     first = policy.preference_epochs(
         batch, epochs=1, mini_batches=1, micro_batch_size=6, beta=0.5
@@ -221,7 +222,7 @@ def test_preference_and_likelihood_steps_on_the_rl_layout():
     later = policy.preference_epochs(batch, epochs=3, mini_batches=2, micro_batch_size=8, beta=0.5)
     assert later["margin"] > 0 and later["loss"] < math.log(2)
 
-    chosen = {k: v[0::2] for k, v in batch.items() if k != "ref_logprobs"}
+    chosen = Batch(batch.input_ids[0::2], batch.attention_mask[0::2], batch.response_mask[0::2])
     sft = Actor(WARM, learning_rate=1e-3, **common)
     losses = [
         sft.likelihood_epochs(chosen, epochs=1, mini_batches=1, micro_batch_size=8)["loss"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ferrule_trainer import advantages, rl
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import ESTIMATORS
 from ferrule_trainer.reward_shaping import token_rewards
 from ferrule_trainer.rl import (
@@ -16,7 +17,6 @@ from ferrule_trainer.rl import (
     mean_kl,
     policy_batch,
     ppo_epochs,
-    split,
     trim_groups,
 )
 
@@ -25,21 +25,27 @@ def sample(prompt, response):
     return SimpleNamespace(prompt_token_ids=prompt, token_ids=response)
 
 
+def _numbered(rows):
+    """A batch whose row i starts with token i."""
+    ids = torch.stack([torch.arange(rows), torch.zeros(rows, dtype=torch.long)], dim=1)
+    return Batch(ids, torch.ones(rows, 2), torch.ones(rows, 1))
+
+
 def test_build_batch_left_pads_prompts_and_right_pads_responses():
     batch = build_batch([sample([5, 6], [7]), sample([4], [8, 9, 0])], pad_id=1)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 1], [1, 4, 8, 9, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
-    assert batch["response_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
-    assert [len(mb["input_ids"]) for mb in split(batch, 1)] == [1, 1]
+    assert batch.input_ids.tolist() == [[5, 6, 7, 1, 1], [1, 4, 8, 9, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch.response_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert [mb.rows for mb in batch.split(1)] == [1, 1]
 
 
 def test_a_multi_turn_samples_mask_keeps_environment_tokens_out_of_every_loss():
     # tokens 8 and 9 were inserted by an environment between two model turns
     turns = SimpleNamespace(prompt_token_ids=[4], token_ids=[7, 8, 9, 6], mask=[1, 0, 0, 1])
     batch = build_batch([turns, sample([5, 6], [7])], pad_id=1)
-    assert batch["input_ids"].tolist() == [[1, 4, 7, 8, 9, 6], [5, 6, 7, 1, 1, 1]]
-    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
-    assert batch["response_mask"].tolist() == [[1, 0, 0, 1], [1, 0, 0, 0]]
+    assert batch.input_ids.tolist() == [[1, 4, 7, 8, 9, 6], [5, 6, 7, 1, 1, 1]]
+    assert batch.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert batch.response_mask.tolist() == [[1, 0, 0, 1], [1, 0, 0, 0]]
     # the score sits on the last model token; the environment's tokens get no advantage
     for estimator in ("gae", "reinforce_plus_plus", "grpo"):
         advantages, _ = estimate(
@@ -70,10 +76,10 @@ def test_turn_rewards_are_credited_at_their_own_turn():
     assert earlier.tolist() == [[0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     assert rl.turn_rewards([single, single], batch) is None  # single-turn batches: nothing
     scores = torch.tensor([1.5, 1.0])
-    rewards = token_rewards(scores, batch["response_mask"], turn_rewards=earlier)
+    rewards = token_rewards(scores, batch.response_mask, turn_rewards=earlier)
     assert rewards.tolist() == [[0.0, 0.5, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]  # rows sum to scores
     # REINFORCE++ (gamma 1): the tokens after the first turn do not share its reward
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     returns = advantages.discounted_returns(rewards, mask)
     assert returns[0].tolist() == [1.5, 1.5, 0.0, 1.0]
     with_turns, _ = estimate(
@@ -91,7 +97,7 @@ def test_turn_rewards_are_credited_at_their_own_turn():
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_every_estimator_gives_advantages_of_the_right_sign(estimator):
     mask = torch.ones(4, 3, dtype=torch.long)
-    batch = {"response_mask": mask}
+    batch = Batch(torch.zeros(4, 5, dtype=torch.long), torch.ones(4, 5), mask)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
     logprobs = torch.full((4, 3), -1.0)
     advantages, returns = estimate(
@@ -117,11 +123,11 @@ def test_trim_groups_keeps_a_multiple_of_ranks_times_mini_batches():
 
 
 def test_ppo_epochs_steps_over_mini_batches_of_micro_batches_and_averages():
-    batch = {"input_ids": torch.arange(8)[:, None]}
+    batch = _numbered(8)
     seen = []
 
     def train_step(micro_batches, *, scale):
-        seen.append([mb["input_ids"].flatten().tolist() for mb in micro_batches])
+        seen.append([mb.input_ids[:, 0].tolist() for mb in micro_batches])
         return {"loss": scale * len(seen)}
 
     metrics = ppo_epochs(train_step, batch, epochs=2, mini_batches=2, micro_batch_size=3, scale=1)
@@ -132,16 +138,12 @@ def test_ppo_epochs_steps_over_mini_batches_of_micro_batches_and_averages():
 def test_policy_and_critic_batches_carry_what_their_train_steps_read():
     batch = build_batch([sample([5], [7, 8])], pad_id=0)
     old, adv = torch.zeros(1, 2), torch.ones(1, 2)
-    assert "ref_logprobs" not in policy_batch(batch, old, adv, old, kl_coef_in_loss=0.0)
-    assert policy_batch(batch, old, adv, old - 1, kl_coef_in_loss=0.1)["ref_logprobs"] is not None
-    critic = critic_batch(dict(batch, advantages=adv), old, adv)
-    assert sorted(critic) == [
-        "attention_mask",
-        "input_ids",
-        "old_values",
-        "response_mask",
-        "returns",
-    ]
+    policy = policy_batch(batch, old, adv, old, kl_coef_in_loss=0.0)
+    assert policy.ref_logprobs is None and policy.advantages is adv and policy.old_logprobs is old
+    assert policy_batch(batch, old, adv, old - 1, kl_coef_in_loss=0.1).ref_logprobs is not None
+    critic = critic_batch(batch.replace(advantages=adv), old, adv)
+    assert critic.old_values is old and critic.returns is adv
+    assert critic.advantages is None and critic.input_ids is batch.input_ids
 
 
 def test_mean_kl_is_k1_per_valid_token():
@@ -191,11 +193,11 @@ def test_keep_groups_drops_groups_whose_mean_is_on_or_outside_the_bounds():
 def test_ppo_epochs_keeps_units_of_rows_together():
     """unit=2 (preference pairs): mini- and micro-batches hold whole pairs, however the counts
     divide the rows."""
-    batch = {"input_ids": torch.arange(10).view(10, 1)}  # 5 pairs
+    batch = _numbered(10)  # 5 pairs
     seen = []
 
     def step(micro_batches):
-        seen.append([mb["input_ids"].flatten().tolist() for mb in micro_batches])
+        seen.append([mb.input_ids[:, 0].tolist() for mb in micro_batches])
         return {"loss": 1.0}
 
     ppo_epochs(step, batch, epochs=1, mini_batches=2, micro_batch_size=3, unit=2)

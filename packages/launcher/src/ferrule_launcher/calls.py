@@ -12,6 +12,10 @@ which a caller that can replace the actor catches (engines.py).
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrule_trainer.batch import Batch
 
 
 class RunError(RuntimeError):
@@ -106,11 +110,9 @@ class RankGroup:
     def size(self) -> int:
         return len(self.workers)
 
-    def _on_shards(self, batch: dict, call) -> list:
+    def _on_shards(self, batch: "Batch", call) -> list:
         """`call(worker, shard)` (a ref) on every rank, each with its share of `batch`."""
-        from ferrule_trainer.rl import split
-
-        shards = split(batch, batch["input_ids"].shape[0] // self.size)
+        shards = batch.split(batch.rows // self.size)
         return [call(w, shard) for w, shard in zip(self.workers, shards, strict=True)]
 
     def _joined(self, refs: list):
@@ -126,7 +128,7 @@ class RankGroup:
 
     def logprobs(
         self,
-        batch: dict,
+        batch: "Batch",
         micro_batch_size: int,
         temperature: float | None = None,
         *,
@@ -143,7 +145,7 @@ class RankGroup:
 
     def values(
         self,
-        batch: dict,
+        batch: "Batch",
         micro_batch_size: int,
         *,
         micro_batch_tokens: int | None = None,
@@ -156,17 +158,17 @@ class RankGroup:
             )
         )
 
-    def train_epochs(self, batch: dict, **options):
+    def train_epochs(self, batch: "Batch", **options):
         return self._first(
             self._on_shards(batch, lambda w, shard: w.train_epochs.remote(shard, **options))
         )
 
-    def likelihood_epochs(self, batch: dict, **options):
+    def likelihood_epochs(self, batch: "Batch", **options):
         return self._first(
             self._on_shards(batch, lambda w, shard: w.likelihood_epochs.remote(shard, **options))
         )
 
-    def preference_epochs(self, batch: dict, **options):
+    def preference_epochs(self, batch: "Batch", **options):
         return self._first(
             self._on_shards(batch, lambda w, shard: w.preference_epochs.remote(shard, **options))
         )

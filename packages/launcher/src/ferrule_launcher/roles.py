@@ -19,10 +19,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ferrule_launcher.calls import RankGroup, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.placement import Role, place_roles
+
+if TYPE_CHECKING:
+    from ferrule_trainer.batch import Batch
 
 
 class RankWorker:
@@ -123,23 +127,23 @@ class RankWorker:
 
     def logprobs(
         self,
-        batch: dict,
+        batch: "Batch",
         micro_batch_size: int | None = None,
         temperature: float | None = None,
         **tokens,  # micro_batch_tokens, packed: see Actor.logprobs
     ):
         return self.actor.logprobs(batch, micro_batch_size, temperature, **tokens)
 
-    def values(self, batch: dict, micro_batch_size: int | None = None, **tokens):
+    def values(self, batch: "Batch", micro_batch_size: int | None = None, **tokens):
         return self.actor.values(batch, micro_batch_size, **tokens)
 
-    def train_epochs(self, batch: dict, **options) -> dict:
+    def train_epochs(self, batch: "Batch", **options) -> dict:
         return self.actor.train_epochs(batch, **options)
 
-    def likelihood_epochs(self, batch: dict, **options) -> dict:
+    def likelihood_epochs(self, batch: "Batch", **options) -> dict:
         return self.actor.likelihood_epochs(batch, **options)
 
-    def preference_epochs(self, batch: dict, **options) -> dict:
+    def preference_epochs(self, batch: "Batch", **options) -> dict:
         return self.actor.preference_epochs(batch, **options)
 
     def save(self, directory: str, step: int) -> None:

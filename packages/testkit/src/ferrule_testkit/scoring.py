@@ -3,7 +3,7 @@
     theirs = teacher_forced_logprobs(model, samples, micro_batch=16, temperature=1.0)
 
 A plain transformers model scores each sample's tokens the way ferrule-trainer lays out and
-scores a batch (sequences.py): prompts left-padded and responses right-padded so every response
+scores a batch (batch.py, sequences.py): prompts left-padded and responses right-padded so every response
 starts at one column, positions counted over real tokens, micro-batches of other samples,
 log_softmax(logits / temperature) in float32. A test of the rollout engine can then compare its
 logprobs with the trainer's without importing the trainer.

@@ -2,7 +2,7 @@
 
     actor = Actor(model_path, zero_stage=2, dtype="bfloat16", learning_rate=1e-6, lora_rank=0)
     reference = Actor(model_path, train=False, zero_stage=3)
-    batch["ref_logprobs"] = reference.logprobs(batch)          # layout: sequences.py
+    batch = batch.replace(ref_logprobs=reference.logprobs(batch))   # a Batch (batch.py)
     metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
     metrics = actor.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8, clip_low=0.2)
     metrics = actor.train_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=64,
@@ -24,19 +24,13 @@ import torch
 
 from ferrule_trainer import engine, export
 from ferrule_trainer.aggregation import aggregate_loss, masked_sum
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.kl import kl_estimate, kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.rl import ppo_epochs
-from ferrule_trainer.sequences import (
-    check_batch,
-    forward_in_micro_batches,
-    response_logits,
-    response_tokens,
-    to_device,
-    token_logprobs,
-)
+from ferrule_trainer.sequences import forward_in_micro_batches, response_logits, token_logprobs
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -122,7 +116,7 @@ class Actor(TrainedModel):
     @torch.no_grad()
     def logprobs(
         self,
-        batch: dict[str, torch.Tensor],
+        batch: Batch,
         micro_batch_size: int | None = None,
         temperature: float | None = None,
         *,
@@ -141,7 +135,7 @@ class Actor(TrainedModel):
 
         def forward(micro_batch):
             logits = response_logits(self.engine, micro_batch, packed)
-            return token_logprobs(logits, response_tokens(micro_batch), temperature)
+            return token_logprobs(logits, micro_batch.response_tokens, temperature)
 
         try:
             return forward_in_micro_batches(
@@ -152,7 +146,7 @@ class Actor(TrainedModel):
 
     def train_step(
         self,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
+        micro_batches: Sequence[Batch],
         *,
         clip_low: float = 0.2,
         clip_high: float = 0.28,
@@ -168,45 +162,44 @@ class Actor(TrainedModel):
         """One optimizer step of the PPO clipped loss over this rank's micro-batches (`packed`:
         each forward packs its micro-batch's rows without padding, `sequences.packed_inputs`).
 
-        Each micro-batch holds the layout of sequences.py plus (B, R) "old_logprobs" and
-        "advantages", "ref_logprobs" when kl_coef > 0, and optionally "is_weights" (rollout /
-        trainer importance weights). The loss is aggregated over the valid tokens (or sequences)
-        of the whole step on all ranks, so the split into micro-batches and ranks does not change
-        the gradient.
+        Each micro-batch (a Batch) holds old_logprobs and advantages, ref_logprobs when
+        kl_coef > 0, and optionally is_weights (rollout / trainer importance weights). The loss
+        is aggregated over the valid tokens (or sequences) of the whole step on all ranks, so the
+        split into micro-batches and ranks does not change the gradient.
 
-        Without "old_logprobs" the step is on-policy: the batch's only optimizer step, so this
+        Without old_logprobs the step is on-policy: the batch's only optimizer step, so this
         forward runs at the weights that would have computed them, and its own log-probabilities
         (detached) are the old ones; no separate forward pass. The step then also reports what
         the caller would have computed from them, over all ranks: "vllm_kl" (k3 of the engine's
-        "rollout_logprobs", when given) and "kl" (k1 to "ref_logprobs", when given).
+        rollout_logprobs, when given) and "kl" (k1 to ref_logprobs, when given).
         """
         if not self.train:
             raise RuntimeError("train_step on a frozen Actor (train=False, e.g. the reference)")
-        on_policy = "old_logprobs" not in micro_batches[0]
+        on_policy = micro_batches[0].old_logprobs is None
         required = ["advantages"] + ([] if on_policy else ["old_logprobs"])
         required += ["ref_logprobs"] if kl_coef else []
         for micro_batch in micro_batches:
-            check_batch(micro_batch, *required)
-        micro_batches = [to_device(mb, self.device) for mb in micro_batches]
-        own_tokens = sum(int(mb["response_mask"].sum()) for mb in micro_batches)
+            micro_batch.require(*required)
+        micro_batches = [mb.to(self.device) for mb in micro_batches]
+        own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
         tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
+        sequences = engine.global_sum(sum(mb.rows for mb in micro_batches))
         counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)
 
-        def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
-            mask = micro_batch["response_mask"]
+        def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+            mask = micro_batch.response_mask
             logits = response_logits(self.engine, micro_batch, packed)
-            logprobs = token_logprobs(logits, response_tokens(micro_batch), self.temperature)
-            old = logprobs.detach() if on_policy else micro_batch["old_logprobs"]
+            logprobs = token_logprobs(logits, micro_batch.response_tokens, self.temperature)
+            old = logprobs.detach() if on_policy else micro_batch.old_logprobs
             pg = policy_loss(
                 logprobs,
                 old,
-                micro_batch["advantages"],
+                micro_batch.advantages,
                 mask,
                 clip_low=clip_low,
                 clip_high=clip_high,
                 dual_clip=dual_clip,
-                is_weights=micro_batch.get("is_weights"),
+                is_weights=micro_batch.is_weights,
                 ratio_level=ratio_level,
                 **counts,
             )
@@ -219,14 +212,14 @@ class Actor(TrainedModel):
             }
             if on_policy:  # this rank's token sums over the step's global count, summed below
                 share = len(micro_batches) / tokens
-                if "rollout_logprobs" in micro_batch:
-                    k3 = kl_estimate(micro_batch["rollout_logprobs"], old, mask, kind="k3")
+                if micro_batch.rollout_logprobs is not None:
+                    k3 = kl_estimate(micro_batch.rollout_logprobs, old, mask, kind="k3")
                     metrics["vllm_kl"] = masked_sum(k3, mask) * share
-                if "ref_logprobs" in micro_batch:
-                    k1 = kl_estimate(old, micro_batch["ref_logprobs"], mask, kind="k1")
+                if micro_batch.ref_logprobs is not None:
+                    k1 = kl_estimate(old, micro_batch.ref_logprobs, mask, kind="k1")
                     metrics["kl"] = masked_sum(k1, mask) * share
             if kl_coef:
-                ref_logprobs = micro_batch["ref_logprobs"]
+                ref_logprobs = micro_batch.ref_logprobs
                 kl = kl_loss(
                     logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max, **counts
                 )
@@ -243,31 +236,31 @@ class Actor(TrainedModel):
         metrics["tokens"] = float(tokens)
         return metrics
 
-    def likelihood_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+    def likelihood_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
         """SFT on chosen samples (rejection sampling): `rl.ppo_epochs` of `likelihood_step` over
-        this rank's share of the batch (layout of sequences.py); options: epochs, mini_batches,
+        this rank's share of the batch; options: epochs, mini_batches,
         micro_batch_size, micro_batch_tokens, pack_sequences."""
         return ppo_epochs(self.likelihood_step, batch, **options)
 
     def likelihood_step(
-        self, micro_batches: Sequence[dict[str, torch.Tensor]], *, packed: bool = False
+        self, micro_batches: Sequence[Batch], *, packed: bool = False
     ) -> dict[str, float]:
         """One optimizer step of the responses' negative log-likelihood, the mean over the valid
         response tokens of the step on all ranks."""
         micro_batches = self._on_device(micro_batches)
-        tokens = engine.global_sum(sum(int(mb["response_mask"].sum()) for mb in micro_batches))
+        tokens = engine.global_sum(sum(int(mb.response_mask.sum()) for mb in micro_batches))
 
         def loss_fn(micro_batch):
             logits = response_logits(self.engine, micro_batch, packed)
-            logprobs = token_logprobs(logits, response_tokens(micro_batch))
-            nll = aggregate_loss(-logprobs, micro_batch["response_mask"], num_tokens=tokens)
+            logprobs = token_logprobs(logits, micro_batch.response_tokens)
+            nll = aggregate_loss(-logprobs, micro_batch.response_mask, num_tokens=tokens)
             return nll, {}
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
     def preference_epochs(
         self,
-        batch: dict[str, torch.Tensor],
+        batch: Batch,
         *,
         epochs: int,
         mini_batches: int,
@@ -275,10 +268,10 @@ class Actor(TrainedModel):
         **loss_options: Any,
     ) -> dict[str, float]:
         """DPO on preference pairs (iterative DPO): `rl.ppo_epochs` of `preference_step`, its
-        mini- and micro-batches cut at whole pairs. `batch` (this rank's share, the layout of
-        sequences.py) holds each pair's chosen response in an even row and its rejected one in
-        the next, and "ref_logprobs" (B, R): the frozen reference's, at temperature 1."""
-        rows = batch["input_ids"].shape[0]
+        mini- and micro-batches cut at whole pairs. `batch` (this rank's share) holds each pair's
+        chosen response in an even row and its rejected one in the next, and ref_logprobs: the
+        frozen reference's, at temperature 1."""
+        rows = batch.rows
         if rows % 2:
             raise ValueError(f"preference pairs take two rows each, got {rows} rows")
         return ppo_epochs(
@@ -293,7 +286,7 @@ class Actor(TrainedModel):
 
     def preference_step(
         self,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
+        micro_batches: Sequence[Batch],
         *,
         beta: float,
         kind: str = "sigmoid",
@@ -306,17 +299,17 @@ class Actor(TrainedModel):
         chosen responses' mean NLL per token (RPO), which keeps DPO from lowering the chosen
         responses' own likelihood."""
         for micro_batch in micro_batches:
-            check_batch(micro_batch, "ref_logprobs")
+            micro_batch.require("ref_logprobs")
         micro_batches = self._on_device(micro_batches)
-        own_pairs = sum(mb["input_ids"].shape[0] // 2 for mb in micro_batches)
+        own_pairs = sum(mb.rows // 2 for mb in micro_batches)
         pairs = engine.global_sum(own_pairs)
 
         def loss_fn(micro_batch):
-            mask = micro_batch["response_mask"].float()
+            mask = micro_batch.response_mask.float()
             logits = response_logits(self.engine, micro_batch, packed)
             lengths = mask.sum(-1).clamp(min=1)
-            sums = (token_logprobs(logits, response_tokens(micro_batch)) * mask).sum(-1)
-            ref = (micro_batch["ref_logprobs"].float() * mask).sum(-1)
+            sums = (token_logprobs(logits, micro_batch.response_tokens) * mask).sum(-1)
+            ref = (micro_batch.ref_logprobs.float() * mask).sum(-1)
             chosen_nll = -(sums[0::2] / lengths[0::2])
             if kind == "ipo":  # IPO compares length-averaged log-probabilities
                 sums, ref = sums / lengths, ref / lengths
@@ -335,20 +328,18 @@ class Actor(TrainedModel):
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
-    def _on_device(self, micro_batches: Sequence[dict[str, torch.Tensor]]) -> list[dict]:
+    def _on_device(self, micro_batches: Sequence[Batch]) -> list[Batch]:
         if not self.train:
             raise RuntimeError("a train step on a frozen Actor (train=False, e.g. the reference)")
-        for micro_batch in micro_batches:
-            check_batch(micro_batch)
-        return [to_device(mb, self.device) for mb in micro_batches]
+        return [mb.to(self.device) for mb in micro_batches]
 
-    def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+    def train_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
         """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see
         `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, micro_batch_tokens,
         pack_sequences, then train_step's keywords).
-        A batch without "old_logprobs" must take exactly one optimizer step (see train_step)."""
+        A batch without old_logprobs must take exactly one optimizer step (see train_step)."""
         steps = options.get("epochs", 1) * options.get("mini_batches", 1)
-        if "old_logprobs" not in batch and steps != 1:
+        if batch.old_logprobs is None and steps != 1:
             raise ValueError(
                 f"a batch without old_logprobs is trained on-policy, in one optimizer step; "
                 f"epochs x mini_batches = {steps}"

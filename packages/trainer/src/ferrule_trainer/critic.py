@@ -1,8 +1,8 @@
 """The PPO critic (a trained value model) under DeepSpeed.
 
     critic = Critic(model_path, zero_stage=2, dtype="bfloat16", learning_rate=5e-6)
-    batch["old_values"] = critic.values(batch)                       # layout: sequences.py
-    metrics = critic.train_step(micro_batches, clip=0.2)              # needs "returns" too
+    batch = batch.replace(old_values=critic.values(batch))          # a Batch (batch.py)
+    metrics = critic.train_step(micro_batches, clip=0.2)              # needs returns too
     metrics = critic.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8)
 
 The critic is the policy's architecture with a linear value head on the last hidden state
@@ -20,14 +20,10 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import value_loss
 from ferrule_trainer.rl import ppo_epochs
-from ferrule_trainer.sequences import (
-    check_batch,
-    forward_in_micro_batches,
-    response_values,
-    to_device,
-)
+from ferrule_trainer.sequences import forward_in_micro_batches, response_values
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -87,7 +83,7 @@ class Critic(TrainedModel):
     @torch.no_grad()
     def values(
         self,
-        batch: dict[str, torch.Tensor],
+        batch: Batch,
         micro_batch_size: int | None = None,
         *,
         micro_batch_tokens: int | None = None,
@@ -111,39 +107,39 @@ class Critic(TrainedModel):
 
     def train_step(
         self,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
+        micro_batches: Sequence[Batch],
         *,
         clip: float | None = 0.2,
         agg_mode: str = "token-mean",
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss; micro-batches carry (B, R) "old_values"
-        and "returns" beside the layout of sequences.py (`packed`: as `Actor.train_step`)."""
+        """One optimizer step of the clipped value loss; the micro-batches carry old_values and
+        returns (`packed`: as `Actor.train_step`)."""
         for micro_batch in micro_batches:
-            check_batch(micro_batch, "old_values", "returns")
-        micro_batches = [to_device(mb, engine.device()) for mb in micro_batches]
-        own_tokens = sum(int(mb["response_mask"].sum()) for mb in micro_batches)
+            micro_batch.require("old_values", "returns")
+        micro_batches = [mb.to(engine.device()) for mb in micro_batches]
+        own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
         tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(sum(mb["response_mask"].shape[0] for mb in micro_batches))
+        sequences = engine.global_sum(sum(mb.rows for mb in micro_batches))
 
-        def loss_fn(micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             values = response_values(self.engine, micro_batch, packed)
             result = value_loss(
                 values,
-                micro_batch["old_values"],
-                micro_batch["returns"],
-                micro_batch["response_mask"],
+                micro_batch.old_values,
+                micro_batch.returns,
+                micro_batch.response_mask,
                 clip=clip,
                 agg_mode=agg_mode,
                 num_tokens=tokens,
                 num_sequences=sequences,
             )
             # a token mean over this rank's step: optimizer_step averages over micro-batches
-            weight = micro_batch["response_mask"].sum() * len(micro_batches) / max(own_tokens, 1)
+            weight = micro_batch.response_mask.sum() * len(micro_batches) / max(own_tokens, 1)
             return result.loss, {"value_clip_fraction": result.clip_fraction * weight}
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
-    def train_epochs(self, batch: dict[str, torch.Tensor], **options: Any) -> dict[str, float]:
+    def train_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
         """PPO epochs of `train_step` over one rollout batch; options: see `rl.ppo_epochs`."""
         return ppo_epochs(self.train_step, batch, **options)

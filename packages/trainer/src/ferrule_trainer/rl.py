@@ -1,6 +1,6 @@
 """One RL step's data and math: rollout samples to a batch, advantages by estimator, PPO epochs.
 
-    batch = build_batch(samples, pad_id)              # the layout of sequences.py
+    batch = build_batch(samples, pad_id)              # a Batch (batch.py)
     weights, metrics = rollout_correction(old, rollout_logprobs(samples, batch), batch, ...)
     advantages, returns = estimate("grpo", scores, batch, group_size=8, old_logprobs=old)
     actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), epochs=1, ...)
@@ -18,6 +18,7 @@ import torch
 from ferrule_trainer import advantages as adv
 from ferrule_trainer import importance
 from ferrule_trainer.aggregation import masked_mean
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.kl import adapt_kl_coef, kl_estimate
 from ferrule_trainer.reward_shaping import (
     RunningMoments,
@@ -25,9 +26,8 @@ from ferrule_trainer.reward_shaping import (
     shape_scores,
     token_rewards,
 )
-from ferrule_trainer.sequences import plan_micro_batches, split, take
+from ferrule_trainer.sequences import plan_micro_batches
 
-Batch = dict[str, torch.Tensor]
 __all__ = [
     "RunningMoments",
     "adapt_kl_coef",
@@ -42,7 +42,6 @@ __all__ = [
     "rollout_correction",
     "rollout_logprobs",
     "shape_scores",
-    "split",
     "trim_groups",
 ]
 
@@ -74,20 +73,16 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
                 raise ValueError(
                     f"sample {row}: mask has {len(mask)} entries for {len(response)} tokens"
                 )
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-    }
+    return Batch(input_ids, attention_mask, response_mask)
 
 
 def turn_rewards(samples: Sequence, batch: Batch) -> torch.Tensor | None:
     """The rewards samples earned before their end (multi-turn episodes' `turn_rewards`:
-    (token index, reward) pairs) in the layout of `batch["response_mask"]`, for `estimate`;
+    (token index, reward) pairs) in the layout of `batch.response_mask`, for `estimate`;
     None when no sample has any."""
     if not any(getattr(s, "turn_rewards", None) for s in samples):
         return None
-    out = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     for row, sample in enumerate(samples):
         for index, reward in getattr(sample, "turn_rewards", None) or ():
             if not 0 <= index < len(sample.token_ids):
@@ -101,8 +96,8 @@ def turn_rewards(samples: Sequence, batch: Batch) -> torch.Tensor | None:
 
 def rollout_logprobs(samples: Sequence, batch: Batch) -> torch.Tensor:
     """The engine's log-probabilities of the sampled tokens (`Sample.logprobs`: the behaviour
-    policy) in the layout of `batch["response_mask"]`, 0 on padding."""
-    out = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+    policy) in the layout of `batch.response_mask`, 0 on padding."""
+    out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
     for row, sample in enumerate(samples):
         out[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs, dtype=torch.float32)
     return out
@@ -125,7 +120,7 @@ def rollout_correction(
     sequence mask when `sequence_mask` = (low, high); None when neither is on. Metrics, every
     step: "vllm_kl", the k3 estimate of KL(engine || trainer) per token (the samples come from
     the engine), and what the correction changed."""
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     metrics = {
         "vllm_kl": float(
             masked_mean(kl_estimate(rollout_logprobs, old_logprobs, mask, kind="k3"), mask.bool())
@@ -198,7 +193,7 @@ def estimate(
     episodes, `turn_rewards(samples, batch)`): the estimators with per-token rewards ("gae",
     "reinforce_plus_plus") credit each turn's reward at its own turn; the group estimators
     use the scores (each episode's total) alone."""
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     kl = None
     if kl_in == "reward" and kl_coef > 0:
         kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max)
@@ -237,20 +232,23 @@ def policy_batch(
     """What `Actor.train_step` reads: the layout, the old log-probs (None: an on-policy step
     takes them from its own forward), the advantages, the reference's log-probs when the loss
     carries a KL term, and the rollout correction's weights when there are any."""
-    out = dict(batch, advantages=advantages)
-    if old_logprobs is not None:
-        out["old_logprobs"] = old_logprobs
-    if kl_coef_in_loss and ref_logprobs is not None:
-        out["ref_logprobs"] = ref_logprobs
-    if is_weights is not None:
-        out["is_weights"] = is_weights
-    return out
+    return batch.replace(
+        advantages=advantages,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs if kl_coef_in_loss else None,
+        is_weights=is_weights,
+    )
 
 
 def critic_batch(batch: Batch, values: torch.Tensor, returns: torch.Tensor) -> Batch:
     """What `Critic.train_step` reads: the layout, the values before the update, the returns."""
-    keys = ("input_ids", "attention_mask", "response_mask")
-    return {**{k: batch[k] for k in keys}, "old_values": values, "returns": returns}
+    return Batch(
+        batch.input_ids,
+        batch.attention_mask,
+        batch.response_mask,
+        old_values=values,
+        returns=returns,
+    )
 
 
 def ppo_epochs(
@@ -272,23 +270,23 @@ def ppo_epochs(
     `pack_sequences`: each micro-batch is one row without padding (the step gets packed=True).
     The step's loss is aggregated over the whole mini-batch's counts, so the split does not
     change it. `unit`: rows that stay together in every mini- and micro-batch (2: preference pairs)."""
-    size = max(batch["input_ids"].shape[0] // unit // mini_batches, 1) * unit
+    size = max(batch.rows // unit // mini_batches, 1) * unit
     micro = max(micro_batch_size // unit, 1) * unit
     if pack_sequences:
         loss_options = dict(loss_options, packed=True)
 
     def micro_batches(mini: Batch) -> list[Batch]:
         if micro_batch_tokens is None:
-            return split(mini, micro)
+            return mini.split(micro)
         plan = plan_micro_batches(
             mini, max_rows=micro, max_tokens=micro_batch_tokens, packed=pack_sequences, unit=unit
         )
-        return [take(mini, rows) for rows in plan]
+        return [mini.take(rows) for rows in plan]
 
     totals: dict[str, float] = {}
     steps = 0
     for _ in range(epochs):
-        for mini in split(batch, size):
+        for mini in batch.split(size):
             for key, value in train_step(micro_batches(mini), **loss_options).items():
                 totals[key] = totals.get(key, 0.0) + value
             steps += 1

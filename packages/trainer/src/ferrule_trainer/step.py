@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from ferrule_trainer import rl
+from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
 
 Pending = Callable[[], object]
@@ -46,7 +47,7 @@ class Ranks(Protocol):
 
     def logprobs(
         self,
-        batch: rl.Batch,
+        batch: Batch,
         micro_batch_size: int,
         temperature: float | None = None,
         *,
@@ -56,18 +57,18 @@ class Ranks(Protocol):
 
     def values(
         self,
-        batch: rl.Batch,
+        batch: Batch,
         micro_batch_size: int,
         *,
         micro_batch_tokens: int | None = None,
         packed: bool = False,
     ) -> Pending: ...
 
-    def train_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+    def train_epochs(self, batch: Batch, **options) -> Pending: ...
 
-    def likelihood_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+    def likelihood_epochs(self, batch: Batch, **options) -> Pending: ...
 
-    def preference_epochs(self, batch: rl.Batch, **options) -> Pending: ...
+    def preference_epochs(self, batch: Batch, **options) -> Pending: ...
 
 
 class LocalRanks:
@@ -240,7 +241,7 @@ class RLStep:
         if old is None:  # on-policy: train_step reports vllm_kl and kl from its own forward
             result = {}
             policy = rl.policy_batch(batch, None, advantages, ref, loss["kl_coef"])
-            policy["rollout_logprobs"] = rollout_lp
+            policy = policy.replace(rollout_logprobs=rollout_lp)
         else:
             weights, result = rl.rollout_correction(
                 old, rollout_lp, batch, **t.correction_options()
@@ -260,7 +261,7 @@ class RLStep:
             if ref is not None:
                 result["kl"] = metrics.pop("kl")
         elif ref is not None:
-            result["kl"] = rl.mean_kl(old, ref, batch["response_mask"])
+            result["kl"] = rl.mean_kl(old, ref, batch.response_mask)
         result.update({f"train/{k}": v for k, v in metrics.items()})
         result["approx_kl"] = metrics.get("approx_kl", 0.0)
         if ref is not None:
@@ -320,7 +321,8 @@ class RLStep:
         rows = [i for pair in pairs for i in pair]  # chosen in even rows, rejected in odd ones
         batch = rl.build_batch([samples[i] for i in rows], self.pad_id)
         forward = self.trainer.forward_options()
-        batch["ref_logprobs"] = self.reference.logprobs(batch, temperature=1.0, **forward)()
+        ref = self.reference.logprobs(batch, temperature=1.0, **forward)()
+        batch = batch.replace(ref_logprobs=ref)
         metrics = self.policy.preference_epochs(
             batch, **self.trainer.epoch_options(), beta=self.dpo_beta, nll_coef=self.dpo_nll_coef
         )()

@@ -1,0 +1,137 @@
+"""The RL batch: sequences laid out for the trainer, and the per-token tensors a step adds.
+
+    batch = rl.build_batch(samples, pad_id)                 # input_ids, attention_mask, response_mask
+    batch = batch.replace(advantages=adv, old_logprobs=old)  # checked against the layout
+    shards = batch.split(batch.rows // ranks); part = batch.take([0, 3]); batch.to("cuda")
+
+Sequences are prompt + response, left-padded prompts followed by right-padded responses (as
+rollout engines return them), so every response starts at the same column, T - R:
+
+    input_ids       (B, T)  token ids
+    attention_mask  (B, T)  1 for real tokens, 0 for padding (left or right)
+    response_mask   (B, R)  1 for response tokens that count in the loss
+
+The per-token tensors (B, R) line up with the last R columns of input_ids, as in OpenRLHF's
+`action_mask` and the losses' `mask`. A batch pickles as its tensors (it crosses Ray between
+the launcher and the ranks). Imports torch only.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+PER_TOKEN = (
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "advantages",
+    "is_weights",
+    "old_values",
+    "returns",
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    """The policy's log-probabilities before the step (None: on-policy, the training forward's)."""
+    ref_logprobs: torch.Tensor | None = None
+    """The reference's, for a KL term in the loss or DPO."""
+    rollout_logprobs: torch.Tensor | None = None
+    """The engine's, for the on-policy step's "vllm_kl"."""
+    advantages: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    """The rollout correction's per-token weights of the policy loss."""
+    old_values: torch.Tensor | None = None
+    """The critic's values before the step."""
+    returns: torch.Tensor | None = None
+    """The critic's targets."""
+
+    def __post_init__(self):
+        ids, attention, response = self.input_ids, self.attention_mask, self.response_mask
+        if ids.dim() != 2 or attention.shape != ids.shape:
+            raise ValueError(
+                f"input_ids and attention_mask must be (batch, seq_len) of one shape, got "
+                f"{tuple(ids.shape)} and {tuple(attention.shape)}"
+            )
+        if response.dim() != 2 or response.shape[1] >= ids.shape[1]:
+            raise ValueError(
+                f"response_mask must be (batch, response_len) with response_len < seq_len "
+                f"{ids.shape[1]}, got {tuple(response.shape)}"
+            )
+        for name, value in self._tensors().items():
+            if value.shape[0] != ids.shape[0]:
+                raise ValueError(f"{name} has {value.shape[0]} rows, input_ids {ids.shape[0]}")
+            if name in PER_TOKEN and value.shape != response.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(value.shape)}, expected response_mask's "
+                    f"{tuple(response.shape)}"
+                )
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def response_tokens(self) -> torch.Tensor:
+        """(B, R) the response columns of input_ids."""
+        return self.input_ids[:, -self.response_len :]
+
+    def lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's real prompt and response tokens, (B,) and (B,)."""
+        attention = self.attention_mask
+        return attention[:, : -self.response_len].sum(-1), attention[:, -self.response_len :].sum(
+            -1
+        )
+
+    def require(self, *names: str) -> None:
+        """Raises, naming them, where the per-token tensors `names` are missing."""
+        missing = [name for name in names if vars(self)[name] is None]
+        if missing:
+            raise ValueError(
+                f"the batch has no {', '.join(missing)}; it has {sorted(self._tensors())}"
+            )
+
+    def replace(self, **tensors: torch.Tensor | None) -> "Batch":
+        """A batch with these fields set (None: removed), checked against the layout."""
+        return dataclasses.replace(self, **tensors)
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive parts of at most `size` rows (every tensor split the same way)."""
+        tensors = self._tensors()
+        return [
+            Batch(**{k: v[i : i + size] for k, v in tensors.items()})
+            for i in range(0, self.rows, size)
+        ]
+
+    def take(self, rows: list[int]) -> "Batch":
+        """The batch of `rows`, without the columns that are padding in all of them: the
+        prompt columns left of its longest prompt and the response columns right of its
+        longest response (per-token tensors lose the same response columns)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        picked = {k: v[index] for k, v in self._tensors().items()}
+        part = Batch(**picked)
+        prompt, response = part.lengths()
+        start = self.input_ids.shape[1] - self.response_len
+        keep_prompt, keep_response = max(int(prompt.max()), 1), max(int(response.max()), 1)
+        columns = slice(start - keep_prompt, start + keep_response)
+        trimmed = {
+            k: v[:, columns] if k in ("input_ids", "attention_mask") else v[:, :keep_response]
+            for k, v in picked.items()
+        }
+        return Batch(**trimmed)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch on `device` (batches travel between processes on the host)."""
+        return Batch(**{k: v.to(device, non_blocking=True) for k, v in self._tensors().items()})
