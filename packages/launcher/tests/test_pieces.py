@@ -201,8 +201,7 @@ def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(mo
     from pathlib import Path
 
     from ferrule_launcher.config import load_config
-    from ferrule_launcher.placement import role_env
-    from ferrule_launcher.roles import threads_per_role
+    from ferrule_launcher.placement import role_env, threads_per_role
 
     example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
 
@@ -245,3 +244,36 @@ def test_device_memory_is_not_asked_of_roles_without_gpus():
     assert Loop._device_memory(loop(0.0)) == 0.0
     with pytest.raises(AssertionError, match="asked"):
         Loop._device_memory(loop(1.0))
+
+
+def test_the_roles_start_with_the_arguments_the_config_gives_them():
+    """run.role_setup hands start_roles each role's keyword arguments and the weight sync's
+    settings; roles.py never sees the config."""
+    from pathlib import Path
+
+    from ferrule_launcher.config import load_config
+    from ferrule_launcher.roles import WeightSync
+    from ferrule_launcher.run import role_setup
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
+    config = load_config(example, {"trainer.estimator": "gae", "critic.learning_rate": 1e-5})
+    setup = role_setup(config, "/model")
+    assert setup.model_path == "/model" and setup.critic_path is None
+    temperature = config.rollout.temperature
+    assert setup.policy["temperature"] == setup.reference["temperature"] == temperature
+    assert setup.policy["learning_rate"] == config.trainer.learning_rate
+    assert setup.critic["learning_rate"] == 1e-5 and "temperature" not in setup.critic
+    assert "learning_rate" not in setup.reference  # a frozen Actor has no optimizer
+    assert setup.engine["dtype"] == config.model.dtype and "seed" not in setup.engine
+    assert setup.weight_sync == WeightSync("ipc", 1, in_place=True)  # colocate_all: "auto" is ipc
+
+    apart = load_config(example, {"ray.placement": "separate", "rollout.tensor_parallel_size": 2})
+    assert role_setup(apart, "/model").weight_sync == WeightSync("broadcast", 2, in_place=True)
+    offload = load_config(
+        example, {"trainer.offload_between_phases": True, "trainer.zero_stage": 2}
+    )
+    assert not role_setup(offload, "/model").weight_sync.in_place
+    exact = load_config(example, {"rollout.exact": True, "rollout.backend": "transformers"})
+    exact_setup = role_setup(exact, "/model")
+    assert exact_setup.policy["prepare_model"] == exact_setup.reference["prepare_model"]
+    assert "prepare_model" not in setup.policy

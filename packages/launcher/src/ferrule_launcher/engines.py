@@ -181,7 +181,9 @@ class Engines:
             try:
                 if self.config.rollout.sleep_between_phases:  # the successor is awake
                     self._each(lambda e: e.wake_up.remote(), "wake up")
-                open_weight_sync(self.config, self.roles.policy.workers, self.roles.engines)
+                open_weight_sync(
+                    self.roles.weight_sync, self.roles.policy.workers, self.roles.engines
+                )
                 self._load(version)
                 break
             except RunError as failed:

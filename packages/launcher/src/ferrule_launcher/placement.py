@@ -1,7 +1,7 @@
 """Ray: start or join a cluster, the roles' environment, and placing roles with placement groups.
 
-    start_ray(config.ray, role_env())              # local cluster, or join config.ray.address
-    places, groups = place_roles(config.ray, [Role("policy", 0), Role("reference"), ...])
+    start_ray(config.ray, role_env(threads_per_role(config)))   # local, or join [ray] address
+    places, groups = place_roles(config.ray, wanted_roles(config))  # Role("policy", 0): options
     ray.remote(RankWorker).options(**places[Role("policy", 0)]).remote()
 
 Placements ([ray] placement):
@@ -16,10 +16,11 @@ Placements ([ray] placement):
 """
 
 import os
+from collections import Counter
 from typing import NamedTuple
 
 from ferrule_launcher.calls import RunError
-from ferrule_launcher.config import RayConfig
+from ferrule_launcher.config import Config, RayConfig
 
 # Set in every role's process (Ray runtime_env) on machines without CUDA; they must be in the
 # environment before vLLM or DeepSpeed is imported, which read them at import time.
@@ -56,6 +57,41 @@ class Role(NamedTuple):
     def pinned_as(self) -> str:
         """The kind `roles_on_nodes` names it by: the reference goes with the policy."""
         return "policy" if self.kind == "reference" else self.kind
+
+
+def wanted_roles(config: Config) -> list[Role]:
+    """Every role the configuration asks for."""
+    t = config.trainer
+    wanted = [Role("policy", i) for i in range(t.ranks)]
+    algorithm = config.loop.algorithm  # RL's KL needs the reference, and so does DPO
+    with_reference = (algorithm == "rl" and t.kl_coef > 0) or algorithm == "iterative_dpo"
+    wanted += [Role("reference", i) for i in range(t.reference_ranks if with_reference else 0)]
+    wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
+    return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
+
+
+def threads_per_role(config: Config) -> int:
+    """Torch threads for each role's process on a CPU machine ([ray] threads_per_role, else the
+    local cluster's CPUs over the most roles that compute at one moment). The synchronous loop's
+    phases take turns: the engines generate; then the reference, the critic and (off-policy) the
+    policy run their forward passes together; then the policy and the critic train together.
+    The asynchronous loop generates while it trains. One role per CPU where they outnumber the
+    CPUs: more threads than cores spin against each other."""
+    if config.ray.threads_per_role:
+        return config.ray.threads_per_role
+    if config.ray.address:  # a joined cluster's nodes may differ; this machine says nothing
+        return 1
+    count = Counter(role.kind for role in wanted_roles(config))
+    forwards = count["reference"] + count["critic"]
+    if config.trainer.needs_old_logprobs():
+        forwards += count["policy"]
+    training = max(forwards, count["policy"] + count["critic"])
+    if config.loop.mode == "async":
+        busiest = training + count["rollout"]
+    else:
+        busiest = max(training, count["rollout"])
+    cpus = config.ray.num_cpus or os.cpu_count() or 1
+    return max(1, cpus // busiest)
 
 
 def start_ray(config: RayConfig, env: dict[str, str]) -> str:

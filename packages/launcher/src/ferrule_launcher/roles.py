@@ -1,6 +1,6 @@
 """Start the run's actors and open the weight sync between them.
 
-    roles = start_roles(config, model_path, env)    # Roles: policy ranks, engines, reference...
+    roles = start_roles(setup, places, groups, env)  # Roles: policy ranks, engines, reference...
     write_roles(out / "roles.json", roles, rewards)  # where each one runs
     roles.stop()
 
@@ -15,15 +15,13 @@ import json
 import os
 import secrets
 import socket
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferrule_launcher.calls import RankGroup, get, get_each
-from ferrule_launcher.config import Config
-from ferrule_launcher.placement import Role, place_roles
+from ferrule_launcher.placement import Role
 
 if TYPE_CHECKING:
     from ferrule_trainer.batch import Batch
@@ -175,6 +173,41 @@ class RankWorker:
         self.actor.reload()
 
 
+@dataclass(frozen=True)
+class WeightSync:
+    """How the policy's weights reach the engines ([rollout] transport, "auto" resolved)."""
+
+    transport: str
+    """ "broadcast" (NCCL / gloo from rank 0), "ipc" (CUDA IPC / shared memory, colocated) or
+    "host" (shared memory wherever the weights are)."""
+    receivers_per_engine: int = 1
+    """An engine with tensor parallelism is one receiver per worker."""
+    in_place: bool = True
+    """Whether CUDA IPC may let the engines read the weights where they lie (not with an offload
+    between phases: the engines' mappings would keep that memory)."""
+
+
+@dataclass(frozen=True)
+class RoleSetup:
+    """What the run's actors are started with (run.py builds it from the config)."""
+
+    model_path: str
+    policy: dict
+    """`Actor`'s keyword arguments on every policy rank."""
+    reference: dict
+    """`Actor(train=False)`'s on every reference rank."""
+    engine_class: type
+    engine: dict
+    """The rollout engine's keyword arguments, besides the model path and the seed."""
+    seed: int
+    """Engine i's is seed + i."""
+    weight_sync: WeightSync
+    critic: dict | None = None
+    """`Critic`'s keyword arguments on every critic rank (None: no critic)."""
+    critic_path: str | None = None
+    """Where the critic starts from (None: the model path)."""
+
+
 @dataclass
 class Roles:
     policy: RankGroup
@@ -183,6 +216,7 @@ class Roles:
     critic: RankGroup | None = None
     groups: list = field(default_factory=list)  # Ray placement groups, given back at the end
     start_engine: Callable | None = None  # index -> a new engine actor on that engine's bundle
+    weight_sync: WeightSync | None = None  # how `open_weight_sync` reopens it
 
     def handles(self) -> dict[Role, object]:
         """Every actor of the run by its role."""
@@ -209,87 +243,31 @@ class Roles:
             ray.util.remove_placement_group(group)
 
 
-def wanted_roles(config: Config) -> list[Role]:
-    """Every role the configuration asks for."""
-    t = config.trainer
-    wanted = [Role("policy", i) for i in range(t.ranks)]
-    algorithm = config.loop.algorithm  # RL's KL needs the reference, and so does DPO
-    with_reference = (algorithm == "rl" and t.kl_coef > 0) or algorithm == "iterative_dpo"
-    wanted += [Role("reference", i) for i in range(t.reference_ranks if with_reference else 0)]
-    wanted += [Role("critic", i) for i in range(config.critic.ranks if config.critic else 0)]
-    return wanted + [Role("rollout", i) for i in range(config.rollout.engines)]
-
-
-def threads_per_role(config: Config) -> int:
-    """Torch threads for each role's process on a CPU machine ([ray] threads_per_role, else the
-    local cluster's CPUs over the most roles that compute at one moment). The synchronous loop's
-    phases take turns: the engines generate; then the reference, the critic and (off-policy) the
-    policy run their forward passes together; then the policy and the critic train together.
-    The asynchronous loop generates while it trains. One role per CPU where they outnumber the
-    CPUs: more threads than cores spin against each other."""
-    if config.ray.threads_per_role:
-        return config.ray.threads_per_role
-    if config.ray.address:  # a joined cluster's nodes may differ; this machine says nothing
-        return 1
-    count = Counter(role.kind for role in wanted_roles(config))
-    forwards = count["reference"] + count["critic"]
-    if config.trainer.needs_old_logprobs():
-        forwards += count["policy"]
-    training = max(forwards, count["policy"] + count["critic"])
-    if config.loop.mode == "async":
-        busiest = training + count["rollout"]
-    else:
-        busiest = max(training, count["rollout"])
-    cpus = config.ray.num_cpus or os.cpu_count() or 1
-    return max(1, cpus // busiest)
-
-
-def start_roles(config: Config, model_path: str, env: dict, ready: dict | None = None) -> Roles:
-    """Every actor of the run, started, placed and waited for; the weight sync opened.
+def start_roles(
+    setup: RoleSetup, places: dict[Role, dict], groups: list, env: dict, ready: dict | None = None
+) -> Roles:
+    """Every role of `places` (`placement.place_roles`: each one's Ray options; `groups`: their
+    placement groups, given back by `Roles.stop`) started and waited for; the weight sync opened.
     `ready` gets {role: seconds after this call began when it was ready}."""
     import time
 
     import ray
 
     began, arrivals = time.monotonic(), {}
-
-    t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
-    wanted = wanted_roles(config)
-    options, groups = place_roles(config.ray, wanted)
-    roles = Roles(RankGroup([], "policy"), [], groups=groups)  # filled in as they start, for stop()
-    model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
-    scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
-    if r.exact:
-        from ferrule_rollout.exact import ExactNumerics
-
-        scoring["prepare_model"] = ExactNumerics(r.max_model_len).apply
-    steps = config.loop.steps
-    setup = {
-        "policy": dict(
-            temperature=r.temperature,
-            **t.optimizer_options(steps),
-            **t.lora_options(),
-            **model,
-            **scoring,
-        ),
-        "reference": dict(zero_stage=t.zero_stage, temperature=r.temperature, **model, **scoring),
-    }
-    critic_path = model_path
-    if config.critic is not None:
-        setup["critic"] = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
-        if config.critic.init == "reward_model":  # the config check ensured [rewards] model
-            critic_path = str(config.rewards.model)
+    roles = Roles(RankGroup([], "policy"), [], groups=groups, weight_sync=setup.weight_sync)
+    options = {"policy": setup.policy, "reference": setup.reference, "critic": setup.critic}
+    paths = {"critic": setup.critic_path or setup.model_path}
 
     def actor(cls, role: Role, concurrency_groups=None, **extra):
         remote = (
             ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
         )
-        return remote(cls).options(**options[role], runtime_env={"env_vars": env}, **extra)
+        return remote(cls).options(**places[role], runtime_env={"env_vars": env}, **extra)
 
     def start_engine(index: int):
         role = Role("rollout", index)
-        return actor(r.engine_class(), role, max_concurrency=4).remote(
-            model_path, dtype=m.dtype, seed=seed + index, **r.engine_options()
+        return actor(setup.engine_class, role, max_concurrency=4).remote(
+            setup.model_path, seed=setup.seed + index, **setup.engine
         )
 
     roles.start_engine = start_engine
@@ -297,7 +275,7 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
     try:
         setups = []
         for kind in ("policy", "reference", "critic"):
-            ranks = [role for role in wanted if role.kind == kind]
+            ranks = sorted(role for role in places if role.kind == kind)
             if not ranks:
                 continue
             # "control": abort_weight_sync runs while send_weights blocks the default group
@@ -305,24 +283,31 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
                 actor(RankWorker, role, concurrency_groups={"control": 1}).remote()
                 for role in ranks
             ]
-            setattr(roles, kind, RankGroup(workers, kind))
+            group = RankGroup(workers, kind)
+            if kind == "policy":
+                roles.policy = group
+            elif kind == "reference":
+                roles.reference = group
+            else:
+                roles.critic = group
             master = get(workers[0].where.remote(), ranks[0].label)
             setups += [
                 (
                     w.setup.remote(
                         kind,
-                        critic_path if kind == "critic" else model_path,
+                        paths.get(kind, setup.model_path),
                         i,
                         len(workers),
                         master["host"],
                         master["port"],
-                        **setup[kind],
+                        **options[kind],
                     ),
                     ranks[i].label,
                 )
                 for i, w in enumerate(workers)
             ]
-        roles.engines = [start_engine(i) for i in range(r.engines)]
+        engines = sum(role.kind == "rollout" for role in places)
+        roles.engines = [start_engine(i) for i in range(engines)]
         # Wait for every role to start, naming the one that could not.
         get_each(setups, arrivals=arrivals)
         waits = [(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()]
@@ -330,27 +315,23 @@ def start_roles(config: Config, model_path: str, env: dict, ready: dict | None =
         if ready is not None:
             in_order = sorted(arrivals.items(), key=lambda item: item[1])
             ready.update({role: round(when - began, 1) for role, when in in_order})
-        open_weight_sync(config, roles.policy.workers, roles.engines)
+        open_weight_sync(setup.weight_sync, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()
         raise
     return roles
 
 
-def open_weight_sync(config: Config, workers: list, engines: list) -> None:
+def open_weight_sync(sync: WeightSync, workers: list, engines: list) -> None:
     """Weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank 0
     sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
     the policy rank on its own bundle, i mod ranks, so each GPU's weights stay on that GPU. An
-    engine with tensor parallelism is `tensor_parallel_size` receivers, one per worker.
+    engine with tensor parallelism is `receivers_per_engine` receivers, one per worker.
     Each group has a fresh secret, handed to its members through Ray: a process that reaches
     the group's store but is not one of them cannot join it or forge its messages."""
-    transport = config.rollout.transport
-    if transport == "auto":
-        transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
-    per_engine = config.rollout.tensor_parallel_size
+    transport, per_engine = sync.transport, sync.receivers_per_engine
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
-    in_place = not config.trainer.offload_between_phases
     calls = []
     for rank in range(senders):
         members = [(i, e) for i, e in enumerate(engines) if i % senders == rank]
@@ -362,7 +343,7 @@ def open_weight_sync(config: Config, workers: list, engines: list) -> None:
         calls.append(
             (
                 workers[rank].open_sender.remote(
-                    transport, here["host"], here["port"], receivers, secret, in_place
+                    transport, here["host"], here["port"], receivers, secret, sync.in_place
                 ),
                 f"policy rank {rank} (weight sync sender)",
             )

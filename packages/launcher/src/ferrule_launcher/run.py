@@ -27,7 +27,7 @@ from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.data import make_prompts
 from ferrule_launcher.loop import Loop
-from ferrule_launcher.roles import Roles
+from ferrule_launcher.roles import Roles, RoleSetup, WeightSync
 
 __all__ = ["RunError", "run"]
 
@@ -48,10 +48,17 @@ def run(config: Config, resume: bool = False, prompts=None) -> dict:
 def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     import ray
 
-    from ferrule_launcher.placement import check_fits, role_env, start_ray
+    from ferrule_launcher.placement import (
+        check_fits,
+        place_roles,
+        role_env,
+        start_ray,
+        threads_per_role,
+        wanted_roles,
+    )
     from ferrule_launcher.reward_model_role import resources
     from ferrule_launcher.rewards_service import RewardService
-    from ferrule_launcher.roles import start_roles, threads_per_role, wanted_roles, write_roles
+    from ferrule_launcher.roles import start_roles, write_roles
     from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
@@ -80,7 +87,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         model_path = warm_start(config, out)
         if config.sft.steps:
             startup.mark("SFT warm start")
-        roles = start_roles(config, model_path, env, ready=startup.roles_ready)
+        places, groups = place_roles(config.ray, wanted_roles(config))
+        setup = role_setup(config, model_path)
+        roles = start_roles(setup, places, groups, env, ready=startup.roles_ready)
         startup.mark("roles")
         write_roles(out / "roles.json", roles, rewards)
         loop = Loop(
@@ -181,6 +190,46 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         if rewards is not None:
             rewards.stop()
         ray.shutdown()
+
+
+def role_setup(config: Config, model_path: str) -> RoleSetup:
+    """What each role starts with: the keyword arguments of the policy's, the reference's and
+    the critic's ranks and of the engines, and how the weight sync runs."""
+    t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
+    model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
+    scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
+    if r.exact:
+        from ferrule_rollout.exact import ExactNumerics
+
+        scoring["prepare_model"] = ExactNumerics(r.max_model_len).apply
+    steps = config.loop.steps
+    critic, critic_path = None, None
+    if config.critic is not None:
+        critic = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
+        if config.critic.init == "reward_model":  # the config check ensured [rewards] model
+            critic_path = str(config.rewards.model)
+    transport = r.transport
+    if transport == "auto":
+        transport = "ipc" if config.ray.placement == "colocate_all" else "broadcast"
+    return RoleSetup(
+        model_path=model_path,
+        policy=dict(
+            temperature=r.temperature,
+            **t.optimizer_options(steps),
+            **t.lora_options(),
+            **model,
+            **scoring,
+        ),
+        reference=dict(zero_stage=t.zero_stage, temperature=r.temperature, **model, **scoring),
+        engine_class=r.engine_class(),
+        engine=dict(dtype=m.dtype, **r.engine_options()),
+        seed=seed,
+        weight_sync=WeightSync(
+            transport, r.tensor_parallel_size, in_place=not t.offload_between_phases
+        ),
+        critic=critic,
+        critic_path=critic_path,
+    )
 
 
 def _wandb_settings(config: Config, out: Path, launch_id: str) -> dict:
