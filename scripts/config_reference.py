@@ -66,9 +66,14 @@ def type_name(annotation) -> str:
 
 
 def constraints(field) -> str:
+    metadata = list(field.metadata)
+    for arg in typing.get_args(field.annotation):  # int | "auto": the bounds sit on the int
+        if typing.get_origin(arg) is typing.Annotated:
+            for m in typing.get_args(arg)[1:]:
+                metadata += getattr(m, "metadata", [m])
     return ", ".join(
         f"{BOUNDS[type(m)][0]} {getattr(m, BOUNDS[type(m)][1])}"
-        for m in field.metadata
+        for m in metadata
         if type(m) in BOUNDS
     )
 
@@ -119,7 +124,9 @@ def table_section(name: str, model, default, array: bool, required: bool, out: l
             nested.append((f"{name}.{key}", sub))
         if not field.description:
             raise SystemExit(f"{model.__name__}.{key}: no docstring under the field")
-        if default is not None:
+        if default is not None and key in getattr(default, "auto", ()):
+            value = toml_value("auto")  # the instance holds what "auto" becomes without GPUs
+        elif default is not None:
             value = toml_value(getattr(default, key))
         elif field.is_required():
             value = "required"

@@ -88,3 +88,18 @@ def test_errors(tmp_path, text, message):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"nowhere.toml: config file does not exist"):
         load_config(tmp_path / "nowhere.toml", File)
+
+
+class Whole(Table):
+    train: Train = Train()
+
+    @model_validator(mode="after")
+    def _across_tables(self):
+        if self.train.mode == "async":
+            raise ValueError("async needs a second table")  # names no key
+        return self
+
+
+def test_a_check_across_the_whole_file_that_names_no_key_is_still_reported(tmp_path):
+    with pytest.raises(ConfigError, match=r"run.toml: the file as a whole: async needs a second"):
+        load_config(write(tmp_path, '[train]\nmode = "async"\n'), Whole)

@@ -1,10 +1,15 @@
 """The `rlhf-launch` entry point: help, errors before anything starts, dry run."""
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
+from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB
+
 EXAMPLE = Path(__file__).parents[3] / "examples" / "tiny.toml"
+# what Qwen2.5-1.5B's config.json says of its shape (the memory plan reads it)
+QWEN25_1_5B_CONFIG = dict(model_type="qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
 
 
 def run(*args):
@@ -62,19 +67,23 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     pointing at files that exist, the whole configuration is valid as written."""
     gpu_example = EXAMPLE.parent / "grpo-gsm8k-gpu.toml"
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(QWEN25_1_5B_CONFIG))
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the data's lengths need one
         shutil.copy(EXAMPLE.parent / "tiny" / "model" / name, tmp_path / "model" / name)
     for name in ("train", "test"):
         (tmp_path / f"{name}.jsonl").write_text('{"prompt": "1+1?", "label": "2"}\n')
-    result = run(
-        str(gpu_example),
-        "--dry-run",
+    paths = (
         "--set",
         f'model.path="{tmp_path / "model"}"',
         "--set",
         f'task.sources=[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]',
     )
+    if shutil.which("nvidia-smi") is None:  # the memory plan needs the GPUs' size: say so
+        unsized = run(str(gpu_example), "--dry-run", *paths)
+        assert unsized.returncode == 2 and "[ray] gpu_memory_gb: this machine shows no GPU" in (
+            unsized.stderr
+        )
+    result = run(str(gpu_example), "--dry-run", *paths, "--set", "ray.gpu_memory_gb=80")
     assert result.returncode == 0, result.stderr
     assert "configuration is valid" in result.stdout
     for line in ("ranks = 8", "engines = 8", 'placement = "colocate_all"', "gpus_per_role = 1.0"):

@@ -8,7 +8,18 @@ import ferrule_launcher
 
 # The modules of each package that other packages may import (their READMEs say so).
 PUBLIC = {
-    "ferrule_trainer": {"config", "batch", "rl", "step", "actor", "critic", "sft", "chat", "jsonl"},
+    "ferrule_trainer": {
+        "config",
+        "batch",
+        "memory",
+        "rl",
+        "step",
+        "actor",
+        "critic",
+        "sft",
+        "chat",
+        "jsonl",
+    },
     "ferrule_rollout": {"", "config", "vllm_engine", "environments", "episodes", "exact"},
     "ferrule_rewards": {"", "client", "builtin", "server", "model"},
     "ferrule_weightsync": {""},

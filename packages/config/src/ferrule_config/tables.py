@@ -141,6 +141,8 @@ def format_errors(path: Path, schema: type[BaseModel], err: ValidationError) -> 
 
 
 def _where(loc: list[str]) -> str:
+    if not loc:  # a check across the whole file that named no key
+        return "the file as a whole"
     if len(loc) == 1:
         return f"table [{loc[0]}]"
     return f"[{loc[0]}] {'.'.join(loc[1:])}"

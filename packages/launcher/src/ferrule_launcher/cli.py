@@ -2,6 +2,7 @@
 
     rlhf-launch examples/tiny.toml                    # SFT warm start, then GRPO, on CPU
     rlhf-launch examples/tiny.toml --dry-run          # check and print the resolved config
+    rlhf-launch examples/grpo-gsm8k-gpu.toml --plan   # what each GPU will hold
     rlhf-launch examples/tiny.toml --resume           # continue after a crash or kill -9
     rlhf-launch examples/tiny.toml --set loop.steps=5 --set output.dir=\"runs/short\"
 
@@ -32,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("config", type=Path, help="the run's TOML file, e.g. examples/tiny.toml")
     parser.add_argument(
         "--dry-run", action="store_true", help="validate, print the resolved config and exit"
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help='print the memory plan (what each GPU holds per phase, the "auto" keys chosen) '
+        "and exit",
     )
     parser.add_argument(
         "--resume",
@@ -68,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        config = load_config(args.config, parse_overrides(args.set))
+        overrides = parse_overrides(args.set)
+        if args.plan:  # show a plan that does not fit too, rather than only refuse it
+            return print_plan(load_config(args.config, {**overrides, "ray.check_memory": False}))
+        config = load_config(args.config, overrides)
         prompts = make_prompts(config)  # data files are read and checked here, before any process
     except (ConfigError, ValueError) as err:
         print(f"rlhf-launch: {err}", file=sys.stderr)
@@ -97,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out before RL: {describe_eval(summary['eval_before'])}")
     print(f"held-out after RL:  {describe_eval(summary['eval_after'])}")
     return 0
+
+
+def print_plan(config) -> int:
+    """--plan: what each GPU holds per phase; exit status 2 when it does not fit."""
+    from ferrule_launcher.plan import make_plan
+
+    plan = make_plan(config)
+    if plan is None:
+        print("no memory plan: a CPU run ([ray] gpus_per_role = 0)")
+        return 0
+    print(plan.describe())
+    return 0 if plan.fits() else 2
 
 
 if __name__ == "__main__":

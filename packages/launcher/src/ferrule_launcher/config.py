@@ -337,6 +337,12 @@ class RayConfig(Table):
     """CPUs each role asks Ray for (fractions let roles share a small machine)."""
     gpus_per_role: float = Field(0.0, ge=0)
     """GPUs each role asks for (0 on CPU machines; fractions share a GPU when colocated)."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """GiB of memory of each GPU, for the memory plan (None: nvidia-smi's figure on the machine
+    that launches; set it where that machine has no GPU, e.g. a Ray head node)."""
+    check_memory: bool = True
+    """GPU runs: refuse a plan whose estimated peak does not fit the GPUs (`--plan` prints it).
+    false: start anyway (the estimate assumes every token is a response token)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the groups that hold several bundles."""
     roles_on_nodes: dict[str, str] = Field(default_factory=dict)
@@ -573,6 +579,38 @@ class Config(Table):
                 problems.append(("sft.data", f"no file {self.sft.data}"))
         if problems:
             raise Problems(problems)
+        return self
+
+    @model_validator(mode="after")
+    def _memory_plan(self):
+        """GPU runs: the [trainer] keys left "auto" take the fastest plan that fits the GPUs;
+        a plan that cannot fit is refused here, before any process starts (plan.py)."""
+        from ferrule_launcher.plan import make_plan, refusal
+
+        if not self.ray.gpus_per_role:
+            return self
+        try:
+            plan = make_plan(self)
+        except (OSError, ValueError) as err:  # config.json unreadable, or not a decoder LM's
+            raise Problems(
+                [("model.path", f"the memory plan cannot read the model: {err}")]
+            ) from None
+        if plan.memory is None:
+            if self.trainer.auto:
+                raise Problems(
+                    [
+                        (
+                            "ray.gpu_memory_gb",
+                            "this machine shows no GPU (nvidia-smi), so the memory plan cannot "
+                            f"choose [trainer] {', '.join(sorted(self.trainer.auto))}: set "
+                            "gpu_memory_gb to the GPUs' size (e.g. 80), or set those keys",
+                        )
+                    ]
+                )
+            return self
+        if self.ray.check_memory and not plan.fits():
+            raise Problems(refusal(plan))
+        object.__setattr__(self, "trainer", plan.trainer)  # frozen: this is its validation
         return self
 
     def needs_reward_server(self) -> bool:

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
 from ferrule_config import InputPath, Problems, Table, renamed_dtype
 
@@ -60,6 +60,15 @@ class ModelConfig(Table):
 
 
 GSPO_AGG_MODE = "seq-mean-token-mean"
+AUTO_KEYS = (
+    "micro_batch_tokens",
+    "zero_stage",
+    "gradient_checkpointing",
+    "offload_optimizer",
+    "offload_params",
+    "offload_between_phases",
+)
+"""[trainer] keys that default to "auto": the memory plan's choice."""
 
 
 class TrainerConfig(Table):
@@ -84,13 +93,14 @@ class TrainerConfig(Table):
     forward_batch_size: int | None = Field(None, ge=1)
     """Sequences per forward pass of the old-policy, reference and value passes, at most (None:
     micro_batch_size). The logits of a pass grow with it: rows x response length x vocabulary."""
-    micro_batch_tokens: int | None = Field(8192, ge=1)
+    micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
     """Tokens per forward/backward of the policy and the critic, at most: each mini-batch's
     sequences are sorted by length into micro-batches whose rows x padded length (or, packed,
     whose tokens) stay within it, up to micro_batch_size rows. Activations grow with tokens,
     not rows: 64 rows of ~270 tokens (17k) ran a 1.5B policy out of memory on an H100 beside
     its engine, 16 rows (4.3k) fit. A sequence longer than this goes alone. The loss is the
-    same however the step is split. "none": micro_batch_size rows in batch order."""
+    same however the step is split. "auto": on GPUs the largest that fits the memory plan
+    (`rlhf-launch --plan`), elsewhere 8192. "none": micro_batch_size rows in batch order."""
     forward_batch_tokens: int | None = Field(None, ge=1)
     """Tokens per forward pass of the old-policy, reference and value passes, at most, as
     micro_batch_tokens (None: micro_batch_tokens); forward_batch_size rows at most."""
@@ -171,8 +181,9 @@ class TrainerConfig(Table):
     """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """Module names (suffixes) that get adapters."""
-    zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage (3 shards the parameters too, over the policy's ranks)."""
+    zero_stage: Annotated[int, Field(ge=0, le=3)] | Literal["auto"] = "auto"
+    """DeepSpeed ZeRO stage (3 shards the parameters too, over the policy's ranks). "auto": on
+    GPUs the fastest stage the memory plan fits (2 before 3), elsewhere 0 (2 with an offload)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
     weight_decay: float = Field(0.0, ge=0)
@@ -184,16 +195,47 @@ class TrainerConfig(Table):
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After warm-up: constant, or cosine decay to a tenth of the peak over the run's optimizer
     steps (loop steps x epochs x mini_batches)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (policy and critic): less memory, ~1/3 more compute."""
-    offload_optimizer: bool = False
-    """DeepSpeed keeps optimizer states in host memory and steps on the CPU (GPU, ZeRO >= 1)."""
-    offload_params: bool = False
-    """DeepSpeed keeps parameters in host memory (GPU, ZeRO-3)."""
-    offload_between_phases: bool = False
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute activations in backward (policy and critic): less memory, ~1/3 more compute.
+    "auto": on only where the memory plan needs it (off on CPU)."""
+    offload_optimizer: bool | Literal["auto"] = "auto"
+    """DeepSpeed keeps optimizer states in host memory and steps on the CPU (GPU, ZeRO >= 1).
+    "auto": only where the memory plan needs it (off on CPU)."""
+    offload_params: bool | Literal["auto"] = "auto"
+    """DeepSpeed keeps parameters in host memory (GPU, ZeRO-3). "auto": only where the memory
+    plan needs it (off on CPU)."""
+    offload_between_phases: bool | Literal["auto"] = "auto"
     """Hybrid engine: move the policy's (and critic's) optimizer states, gradients and weights
     to host memory while the rollout engines generate on the same GPUs, and back to train
-    (placement "colocate_all", loop mode "sync", ZeRO >= 1; nothing to move on CPU)."""
+    (placement "colocate_all", loop mode "sync", ZeRO >= 1; nothing to move on CPU). "auto":
+    only where the memory plan needs it (off on CPU)."""
+
+    _auto: frozenset[str] = PrivateAttr(frozenset())
+
+    @property
+    def auto(self) -> frozenset[str]:
+        """The keys left to the memory plan ("auto"), now holding the CPU defaults, which
+        ferrule-launcher's plan replaces on GPUs."""
+        return self._auto
+
+    @model_validator(mode="after")
+    def _cpu_defaults(self):
+        """ "auto" keys take what a run without GPUs uses (the launcher plans GPU runs): the
+        stage follows the offloads the user chose, everything else is off."""
+        offloads = [self.offload_optimizer, self.offload_params, self.offload_between_phases]
+        defaults = {
+            "micro_batch_tokens": 8192,
+            "zero_stage": 3 if self.offload_params is True else 2 if True in offloads else 0,
+            "gradient_checkpointing": False,
+            "offload_optimizer": False,
+            "offload_params": False,
+            "offload_between_phases": False,
+        }
+        auto = frozenset(key for key in AUTO_KEYS if getattr(self, key) == "auto")
+        for key in auto:
+            object.__setattr__(self, key, defaults[key])  # frozen: this is its validation
+        self._auto = auto
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,272 @@
+"""The memory plan of a GPU run, made from the config before any process starts: what each GPU
+holds while the engines generate and while the trainer trains, the [trainer] keys left "auto"
+chosen as the fastest plan that fits, and a refusal naming the keys when nothing fits.
+
+    plan = make_plan(config)            # None for a CPU run ([ray] gpus_per_role = 0)
+    print(plan.describe())              # rlhf-launch CONFIG --plan
+    plan.trainer                        # [trainer] with the "auto" keys chosen
+
+Each role's bytes come from ferrule_trainer.memory (fitted to peaks measured at 1.5B), assuming
+the worst micro-batch: every token a response token. A process keeps what its allocator once
+reserved, so a policy rank holds its training peak in every phase unless offload_between_phases
+moves its states out; an engine gives its memory back only with sleep_between_phases.
+"""
+
+import itertools
+import math
+import subprocess
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ferrule_trainer import memory
+from ferrule_trainer.config import TrainerConfig
+from ferrule_trainer.memory import GiB, ModelShape
+
+if TYPE_CHECKING:
+    from ferrule_launcher.config import Config
+
+CONTEXT = int(0.6 * GiB)  # the CUDA context and libraries of each process on a GPU
+# Of a GPU's memory the plan may fill: the estimate's error (within 7% where measured), NCCL's
+# buffers and what no estimate sees.
+HEADROOM = 0.9
+TOKEN_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024, 512)
+ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activations and graphs
+
+# Relative seconds per trained token, from benchmarks/memory_gpu.py's timings at 1.5B on an H100:
+# small micro-batches leave the GPU idle, checkpointing recomputes the forward, ZeRO-3 gathers
+# the weights every pass, offloaded optimizer states step on the CPU.
+STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
+
+
+def cost(choice: dict) -> float:
+    tokens = choice["micro_batch_tokens"] or TOKEN_CHOICES[0]
+    return (
+        (1 + 11_500 / tokens)
+        * (1.3 if choice["gradient_checkpointing"] else 1.0)
+        * STAGE_COST[choice["zero_stage"]]
+        * (5.0 if choice["offload_optimizer"] else 1.0)
+        * (2.0 if choice["offload_params"] else 1.0)
+        * (1.1 if choice["offload_between_phases"] else 1.0)
+    )
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One process on a GPU: its bytes while the engines generate and while the trainer trains."""
+
+    role: str
+    generate: int
+    train: int
+    how: str  # what the bytes are, for --plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    trainer: TrainerConfig  # with the "auto" keys chosen
+    gpus: list[list[Holding]]  # the processes of each distinct GPU (rank 0's bundles)
+    memory: int | None  # bytes of one GPU (None: unknown)
+
+    def peak(self) -> tuple[int, str, int]:
+        """(bytes, phase, GPU index) of the fullest GPU in its fullest phase."""
+        return max(
+            (sum(getattr(h, phase) for h in gpu), phase, index)
+            for index, gpu in enumerate(self.gpus)
+            for phase in ("generate", "train")
+        )
+
+    def fits(self) -> bool:
+        return self.memory is None or self.peak()[0] <= HEADROOM * self.memory
+
+    def describe(self) -> str:
+        lines = []
+        chosen = self.trainer.auto
+        keys = ", ".join(
+            f"{key} = {getattr(self.trainer, key)}" + (" (auto)" if key in chosen else "")
+            for key in memory_keys()
+        )
+        lines.append(f"[trainer] {keys}")
+        size = f"{self.memory / GiB:.1f} GiB" if self.memory else "unknown size"
+        lines.append(f"per GPU ({size}; the plan fills at most {HEADROOM:.0%}):")
+        for index, gpu in enumerate(self.gpus):
+            lines.append(f"  GPU {index}:")
+            for h in gpu:
+                lines.append(
+                    f"    {h.role:<12} generate {h.generate / GiB:6.1f} GiB  train "
+                    f"{h.train / GiB:6.1f} GiB  ({h.how})"
+                )
+            for phase in ("generate", "train"):
+                total = sum(getattr(h, phase) for h in gpu)
+                lines.append(f"    {'total':<12} {phase} {total / GiB:.1f} GiB")
+        peak, phase, index = self.peak()
+        verdict = "fits" if self.fits() else "does NOT fit"
+        lines.append(f"peak: {peak / GiB:.1f} GiB on GPU {index}, {phase} phase: {verdict}")
+        return "\n".join(lines)
+
+
+def memory_keys() -> tuple[str, ...]:
+    from ferrule_trainer.config import AUTO_KEYS
+
+    return AUTO_KEYS
+
+
+def gpu_memory() -> int | None:
+    """The smallest GPU's memory on this machine, from nvidia-smi (None: no NVIDIA GPU here)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+        sizes = [int(float(line)) for line in out.split() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(sizes) * 2**20 if sizes else None
+
+
+# -- what each process holds ---------------------------------------------------------------------
+
+
+def _tokens(limit: int | None, rows: int, max_model_len: int) -> int:
+    """The tokens of the largest micro-batch: the token budget, or rows of max_model_len."""
+    most = rows * max_model_len
+    return most if limit is None else min(limit, most)
+
+
+def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> list[list[Holding]]:
+    r, ray, dtype = config.rollout, config.ray, config.model.dtype
+    train_tokens = _tokens(trainer.micro_batch_tokens, trainer.micro_batch_size, r.max_model_len)
+    forward_tokens = _tokens(
+        trainer.forward_batch_tokens or trainer.micro_batch_tokens,
+        trainer.forward_batch_size or trainer.micro_batch_size,
+        r.max_model_len,
+    )
+    trained = dict(
+        dtype=dtype,
+        zero_stage=trainer.zero_stage,
+        ranks=trainer.ranks,
+        checkpointing=trainer.gradient_checkpointing,
+        tokens=train_tokens,
+        response_share=1.0,  # the worst micro-batch: every token through the LM head
+        offload_optimizer=trainer.offload_optimizer,
+        offload_params=trainer.offload_params,
+    )
+    policy_peak = CONTEXT + max(
+        memory.policy_train_peak(shape, lora=trainer.lora_rank > 0, **trained),
+        memory.forward_peak(shape, dtype, forward_tokens, 1.0),
+    )
+    held = CONTEXT if trainer.offload_between_phases else policy_peak
+    how = f"{train_tokens} tokens per micro-batch"
+    policy = Holding("policy", held, policy_peak, how)
+    gpus = [[policy]]
+    if trainer.kl_coef > 0:
+        zero = dict(zero_stage=trainer.zero_stage, ranks=trainer.reference_ranks)
+        ref = CONTEXT + memory.forward_peak(shape, dtype, forward_tokens, 1.0, **zero)
+        gpus.append([Holding("reference", ref, ref, f"{forward_tokens} tokens per pass")])
+    if config.critic is not None:
+        value_model = replace(shape, vocab=0)  # a value head instead of the LM head
+        critic_trained = dict(trained, ranks=config.critic.ranks)
+        peak = CONTEXT + memory.policy_train_peak(value_model, **critic_trained)
+        held = CONTEXT if trainer.offload_between_phases else peak
+        gpus.append([Holding("critic", held, peak, how)])
+    awake, engine_how = _engine(config, shape)
+    asleep = CONTEXT if r.sleep_between_phases else awake
+    gpus.append([Holding("engine", awake, asleep, engine_how)])
+    if ray.placement == "colocate_all":
+        return [[h for gpu in gpus for h in gpu]]
+    if ray.placement == "colocate" and trainer.kl_coef > 0:  # the reference beside rank 0
+        return [gpus[0] + gpus[1], *gpus[2:]]
+    return gpus
+
+
+def _engine(config: "Config", shape: ModelShape) -> tuple[int, str]:
+    r = config.rollout
+    if r.backend == "vllm":
+        gpu = config.ray.gpu_memory_gb or 0
+        share = int(r.gpu_memory_utilization * gpu * GiB)
+        return share + CONTEXT, f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
+    slots = math.ceil(r.max_model_len / 64) * 64
+    cache = r.max_batch_size * slots * shape.layers * 2 * shape.kv_width * 2  # bf16 keys, values
+    logits = r.max_batch_size * shape.vocab * 8
+    weights = shape.weights(config.model.dtype)
+    total = memory.FRAGMENTATION * (weights + cache + logits + ENGINE_OVERHEAD)
+    how = f"transformers: KV cache of {r.max_batch_size} rows x {slots} slots"
+    return int(total) + CONTEXT, how
+
+
+# -- choosing the "auto" keys --------------------------------------------------------------------
+
+
+def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
+    """The values each key may take: its own when set, else what the plan may choose."""
+    auto = trainer.auto
+    options = {key: (getattr(trainer, key),) for key in memory_keys()}
+    if "micro_batch_tokens" in auto:
+        options["micro_batch_tokens"] = TOKEN_CHOICES
+    if "zero_stage" in auto:
+        options["zero_stage"] = (2, 3)
+    for key in ("gradient_checkpointing", "offload_optimizer", "offload_params"):
+        if key in auto:
+            options[key] = (False, True)
+    if "offload_between_phases" in auto and hybrid:
+        options["offload_between_phases"] = (False, True)
+    return options
+
+
+def _valid(choice: dict) -> bool:
+    if choice["offload_params"] and choice["zero_stage"] != 3:
+        return False
+    offloads = choice["offload_optimizer"] or choice["offload_between_phases"]
+    return not (offloads and choice["zero_stage"] == 0)
+
+
+def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
+    """The plan of a GPU run (None on CPU): the fastest choice of the "auto" keys that fits
+    (`fits()` False when none does: then the one that needs least); `memory_bytes`: one GPU's
+    (default [ray] gpu_memory_gb, else nvidia-smi's)."""
+    if not config.ray.gpus_per_role:
+        return None
+    if memory_bytes is None and config.ray.gpu_memory_gb:
+        memory_bytes = int(config.ray.gpu_memory_gb * GiB)
+    if memory_bytes is None:
+        memory_bytes = gpu_memory()
+    if memory_bytes is not None and config.ray.gpu_memory_gb is None:
+        config = config.model_copy(
+            update={"ray": config.ray.model_copy(update={"gpu_memory_gb": memory_bytes / GiB})}
+        )
+    shape = ModelShape.read(config.model.path)
+    hybrid = config.ray.placement == "colocate_all" and config.loop.mode == "sync"
+    options = _options(config.trainer, hybrid)
+    choices = [
+        dict(zip(options, values, strict=True)) for values in itertools.product(*options.values())
+    ]
+    plans = []
+    for choice in sorted(filter(_valid, choices), key=cost):
+        trainer = config.trainer.model_copy(update=choice)
+        plan = Plan(trainer, holdings(config, trainer, shape), memory_bytes)
+        if plan.fits():
+            return plan
+        plans.append(plan)
+    if not plans:  # the user's own choices contradict each other: TrainerConfig says how
+        trainer = config.trainer
+        return Plan(trainer, holdings(config, trainer, shape), memory_bytes)
+    return min(plans, key=lambda p: p.peak()[0])
+
+
+def refusal(plan: Plan) -> list[tuple[str, str]]:
+    """(key, message) problems of a plan that does not fit, naming what the user could change."""
+    peak, phase, index = plan.peak()
+    gpu = plan.gpus[index]
+    parts = ", ".join(f"{h.role} {getattr(h, phase) / GiB:.1f}" for h in gpu)
+    fixed = [k for k in memory_keys() if k not in plan.trainer.auto]
+    levers = ", ".join(f"[trainer] {k}" for k in fixed) or "nothing left to choose"
+    message = (
+        f"the memory plan does not fit: in the {phase} phase GPU {index} needs {peak / GiB:.1f} GiB "
+        f"({parts}) of {HEADROOM:.0%} x {plan.memory / GiB:.1f} GiB, even at the plan that needs "
+        f'least (set by you: {levers}; set them to "auto" to let the plan choose, lower '
+        "[rollout] gpu_memory_utilization or max_batch_size, turn on sleep_between_phases, or "
+        "add ranks). `rlhf-launch CONFIG --plan` shows every process."
+    )
+    key = f"trainer.{fixed[0]}" if fixed else "trainer.micro_batch_tokens"
+    return [(key, message)]

@@ -1,0 +1,156 @@
+"""The memory plan of GPU runs: the "auto" keys chosen to fit, refusals that name the keys and
+the numbers before anything starts, and `rlhf-launch --plan`."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from ferrule_launcher.config import ConfigError, load_config
+from ferrule_launcher.plan import HEADROOM, make_plan
+from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB
+from ferrule_trainer.config import AUTO_KEYS
+from ferrule_trainer.memory import GiB
+
+GPU_RUN = """
+[model]
+path = "model"
+dtype = "bfloat16"
+[rewards]
+function = "ferrule_rewards.builtin:exact_text"
+[rollout]
+backend = "transformers"
+prompts_per_step = 64
+samples_per_prompt = 8
+max_tokens = 512
+max_model_len = 1024
+[ray]
+gpus_per_role = 1
+"""
+
+
+@pytest.fixture
+def write(tmp_path):
+    """A run of a Qwen2.5-1.5B-shaped model (its config.json: all the plan reads)."""
+    (tmp_path / "model").mkdir()
+    config = dict(model_type="qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+
+    def write(text: str = "", gpu_gb: float | None = 80.0) -> str:
+        memory = f"gpu_memory_gb = {gpu_gb}\n" if gpu_gb else ""
+        path = tmp_path / "run.toml"
+        path.write_text(GPU_RUN + memory + text)
+        return str(path)
+
+    return write
+
+
+def error_of(path: str, **overrides) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_auto_keys_take_the_fastest_plan_that_fits(write):
+    config = load_config(write())
+    t = config.trainer
+    assert t.auto == frozenset(AUTO_KEYS)
+    plan = make_plan(config)
+    assert plan.fits() and plan.peak()[0] <= HEADROOM * 80 * GiB
+    # an H100 holds a 1.5B policy beside its engine without sharding or offloading
+    assert (t.zero_stage, t.offload_optimizer, t.offload_params) == (2, False, False)
+    assert t.micro_batch_tokens >= 8192
+    assert (t.micro_batch_tokens, t.gradient_checkpointing) == (
+        plan.trainer.micro_batch_tokens,
+        plan.trainer.gradient_checkpointing,
+    )
+
+
+def test_a_smaller_gpu_gets_a_plan_that_needs_less(write):
+    big = load_config(write(gpu_gb=80)).trainer
+    small = load_config(write(gpu_gb=24)).trainer
+    assert small.micro_batch_tokens <= big.micro_batch_tokens
+    assert small.gradient_checkpointing or small.zero_stage == 3 or small.offload_optimizer
+    assert make_plan(load_config(write(gpu_gb=24))).fits()
+
+
+def test_the_users_own_keys_are_kept(write):
+    config = load_config(write("[trainer]\nzero_stage = 3\nmicro_batch_tokens = 2048\n"))
+    assert (config.trainer.zero_stage, config.trainer.micro_batch_tokens) == (3, 2048)
+    assert "zero_stage" not in config.trainer.auto
+
+
+def test_a_plan_that_cannot_fit_is_refused_naming_keys_and_numbers(write):
+    text = "[trainer]\nmicro_batch_tokens = 65536\ngradient_checkpointing = false\nzero_stage = 0\n"
+    error = error_of(write(text))
+    assert "[trainer] micro_batch_tokens: the memory plan does not fit" in error
+    assert "in the train phase GPU 0 needs" in error
+    assert "of 90% x 80.0 GiB" in error
+    for key in ("micro_batch_tokens", "gradient_checkpointing", "zero_stage"):
+        assert f"[trainer] {key}" in error
+    assert "--plan" in error
+    # the same plan starts anyway when the user says so
+    assert load_config(write(text), {"ray.check_memory": False})
+
+
+def test_nothing_fits_a_gpu_too_small_even_with_every_key_auto(write):
+    error = error_of(write(gpu_gb=4))
+    assert "the memory plan does not fit" in error and "nothing left to choose" in error
+
+
+def test_the_engine_gives_its_memory_back_only_asleep(write):
+    awake = make_plan(load_config(write()))
+    asleep = make_plan(load_config(write(), {"rollout.sleep_between_phases": True}))
+    awake_engine, asleep_engine = (
+        next(h for h in plan.gpus[0] if h.role == "engine") for plan in (awake, asleep)
+    )
+    assert awake_engine.train == awake_engine.generate > 5 * GiB
+    assert asleep_engine.train < 1 * GiB < asleep_engine.generate
+
+
+def test_the_roles_on_each_gpu_follow_the_placement(write):
+    kl = {"trainer.kl_coef": 0.01}
+    one = make_plan(load_config(write(), kl))
+    assert [[h.role for h in gpu] for gpu in one.gpus] == [["policy", "reference", "engine"]]
+    split = make_plan(load_config(write(), {**kl, "ray.placement": "colocate"}))
+    assert [[h.role for h in gpu] for gpu in split.gpus] == [["policy", "reference"], ["engine"]]
+
+
+def test_a_machine_without_gpus_must_be_told_their_size(write, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
+    error = error_of(write(gpu_gb=None))
+    assert "[ray] gpu_memory_gb: this machine shows no GPU" in error
+    assert "micro_batch_tokens" in error
+    every_key = "[trainer]\nmicro_batch_tokens = 4096\nzero_stage = 2\n" + "".join(
+        f"{k} = false\n" for k in AUTO_KEYS if k not in ("micro_batch_tokens", "zero_stage")
+    )
+    assert load_config(write(every_key, gpu_gb=None))  # nothing to choose: nothing to check
+
+
+def test_cpu_runs_are_not_planned(write):
+    config = load_config(write(), {"ray.gpus_per_role": 0})
+    assert make_plan(config) is None
+    assert (config.trainer.zero_stage, config.trainer.micro_batch_tokens) == (0, 8192)
+
+
+def test_a_config_json_the_plan_cannot_read_is_named(write, tmp_path):
+    path = write()
+    (tmp_path / "model" / "config.json").write_text('{"hidden_size": 8}')
+    assert "[model] path: the memory plan cannot read the model:" in error_of(path)
+
+
+def run(*args):
+    exe = shutil.which("rlhf-launch")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_the_plan_command_prints_every_process_and_says_whether_it_fits(write):
+    result = run(write(), "--plan")
+    assert result.returncode == 0, result.stderr
+    for text in ("policy", "engine", "(auto)", "peak:", "fits", "GPU 0"):
+        assert text in result.stdout
+    too_big = run(write(), "--plan", "--set", "trainer.micro_batch_tokens=65536")
+    assert too_big.returncode == 2 and "does NOT fit" in too_big.stdout
+    cpu = run(write(), "--plan", "--set", "ray.gpus_per_role=0")
+    assert cpu.returncode == 0 and "a CPU run" in cpu.stdout

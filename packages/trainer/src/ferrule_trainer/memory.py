@@ -1,0 +1,204 @@
+"""How much GPU memory a model takes to train and to score, estimated from its config alone.
+
+    shape = ModelShape.read("models/Qwen2.5-1.5B")     # config.json and safetensors headers
+    peak = policy_train_peak(shape, dtype="bfloat16", zero_stage=2, ranks=1,
+                             checkpointing=True, tokens=8192, response_share=0.75)
+    peak / 2**30                                        # ~38 GiB: what the allocator reserves
+
+The figures are what torch's caching allocator reserves at the phase's peak (the CUDA context,
+~0.5 GiB per process, comes on top; launcher/plan.py adds it). They follow from where the
+bytes go, with coefficients fitted to peaks measured at 1.5B on an H100 (benchmarks/
+memory_gpu.py, benchmarks/RESULTS.md), and are checked against new measurements by
+packages/trainer/tests/test_memory_gpu.py:
+- training state per parameter: bf16 weights (2 bytes), DeepSpeed's fp32 master weights and Adam
+  moments (12), fp32 gradients (4), each divided over the ranks by the ZeRO stage that shards
+  it; ZeRO-0 keeps bf16 gradients besides (2) and measures 4 bytes more.
+- activations per token of a micro-batch: each decoder layer keeps ~30 hidden widths and ~6.7
+  MLP widths of bytes for backward, or, with gradient checkpointing, its 2-byte input and one
+  layer's worth while it recomputes.
+- the LM head per response token: the logits, their float32 copy and the cross-entropy's
+  log-softmax, ~12 bytes x vocabulary in training (its backward included) and ~9.4 without
+  gradients. With a 150k vocabulary this is larger than the whole body under checkpointing.
+Pure Python (json only): the launcher plans before any process or torch starts.
+"""
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+# fitted at 1.5B (benchmarks/memory_gpu.py): bytes per token per layer, in hidden / MLP widths
+BODY_HIDDEN, BODY_MLP = 30.0, 6.7
+HEAD_TRAIN, HEAD_FORWARD = 12.0, 9.4  # bytes per response token per vocabulary entry
+# reserved / allocated at the peak: 1.07-1.12 measured without checkpointing, 1.10-1.31 with
+FRAGMENTATION, FRAGMENTATION_CHECKPOINTED = 1.12, 1.2
+ZERO3_PREFETCH = 50_000_000  # parameters: engine.py's stage3_prefetch_bucket_size
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on: parameter count and the widths activations are made of."""
+
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_width: int  # key / value heads x head dim: a token's keys (or values) in one layer
+
+    @classmethod
+    def read(cls, path: str | Path) -> "ModelShape":
+        """From a Hugging Face folder: config.json, and the parameter count from the safetensors
+        headers (their first bytes) when there are any, else counted from the config."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        config = config.get("text_config", config)  # multimodal configs nest the LM's
+        try:
+            hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+            vocab = config["vocab_size"]
+        except KeyError as missing:
+            raise ValueError(f"{path / 'config.json'} has no {missing}: not a decoder LM") from None
+        intermediate = config.get("intermediate_size", 4 * hidden)
+        heads = config.get("num_attention_heads", 1)
+        kv_width = config.get("num_key_value_heads", heads) * (
+            config.get("head_dim") or hidden // heads
+        )
+        parameters = _counted(path) or _from_config(config, hidden, layers, intermediate, vocab)
+        return cls(parameters, layers, hidden, intermediate, vocab, kv_width)
+
+    def weights(self, dtype: str) -> int:
+        return self.parameters * bytes_per(dtype)
+
+
+def bytes_per(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def _counted(path: Path) -> int:
+    """Parameters in the folder's safetensors files, from their JSON headers (0: none)."""
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with file.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(size, 100 * 2**20)))
+        except (struct.error, ValueError) as err:
+            raise ValueError(f"{file}: not a safetensors file ({err})") from None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    return total
+
+
+def _from_config(config: dict, hidden: int, layers: int, intermediate: int, vocab: int) -> int:
+    heads = config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    attention = hidden * heads * head_dim * 2 + hidden * kv * 2  # q and o; k and v
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
+    return embeddings + layers * (attention + 3 * hidden * intermediate + 2 * hidden) + hidden
+
+
+# -- the phases ----------------------------------------------------------------------------------
+
+
+def training_state(
+    shape: ModelShape,
+    *,
+    dtype: str,
+    zero_stage: int,
+    ranks: int,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    lora: bool = False,
+) -> tuple[int, int]:
+    """One rank's (resident, gradients) bytes of a trained model: weights and optimizer states,
+    held throughout; gradients, which fill as backward frees the activations (so the peak is
+    the larger of resident + activations and resident + gradients). LoRA: the frozen weights
+    (its adapters and their states are small)."""
+    p, weight = shape.parameters, bytes_per(dtype)
+    if lora:
+        return p * weight, 0
+    # fp32 training keeps no master copy: the weights are the master weights
+    optimizer = 0 if offload_optimizer else p * (12 if dtype == "bfloat16" else 8)
+    if zero_stage == 0:  # DeepSpeed's bf16 optimizer: bf16 and fp32 gradients, and 4 bytes more
+        return p * weight + optimizer, p * (10 if dtype == "bfloat16" else 4)
+    weights = 0 if offload_params else p * weight
+    gradients = p * 4
+    optimizer //= ranks
+    if zero_stage >= 2:
+        gradients //= ranks
+    if zero_stage == 3:
+        weights = weights // ranks + zero3_gathered(shape, dtype)
+    return weights + optimizer, gradients
+
+
+def frozen_weights(shape: ModelShape, dtype: str, zero_stage: int = 0, ranks: int = 1) -> int:
+    """A frozen model's weights on one rank (the reference; sharded under ZeRO-3)."""
+    weights = shape.weights(dtype)
+    return weights // ranks + zero3_gathered(shape, dtype) if zero_stage == 3 else weights
+
+
+def zero3_gathered(shape: ModelShape, dtype: str) -> int:
+    """ZeRO-3's whole parameters while a pass uses them: the largest (the embedding, which the
+    LM head may share) twice over, as the one in use and the one fetched ahead, and the
+    prefetch bucket."""
+    return bytes_per(dtype) * (2 * shape.vocab * shape.hidden + ZERO3_PREFETCH)
+
+
+def train_activations(
+    shape: ModelShape, tokens: int, response_share: float, *, checkpointing: bool
+) -> int:
+    """What one micro-batch of `tokens` (padded) tokens keeps for backward, of which
+    `response_share` go through the LM head."""
+    layer = BODY_HIDDEN * shape.hidden + BODY_MLP * shape.intermediate
+    body = (2 * shape.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
+    head = HEAD_TRAIN * shape.vocab * response_share
+    return int(tokens * (body + head))
+
+
+def forward_activations(shape: ModelShape, tokens: int, response_share: float) -> int:
+    """A pass without gradients (old log-probs, the reference, values): one layer's output at a
+    time, and the LM head's logits of the response tokens."""
+    return int(tokens * (8 * shape.hidden + HEAD_FORWARD * shape.vocab * response_share))
+
+
+def policy_train_peak(
+    shape: ModelShape,
+    *,
+    dtype: str,
+    zero_stage: int,
+    ranks: int,
+    checkpointing: bool,
+    tokens: int,
+    response_share: float,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    lora: bool = False,
+) -> int:
+    """A trained model's reserved memory at its peak: its state plus a micro-batch's
+    activations, or plus its gradients, whichever is larger."""
+    resident, gradients = training_state(
+        shape,
+        dtype=dtype,
+        zero_stage=zero_stage,
+        ranks=ranks,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        lora=lora,
+    )
+    activations = train_activations(shape, tokens, response_share, checkpointing=checkpointing)
+    fragmentation = FRAGMENTATION_CHECKPOINTED if checkpointing else FRAGMENTATION
+    return int(fragmentation * (resident + max(activations, gradients)))
+
+
+def forward_peak(shape: ModelShape, dtype: str, tokens: int, response_share: float, **zero) -> int:
+    """A frozen model's reserved memory while it scores a micro-batch of `tokens` tokens
+    (`zero`: zero_stage, ranks, as `frozen_weights`)."""
+    weights = frozen_weights(shape, dtype, **zero)
+    return int(FRAGMENTATION * (weights + forward_activations(shape, tokens, response_share)))
