@@ -1,0 +1,280 @@
+"""A whole GRPO step at 1.5B on one GPU: Ferrule's real `rlhf-launch` against the single-process
+loop a TRL GRPOTrainer user runs, on the same work.
+
+    python benchmarks/step_gpu.py [--steps 4] [--baseline-steps 3] [--prompts 64] [--tokens 512]
+
+The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
+frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
+so nearly all run to 512), GRPO with k3 KL (0.001) in the loss, one optimizer step per batch.
+  ours:      `rlhf-launch` (Ray, DeepSpeed, the transformers engine, the reward server), hybrid
+             on one GPU (placement "colocate_all", the engine asleep while the trainer trains),
+             the [trainer] memory keys left "auto": the memory plan's choice, printed.
+  baseline:  what TRL's GRPOTrainer does, in one process (TRL itself cannot be carried to the
+             GPU machines): Hugging Face `generate`, the reward function, the reference's
+             forward, then the same loss on the same micro-batches (the plan's token budget and
+             checkpointing) with torch's AdamW, gradients clipped at 1.0.
+Seconds per step are medians after the first step (the warm-up). Per phase: ours from each
+step's metrics (time/generate, score, train, sync, switch), the baseline timed the same way.
+Train MFU: (6 N train tokens + 2 N reference tokens) / (train seconds x 989 TFLOP/s, an H100's
+dense bf16), N the parameters. Last line: one JSON object ending with ratio = baseline s/step /
+ours s/step (goal >= 3).
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny.toml"
+H100_BF16 = 989e12
+KL_COEF, LEARNING_RATE = 0.001, 1e-6
+
+
+def model_path() -> Path:
+    from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
+
+    return tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
+
+
+def overrides(args, model: Path, out: Path) -> list[str]:
+    return [
+        f'model.path="{model}"',
+        'model.dtype="bfloat16"',
+        "sft.steps=0",
+        'rollout.backend="transformers"',
+        f"rollout.prompts_per_step={args.prompts}",
+        "rollout.samples_per_prompt=8",
+        f"rollout.max_tokens={args.tokens}",
+        f"rollout.max_model_len={args.tokens + 64}",
+        f"rollout.max_batch_size={args.prompts * 8}",
+        "rollout.temperature=1.0",
+        "rollout.sleep_between_phases=true",
+        f"trainer.learning_rate={LEARNING_RATE}",
+        f"trainer.kl_coef={KL_COEF}",
+        f"loop.steps={args.steps}",
+        "loop.eval_every=0",
+        "task.eval_prompts=8",
+        "eval.samples=1",
+        "eval.pass_k=1",
+        "output.checkpoint_every=0",
+        "output.progress=false",
+        "output.tensorboard=false",
+        'ray.placement="colocate_all"',
+        "ray.gpus_per_role=1",
+        "ray.cpus_per_role=2",
+        f'output.dir="{out}"',
+    ]
+
+
+def ours(args, model: Path, out: Path) -> tuple[dict, object]:
+    from ferrule_launcher.cli import parse_overrides
+    from ferrule_launcher.config import load_config
+
+    items = overrides(args, model, out)
+    config = load_config(EXAMPLE, parse_overrides(items))
+    plan = subprocess.run(
+        [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE), "--plan"]
+        + [x for item in items for x in ("--set", item)],
+        capture_output=True,
+        text=True,
+    )
+    print(plan.stdout, file=sys.stderr)
+    command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
+    command += [x for item in items for x in ("--set", item)]
+    started = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+    if result.returncode != 0:
+        raise SystemExit(f"rlhf-launch failed ({result.returncode}):\n{result.stderr[-5000:]}")
+    print(f"ours: {args.steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # steps 2 .. N-1: the first warms up, the last ends with the held-out evaluation
+    timed = records[1:-1]
+    steps = [b["wall_seconds"] - a["wall_seconds"] for a, b in zip(records, timed, strict=False)]
+    phases = {}
+    for key in ("generate", "score", "train", "sync", "switch"):
+        phases[key] = statistics.median(r.get(f"time/{key}", 0.0) for r in timed)
+    used = {  # every process on the GPU, right after generating / training (GB -> GiB)
+        phase: max(r.get(f"gpu/used_gb_{phase}", 0.0) for r in records) * 1e9 / 2**30
+        for phase in ("generate", "train")
+    }
+    return dict(
+        step_s=statistics.median(steps),
+        phases=phases,
+        response_len=[r["response_length"] for r in timed],
+        used_gib=used,
+    ), config
+
+
+# -- the baseline: one process, as TRL's GRPOTrainer -----------------------------------------
+
+
+def reversal_prompts(count: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefgh") for _ in range(3)) for _ in range(count)]
+    return [(f"Reverse the string {w}. Answer:", f" {w[::-1]}") for w in words]
+
+
+def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ferrule_rewards.builtin import char_match
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke run
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
+    reference.eval().requires_grad_(False)
+    if checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95))
+
+    def logprobs(net, ids, mask, response_len):
+        logits = net(
+            input_ids=ids, attention_mask=mask, logits_to_keep=response_len + 1, use_cache=False
+        ).logits
+        logits = logits[:, :-1].float()
+        targets = ids[:, -response_len:]
+        flat = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return -flat.view(targets.shape)
+
+    def micro_batches(rows: int, length: int) -> list[slice]:
+        per = max(1, tokens_per_micro // length)
+        return [slice(i, min(i + per, rows)) for i in range(0, rows, per)]
+
+    times = {k: [] for k in ("step", "generate", "score", "reference", "train")}
+    for step in range(args.baseline_steps):
+        began = time.perf_counter()
+        pairs = reversal_prompts(args.prompts, step)
+        texts = [p for p, _ in pairs for _ in range(8)]
+        labels = [label for _, label in pairs for _ in range(8)]
+        enc = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+        policy.eval()
+        with torch.no_grad():
+            out = policy.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=args.tokens,
+                pad_token_id=pad,
+                use_cache=True,
+            )
+        sync()
+        generated = time.perf_counter()
+        response = out[:, enc["input_ids"].shape[1] :]
+        done = (response == tokenizer.eos_token_id).int().cumsum(-1)
+        response_mask = ((done == 0) | ((done == 1) & (response == tokenizer.eos_token_id))).long()
+        decoded = tokenizer.batch_decode(response * response_mask + pad * (1 - response_mask))
+        rewards = torch.tensor(
+            [char_match(t, label) for t, label in zip(decoded, labels, strict=True)]
+        )
+        groups = rewards.view(-1, 8)
+        advantages = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
+        advantages = advantages.flatten().to(device)
+        scored = time.perf_counter()
+        mask = torch.cat([enc["attention_mask"], response_mask], dim=1)
+        rows, length, response_len = out.shape[0], out.shape[1], response.shape[1]
+        slices = micro_batches(rows, length)
+        with torch.no_grad():
+            ref = torch.cat([logprobs(reference, out[s], mask[s], response_len) for s in slices])
+        sync()
+        referenced = time.perf_counter()
+        policy.train()
+        count = response_mask.sum()
+        for s in slices:
+            lp = logprobs(policy, out[s], mask[s], response_len)
+            ratio = torch.exp(lp - lp.detach())  # on-policy: one optimizer step per batch
+            pg = -advantages[s, None] * ratio
+            log_ratio = ref[s] - lp
+            kl = torch.exp(log_ratio) - log_ratio - 1  # k3
+            loss = ((pg + KL_COEF * kl) * response_mask[s]).sum() / count
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        trained = time.perf_counter()
+        for key, seconds in (
+            ("step", trained - began),
+            ("generate", generated - began),
+            ("score", scored - generated),
+            ("reference", referenced - scored),
+            ("train", trained - referenced),
+        ):
+            times[key].append(seconds)
+        print(f"baseline step {step}: {trained - began:.1f} s", file=sys.stderr)
+    later = {k: v[1:] or v for k, v in times.items()}  # after the warm-up step
+    medians = {k: statistics.median(v) for k, v in later.items()}
+    return dict(
+        step_s=medians.pop("step"),
+        phases=medians,
+        peak_gib=torch.cuda.max_memory_reserved() / 2**30,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps", type=int, default=5, help="ours: RL steps (the first and the last not timed)"
+    )
+    parser.add_argument("--baseline-steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--skip-baseline", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+
+    from ferrule_trainer.memory import ModelShape
+
+    model = model_path()
+    parameters = ModelShape.read(model).parameters
+    with tempfile.TemporaryDirectory() as tmp:
+        mine, config = ours(args, model, Path(tmp) / "run")
+    t = config.trainer
+    rows = args.prompts * 8
+    # a step's tokens: prompts (~10 tokens) and responses, at most max_tokens each
+    train_tokens = rows * (12 + statistics.median(mine["response_len"]))
+    flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
+    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)
+    mine["tokens_per_s"] = train_tokens / mine["step_s"]
+    mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
+    from ferrule_launcher.plan import make_plan
+
+    plan = make_plan(config)
+    mine["plan_gib"] = {
+        phase: sum(getattr(h, phase) for h in plan.gpus[0]) / 2**30
+        for phase in ("generate", "train")
+    }
+    result = dict(name="step_gpu", device=_device(), parameters=parameters, ours=mine)
+    if not args.skip_baseline:
+        theirs = baseline(args, model, t.micro_batch_tokens, t.gradient_checkpointing)
+        theirs["train_mfu"] = flops / (
+            (theirs["phases"]["train"] + theirs["phases"]["reference"]) * H100_BF16
+        )
+        theirs["tokens_per_s"] = train_tokens / theirs["step_s"]
+        result["baseline"] = theirs
+        result["ratio"] = theirs["step_s"] / mine["step_s"]
+    print(json.dumps(result))
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()
