@@ -1,7 +1,7 @@
 """Micro-batches by tokens against micro-batches by rows, on one GPU: the same RL train step and
 log-prob pass of a Qwen2.5-0.5B-shaped policy (real vocabulary, random init, bf16, ZeRO-2).
 
-    python benchmarks/micro_batches_gpu.py [--rows 64] [--steps 3] [--tokens 16384]
+    python benchmarks/micro_batches_gpu.py [--rows 64] [--steps 3] [--tokens 8192]
 
 A GRPO-like batch of --rows samples with long-tailed response lengths (16-1024 tokens) after
 64-192-token prompts, trained three ways on the same weights' copy:
@@ -67,7 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     directory = tempfile.mkdtemp()

@@ -73,6 +73,37 @@ def overrides(args, model: Path, out: Path) -> list[str]:
     ]
 
 
+class ProcessPeaks:
+    """Each process's largest GPU memory (nvidia-smi, every second) while the run lasts."""
+
+    def __init__(self):
+        import threading
+
+        self.peaks: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"]
+        while not self._stop.wait(1.0):
+            try:
+                out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            for line in out.splitlines():
+                pid, used = (part.strip() for part in line.split(","))
+                gib = float(used.split()[0]) / 1024  # MiB
+                self.peaks[int(pid)] = max(self.peaks.get(int(pid), 0.0), gib)
+
+    def by_role(self, roles_json: Path) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        where = json.loads(roles_json.read_text()) if roles_json.exists() else {}
+        pids = {info["pid"]: role for role, info in where.items() if "pid" in info}
+        return {pids.get(pid, str(pid)): round(gib, 2) for pid, gib in self.peaks.items()}
+
+
 def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     from ferrule_launcher.cli import parse_overrides
     from ferrule_launcher.config import load_config
@@ -89,7 +120,9 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
     command += [x for item in items for x in ("--set", item)]
     started = time.monotonic()
+    peaks = ProcessPeaks()
     result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
+    process_gib = peaks.by_role(out / "roles.json")
     if result.returncode != 0:
         raise SystemExit(f"rlhf-launch failed ({result.returncode}):\n{result.stderr[-5000:]}")
     print(f"ours: {args.steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -109,6 +142,7 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         phases=phases,
         response_len=[r["response_length"] for r in timed],
         used_gib=used,
+        process_peak_gib=process_gib,
     ), config
 
 

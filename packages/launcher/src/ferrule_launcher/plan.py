@@ -32,22 +32,41 @@ HEADROOM = 0.9
 TOKEN_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024, 512)
 ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activations and graphs
 
-# Relative seconds per trained token, from benchmarks/memory_gpu.py's timings at 1.5B on an H100:
-# small micro-batches leave the GPU idle, checkpointing recomputes the forward, ZeRO-3 gathers
-# the weights every pass, offloaded optimizer states step on the CPU.
+# Seconds, from benchmarks/memory_gpu.py's and step_gpu.py's timings at 1.5B on an H100: a
+# trained token costs 6 N flops at ~540 TFLOP/s less what small micro-batches leave idle (17 us
+# at 1.5B: 1 + 11,500 / tokens), checkpointing recomputes the forward, ZeRO-3 gathers the weights
+# every pass, optimizer states offloaded step on the CPU; moving the states out and back between
+# phases goes through host memory at ~10 GB/s each way.
+SECONDS_PER_FLOP = 1.84e-15
+IDLE_TOKENS = 11_500
 STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
+HOST_BYTES_PER_S = 10e9
 
 
-def cost(choice: dict) -> float:
-    tokens = choice["micro_batch_tokens"] or TOKEN_CHOICES[0]
-    return (
-        (1 + 11_500 / tokens)
-        * (1.3 if choice["gradient_checkpointing"] else 1.0)
-        * STAGE_COST[choice["zero_stage"]]
-        * (5.0 if choice["offload_optimizer"] else 1.0)
-        * (2.0 if choice["offload_params"] else 1.0)
-        * (1.1 if choice["offload_between_phases"] else 1.0)
+def seconds(choice: dict, config: "Config", shape: ModelShape) -> float:
+    """A step's estimated seconds of training, scoring and moving states on one GPU under
+    `choice` (what the "auto" keys decide; generation does not depend on them)."""
+    t, r = config.trainer, config.rollout
+    step_tokens = r.prompts_per_step * r.samples_per_prompt * r.max_model_len / t.ranks
+    train_tokens = _tokens(choice["micro_batch_tokens"], t.micro_batch_size, r.max_model_len)
+    forward_tokens = _tokens(
+        choice["forward_batch_tokens"] or choice["micro_batch_tokens"],
+        t.forward_batch_size or t.micro_batch_size,
+        r.max_model_len,
     )
+    flop = SECONDS_PER_FLOP * shape.parameters * step_tokens
+    train = 6 * flop * (1 + IDLE_TOKENS / train_tokens)
+    train *= (1.3 if choice["gradient_checkpointing"] else 1.0) * STAGE_COST[choice["zero_stage"]]
+    train *= (5.0 if choice["offload_optimizer"] else 1.0) * (2.0 if choice["offload_params"] else 1.0)
+    passes = (t.kl_coef > 0) + t.needs_old_logprobs()
+    forward = 2 * flop * (1 + IDLE_TOKENS / forward_tokens) * passes
+    moved = 0.0
+    if choice["offload_between_phases"]:
+        resident, gradients = memory.training_state(
+            shape, dtype=config.model.dtype, zero_stage=choice["zero_stage"], ranks=t.ranks
+        )
+        moved = 2 * (resident + gradients) / HOST_BYTES_PER_S
+    return train + forward + moved
 
 
 @dataclass(frozen=True)
@@ -156,9 +175,14 @@ def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> lis
         memory.policy_train_peak(shape, lora=trainer.lora_rank > 0, **trained),
         memory.forward_peak(shape, dtype, forward_tokens, 1.0),
     )
-    held = CONTEXT if trainer.offload_between_phases else policy_peak
-    how = f"{train_tokens} tokens per micro-batch"
-    policy = Holding("policy", held, policy_peak, how)
+    # The weight sender's two packing buffers (ferrule-weightsync: 1 GiB buckets, or the largest
+    # tensor), kept from sync to sync; none where the engines read the weights in place (CUDA
+    # IPC with the policy resident).
+    in_place = ray.placement == "colocate_all" and not trainer.offload_between_phases
+    sync = 0 if in_place else 2 * max(GiB, shape.vocab * shape.hidden * 2)
+    held = CONTEXT + sync if trainer.offload_between_phases else policy_peak + sync
+    how = f"{train_tokens} tokens per micro-batch" + (", weight-sync buffers" if sync else "")
+    policy = Holding("policy", held, policy_peak + sync, how)
     gpus = [[policy]]
     if trainer.kl_coef > 0:
         zero = dict(zero_stage=trainer.zero_stage, ranks=trainer.reference_ranks)
@@ -204,6 +228,8 @@ def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
     options = {key: (getattr(trainer, key),) for key in memory_keys()}
     if "micro_batch_tokens" in auto:
         options["micro_batch_tokens"] = TOKEN_CHOICES
+    if "forward_batch_tokens" in auto:  # None: micro_batch_tokens
+        options["forward_batch_tokens"] = (None, 8192, 4096, 2048, 1024)
     if "zero_stage" in auto:
         options["zero_stage"] = (2, 3)
     for key in ("gradient_checkpointing", "offload_optimizer", "offload_params"):
@@ -242,7 +268,7 @@ def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
         dict(zip(options, values, strict=True)) for values in itertools.product(*options.values())
     ]
     plans = []
-    for choice in sorted(filter(_valid, choices), key=cost):
+    for choice in sorted(filter(_valid, choices), key=lambda c: seconds(c, config, shape)):
         trainer = config.trainer.model_copy(update=choice)
         plan = Plan(trainer, holdings(config, trainer, shape), memory_bytes)
         if plan.fits():

@@ -62,6 +62,7 @@ class ModelConfig(Table):
 GSPO_AGG_MODE = "seq-mean-token-mean"
 AUTO_KEYS = (
     "micro_batch_tokens",
+    "forward_batch_tokens",
     "zero_stage",
     "gradient_checkpointing",
     "offload_optimizer",
@@ -101,9 +102,11 @@ class TrainerConfig(Table):
     its engine, 16 rows (4.3k) fit. A sequence longer than this goes alone. The loss is the
     same however the step is split. "auto": on GPUs the largest that fits the memory plan
     (`rlhf-launch --plan`), elsewhere 8192. "none": micro_batch_size rows in batch order."""
-    forward_batch_tokens: int | None = Field(None, ge=1)
+    forward_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
     """Tokens per forward pass of the old-policy, reference and value passes, at most, as
-    micro_batch_tokens (None: micro_batch_tokens); forward_batch_size rows at most."""
+    micro_batch_tokens (None: micro_batch_tokens); forward_batch_size rows at most. "auto": on
+    GPUs what the memory plan fits (a smaller pass of the reference can spare offloading the
+    policy between phases), elsewhere None."""
     pack_sequences: bool = False
     """Pack each micro-batch's sequences into one row without padding, within
     micro_batch_tokens / forward_batch_tokens real tokens: positions restart at 0 with each
@@ -225,6 +228,7 @@ class TrainerConfig(Table):
         offloads = [self.offload_optimizer, self.offload_params, self.offload_between_phases]
         defaults = {
             "micro_batch_tokens": 8192,
+            "forward_batch_tokens": None,
             "zero_stage": 3 if self.offload_params is True else 2 if True in offloads else 0,
             "gradient_checkpointing": False,
             "offload_optimizer": False,
