@@ -7,7 +7,7 @@ The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random in
 frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
 so nearly all run to 512), GRPO with k3 KL (0.001) in the loss, one optimizer step per batch.
   ours:      `rlhf-launch` (Ray, DeepSpeed, the transformers engine, the reward server), hybrid
-             on one GPU (placement "colocate_all", the engine asleep while the trainer trains),
+             on one GPU (placement "colocate_all": policy, reference and engine share it),
              the [trainer] memory keys left "auto": the memory plan's choice, printed.
   baseline:  what TRL's GRPOTrainer does, in one process (TRL itself cannot be carried to the
              GPU machines): Hugging Face `generate`, the reward function, the reference's
@@ -55,7 +55,6 @@ def overrides(args, model: Path, out: Path) -> list[str]:
         f"rollout.max_model_len={args.tokens + 64}",
         f"rollout.max_batch_size={args.prompts * 8}",
         "rollout.temperature=1.0",
-        "rollout.sleep_between_phases=true",
         f"trainer.learning_rate={LEARNING_RATE}",
         f"trainer.kl_coef={KL_COEF}",
         f"loop.steps={args.steps}",
