@@ -31,6 +31,9 @@ CONTEXT = int(0.6 * GiB)  # the CUDA context and libraries of each process on a 
 HEADROOM = 0.9
 TOKEN_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024, 512)
 ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activations and graphs
+# A policy whose states left the GPU and came back reserves more at its peak: measured 1.2x at
+# 1.5B (benchmarks/step_gpu.py, 2026-11-27: 70.1 GiB in use while training against 59.9 planned).
+RELOADED = 1.2
 
 # Seconds, from benchmarks/memory_gpu.py's and step_gpu.py's timings at 1.5B on an H100: a
 # trained token costs 6 N flops at ~540 TFLOP/s less what small micro-batches leave idle (17 us
@@ -171,10 +174,13 @@ def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> lis
         offload_optimizer=trainer.offload_optimizer,
         offload_params=trainer.offload_params,
     )
-    policy_peak = CONTEXT + max(
+    policy_peak = max(
         memory.policy_train_peak(shape, lora=trainer.lora_rank > 0, **trained),
         memory.forward_peak(shape, dtype, forward_tokens, 1.0),
     )
+    if trainer.offload_between_phases:
+        policy_peak = int(RELOADED * policy_peak)
+    policy_peak += CONTEXT
     # The weight sender's two packing buffers (ferrule-weightsync: 1 GiB buckets, or the largest
     # tensor), kept from sync to sync; none where the engines read the weights in place (CUDA
     # IPC with the policy resident).
