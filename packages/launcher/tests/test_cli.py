@@ -88,6 +88,9 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     assert "configuration is valid" in result.stdout
     for line in ("ranks = 8", "engines = 8", 'placement = "colocate_all"', "gpus_per_role = 1.0"):
         assert line in result.stdout
+    # on 80 GB GPUs the memory plan keeps everything on them (the example names no memory key)
+    for line in ("offload_between_phases = false", "offload_optimizer = false", "zero_stage = 2"):
+        assert line in result.stdout
     # as shipped, without the user's files, it says what is missing
     missing = run(str(gpu_example), "--dry-run")
     assert missing.returncode == 2 and "[model] path: no Hugging Face model at" in missing.stderr
