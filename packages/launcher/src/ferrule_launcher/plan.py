@@ -60,7 +60,9 @@ def seconds(choice: dict, config: "Config", shape: ModelShape) -> float:
     flop = SECONDS_PER_FLOP * shape.parameters * step_tokens
     train = 6 * flop * (1 + IDLE_TOKENS / train_tokens)
     train *= (1.3 if choice["gradient_checkpointing"] else 1.0) * STAGE_COST[choice["zero_stage"]]
-    train *= (5.0 if choice["offload_optimizer"] else 1.0) * (2.0 if choice["offload_params"] else 1.0)
+    train *= (5.0 if choice["offload_optimizer"] else 1.0) * (
+        2.0 if choice["offload_params"] else 1.0
+    )
     passes = (t.kl_coef > 0) + t.needs_old_logprobs()
     forward = 2 * flop * (1 + IDLE_TOKENS / forward_tokens) * passes
     moved = 0.0
