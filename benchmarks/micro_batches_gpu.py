@@ -4,12 +4,15 @@ log-prob pass of a Qwen2.5-0.5B-shaped policy (real vocabulary, random init, bf1
     python benchmarks/micro_batches_gpu.py [--rows 64] [--steps 3] [--tokens 8192]
 
 A GRPO-like batch of --rows samples with long-tailed response lengths (16-1024 tokens) after
-64-192-token prompts, trained three ways on the same weights' copy:
+64-192-token prompts, trained three ways, one after the other, by the same policy:
   rows:    micro-batches of --micro rows in batch order (what micro_batch_size alone did);
   tokens:  rows sorted by length into micro-batches of --tokens padded tokens (micro_batch_tokens);
   packed:  the same budget, each micro-batch one row without padding (pack_sequences).
-The loss is the same all three ways (reported too); the figures are seconds per optimizer
-step and per log-prob pass (medians after a warm-up) and peak GPU memory. The last line is one
+Each way's loss is reported after the steps of the ways before it, so the three differ by
+those updates (tests/test_micro_batches.py checks that the split leaves loss and gradients
+unchanged; the log-prob passes, which change no weights, are compared here too). The figures
+are seconds per optimizer step and per log-prob pass (medians after a warm-up) and peak GPU
+memory. The last line is one
 JSON object; ratios are rows / tokens and rows / packed (higher is better). ferrule_trainer is
 imported from this source tree; needs torch, transformers, deepspeed and pydantic.
 """
