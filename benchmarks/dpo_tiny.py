@@ -89,14 +89,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=betas, weight_decay=0.0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     data = pairs(args.pairs * args.steps, seed=1)
+    pad_id = tokenizer.pad_token_id
     steps = [
         [
-            {
-                k: v.to(device)
-                for k, v in pair_batch(
-                    tokenizer, data[i + j : i + j + args.micro], 64, tokenizer.pad_token_id
-                ).items()
-            }
+            pair_batch(tokenizer, data[i + j : i + j + args.micro], 64, pad_id).to(device)
             for j in range(0, args.pairs, args.micro)
         ]
         for i in range(0, len(data), args.pairs)

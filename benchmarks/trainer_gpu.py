@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from ferrule_trainer import engine
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.sft import sft_loss
 
 # dense bf16 peak, TFLOP/s, by device name
@@ -60,18 +61,18 @@ def build_model(dtype: torch.dtype) -> torch.nn.Module:
     return model.cuda()
 
 
-def batches(args) -> list[dict[str, torch.Tensor]]:
+def batches(args) -> list[SequenceBatch]:
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(args.warmup + args.steps):
         ids = torch.randint(0, 151936, (args.batch, args.seq), generator=generator).cuda()
         ones = torch.ones_like(ids)
-        out.append({"input_ids": ids, "attention_mask": ones, "loss_mask": ones})
+        out.append(SequenceBatch(ids, ones, ones))
     return out
 
 
 def tokens_of(batch) -> torch.Tensor:
-    return batch["loss_mask"][:, 1:].sum().double()
+    return batch.loss_mask[:, 1:].sum().double()
 
 
 def timed(step, data, warmup: int) -> float:
@@ -82,7 +83,7 @@ def timed(step, data, warmup: int) -> float:
     for batch in data[warmup:]:
         step(batch)
     torch.cuda.synchronize()
-    tokens = sum(b["input_ids"].numel() for b in data[warmup:])
+    tokens = sum(b.input_ids.numel() for b in data[warmup:])
     return tokens / (time.perf_counter() - start)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ferrule_trainer import engine
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.export import export_weights
 from ferrule_trainer.offload import offload_states, reload_states
 from ferrule_trainer.sft import sft_loss
@@ -32,8 +33,8 @@ ids = torch.randint(
     0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0)
 )
 ones = torch.ones_like(ids)
-batch = {"input_ids": ids.cuda(), "attention_mask": ones.cuda(), "loss_mask": ones.cuda()}
-count = batch["loss_mask"][:, 1:].sum().double()
+batch = SequenceBatch(ids, ones, ones).to("cuda")
+count = batch.loss_mask[:, 1:].sum().double()
 losses, resident, after_offload, after_reload = [], [], [], []
 for _ in range(4):
     metrics = engine.optimizer_step(ds, [batch], lambda mb: (sft_loss(ds, mb, count), {}))

@@ -1,12 +1,13 @@
-"""The RL batch (batch.py): its layout checked where it is made, naming the field; split, take,
-to and replace; it pickles as its tensors."""
+"""The trainer's batches (batch.py): the RL batch's layout checked where it is made, naming the
+field; split, take, to and replace; it pickles as its tensors. The offline trainers'
+SequenceBatch is checked the same way."""
 
 import pickle
 
 import pytest
 import torch
 
-from ferrule_trainer.batch import Batch
+from ferrule_trainer.batch import Batch, SequenceBatch
 
 
 def _batch(B=3, T=7, R=4) -> Batch:
@@ -82,3 +83,29 @@ def test_to_moves_every_tensor_and_a_batch_pickles_as_its_tensors():
     # no more than the tensors' own pickles and a few hundred bytes of names
     tensors = {k: v for k, v in vars(batch).items() if v is not None}
     assert len(pickle.dumps(batch)) < len(pickle.dumps(tensors)) + 400
+
+
+def test_a_sequence_batch_is_checked_where_it_is_made_and_the_error_names_the_field():
+    ids = torch.arange(8).view(4, 2)
+    ones = torch.ones_like(ids)
+    batch = SequenceBatch(ids, ones, ones, margin=torch.tensor([0.5, 1.0]))
+    assert (batch.rows, batch.pairs) == (4, 2)
+    with pytest.raises(TypeError, match="loss_mask"):
+        SequenceBatch(ids, ones)
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, seq_len\), got \(8,\)"):
+        SequenceBatch(ids.flatten(), ones, ones)
+    with pytest.raises(
+        ValueError, match=r"attention_mask has shape \(4, 1\), expected .* \(4, 2\)"
+    ):
+        SequenceBatch(ids, ones[:, :1], ones)
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(3, 2\), expected .* \(4, 2\)"):
+        SequenceBatch(ids, ones, ones[:3])
+    with pytest.raises(
+        ValueError, match=r"margin has shape \(4,\), expected one per pair .*\(2,\)"
+    ):
+        SequenceBatch(ids, ones, ones, margin=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"margin .* of the 3 rows .*\(1.5,\)"):
+        SequenceBatch(ids[:3], ones[:3], ones[:3], margin=torch.zeros(1))
+    moved = batch.to("meta")
+    assert {t.device.type for t in vars(moved).values()} == {"meta"}
+    assert SequenceBatch(ids, ones, ones).to("meta").margin is None

@@ -42,15 +42,15 @@ def test_pair_batch_puts_chosen_first_and_masks_the_prompt():
     tokenizer = AutoTokenizer.from_pretrained(WARM)
     pairs = [Pair("Reverse abc:", " cba", " abcabc", 0.5), Pair("Q:", " x", " y", 1.0)]
     batch = pair_batch(tokenizer, pairs, max_length=64, pad_id=tokenizer.pad_token_id)
-    assert batch["input_ids"].shape[0] == 4 and batch["margin"].tolist() == [0.5, 1.0]
+    assert (batch.rows, batch.pairs) == (4, 2) and batch.margin.tolist() == [0.5, 1.0]
     first = tokenizer("Reverse abc: cba", add_special_tokens=False)["input_ids"]
     prompt = tokenizer("Reverse abc:", add_special_tokens=False)["input_ids"]
-    assert batch["input_ids"][0, : len(first)].tolist() == first
-    assert batch["response_mask"][0].tolist()[: len(first)] == [0] * len(prompt) + [1] * (
+    assert batch.input_ids[0, : len(first)].tolist() == first
+    assert batch.loss_mask[0].tolist()[: len(first)] == [0] * len(prompt) + [1] * (
         len(first) - len(prompt)
     )
     rejected = tokenizer("Reverse abc: abcabc", add_special_tokens=False)["input_ids"]
-    assert batch["input_ids"][2, : len(rejected)].tolist() == rejected  # rows 2-3: rejected
+    assert batch.input_ids[2, : len(rejected)].tolist() == rejected  # rows 2-3: rejected
 
 
 def test_cli_reports_bad_pairs_with_status_2(tmp_path, capsys):

@@ -33,9 +33,10 @@ def test_tokenize_masks_the_prompt_and_collate_pads():
     assert ids[-1] == tokenizer.eos_token_id
     assert mask == [0] * prompt_len + [1] * (len(ids) - prompt_len)
     batch = collate([(ids, mask), (ids[:3], mask[:3])], pad_id=tokenizer.pad_token_id)
-    assert batch["input_ids"].shape == (2, len(ids))
-    assert batch["attention_mask"][1].tolist() == [1, 1, 1] + [0] * (len(ids) - 3)
-    assert batch["loss_mask"][1].sum() == 0
+    assert batch.input_ids.shape == (2, len(ids)) and batch.margin is None
+    assert batch.input_ids[1, 3:].tolist() == [tokenizer.pad_token_id] * (len(ids) - 3)
+    assert batch.attention_mask[1].tolist() == [1, 1, 1] + [0] * (len(ids) - 3)
+    assert batch.loss_mask[0].tolist() == mask and batch.loss_mask[1].sum() == 0
 
 
 def test_cli_reports_config_errors(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The RL batch: sequences laid out for the trainer, and the per-token tensors a step adds.
+"""The trainer's batches: `Batch`, the RL layout and the per-token tensors a step adds, and
+`SequenceBatch`, whole right-padded sequences for `rlhf-train sft | rm | dpo`.
 
     batch = rl.build_batch(samples, pad_id)                 # input_ids, attention_mask, response_mask
     batch = batch.replace(advantages=adv, old_logprobs=old)  # checked against the layout
@@ -13,7 +14,14 @@ rollout engines return them), so every response starts at the same column, T - R
 
 The per-token tensors (B, R) line up with the last R columns of input_ids, as in OpenRLHF's
 `action_mask` and the losses' `mask`. A batch pickles as its tensors (it crosses Ray between
-the launcher and the ranks). Imports torch only.
+the launcher and the ranks).
+
+The offline trainers' sequences are whole and right-padded, their loss mask as wide as they are:
+
+    batch = sft.collate(examples, pad_id)                     # input_ids, attention_mask, loss_mask
+    pairs = preference.pair_batch(tokenizer, pairs, 512, 0)   # (2B, T) and margin (B,)
+
+Imports torch only.
 """
 
 import dataclasses
@@ -135,3 +143,47 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         """The batch on `device` (batches travel between processes on the host)."""
         return Batch(**{k: v.to(device, non_blocking=True) for k, v in self._tensors().items()})
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """Whole sequences, right-padded, as the offline trainers read them (SFT; reward models and
+    DPO on pairs, the B / 2 chosen sequences first, then the rejected ones in the same order)."""
+
+    input_ids: torch.Tensor
+    """(B, T) token ids of prompt + response."""
+    attention_mask: torch.Tensor
+    """(B, T) 1 for real tokens, 0 for the padding on the right."""
+    loss_mask: torch.Tensor
+    """(B, T) 1 on the tokens the loss counts: the response (SFT: and its end token)."""
+    margin: torch.Tensor | None = None
+    """Preference pairs: (B / 2,) each pair's reward-model margin (0: none)."""
+
+    def __post_init__(self):
+        ids = self.input_ids
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got {tuple(ids.shape)}")
+        for name in ("attention_mask", "loss_mask"):
+            if vars(self)[name].shape != ids.shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(vars(self)[name].shape)}, expected input_ids' "
+                    f"{tuple(ids.shape)}"
+                )
+        if self.margin is not None and (ids.shape[0] % 2 or self.margin.shape != (self.pairs,)):
+            raise ValueError(
+                f"margin has shape {tuple(self.margin.shape)}, expected one per pair of the "
+                f"{ids.shape[0]} rows (chosen, then rejected): ({ids.shape[0] / 2:g},)"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def pairs(self) -> int:
+        """Of a pair batch: its preference pairs (rows / 2)."""
+        return self.rows // 2
+
+    def to(self, device: torch.device | str) -> "SequenceBatch":
+        moved = {k: v.to(device) for k, v in vars(self).items() if v is not None}
+        return SequenceBatch(**moved)

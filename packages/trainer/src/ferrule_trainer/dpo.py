@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 
 from ferrule_config import Problems, Table
 from ferrule_trainer import engine
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,
@@ -74,17 +75,17 @@ class DPOConfig(Table):
     output: SFTOutputConfig = SFTOutputConfig(dir=Path("out/dpo"))
 
 
-def response_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logprobs(model, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows,) the summed log-probability of each sequence's response tokens, and their count."""
     logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).logits[:, :-1]
-    per_token = token_logprobs(logits, batch["input_ids"][:, 1:])
-    mask = batch["response_mask"][:, 1:].float()
+    per_token = token_logprobs(logits, batch.input_ids[:, 1:])
+    mask = batch.loss_mask[:, 1:].float()
     return (per_token * mask).sum(-1), mask.sum(-1)
 
 
-def dpo_pair_loss(policy, reference, micro_batch: dict, step_pairs: int, d: DPOLossConfig):
+def dpo_pair_loss(policy, reference, micro_batch: SequenceBatch, step_pairs: int, d: DPOLossConfig):
     """A micro-batch's share of the step's DPO loss (the mean over the step's `step_pairs`
     pairs), and its metrics. `policy` and `reference` are the models (DeepSpeed engines)."""
     with torch.no_grad():
@@ -157,7 +158,7 @@ def train(config: DPOConfig, log=print) -> dict:
             for first in range(0, len(held_out), config.eval.batch_size):
                 chunk = held_out[first : first + config.eval.batch_size]
                 batch = pair_batch(tokenizer, chunk, config.data.max_length, pad_id)
-                batch = {k: v.to(engine.device()) for k, v in batch.items()}
+                batch = batch.to(engine.device())
                 loss, metrics = pair_loss(batch, len(held_out))
                 for key, value in {"loss": loss, **metrics}.items():
                     weight = 1.0 if key == "loss" else len(chunk) / len(held_out)

@@ -3,16 +3,16 @@ tokenizing, batching, and the training loop both share.
 
     pairs = load_pairs("pairs.jsonl", config.data)     # {"prompt", "chosen", "rejected"} per line
     batch = pair_batch(tokenizer, pairs[:8], max_length=512, pad_id=0)
-    # batch["input_ids"]: (2B, T), the B chosen sequences then the B rejected ones
+    # a batch.SequenceBatch: input_ids (2B, T), the B chosen sequences then the B rejected ones
 
 A sequence is the prompt followed by the response, tokenized as one text without special
-tokens (as ferrule-rewards' model backend scores them), cut to max_length; its response mask
+tokens (as ferrule-rewards' model backend scores them), cut to max_length; its loss_mask
 marks the response's tokens (what DPO's log-probabilities sum over). The order of the pairs in
 each epoch is seeded by (seed, epoch), so a resumed run continues with the same batches.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from pydantic import Field
 
 from ferrule_config import InputPath, Table
 from ferrule_trainer import engine
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.jsonl import records
 from ferrule_trainer.sft import collate, epoch_order, micro_batch_groups
@@ -87,9 +88,9 @@ def _sequence(tokenizer, prompt: str, response: str, max_length: int) -> tuple[l
     return ids, [0] * min(prompt_len, len(ids)) + [1] * max(len(ids) - prompt_len, 0)
 
 
-def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> dict:
-    """Right-padded input_ids, attention_mask and response_mask, (2B, T) each, the chosen
-    sequences first; margin (B,)."""
+def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> SequenceBatch:
+    """The pairs' sequences right-padded, (2B, T), the chosen ones first; their loss_mask marks
+    the responses; margin (B,)."""
     return _collate_pairs([_pair(tokenizer, p, max_length) for p in pairs], pairs, pad_id)
 
 
@@ -99,11 +100,10 @@ def _pair(tokenizer, pair: Pair, max_length: int) -> tuple[tuple[list, list], ..
     )
 
 
-def _collate_pairs(tokenized: list, pairs: list[Pair], pad_id: int) -> dict:
+def _collate_pairs(tokenized: list, pairs: list[Pair], pad_id: int) -> SequenceBatch:
     sequences = [chosen for chosen, _ in tokenized] + [rejected for _, rejected in tokenized]
-    batch = collate(sequences, pad_id, mask_key="response_mask")
-    batch["margin"] = torch.tensor([p.margin for p in pairs])
-    return batch
+    margin = torch.tensor([p.margin for p in pairs], dtype=torch.float32)
+    return replace(collate(sequences, pad_id), margin=margin)
 
 
 def chosen_and_rejected(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,14 +160,14 @@ def train_pairs(
             _collate_pairs([tokenized[i] for i in group], [chosen[i] for i in group], pad_id)
             for group in micro_batch_groups(sizes, t, rows_per_item=2)
         ]
-        micro_batches = [{k: v.to(engine.device()) for k, v in mb.items()} for mb in micro_batches]
+        micro_batches = [mb.to(engine.device()) for mb in micro_batches]
 
         # metrics: means over the rank's pairs (optimizer_step averages over micro-batches)
         share = len(micro_batches) / len(chosen)
 
         def loss_fn(micro_batch, share=share):
             loss, metrics = pair_loss(micro_batch, t.batch_size)
-            weight = len(micro_batch["margin"]) * share
+            weight = micro_batch.pairs * share
             return loss, {key: value * weight for key, value in metrics.items()}
 
         started = time.perf_counter()

@@ -29,6 +29,7 @@ import torch
 
 from ferrule_config import Table
 from ferrule_trainer import engine
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.pairwise import reward_model_loss
 from ferrule_trainer.preference import (
     PreferenceDataConfig,
@@ -94,10 +95,10 @@ class RewardModel(TrainedModel):
             ds_config=ds_config,
         )
 
-    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(rows,) the score of each sequence (the head at its last non-padding token)."""
         output = self.engine(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
         )
         return output.logits[:, 0].float()
 
@@ -121,7 +122,7 @@ def train(config: RMConfig, log=print) -> dict:
             chosen,
             rejected,
             kind=config.rm.loss,
-            margin=micro_batch["margin"] if use_margin else None,
+            margin=micro_batch.margin if use_margin else None,
         )
         metrics = {"accuracy": out.correct.mean(), "margin": out.margin.mean()}
         return out.loss.sum() / step_pairs, metrics
@@ -164,8 +165,7 @@ def evaluate_pairs(model: RewardModel, tokenizer, pairs, config: RMConfig) -> di
                 config.data.max_length,
                 model.pad_id,
             )
-            batch = {k: v.to(engine.device()) for k, v in batch.items()}
-            chosen, rejected = chosen_and_rejected(model.scores(batch).cpu())
+            chosen, rejected = chosen_and_rejected(model.scores(batch.to(engine.device())).cpu())
             chosen_all.append(chosen)
             rejected_all.append(rejected)
     finally:

@@ -26,6 +26,7 @@ from pydantic import Field
 from ferrule_config import InputPath, Table
 from ferrule_trainer import engine
 from ferrule_trainer.aggregation import aggregate_loss
+from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import ModelConfig, TrainDType
 from ferrule_trainer.jsonl import records
@@ -137,22 +138,16 @@ def tokenize(tokenizer, prompt: str, response: str, max_length: int) -> tuple[li
     return ids, mask
 
 
-def collate(
-    examples: list[tuple[list[int], list[int]]], pad_id: int, mask_key: str = "loss_mask"
-) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and the examples' own masks (as `mask_key`),
-    (B, T) each."""
+def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> SequenceBatch:
+    """The examples' (ids, loss mask) right-padded into one batch, (B, T) each."""
     length = max(len(ids) for ids, _ in examples)
-    batch = {
-        key: torch.zeros(len(examples), length, dtype=torch.long)
-        for key in ("input_ids", "attention_mask", mask_key)
-    }
-    batch["input_ids"].fill_(pad_id)
-    for row, (ids, mask) in enumerate(examples):
-        batch["input_ids"][row, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][row, : len(ids)] = 1
-        batch[mask_key][row, : len(ids)] = torch.tensor(mask)
-    return batch
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for row, (tokens, mask) in enumerate(examples):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = 1
+        loss_mask[row, : len(tokens)] = torch.tensor(mask)
+    return SequenceBatch(ids, attention, loss_mask)
 
 
 def micro_batch_groups(
@@ -174,13 +169,13 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_examples, generator=generator).tolist()
 
 
-def sft_loss(model, batch: dict[str, torch.Tensor], num_tokens: torch.Tensor) -> torch.Tensor:
+def sft_loss(model, batch: SequenceBatch, num_tokens: torch.Tensor) -> torch.Tensor:
     """This micro-batch's share of the step's token-mean cross-entropy."""
     logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).logits
-    targets = batch["input_ids"][:, 1:]
-    mask = batch["loss_mask"][:, 1:]
+    targets = batch.input_ids[:, 1:]
+    mask = batch.loss_mask[:, 1:]
     per_token = F.cross_entropy(
         logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none"
     )
@@ -243,10 +238,10 @@ def train(config: SFTConfig, log=print) -> list[float]:
         chosen = order[index * cfg_t.batch_size : (index + 1) * cfg_t.batch_size][rank::world]
         tokenized = [tokenize(tokenizer, *examples[i], config.data.max_length) for i in chosen]
         micro_batches = [
-            {k: v.to(device) for k, v in collate([tokenized[i] for i in group], pad_id).items()}
+            collate([tokenized[i] for i in group], pad_id).to(device)
             for group in micro_batch_groups([(len(ids),) for ids, _ in tokenized], cfg_t)
         ]
-        tokens = engine.global_sum(sum(int(mb["loss_mask"][:, 1:].sum()) for mb in micro_batches))
+        tokens = engine.global_sum(sum(int(mb.loss_mask[:, 1:].sum()) for mb in micro_batches))
         start = time.perf_counter()
         metrics = engine.optimizer_step(
             actor.engine,
