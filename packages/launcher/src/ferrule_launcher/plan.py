@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ferrule_trainer import memory
-from ferrule_trainer.config import TrainerConfig
+from ferrule_trainer.config import AUTO_KEYS, TrainerConfig
 from ferrule_trainer.memory import GiB, ModelShape
 
 if TYPE_CHECKING:
@@ -46,29 +46,22 @@ STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
 HOST_BYTES_PER_S = 10e9
 
 
-def seconds(choice: dict, config: "Config", shape: ModelShape) -> float:
+def seconds(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> float:
     """A step's estimated seconds of training, scoring and moving states on one GPU under
-    `choice` (what the "auto" keys decide; generation does not depend on them)."""
-    t, r = config.trainer, config.rollout
+    `trainer`'s memory keys (generation does not depend on them)."""
+    t, r = trainer, config.rollout
     step_tokens = r.prompts_per_step * r.samples_per_prompt * r.max_model_len / t.ranks
-    train_tokens = _tokens(choice["micro_batch_tokens"], t.micro_batch_size, r.max_model_len)
-    forward_tokens = _tokens(
-        choice["forward_batch_tokens"] or choice["micro_batch_tokens"],
-        t.forward_batch_size or t.micro_batch_size,
-        r.max_model_len,
-    )
+    train_tokens, forward_tokens = _pass_tokens(t, r.max_model_len)
     flop = SECONDS_PER_FLOP * shape.parameters * step_tokens
     train = 6 * flop * (1 + IDLE_TOKENS / train_tokens)
-    train *= (1.3 if choice["gradient_checkpointing"] else 1.0) * STAGE_COST[choice["zero_stage"]]
-    train *= (5.0 if choice["offload_optimizer"] else 1.0) * (
-        2.0 if choice["offload_params"] else 1.0
-    )
+    train *= (1.3 if t.gradient_checkpointing else 1.0) * STAGE_COST[t.zero_stage]
+    train *= (5.0 if t.offload_optimizer else 1.0) * (2.0 if t.offload_params else 1.0)
     passes = (t.kl_coef > 0) + t.needs_old_logprobs()
     forward = 2 * flop * (1 + IDLE_TOKENS / forward_tokens) * passes
     moved = 0.0
-    if choice["offload_between_phases"]:
+    if t.offload_between_phases:
         resident, gradients = memory.training_state(
-            shape, dtype=config.model.dtype, zero_stage=choice["zero_stage"], ranks=t.ranks
+            shape, dtype=config.model.dtype, zero_stage=t.zero_stage, ranks=t.ranks
         )
         moved = 2 * (resident + gradients) / HOST_BYTES_PER_S
     return train + forward + moved
@@ -106,7 +99,7 @@ class Plan:
         chosen = self.trainer.auto
         keys = ", ".join(
             f"{key} = {getattr(self.trainer, key)}" + (" (auto)" if key in chosen else "")
-            for key in memory_keys()
+            for key in AUTO_KEYS
         )
         lines.append(f"[trainer] {keys}")
         size = f"{self.memory / GiB:.1f} GiB" if self.memory else "unknown size"
@@ -125,12 +118,6 @@ class Plan:
         verdict = "fits" if self.fits() else "does NOT fit"
         lines.append(f"peak: {peak / GiB:.1f} GiB on GPU {index}, {phase} phase: {verdict}")
         return "\n".join(lines)
-
-
-def memory_keys() -> tuple[str, ...]:
-    from ferrule_trainer.config import AUTO_KEYS
-
-    return AUTO_KEYS
 
 
 def gpu_memory() -> int | None:
@@ -152,20 +139,28 @@ def gpu_memory() -> int | None:
 # -- what each process holds ---------------------------------------------------------------------
 
 
-def _tokens(limit: int | None, rows: int, max_model_len: int) -> int:
-    """The tokens of the largest micro-batch: the token budget, or rows of max_model_len."""
-    most = rows * max_model_len
-    return most if limit is None else min(limit, most)
+def _pass_tokens(trainer: TrainerConfig, max_model_len: int) -> tuple[int, int]:
+    """The tokens of the largest training micro-batch and of the largest scoring pass: each
+    token budget, or its rows of max_model_len where that is less (or no budget is set)."""
 
+    def tokens(limit: int | None, rows: int) -> int:
+        most = rows * max_model_len
+        return most if limit is None else min(limit, most)
 
-def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> list[list[Holding]]:
-    r, ray, dtype = config.rollout, config.ray, config.model.dtype
-    train_tokens = _tokens(trainer.micro_batch_tokens, trainer.micro_batch_size, r.max_model_len)
-    forward_tokens = _tokens(
+    train = tokens(trainer.micro_batch_tokens, trainer.micro_batch_size)
+    forward = tokens(
         trainer.forward_batch_tokens or trainer.micro_batch_tokens,
         trainer.forward_batch_size or trainer.micro_batch_size,
-        r.max_model_len,
     )
+    return train, forward
+
+
+def holdings(
+    config: "Config", trainer: TrainerConfig, shape: ModelShape, gpu_bytes: int | None
+) -> list[list[Holding]]:
+    """What each process holds on each distinct GPU (`gpu_bytes`: one GPU's, for vLLM's share)."""
+    r, ray, dtype = config.rollout, config.ray, config.model.dtype
+    train_tokens, forward_tokens = _pass_tokens(trainer, r.max_model_len)
     trained = dict(
         dtype=dtype,
         zero_stage=trainer.zero_stage,
@@ -202,7 +197,7 @@ def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> lis
         peak = CONTEXT + memory.policy_train_peak(value_model, **critic_trained)
         held = CONTEXT if trainer.offload_between_phases else peak
         gpus.append([Holding("critic", held, peak, how)])
-    awake, engine_how = _engine(config, shape)
+    awake, engine_how = _engine(config, shape, gpu_bytes)
     asleep = CONTEXT if r.sleep_between_phases else awake
     gpus.append([Holding("engine", awake, asleep, engine_how)])
     if ray.placement == "colocate_all":
@@ -212,11 +207,10 @@ def holdings(config: "Config", trainer: TrainerConfig, shape: ModelShape) -> lis
     return gpus
 
 
-def _engine(config: "Config", shape: ModelShape) -> tuple[int, str]:
+def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple[int, str]:
     r = config.rollout
     if r.backend == "vllm":
-        gpu = config.ray.gpu_memory_gb or 0
-        share = int(r.gpu_memory_utilization * gpu * GiB)
+        share = int(r.gpu_memory_utilization * (gpu_bytes or 0))
         return share + CONTEXT, f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
     slots = math.ceil(r.max_model_len / 64) * 64
     cache = r.max_batch_size * slots * shape.layers * 2 * shape.kv_width * 2  # bf16 keys, values
@@ -233,7 +227,7 @@ def _engine(config: "Config", shape: ModelShape) -> tuple[int, str]:
 def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
     """The values each key may take: its own when set, else what the plan may choose."""
     auto = trainer.auto
-    options = {key: (getattr(trainer, key),) for key in memory_keys()}
+    options = {key: (getattr(trainer, key),) for key in AUTO_KEYS}
     if "micro_batch_tokens" in auto:
         options["micro_batch_tokens"] = TOKEN_CHOICES
     if "forward_batch_tokens" in auto:  # None: micro_batch_tokens
@@ -248,19 +242,12 @@ def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
     return options
 
 
-def _rank(choice: dict, config: "Config", shape: ModelShape) -> tuple[bool, float]:
+def _rank(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> tuple[bool, float]:
     """Plans that keep everything on the GPU first, however much smaller their micro-batches
     (measured at 1.5B: offloading between phases cost more than halving the reference's passes
     saved), then by estimated seconds."""
-    offloads = ("offload_between_phases", "offload_optimizer", "offload_params")
-    return any(choice[key] for key in offloads), seconds(choice, config, shape)
-
-
-def _valid(choice: dict) -> bool:
-    if choice["offload_params"] and choice["zero_stage"] != 3:
-        return False
-    offloads = choice["offload_optimizer"] or choice["offload_between_phases"]
-    return not (offloads and choice["zero_stage"] == 0)
+    offloads = trainer.offload_between_phases or trainer.offload_optimizer or trainer.offload_params
+    return bool(offloads), seconds(trainer, config, shape)
 
 
 def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
@@ -273,26 +260,23 @@ def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
         memory_bytes = int(config.ray.gpu_memory_gb * GiB)
     if memory_bytes is None:
         memory_bytes = gpu_memory()
-    if memory_bytes is not None and config.ray.gpu_memory_gb is None:
-        config = config.model_copy(
-            update={"ray": config.ray.model_copy(update={"gpu_memory_gb": memory_bytes / GiB})}
-        )
     shape = ModelShape.read(config.model.path)
     hybrid = config.ray.placement == "colocate_all" and config.loop.mode == "sync"
     options = _options(config.trainer, hybrid)
-    choices = [
-        dict(zip(options, values, strict=True)) for values in itertools.product(*options.values())
-    ]
+    choices = (
+        config.trainer.model_copy(update=dict(zip(options, values, strict=True)))
+        for values in itertools.product(*options.values())
+    )
     plans = []
-    for choice in sorted(filter(_valid, choices), key=lambda c: _rank(c, config, shape)):
-        trainer = config.trainer.model_copy(update=choice)
-        plan = Plan(trainer, holdings(config, trainer, shape), memory_bytes)
+    valid = (trainer for trainer in choices if not trainer.offload_problems())
+    for trainer in sorted(valid, key=lambda t: _rank(t, config, shape)):
+        plan = Plan(trainer, holdings(config, trainer, shape, memory_bytes), memory_bytes)
         if plan.fits():
             return plan
         plans.append(plan)
     if not plans:  # the user's own choices contradict each other: TrainerConfig says how
         trainer = config.trainer
-        return Plan(trainer, holdings(config, trainer, shape), memory_bytes)
+        return Plan(trainer, holdings(config, trainer, shape, memory_bytes), memory_bytes)
     return min(plans, key=lambda p: p.peak()[0])
 
 
@@ -301,7 +285,7 @@ def refusal(plan: Plan) -> list[tuple[str, str]]:
     peak, phase, index = plan.peak()
     gpu = plan.gpus[index]
     parts = ", ".join(f"{h.role} {getattr(h, phase) / GiB:.1f}" for h in gpu)
-    fixed = [k for k in memory_keys() if k not in plan.trainer.auto]
+    fixed = [k for k in AUTO_KEYS if k not in plan.trainer.auto]
     levers = ", ".join(f"[trainer] {k}" for k in fixed) or "nothing left to choose"
     message = (
         f"the memory plan does not fit: in the {phase} phase GPU {index} needs {peak / GiB:.1f} GiB "

@@ -269,11 +269,7 @@ class TrainerConfig(Table):
             )
         if not self.betas[0] < 1 or not self.betas[1] < 1 or min(self.betas) < 0:
             problems.append(("betas", f"must both be in [0, 1), got {list(self.betas)}"))
-        if self.offload_params and self.zero_stage != 3:
-            problems.append(("offload_params", "needs zero_stage = 3 (only ZeRO-3 shards them)"))
-        if (self.offload_optimizer or self.offload_between_phases) and self.zero_stage == 0:
-            key = "offload_optimizer" if self.offload_optimizer else "offload_between_phases"
-            problems.append((key, "needs zero_stage >= 1 (ZeRO-0 keeps a plain optimizer)"))
+        problems += self.offload_problems()
         if self.lora_rank and not self.lora_targets:
             problems.append(("lora_targets", "needs at least one module name"))
         if self.kl_target is not None and self.kl_coef == 0:
@@ -299,6 +295,16 @@ class TrainerConfig(Table):
         if problems:
             raise Problems(problems)
         return self
+
+    def offload_problems(self) -> list[tuple[str, str]]:
+        """What the offloads need of the ZeRO stage (the memory plan skips choices with any)."""
+        problems = []
+        if self.offload_params and self.zero_stage != 3:
+            problems.append(("offload_params", "needs zero_stage = 3 (only ZeRO-3 shards them)"))
+        if (self.offload_optimizer or self.offload_between_phases) and self.zero_stage == 0:
+            key = "offload_optimizer" if self.offload_optimizer else "offload_between_phases"
+            problems.append((key, "needs zero_stage >= 1 (ZeRO-0 keeps a plain optimizer)"))
+        return problems
 
     def optimizer_options(self, rl_steps: int, learning_rate: float | None = None) -> dict:
         """The keyword arguments of `Actor` / `Critic` for a trained model (the critic passes

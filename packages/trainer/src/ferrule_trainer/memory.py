@@ -24,7 +24,7 @@ Pure Python (json only): the launcher plans before any process or torch starts.
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GiB = 2**30
@@ -62,11 +62,19 @@ class ModelShape:
             raise ValueError(f"{path / 'config.json'} has no {missing}: not a decoder LM") from None
         intermediate = config.get("intermediate_size", 4 * hidden)
         heads = config.get("num_attention_heads", 1)
-        kv_width = config.get("num_key_value_heads", heads) * (
-            config.get("head_dim") or hidden // heads
-        )
-        parameters = _counted(path) or _from_config(config, hidden, layers, intermediate, vocab)
-        return cls(parameters, layers, hidden, intermediate, vocab, kv_width)
+        head_dim = config.get("head_dim") or hidden // heads
+        kv_width = config.get("num_key_value_heads", heads) * head_dim
+        shape = cls(0, layers, hidden, intermediate, vocab, kv_width)
+        tied = config.get("tie_word_embeddings", True)
+        parameters = _counted(path) or shape.counted(heads * head_dim, tied)
+        return replace(shape, parameters=parameters)
+
+    def counted(self, query_width: int, tied: bool) -> int:
+        """Parameters of a Llama / Qwen-style decoder of this shape (biases aside)."""
+        attention = self.hidden * (query_width + self.kv_width) * 2  # q and o; k and v
+        mlp = 3 * self.hidden * self.intermediate
+        embeddings = self.vocab * self.hidden * (1 if tied else 2)
+        return embeddings + self.layers * (attention + mlp + 2 * self.hidden) + self.hidden
 
     def weights(self, dtype: str) -> int:
         return self.parameters * bytes_per(dtype)
@@ -93,15 +101,6 @@ def _counted(path: Path) -> int:
                     count *= dim
                 total += count
     return total
-
-
-def _from_config(config: dict, hidden: int, layers: int, intermediate: int, vocab: int) -> int:
-    heads = config.get("num_attention_heads", 1)
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    attention = hidden * heads * head_dim * 2 + hidden * kv * 2  # q and o; k and v
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
-    return embeddings + layers * (attention + 3 * hidden * intermediate + 2 * hidden) + hidden
 
 
 # -- the phases ----------------------------------------------------------------------------------
