@@ -148,6 +148,40 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
 # -- the baseline: one process, as TRL's GRPOTrainer -----------------------------------------
 
 
+def response_logprobs(net, ids, mask, response_len: int):
+    """(B, R) log-probabilities of the last R tokens, the LM head run on those positions only."""
+    import torch.nn.functional as F
+
+    logits = net(
+        input_ids=ids, attention_mask=mask, logits_to_keep=response_len + 1, use_cache=False
+    ).logits
+    targets = ids[:, -response_len:]
+    flat = F.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="none"
+    )
+    return -flat.view(targets.shape)
+
+
+def train_step(policy, optimizer, slices, ids, mask, advantages, ref, response_mask) -> None:
+    """One on-policy GRPO optimizer step, as TRL's GRPOTrainer takes it: per micro-batch (a
+    slice of rows) the policy-gradient loss (the ratio is 1 on-policy, so nothing clips) plus k3
+    KL to `ref`, averaged over the step's response tokens; gradients clipped at 1.0."""
+    import torch
+
+    count = response_mask.sum()
+    response_len = response_mask.shape[1]
+    for s in slices:
+        lp = response_logprobs(policy, ids[s], mask[s], response_len)
+        ratio = torch.exp(lp - lp.detach())
+        log_ratio = ref[s] - lp
+        kl = torch.exp(log_ratio) - log_ratio - 1  # k3
+        loss = ((-advantages[s] * ratio + KL_COEF * kl) * response_mask[s]).sum() / count
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def reversal_prompts(count: int, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     words = ["".join(rng.choice("abcdefgh") for _ in range(3)) for _ in range(count)]
@@ -156,7 +190,6 @@ def reversal_prompts(count: int, seed: int) -> list[tuple[str, str]]:
 
 def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> dict:
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ferrule_rewards.builtin import char_match
@@ -172,15 +205,6 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
     if checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95))
-
-    def logprobs(net, ids, mask, response_len):
-        logits = net(
-            input_ids=ids, attention_mask=mask, logits_to_keep=response_len + 1, use_cache=False
-        ).logits
-        logits = logits[:, :-1].float()
-        targets = ids[:, -response_len:]
-        flat = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        return -flat.view(targets.shape)
 
     def micro_batches(rows: int, length: int) -> list[slice]:
         per = max(1, tokens_per_micro // length)
@@ -222,22 +246,13 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
         rows, length, response_len = out.shape[0], out.shape[1], response.shape[1]
         slices = micro_batches(rows, length)
         with torch.no_grad():
-            ref = torch.cat([logprobs(reference, out[s], mask[s], response_len) for s in slices])
+            ref = torch.cat(
+                [response_logprobs(reference, out[s], mask[s], response_len) for s in slices]
+            )
         sync()
         referenced = time.perf_counter()
         policy.train()
-        count = response_mask.sum()
-        for s in slices:
-            lp = logprobs(policy, out[s], mask[s], response_len)
-            ratio = torch.exp(lp - lp.detach())  # on-policy: one optimizer step per batch
-            pg = -advantages[s, None] * ratio
-            log_ratio = ref[s] - lp
-            kl = torch.exp(log_ratio) - log_ratio - 1  # k3
-            loss = ((pg + KL_COEF * kl) * response_mask[s]).sum() / count
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(policy, optimizer, slices, out, mask, advantages[:, None], ref, response_mask)
         sync()
         trained = time.perf_counter()
         for key, seconds in (

@@ -94,7 +94,7 @@ def run_ours(args, stage: int) -> list[float]:
 
 def run_baseline(args) -> list[float]:
     import torch
-    import torch.nn.functional as F
+    from step_gpu import train_step  # the same baseline step as the whole-step benchmark
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(
@@ -107,26 +107,18 @@ def run_baseline(args) -> list[float]:
     length = b.input_ids.shape[1]
     per = max(1, args.tokens // length)
     slices = [slice(i, min(i + per, b.rows)) for i in range(0, b.rows, per)]
-    count = b.response_mask.sum()
 
     def step():
-        for s in slices:
-            ids = b.input_ids[s]
-            logits = policy(
-                input_ids=ids, logits_to_keep=args.response + 1, use_cache=False
-            ).logits[:, :-1]
-            targets = ids[:, -args.response :]
-            lp = -F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), reduction="none"
-            ).view(targets.shape)
-            ratio = torch.exp(lp - lp.detach())
-            log_ratio = b.ref_logprobs[s] - lp
-            kl = torch.exp(log_ratio) - log_ratio - 1
-            loss = ((-b.advantages[s] * ratio + 0.001 * kl) * b.response_mask[s]).sum() / count
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(
+            policy,
+            optimizer,
+            slices,
+            b.input_ids,
+            b.attention_mask,
+            b.advantages,
+            b.ref_logprobs,
+            b.response_mask,
+        )
 
     times = []
     for _ in range(args.repeats + 1):
