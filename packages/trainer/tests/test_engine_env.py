@@ -1,9 +1,13 @@
-"""Starting the trainer's process group: what it leaves in os.environ, what it must not wait on."""
+"""Starting the trainer's engines: what the process group leaves in os.environ, what start-up
+must not wait on (compiled ops), and where its seconds go."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
+import torch
 
 
 def test_group_of_one_does_not_leak_rank_or_master_port():
@@ -44,3 +48,42 @@ def test_cpu_group_needs_no_compiled_op(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "gloo"
     assert not (stale / "deepspeed_shm_comm.so").exists()
+
+
+def test_adam_is_torchs_own_unless_the_states_are_offloaded():
+    """No compiled op for the optimizer: DeepSpeed's FusedAdam builds a CUDA extension with ninja
+    on each machine's first start; torch's fused AdamW is in the wheel. Offloaded states keep
+    DeepSpeed's CPU Adam (no torch_adam: DeepSpeed picks it)."""
+    from ferrule_trainer.engine import adam_params
+
+    hyper = {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
+    assert adam_params(cpu=True, offloaded=False, **hyper) == dict(hyper, torch_adam=True)
+    gpu = adam_params(cpu=False, offloaded=False, **hyper)
+    assert gpu == dict(hyper, torch_adam=True, fused=True)
+    assert adam_params(cpu=False, offloaded=True, **hyper) == hyper
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_trains_with_torchs_fused_adamw_at_every_zero_stage(stage, monkeypatch):
+    """The GPU's optimizer params (torch_adam + fused), run here on torch's CPU fused kernel:
+    DeepSpeed hands `fused` to torch.optim.AdamW and every ZeRO stage steps with it."""
+    from ferrule_testkit import tiny_model
+    from ferrule_trainer import engine
+
+    real = engine.adam_params
+    monkeypatch.setattr(engine, "adam_params", lambda cpu, **kw: real(cpu=False, **kw))
+    config = engine.deepspeed_config(zero_stage=stage, dtype="float32")
+    model = engine.load_model(tiny_model("qwen2"), dtype="float32", ds_config=config)
+    built = engine.build_engine(model, learning_rate=1e-2, ds_config=config)
+    adam = built.basic_optimizer
+    assert type(adam) is torch.optim.AdamW and adam.defaults["fused"]
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(batch):
+        return built(input_ids=batch, labels=batch).loss, {}
+
+    losses = [engine.optimizer_step(built, [ids], loss_fn)["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    seconds = engine.startup_seconds()
+    assert {"imports", "distributed", "weights", "deepspeed"} <= seconds.keys()
+    assert seconds["weights"] > 0 and seconds["deepspeed"] > 0

@@ -5,16 +5,18 @@
     model = load_model(path, dtype="float32", ds_config=config, lora_rank=8)
     engine = build_engine(model, learning_rate=1e-5, ds_config=config)
     metrics = optimizer_step(engine, micro_batches, loss_fn)
+    startup_seconds()  # {"imports": 4.1, "distributed": 0.3, "weights": 2.0, "deepspeed": 1.2}
 
 The same code runs on CPU (DeepSpeed's CPU accelerator over gloo, torch AdamW) and on GPUs
-(NCCL, fused Adam). The actor, critic, reference and reward model (actor.py, critic.py) are built
-from these functions; nothing here knows about losses.
+(NCCL, torch's fused AdamW). The actor, critic, reference and reward model (actor.py, critic.py)
+are built from these functions; nothing here knows about losses.
 """
 
 import contextlib
 import math
 import os
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +25,26 @@ import torch
 from ferrule_trainer.config import LORA_TARGETS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_SPENT: dict[str, float] = {}  # this process's start-up seconds by phase (startup_seconds)
+
+
+@contextlib.contextmanager
+def _timed(phase: str):
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        _SPENT[phase] = _SPENT.get(phase, 0.0) + time.perf_counter() - began
+
+
+def startup_seconds() -> dict[str, float]:
+    """Seconds this process has spent so far in each start-up phase: "imports" (DeepSpeed,
+    transformers' auto classes), "distributed" (joining the process group: includes waiting for
+    the other ranks), "weights" (`load_model`: the checkpoint read, the model's own module
+    imported, LoRA) and "deepspeed" (`build_engine`: deepspeed.initialize, the optimizer's
+    creation included). A process that builds several engines gets their sums."""
+    return {phase: round(seconds, 2) for phase, seconds in _SPENT.items()}
 
 
 def on_cpu() -> bool:
@@ -39,7 +61,8 @@ def init_distributed() -> None:
     if on_cpu():
         # Must be set before deepspeed is imported: the accelerator is chosen at import time.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    with _timed("imports"):
+        import deepspeed
 
     if torch.distributed.is_initialized():
         return
@@ -50,23 +73,24 @@ def init_distributed() -> None:
         # start waits on it forever. gloo does the same reduction; our CPU groups are small.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if on_cpu() else "nccl"
-    if "RANK" in os.environ:  # under a launcher that set up the group
-        deepspeed.init_distributed(dist_backend=backend)
-    else:
-        # A group of one, set up by argument rather than through RANK / MASTER_PORT in
-        # os.environ: those would leak into every process this one starts (a launcher's Ray
-        # actors, say) and point their DeepSpeed at this private group.
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it to pick a device
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=1,
-            auto_mpi_discovery=False,
-        )
+    with _timed("distributed"):
+        if "RANK" in os.environ:  # under a launcher that set up the group
+            deepspeed.init_distributed(dist_backend=backend)
+        else:
+            # A group of one, set up by argument rather than through RANK / MASTER_PORT in
+            # os.environ: those would leak into every process this one starts (a launcher's Ray
+            # actors, say) and point their DeepSpeed at this private group.
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine reads it for a device
+            deepspeed.init_distributed(
+                dist_backend=backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=1,
+                auto_mpi_discovery=False,
+            )
     if not on_cpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -176,14 +200,15 @@ def load_model(
     `prepare(model)` runs on the loaded model before checkpointing, LoRA and DeepSpeed (the
     launcher passes ferrule-rollout's exact numerics this way, so the trainer imports none).
     """
-    import transformers
-
     torch_dtype = check_dtype(dtype)
-    classes = {
-        "causal-lm": transformers.AutoModelForCausalLM,
-        "value": transformers.AutoModelForTokenClassification,
-        "reward": transformers.AutoModelForSequenceClassification,
-    }
+    with _timed("imports"):  # transformers' auto classes import lazily, on first use (~1.5 s)
+        import transformers
+
+        classes = {
+            "causal-lm": transformers.AutoModelForCausalLM,
+            "value": transformers.AutoModelForTokenClassification,
+            "reward": transformers.AutoModelForSequenceClassification,
+        }
     if kind not in classes:
         raise ValueError(f"kind must be one of {sorted(classes)}, got {kind!r}")
     config = transformers.AutoConfig.from_pretrained(path)
@@ -195,7 +220,7 @@ def load_model(
     extra: dict[str, Any] = (
         {"attn_implementation": attn_implementation} if attn_implementation else {}
     )
-    with _partitioned_load(ds_config):
+    with _timed("weights"), _partitioned_load(ds_config):
         model = classes[kind].from_pretrained(path, config=config, dtype=torch_dtype, **extra)
     if prepare is not None:
         prepare(model)
@@ -271,28 +296,43 @@ def build_engine(
         )
     if not train:
         model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        with _timed("deepspeed"):
+            engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         engine.eval()
         return engine
-    # torch's AdamW on the CPU accelerator needs no compiled op; on GPUs DeepSpeed picks its fused
-    # Adam (or the CPU Adam for offloaded states).
-    adam: dict[str, Any] = {
-        "lr": learning_rate,
-        "betas": list(betas),
-        "eps": eps,
-        "weight_decay": weight_decay,
-    }
-    if on_cpu():
-        adam["torch_adam"] = True
+    adam = adam_params(
+        cpu=on_cpu(),
+        offloaded="offload_optimizer" in ds_config.get("zero_optimization", {}),
+        lr=learning_rate,
+        betas=list(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+    )
     ds_config = dict(ds_config, optimizer={"type": "AdamW", "params": adam})
     schedule = warmup_cosine(warmup_steps, total_steps)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-    )
+    with _timed("deepspeed"):
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        )
     return engine
+
+
+def adam_params(*, cpu: bool, offloaded: bool, **hyper) -> dict[str, Any]:
+    """The params of DeepSpeed's "AdamW" optimizer (`hyper`: lr, betas, eps, weight_decay).
+
+    torch's own AdamW wherever the states live next to the weights: on the CPU accelerator, and on
+    GPUs as torch's fused kernel. Left to itself DeepSpeed picks its FusedAdam there, a CUDA
+    extension that ninja compiles the first time on each machine (tens of seconds of start-up;
+    our GPU machines start fresh every time); torch's steps as fast (57.4k against 56.9k tok/s,
+    0.5B ZeRO-2 bf16 on an H100, benchmarks/RESULTS.md). States offloaded to the host keep DeepSpeed's CPU
+    Adam (its own compiled op): ZeRO-Offload has its own paths for it, and DeepSpeed calls any
+    other optimizer there "poor performance" (`zero_force_ds_cpu_optimizer`)."""
+    if offloaded:
+        return dict(hyper)
+    return dict(hyper, torch_adam=True, **({} if cpu else {"fused": True}))
 
 
 def global_sum(value: float | int | torch.Tensor) -> torch.Tensor:
