@@ -47,6 +47,11 @@ def policy(engine):
     return AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32).eval()
 
 
+def test_the_engine_says_where_its_start_went(engine):
+    seconds = engine.startup_seconds()
+    assert seconds.keys() == {"imports", "engine"} and seconds["engine"] > 0
+
+
 def test_greedy_tokens_and_logprobs_match_transformers(engine, policy):
     samples = engine.generate(PROMPTS, GREEDY)
     assert [(s.prompt_index, s.sample_index) for s in samples] == [(0, 0), (1, 0)]

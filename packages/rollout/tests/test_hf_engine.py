@@ -272,6 +272,11 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompts, m
     assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
 
 
+def test_the_engine_says_where_its_start_went(engine):
+    seconds = engine.startup_seconds()
+    assert seconds.keys() == {"imports", "weights"} and seconds["weights"] > 0
+
+
 def test_bad_model_path_and_dtype_name_themselves():
     from ferrule_rollout.hf_engine import TransformersEngine
 

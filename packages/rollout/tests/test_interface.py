@@ -30,6 +30,7 @@ def test_the_interface_names_every_verb_the_callers_use():
         "sleep",
         "wake_up",
         "health",
+        "startup_seconds",
         "close",
     }
 

@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -122,9 +123,11 @@ class TransformersEngine(EngineBase):
             raise RolloutError(
                 "exact and compile_decode exclude each other: inductor reorders math"
             )
+        began = time.perf_counter()
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
+        imported = time.perf_counter()
         try:
             auto = "cuda" if torch.cuda.is_available() else "cpu"
             self.device = torch.device(auto if device == "auto" else device)
@@ -156,6 +159,7 @@ class TransformersEngine(EngineBase):
             raise RolloutError(
                 f"could not load a transformers model from {self.model!r}: {err}"
             ) from err
+        self._startup = {"imports": imported - began, "weights": time.perf_counter() - imported}
         config = self._model.config.get_text_config()
         if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             raise RolloutError(

@@ -69,6 +69,8 @@ class Engine(Protocol):
 
     def health(self) -> dict: ...
 
+    def startup_seconds(self) -> dict[str, float]: ...
+
     def close(self) -> None: ...
 
 
@@ -91,9 +93,9 @@ class WeightSyncGroup:
 
 class EngineBase:
     """What both engines write the same way. A subclass sets `model`, `_cv` (the condition
-    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy), says how many
-    samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it joins a
-    weight-sync group (`_join`)."""
+    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy), `_startup`, says
+    how many samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it
+    joins a weight-sync group (`_join`)."""
 
     model: str
     _cv: threading.Condition
@@ -101,6 +103,13 @@ class EngineBase:
     _paused: bool
     _frozen: bool = False  # running samples do not advance either (vLLM's "keep" pause)
     _broken: str
+    _startup: dict[str, float]  # seconds of the start by phase
+
+    def startup_seconds(self) -> dict[str, float]:
+        """Where this engine's start went, seconds by phase: "imports", then "weights" (the
+        transformers engine) or "engine" (vLLM's whole start: weights, profiling, KV cache,
+        CUDA graphs)."""
+        return {phase: round(seconds, 2) for phase, seconds in self._startup.items()}
 
     @property
     def version(self) -> int:

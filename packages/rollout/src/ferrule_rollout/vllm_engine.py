@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +162,7 @@ class VLLMEngine(EngineBase):
         # Read by vLLM when the engine is created: set it for this engine, not the user's shell.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 
+        began = time.perf_counter()
         from vllm import EngineArgs
         from vllm.config import WeightTransferConfig
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -178,6 +180,7 @@ class VLLMEngine(EngineBase):
         # top-p applied): vLLM's default is the raw logits', which at temperature != 1 is not
         # the behaviour policy a trainer's importance-sampling correction divides by.
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        imported = time.perf_counter()
         args = EngineArgs(
             model=self.model,
             dtype=dtype,
@@ -195,6 +198,8 @@ class VLLMEngine(EngineBase):
             self._engine = LLMEngine.from_engine_args(args)
         except Exception as err:
             raise RolloutError(f"could not start vLLM on model {self.model!r}: {err}") from err
+        # "engine": vLLM's own start (weights, memory profiling, KV cache, CUDA graphs)
+        self._startup = {"imports": imported - began, "engine": time.perf_counter() - imported}
         self.tokenizer = self._engine.get_tokenizer()  # loaded once, here
         self.max_model_len = self._engine.model_config.max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
