@@ -3,7 +3,8 @@
 A 132M-parameter Qwen2 from ferrule-testkit (random, then an SFT warm start in the same run)
 learns the tiny example's task with GRPO through the transformers rollout engine (the GPU
 machines have no vLLM). After the last sync every engine must hold exactly the policy's weights
-(the launcher compares digests and writes them to summary.json).
+(the launcher compares digests and writes them to summary.json). The last test runs the shipped
+examples/grpo-gsm8k-gpu.toml itself at 1.5B on four GPUs.
 
     uv run pytest tests/test_launcher_gpu.py -m gpu          # on a machine with the GPUs
 """
@@ -51,9 +52,13 @@ def model_100m() -> Path:
 
 
 def launch(out: Path, *overrides: str) -> tuple[list[dict], dict]:
-    command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
-    items = [f'model.path="{model_100m()}"', *COMMON, f'output.dir="{out}"', *overrides]
-    for item in items:
+    """The tiny example with the 132M model and COMMON's keys, then `overrides`."""
+    return rlhf_launch(EXAMPLE, out, [f'model.path="{model_100m()}"', *COMMON, *overrides])
+
+
+def rlhf_launch(config: Path, out: Path, items: list[str]) -> tuple[list[dict], dict]:
+    command = [sys.executable, "-m", "ferrule_launcher.cli", str(config)]
+    for item in [f'output.dir="{out}"', *items]:
         command += ["--set", item]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
     assert result.returncode == 0, result.stderr[-6000:]
@@ -67,6 +72,10 @@ def assert_learns_and_engines_hold_the_policy(records: list[dict], summary: dict
     rewards = [r["reward"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.03, f"reward did not rise: {rewards}"
+    assert_engines_hold_the_policy(summary)
+
+
+def assert_engines_hold_the_policy(summary: dict) -> None:
     digests = summary["weights_digest"]
     assert digests["engines"] and all(d == digests["policy"] for d in digests["engines"])
 
@@ -246,13 +255,13 @@ def test_classic_rlhf_reward_model_on_its_own_gpu(tmp_path):
     assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]  # the RM's score
 
 
-def step_split(records: list[dict]) -> dict:
+def step_split(records: list[dict], warmup: int = 4) -> dict:
     """Seconds per step and the weight sync's share of a step, medians over the steps after the
-    first four (warm-up)."""
+    first `warmup`."""
     import itertools
     import statistics
 
-    timed = records[4:]
+    timed = records[warmup:]
     walls = [b["wall_seconds"] - a["wall_seconds"] for a, b in itertools.pairwise(timed)]
     step = statistics.median(walls)
     sync = statistics.median(r["time/sync"] for r in timed)
@@ -281,7 +290,11 @@ def test_hybrid_engine_on_four_gpus_zero3_ipc_offload_and_sleep(tmp_path):
     print(json.dumps({"hybrid_4_gpus": step_split(records)}))
     assert_learns_and_engines_hold_the_policy(records, summary)
     assert len(summary["weights_digest"]["engines"]) == 4
-    roles = json.loads((tmp_path / "hybrid4" / "roles.json").read_text())
+    assert_a_pair_on_each_of_four_gpus(tmp_path / "hybrid4" / "roles.json")
+
+
+def assert_a_pair_on_each_of_four_gpus(roles_json: Path) -> None:
+    roles = json.loads(roles_json.read_text())
     for i in range(4):  # policy rank i and engine i share a GPU, a GPU of its own
         assert roles[f"policy-{i}"]["gpus"] == roles[f"rollout-{i}"]["gpus"]
     assert len({tuple(roles[f"policy-{i}"]["gpus"]) for i in range(4)}) == 4
@@ -306,3 +319,86 @@ def test_separate_placement_on_four_gpus_zero3_nccl_to_two_engines(tmp_path):
         tuple(roles[name]["gpus"]) for name in ("policy-0", "policy-1", "rollout-0", "rollout-1")
     ]
     assert len(set(gpus)) == 4  # every role on a GPU of its own
+
+
+GPU_EXAMPLE = Path(__file__).parents[1] / "examples" / "grpo-gsm8k-gpu.toml"
+
+
+def gsm8k_rows(name: str, folder: Path) -> Path:
+    """examples/gsm8k_style's one-step word problems (`name`.jsonl) as the GPU example reads
+    GSM8K: the prompt asks for the final number after "####" (as examples/gsm8k/prepare.py's
+    instruction does), the label is that number."""
+    ask = 'End your answer with a last line of the form "#### <number>".'
+    rows = (Path(__file__).parents[1] / "examples" / "gsm8k_style" / f"{name}.jsonl").read_text()
+    path = folder / f"{name}.jsonl"
+    with path.open("w") as out:
+        for row in map(json.loads, rows.splitlines()):
+            prompt = row["prompt"].replace("\nAnswer:", f" {ask}\nAnswer:")
+            out.write(json.dumps({"prompt": prompt, "label": str(row["answer"])}) + "\n")
+    return path
+
+
+@pytest.mark.gpu(count=4)
+def test_the_gpu_example_at_1_5b_runs_three_steps_on_four_gpus(tmp_path):
+    """examples/grpo-gsm8k-gpu.toml itself on four GPUs (it names eight): a Qwen2.5-1.5B-shaped
+    policy (random init, the real vocabulary) on GSM8K-style rows, 128 prompts x 8 samples a
+    step, its [trainer] memory keys left to the memory plan, which offloads nothing on 80 GB
+    GPUs. Three steps run without running out of memory; every engine ends with the policy's
+    weights."""
+    from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
+
+    model = tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
+    train, test = gsm8k_rows("one_step", tmp_path), gsm8k_rows("one_step_test", tmp_path)
+    items = [
+        f'model.path="{model}"',
+        f'task.sources=[{{name="gsm8k", path="{train}", eval_path="{test}"}}]',
+        "task.eval_prompts=8",
+        'rollout.backend="transformers"',  # the GPU machines have no vLLM
+        "rollout.engines=4",
+        "trainer.ranks=4",
+        # A random policy rarely stops, so max_tokens sets the time: 256, not 1024, keeps the
+        # test to minutes. The plan still sizes memory for the example's max_model_len (2048);
+        # the engines' caches are then shorter than planned, the training micro-batches as
+        # large (they are counted in tokens).
+        "rollout.max_tokens=256",
+        "loop.steps=3",
+        "loop.eval_every=0",  # evaluations at the start and the end only
+        "output.progress=false",
+        "output.tensorboard=false",  # the GPU bundle leaves tensorboard out
+        "ray.num_cpus=8",  # as the other four-GPU tests: 4 bundles x the example's 2 CPUs
+    ]
+    plan = subprocess.run(
+        [sys.executable, "-m", "ferrule_launcher.cli", str(GPU_EXAMPLE), "--plan"]
+        + [x for item in [*items, "ray.gpu_memory_gb=80"] for x in ("--set", item)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(plan.stdout)
+    assert plan.returncode == 0, plan.stdout + plan.stderr  # it fits
+    for key in ("offload_optimizer", "offload_params", "offload_between_phases"):
+        assert f"{key} = False (auto)" in plan.stdout
+
+    out = tmp_path / "gsm8k4"
+    records, summary = rlhf_launch(GPU_EXAMPLE, out, items)
+    phases = {
+        key: [round(r.get(f"time/{key}", 0.0), 2) for r in records]
+        for key in ("generate", "score", "train", "sync", "switch")
+    }
+    used = {p: max(r.get(f"gpu/used_gb_{p}", 0.0) for r in records) for p in ("generate", "train")}
+    print(
+        json.dumps(
+            {
+                # step 2: after the warm-up, before the last step's evaluation
+                "gsm8k_example_4_gpus": step_split(records[:2], warmup=0),
+                "phases": phases,
+                "used_gb": used,
+                "startup_seconds": summary.get("startup_seconds"),
+            }
+        )
+    )
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert_engines_hold_the_policy(summary)
+    digests = summary["weights_digest"]
+    assert len(digests["engines"]) == 4 and digests["engine_versions"] == [3] * 4
+    assert_a_pair_on_each_of_four_gpus(out / "roles.json")
