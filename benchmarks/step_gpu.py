@@ -1,7 +1,8 @@
-"""A whole GRPO step at 1.5B on one GPU: Ferrule's real `rlhf-launch` against the single-process
-loop a TRL GRPOTrainer user runs, on the same work.
+"""A whole GRPO step at 1.5B on one GPU (or N): Ferrule's real `rlhf-launch` against the
+single-process loop a TRL GRPOTrainer user runs, on the same work.
 
     python benchmarks/step_gpu.py [--steps 4] [--baseline-steps 3] [--prompts 64] [--tokens 512]
+    python benchmarks/step_gpu.py --gpus 4       # ours on four GPUs, the baseline on one
 
 The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
 frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
@@ -16,8 +17,12 @@ so nearly all run to 512), GRPO with k3 KL (0.001) in the loss, one optimizer st
 Seconds per step are medians after the first step (the warm-up). Per phase: ours from each
 step's metrics (time/generate, score, train, sync, switch), the baseline timed the same way.
 Train MFU: (6 N train tokens + 2 N reference tokens) / (train seconds x 989 TFLOP/s, an H100's
-dense bf16), N the parameters. Last line: one JSON object ending with ratio = baseline s/step /
-ours s/step (goal >= 3).
+dense bf16 x the GPUs), N the parameters. Last line: one JSON object ending with ratio = ours
+samples/s / the baseline's (on one GPU the same work, so baseline s/step / ours s/step; goal >= 3).
+--gpus N: ours runs N policy ranks and N engines, one pair per GPU (colocate_all), on N x
+--prompts prompts a step, so that each GPU has the one-GPU work; the baseline stays the one-GPU
+loop on --prompts. ours.samples_per_s against a --gpus 1 run's on the same machine is our
+scaling (issue 42's goal at four GPUs: >= 3.2x one GPU's samples per second).
 """
 
 import argparse
@@ -44,12 +49,16 @@ def model_path() -> Path:
 
 
 def overrides(args, model: Path, out: Path) -> list[str]:
+    """Ours: on --gpus N, a policy rank and an engine on each GPU and N x --prompts prompts a
+    step; each engine generates for --prompts of them (max_batch_size is one engine's rows)."""
     return [
         f'model.path="{model}"',
         'model.dtype="bfloat16"',
         "sft.steps=0",
         'rollout.backend="transformers"',
-        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.prompts_per_step={args.prompts * args.gpus}",
+        f"rollout.engines={args.gpus}",
+        f"trainer.ranks={args.gpus}",
         "rollout.samples_per_prompt=8",
         f"rollout.max_tokens={args.tokens}",
         f"rollout.max_model_len={args.tokens + 64}",
@@ -70,6 +79,17 @@ def overrides(args, model: Path, out: Path) -> list[str]:
         "ray.cpus_per_role=2",
         f'output.dir="{out}"',
     ]
+
+
+def one_gpu_plan(args, model: Path):
+    """The [trainer] keys the memory plan picks for ours on one GPU: the baseline's micro-batches
+    and checkpointing whatever --gpus is (ZeRO-2 over more ranks leaves room for larger ones)."""
+    from ferrule_launcher.cli import parse_overrides
+    from ferrule_launcher.config import load_config
+
+    one = argparse.Namespace(**{**vars(args), "gpus": 1})
+    items = overrides(one, model, Path(tempfile.gettempdir()) / "step_gpu-plan")
+    return load_config(EXAMPLE, parse_overrides(items)).trainer
 
 
 class ProcessPeaks:
@@ -281,6 +301,9 @@ def main() -> None:
     parser.add_argument("--baseline-steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
+    )
     parser.add_argument("--skip-baseline", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -292,12 +315,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mine, config = ours(args, model, Path(tmp) / "run")
     t = config.trainer
-    rows = args.prompts * 8
-    # a step's tokens: prompts (~10 tokens) and responses, at most max_tokens each
+    rows = args.prompts * 8  # one GPU's rows: the baseline's step, each of ours' GPUs' share
+    # a step's tokens on one GPU: prompts (~10 tokens) and responses, at most max_tokens each
     train_tokens = rows * (12 + statistics.median(mine["response_len"]))
     flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
-    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)
-    mine["tokens_per_s"] = train_tokens / mine["step_s"]
+    mine["gpus"] = args.gpus
+    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)  # per GPU
+    mine["tokens_per_s"] = args.gpus * train_tokens / mine["step_s"]
+    mine["samples_per_s"] = args.gpus * rows / mine["step_s"]
     mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
     from ferrule_launcher.plan import make_plan
 
@@ -306,15 +331,19 @@ def main() -> None:
         phase: sum(getattr(h, phase) for h in plan.gpus[0]) / 2**30
         for phase in ("generate", "train")
     }
-    result = dict(name="step_gpu", device=_device(), parameters=parameters, ours=mine)
+    result = dict(
+        name="step_gpu", device=_device(), gpus=args.gpus, parameters=parameters, ours=mine
+    )
     if not args.skip_baseline:
-        theirs = baseline(args, model, t.micro_batch_tokens, t.gradient_checkpointing)
+        one = one_gpu_plan(args, model)
+        theirs = baseline(args, model, one.micro_batch_tokens, one.gradient_checkpointing)
         theirs["train_mfu"] = flops / (
             (theirs["phases"]["train"] + theirs["phases"]["reference"]) * H100_BF16
         )
         theirs["tokens_per_s"] = train_tokens / theirs["step_s"]
+        theirs["samples_per_s"] = rows / theirs["step_s"]
         result["baseline"] = theirs
-        result["ratio"] = theirs["step_s"] / mine["step_s"]
+        result["ratio"] = mine["samples_per_s"] / theirs["samples_per_s"]
     print(json.dumps(result))
 
 
