@@ -35,6 +35,10 @@ CASES = {
     "z3-ckpt-8k": (3, True, 16, 128, 384, True),
     "forward-8k": (0, False, 16, 128, 384, False),
     "forward-16k": (0, False, 32, 128, 384, False),
+    # larger micro-batches, which the LM head on chunks of tokens lets fit
+    "z2-12k": (2, False, 24, 128, 384, True),
+    "z2-ckpt-32k": (2, True, 64, 128, 384, True),
+    "forward-32k": (0, False, 64, 128, 384, False),
     # not fitted to: what packages/trainer/tests/test_memory_gpu.py checks the estimate against
     "check-z2-ckpt-12k-short-prompts": (2, True, 24, 16, 496, True),
     "check-z2-6k-half-prompts": (2, False, 12, 256, 256, True),

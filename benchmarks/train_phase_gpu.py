@@ -1,12 +1,13 @@
 """The RL train phase alone at 1.5B on one GPU: ferrule-trainer's `Actor` (DeepSpeed) against a
 plain PyTorch loop on the same micro-batches and the same loss.
 
-    python benchmarks/train_phase_gpu.py [--rows 512] [--response 512] [--tokens 8192] [--profile]
+    python benchmarks/train_phase_gpu.py [--rows 512] [--response 512] [--tokens 8192]
+        [--no-checkpointing] [--runs baseline,ours-0,ours-2] [--profile]
 
 A Qwen2.5-1.5B-shaped policy (real vocabulary, random init, bf16) takes one on-policy GRPO
 optimizer step over --rows rows of 12 prompt + --response response tokens (step_gpu.py's batch),
-with k3 KL to given reference log-probabilities, in micro-batches of --tokens tokens with
-gradient checkpointing (the memory plan's choice for that run):
+with k3 KL to given reference log-probabilities, in micro-batches of --tokens tokens, with
+gradient checkpointing unless --no-checkpointing (both sides alike):
   ours:      Actor(zero_stage=2 or 0).train_epochs, as a policy rank runs it;
   baseline:  a loop of forward, the same loss, backward per micro-batch, then torch's AdamW.
 Each in a process of its own; seconds per step are medians of --repeats after a warm-up, MFU
@@ -62,7 +63,7 @@ def run_ours(args, stage: int) -> list[float]:
         zero_stage=stage,
         dtype="bfloat16",
         learning_rate=1e-6,
-        gradient_checkpointing=True,
+        gradient_checkpointing=not args.no_checkpointing,
         attn_implementation="sdpa",
     )
     batch = batch_of(args.rows, args.response)
@@ -100,7 +101,8 @@ def run_baseline(args) -> list[float]:
     policy = AutoModelForCausalLM.from_pretrained(
         model_path(), dtype=torch.bfloat16, attn_implementation="sdpa"
     ).cuda()
-    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not args.no_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6, betas=(0.9, 0.95))
     b = batch_of(args.rows, args.response).to("cuda")
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--runs", default="baseline,ours-0,ours-2")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: ours-0, ours-2, baseline
     args = parser.parse_args()
@@ -147,11 +151,14 @@ def main() -> None:
 
     parameters = ModelShape.read(model_path()).parameters
     tokens = args.rows * (12 + args.response)
+    checkpointing = not args.no_checkpointing
     result = dict(name="train_phase_gpu", rows=args.rows, tokens=tokens)
-    for name in ("baseline", "ours-0", "ours-2"):
+    result.update(micro_batch_tokens=args.tokens, checkpointing=checkpointing)
+    for name in args.runs.split(","):
         argv = [sys.executable, __file__, "--one", name, "--rows", str(args.rows)]
         argv += ["--response", str(args.response), "--tokens", str(args.tokens)]
         argv += ["--repeats", str(args.repeats)] + (["--profile"] if args.profile else [])
+        argv += [] if checkpointing else ["--no-checkpointing"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=500)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if args.profile and name == "ours-2":

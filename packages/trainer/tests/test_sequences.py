@@ -18,3 +18,87 @@ def test_token_logprobs_is_log_softmax_with_temperature():
     torch.testing.assert_close(token_logprobs(logits, tokens, temperature=0.7), expected)
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(logits, tokens, temperature=0)
+
+
+def _rl_batch(rows: int = 5, prompt: int = 6, response: int = 7, seed: int = 0):
+    """Left-padded prompts, right-padded responses of unlike lengths (one of a single token)."""
+    from ferrule_trainer.batch import Batch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 300, (rows, prompt + response), generator=generator)
+    attention = torch.zeros_like(ids)
+    for row in range(rows):
+        start = int(torch.randint(0, prompt - 1, (1,), generator=generator))
+        end = prompt + (
+            1 if row == 0 else int(torch.randint(1, response + 1, (1,), generator=generator))
+        )
+        attention[row, start:end] = 1
+    return Batch(ids, attention, attention[:, prompt:].clone())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_response_logprobs_equal_the_whole_logits_in_values_and_gradients(monkeypatch, packed):
+    """The LM head on chunks of 4 tokens (a short last one), each recomputed in backward, gives
+    the log-probabilities, entropies and gradients of the whole (B, R, vocab) logits."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_testkit import tiny_model
+    from ferrule_trainer import sequences
+    from ferrule_trainer.losses import token_entropy
+    from ferrule_trainer.sequences import response_logits, response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
+    batch = _rl_batch()
+    real = batch.attention_mask[:, -batch.response_len :].bool()
+    weights = torch.randn(real.shape, generator=torch.Generator().manual_seed(1))
+
+    def gradients(logprobs, entropy):
+        model.zero_grad()
+        ((logprobs * weights)[real].sum() + (entropy * weights)[real].sum()).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits = response_logits(model, batch, packed).float() / 0.7
+    expected = token_logprobs(logits, batch.response_tokens)
+    expected_entropy = token_entropy(logits)
+    expected_grads = gradients(expected, expected_entropy)
+
+    monkeypatch.setattr(sequences, "HEAD_CHUNK", 4)
+    logprobs, entropy = response_logprobs(model, batch, 0.7, packed=packed, entropy=True)
+    assert int(real.sum()) > 2 * sequences.HEAD_CHUNK  # several chunks
+    torch.testing.assert_close(logprobs[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[real], expected_entropy[real], rtol=1e-5, atol=1e-5)
+    assert not logprobs[~real].any() and not entropy[~real].any()
+    grads = gradients(logprobs, entropy)
+    assert grads.keys() == expected_grads.keys()
+    assert "model.embed_tokens.weight" in grads  # the tied head's gradient reaches it
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the head is itself again afterwards
+    assert model.get_output_embeddings()(torch.ones(1, model.config.hidden_size)).shape[-1] > 1
+    with torch.no_grad():
+        no_grad, none = response_logprobs(model, batch, 0.7, packed=packed)
+    assert none is None
+    torch.testing.assert_close(no_grad, logprobs.detach())
+
+
+def test_response_logprobs_keep_a_replaced_head_forward_and_refuse_a_zero_temperature():
+    """Exact mode replaces the head's forward on the instance; it is the one in place after."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_testkit import tiny_model
+    from ferrule_trainer.sequences import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
+    head = model.get_output_embeddings()
+    calls = []
+    original = head.forward
+
+    def counted(x):
+        calls.append(x.shape)
+        return original(x)
+
+    head.forward = counted
+    response_logprobs(model, _rl_batch())
+    assert head.forward is counted and calls  # the chunks went through the replaced forward
+    with pytest.raises(ValueError, match="temperature"):
+        response_logprobs(model, _rl_batch(), 0.0)

@@ -30,7 +30,7 @@ from ferrule_trainer.kl import kl_estimate, kl_loss
 from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.rl import ppo_epochs
-from ferrule_trainer.sequences import forward_in_micro_batches, response_logits, token_logprobs
+from ferrule_trainer.sequences import forward_in_micro_batches, response_logprobs
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -134,8 +134,7 @@ class Actor(TrainedModel):
         temperature = self.temperature if temperature is None else temperature
 
         def forward(micro_batch):
-            logits = response_logits(self.engine, micro_batch, packed)
-            return token_logprobs(logits, micro_batch.response_tokens, temperature)
+            return response_logprobs(self.engine, micro_batch, temperature, packed=packed)[0]
 
         try:
             return forward_in_micro_batches(
@@ -188,8 +187,9 @@ class Actor(TrainedModel):
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro_batch.response_mask
-            logits = response_logits(self.engine, micro_batch, packed)
-            logprobs = token_logprobs(logits, micro_batch.response_tokens, self.temperature)
+            logprobs, entropy = response_logprobs(
+                self.engine, micro_batch, self.temperature, packed=packed, entropy=entropy_coef > 0
+            )
             old = logprobs.detach() if on_policy else micro_batch.old_logprobs
             pg = policy_loss(
                 logprobs,
@@ -225,8 +225,7 @@ class Actor(TrainedModel):
                 )
                 loss = loss + kl_coef * kl
             if entropy_coef:
-                entropy = entropy_bonus(logits / self.temperature, mask, **counts)
-                loss = loss - entropy_coef * entropy
+                loss = loss - entropy_coef * entropy_bonus(entropy, mask, **counts)
             return loss, metrics
 
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
@@ -251,8 +250,7 @@ class Actor(TrainedModel):
         tokens = engine.global_sum(sum(int(mb.response_mask.sum()) for mb in micro_batches))
 
         def loss_fn(micro_batch):
-            logits = response_logits(self.engine, micro_batch, packed)
-            logprobs = token_logprobs(logits, micro_batch.response_tokens)
+            logprobs, _ = response_logprobs(self.engine, micro_batch, packed=packed)
             nll = aggregate_loss(-logprobs, micro_batch.response_mask, num_tokens=tokens)
             return nll, {}
 
@@ -306,9 +304,9 @@ class Actor(TrainedModel):
 
         def loss_fn(micro_batch):
             mask = micro_batch.response_mask.float()
-            logits = response_logits(self.engine, micro_batch, packed)
+            logprobs, _ = response_logprobs(self.engine, micro_batch, packed=packed)
             lengths = mask.sum(-1).clamp(min=1)
-            sums = (token_logprobs(logits, micro_batch.response_tokens) * mask).sum(-1)
+            sums = (logprobs * mask).sum(-1)
             ref = (micro_batch.ref_logprobs.float() * mask).sum(-1)
             chosen_nll = -(sums[0::2] / lengths[0::2])
             if kind == "ipo":  # IPO compares length-averaged log-probabilities

@@ -2,7 +2,7 @@
 
     pg = policy_loss(logprobs, old_logprobs, advantages, mask, num_tokens=step_tokens)
     vl = value_loss(values, old_values, returns, mask, num_tokens=step_tokens)
-    loss = pg.loss + vf_coef * vl.loss - entropy_coef * entropy_bonus(logits, mask, ...)
+    loss = pg.loss + vf_coef * vl.loss - entropy_coef * entropy_bonus(entropy, mask, ...)
 
 Every loss takes the (batch, response_len) `mask` of valid response tokens and reduces with
 `aggregation.aggregate_loss` (agg_mode, num_tokens, num_sequences are passed through to it).
@@ -177,7 +177,7 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_bonus(
-    logits: torch.Tensor,
+    entropy: torch.Tensor,
     mask: torch.Tensor,
     *,
     agg_mode: str = "token-mean",
@@ -185,14 +185,16 @@ def entropy_bonus(
     num_sequences: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean policy entropy over the step's response tokens, to be subtracted (times a coefficient)
-    from the loss to reward exploration (Mnih et al. 2016, A3C; Schulman et al. 2017, PPO)."""
-    if logits.dim() != 3 or logits.shape[:2] != mask.shape:
+    from the loss to reward exploration (Mnih et al. 2016, A3C; Schulman et al. 2017, PPO).
+    `entropy`: (batch, response_len), each token's (`token_entropy`, or
+    `sequences.response_logprobs(..., entropy=True)`, which never holds the whole logits)."""
+    if entropy.shape != mask.shape:
         raise ValueError(
-            f"logits must be (batch, response_len, vocab) matching mask {tuple(mask.shape)}, "
-            f"got shape {tuple(logits.shape)}"
+            f"entropy must be (batch, response_len) like mask {tuple(mask.shape)}, "
+            f"got shape {tuple(entropy.shape)}"
         )
     return aggregate_loss(
-        token_entropy(logits),
+        entropy,
         mask,
         mode=agg_mode,
         num_tokens=num_tokens,

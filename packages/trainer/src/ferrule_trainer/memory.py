@@ -16,9 +16,12 @@ packages/trainer/tests/test_memory_gpu.py:
 - activations per token of a micro-batch: each decoder layer keeps ~30 hidden widths and ~6.7
   MLP widths of bytes for backward, or, with gradient checkpointing, its 2-byte input and one
   layer's worth while it recomputes.
-- the LM head per response token: the logits, their float32 copy and the cross-entropy's
-  log-softmax, ~12 bytes x vocabulary in training (its backward included) and ~9.4 without
-  gradients. With a 150k vocabulary this is larger than the whole body under checkpointing.
+- the LM head: `sequences.response_logprobs` runs it on HEAD_CHUNK response tokens at a time,
+  so its logits, their float32 copy and the cross-entropy's log-softmax take a fixed
+  HEAD_CHUNK x vocabulary x ~16 bytes while training (recomputed in backward) and ~10 without
+  gradients, plus the head's inputs per response token. Under ZeRO-3 the logits are held whole:
+  ~12 bytes x vocabulary per response token in training and ~9.4 without gradients, which with
+  a 150k vocabulary is larger than the whole body under checkpointing.
 Pure Python (json only): the launcher plans before any process or torch starts.
 """
 
@@ -31,7 +34,9 @@ GiB = 2**30
 
 # fitted at 1.5B (benchmarks/memory_gpu.py): bytes per token per layer, in hidden / MLP widths
 BODY_HIDDEN, BODY_MLP = 30.0, 6.7
-HEAD_TRAIN, HEAD_FORWARD = 12.0, 9.4  # bytes per response token per vocabulary entry
+HEAD_CHUNK = 1024  # response tokens per call of the LM head (sequences.response_logprobs)
+HEAD_CHUNK_TRAIN, HEAD_CHUNK_FORWARD = 16.0, 10.0  # bytes per chunk token per vocabulary entry
+HEAD_TRAIN, HEAD_FORWARD = 12.0, 9.4  # whole logits (ZeRO-3): per response token, per entry
 # reserved / allocated at the peak: 1.07-1.12 measured without checkpointing, 1.10-1.31 with
 FRAGMENTATION, FRAGMENTATION_CHECKPOINTED = 1.12, 1.2
 ZERO3_PREFETCH = 50_000_000  # parameters: engine.py's stage3_prefetch_bucket_size
@@ -151,20 +156,33 @@ def zero3_gathered(shape: ModelShape, dtype: str) -> int:
 
 
 def train_activations(
-    shape: ModelShape, tokens: int, response_share: float, *, checkpointing: bool
+    shape: ModelShape,
+    tokens: int,
+    response_share: float,
+    *,
+    checkpointing: bool,
+    whole_logits: bool = False,
 ) -> int:
     """What one micro-batch of `tokens` (padded) tokens keeps for backward, of which
-    `response_share` go through the LM head."""
+    `response_share` go through the LM head (`whole_logits`: its logits held whole, ZeRO-3)."""
     layer = BODY_HIDDEN * shape.hidden + BODY_MLP * shape.intermediate
     body = (2 * shape.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
-    head = HEAD_TRAIN * shape.vocab * response_share
-    return int(tokens * (body + head))
+    if whole_logits:
+        return int(tokens * (body + HEAD_TRAIN * shape.vocab * response_share))
+    head_inputs = 4 * shape.hidden * response_share  # the hidden states and the chunks' rows
+    chunk = HEAD_CHUNK_TRAIN * shape.vocab * min(HEAD_CHUNK, tokens)
+    return int(tokens * (body + head_inputs) + chunk)
 
 
-def forward_activations(shape: ModelShape, tokens: int, response_share: float) -> int:
+def forward_activations(
+    shape: ModelShape, tokens: int, response_share: float, *, whole_logits: bool = False
+) -> int:
     """A pass without gradients (old log-probs, the reference, values): one layer's output at a
-    time, and the LM head's logits of the response tokens."""
-    return int(tokens * (8 * shape.hidden + HEAD_FORWARD * shape.vocab * response_share))
+    time, and the LM head's logits: a chunk's, or (`whole_logits`) every response token's."""
+    if whole_logits:
+        return int(tokens * (8 * shape.hidden + HEAD_FORWARD * shape.vocab * response_share))
+    chunk = HEAD_CHUNK_FORWARD * shape.vocab * min(HEAD_CHUNK, tokens)
+    return int(tokens * 8 * shape.hidden + chunk)
 
 
 def policy_train_peak(
@@ -191,7 +209,9 @@ def policy_train_peak(
         offload_params=offload_params,
         lora=lora,
     )
-    activations = train_activations(shape, tokens, response_share, checkpointing=checkpointing)
+    activations = train_activations(
+        shape, tokens, response_share, checkpointing=checkpointing, whole_logits=zero_stage == 3
+    )
     fragmentation = FRAGMENTATION_CHECKPOINTED if checkpointing else FRAGMENTATION
     return int(fragmentation * (resident + max(activations, gradients)))
 
@@ -200,4 +220,6 @@ def forward_peak(shape: ModelShape, dtype: str, tokens: int, response_share: flo
     """A frozen model's reserved memory while it scores a micro-batch of `tokens` tokens
     (`zero`: zero_stage, ranks, as `frozen_weights`)."""
     weights = frozen_weights(shape, dtype, **zero)
-    return int(FRAGMENTATION * (weights + forward_activations(shape, tokens, response_share)))
+    whole = zero.get("zero_stage") == 3
+    activations = forward_activations(shape, tokens, response_share, whole_logits=whole)
+    return int(FRAGMENTATION * (weights + activations))

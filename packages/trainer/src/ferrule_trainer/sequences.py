@@ -7,10 +7,21 @@ without its shared padding, `packed_inputs` lays a group out as one row without 
 `forward_in_micro_batches` runs a forward over them in row order.
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ferrule_trainer.batch import Batch
+from ferrule_trainer.losses import token_entropy
+
+# response tokens per call of the LM head: its float32 logits are HEAD_CHUNK x vocabulary x 4
+# bytes (0.6 GB at a 151,936-token vocabulary), however long the pass
+from ferrule_trainer.memory import HEAD_CHUNK
+
+# Model settings that change the logits after the LM head; such models take the whole-logits path.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -156,6 +167,87 @@ def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
         use_cache=False,
     )
     return output.logits[:, :-1]
+
+
+def response_logprobs(
+    model, batch: Batch, temperature: float = 1.0, *, packed: bool = False, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, R) float32 log p(token) of the response tokens under softmax(logits / temperature),
+    and with `entropy` each position's entropy of that softmax (else None); 0 at padding.
+
+    The same values as `token_logprobs(response_logits(...))`, without ever holding the logits
+    of the pass: the model runs with its LM head bypassed, and the head then runs on HEAD_CHUNK
+    real response tokens at a time. With gradients on, each chunk is checkpointed: backward
+    recomputes its logits (one more head matmul, ~5% of a 1.5B model's step) instead of keeping
+    them, which would be ~12 bytes x vocabulary per response token (1.8 MB at 151,936).
+    Where `_chunkable` says no (ZeRO-3, logit softcapping), the logits are held whole."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    head = model.get_output_embeddings()
+    if not _chunkable(model, head):
+        logits = response_logits(model, batch, packed)
+        out = token_logprobs(logits, batch.response_tokens, temperature)
+        return out, token_entropy(logits.float() / temperature) if entropy else None
+    with _bypassed(head):
+        hidden = response_logits(model, batch, packed)  # (B, R, hidden): the head's inputs
+    real = batch.attention_mask[:, -batch.response_len :].bool()
+    tokens = batch.response_tokens[real]
+    chunks = []
+    for rows, targets in zip(hidden[real].split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
+        args = (head, rows, targets, temperature, entropy)
+        if torch.is_grad_enabled():
+            chunks.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
+        else:
+            chunks.append(_head_logprobs(*args))
+    logprobs = hidden.new_zeros(real.shape, dtype=torch.float32)
+    logprobs = logprobs.masked_scatter(real, torch.cat([c[0] for c in chunks]))
+    if not entropy:
+        return logprobs, None
+    entropies = logprobs.new_zeros(real.shape).masked_scatter(
+        real, torch.cat([c[1] for c in chunks])
+    )
+    return logprobs, entropies
+
+
+def _chunkable(model, head) -> bool:
+    """Whether `response_logprobs` may run the LM head on its own. Not for models that change the
+    logits after the head (softcapping, scaling), and not under ZeRO-3, where the head's weight
+    is gathered only inside its own call and the checkpointed chunks' recomputation trips over
+    its hooks when the head is frozen (LoRA): there the logits of a pass are held whole."""
+    config = getattr(model, "config", None)
+    if head is None or any(getattr(config, key, None) for key in _LOGIT_TRANSFORMS):
+        return False
+    return not hasattr(head.weight, "ds_id")  # ZeRO-3 partitioned parameters carry ds_id
+
+
+def _head_logprobs(head, rows, tokens, temperature: float, entropy: bool):
+    """log p(tokens) (and the entropy) of the LM head's softmax on a chunk of rows."""
+    logits = head(rows).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = -F.cross_entropy(logits, tokens, reduction="none")
+    return logprobs, token_entropy(logits) if entropy else logprobs.new_zeros(0)
+
+
+@contextmanager
+def _bypassed(head: torch.nn.Module):
+    """`head` returns its input while inside: the model's forward gives the hidden states the
+    head would see, at the positions `logits_to_keep` selects. Calling the module (rather than
+    skipping it) keeps its hooks, e.g. ZeRO-3's parameter gathering; a forward already replaced
+    on the instance (exact mode) is put back after."""
+    own = head.__dict__.get("forward")
+    head.forward = _identity
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def token_logprobs(
