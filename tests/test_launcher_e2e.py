@@ -91,6 +91,17 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
     printed = {role: float(t) for role, t in (entry.rsplit(" ", 1) for entry in listed)}
     assert printed.keys() == startup["roles_ready"].keys()
     assert list(printed.values()) == sorted(printed.values())
+    # where each role's own start went, on a line of its own under the start-up line
+    phases = startup["role_phases"]
+    assert phases.keys() == printed.keys()
+    trainer = ["process", "imports", "distributed", "weights", "deepspeed"]
+    assert list(phases["policy rank 0"]) == list(phases["reference"]) == trainer
+    assert list(phases["rollout engine 0"])[:2] == ["process", "imports"]
+    lines = result.stdout.splitlines()
+    for role, seconds in phases.items():
+        assert sum(seconds.values()) == pytest.approx(startup["roles_ready"][role], abs=0.5)
+        spent = ", ".join(f"{phase} {t:.1f}" for phase, t in seconds.items())
+        assert f"  {role}: {spent} s" in lines
     # the held-out evaluation: 4 samples per prompt scored by the run's reward (char_match),
     # pass@k over exact answers (reward 1.0), and the task's own greedy exact-match accuracy
     for report in (summary["eval_before"], summary["eval_after"]):

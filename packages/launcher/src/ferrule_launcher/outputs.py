@@ -276,14 +276,18 @@ def clear_previous(out: Path) -> None:
 
 
 class StartupTimeline:
-    """Where a run's seconds go before its first step: each phase's seconds, in order, and when
-    each role was ready after the roles began to start (they start concurrently). `describe()`
-    is the line the run prints before step 1; `as_dict()` goes to summary.json."""
+    """Where a run's seconds go before its first step: each phase's seconds, in order, when each
+    role was ready after the roles began to start (they start concurrently), and where each
+    role's own start went (`role_phases`: "process", then what the role timed itself: "imports",
+    "distributed", "weights", "deepspeed" for the trainer's ranks; "imports" and "weights" or
+    "engine" for a rollout engine). `describe()` is what the run prints before step 1 (a line,
+    then one per role); `as_dict()` goes to summary.json."""
 
     def __init__(self):
         self.started = self.last = time.monotonic()
         self.phases: dict[str, float] = {}
         self.roles_ready: dict[str, float] = {}
+        self.role_phases: dict[str, dict[str, float]] = {}
 
     def mark(self, phase: str) -> None:
         """`phase` took the time since the previous mark."""
@@ -293,7 +297,12 @@ class StartupTimeline:
 
     def as_dict(self) -> dict:
         total = round(self.last - self.started, 2)
-        return {**self.phases, "total": total, "roles_ready": dict(self.roles_ready)}
+        return {
+            **self.phases,
+            "total": total,
+            "roles_ready": dict(self.roles_ready),
+            "role_phases": {role: dict(seconds) for role, seconds in self.role_phases.items()},
+        }
 
     def describe(self) -> str:
         parts = []
@@ -303,4 +312,8 @@ class StartupTimeline:
                 ready = ", ".join(f"{role} {t:.1f}" for role, t in self.roles_ready.items())
                 part += f" (ready at: {ready})"
             parts.append(part)
-        return f"start-up {self.last - self.started:.1f} s: " + "; ".join(parts)
+        lines = [f"start-up {self.last - self.started:.1f} s: " + "; ".join(parts)]
+        for role, seconds in self.role_phases.items():
+            spent = ", ".join(f"{phase} {t:.1f}" for phase, t in seconds.items())
+            lines.append(f"  {role}: {spent} s")
+        return "\n".join(lines)

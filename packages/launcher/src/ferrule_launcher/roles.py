@@ -40,10 +40,16 @@ class RankWorker:
 
     def setup(
         self, kind: str, model_path: str, rank: int, world: int, master: str, port: int, **options
-    ) -> None:
+    ) -> dict[str, float]:
+        """Build this rank's model; returns where its start went, seconds by phase (the model's
+        `startup_seconds`, this import of the trainer counted in "imports")."""
+        import time
+
+        began = time.perf_counter()
         from ferrule_trainer.actor import Actor
         from ferrule_trainer.critic import Critic
 
+        imported = time.perf_counter() - began
         # Read by ferrule-trainer's init_distributed (torch.distributed's env:// rendezvous).
         os.environ.update(
             RANK=str(rank),
@@ -56,6 +62,9 @@ class RankWorker:
             self.actor = Critic(model_path, **options)
         else:
             self.actor = Actor(model_path, train=kind == "policy", **options)
+        seconds = self.actor.startup_seconds()
+        seconds["imports"] = round(seconds.get("imports", 0.0) + imported, 2)
+        return seconds
 
     def where(self) -> dict:
         """This node's address and a free port on it (for process groups)."""
@@ -244,11 +253,20 @@ class Roles:
 
 
 def start_roles(
-    setup: RoleSetup, places: dict[Role, dict], groups: list, env: dict, ready: dict | None = None
+    setup: RoleSetup,
+    places: dict[Role, dict],
+    groups: list,
+    env: dict,
+    ready: dict | None = None,
+    phases: dict | None = None,
 ) -> Roles:
     """Every role of `places` (`placement.place_roles`: each one's Ray options; `groups`: their
     placement groups, given back by `Roles.stop`) started and waited for; the weight sync opened.
-    `ready` gets {role: seconds after this call began when it was ready}."""
+    Every actor is created before any is waited for, so their processes start at once.
+    `ready` gets {role: seconds after this call began when it was ready}; `phases`, {role:
+    {phase: seconds}}: what the role timed itself ("imports", "weights", ...) after "process",
+    the rest of its wait (Ray starting its process, a rank's call waiting for its group's first
+    process to say where the group meets)."""
     import time
 
     import ray
@@ -273,7 +291,7 @@ def start_roles(
     roles.start_engine = start_engine
 
     try:
-        setups = []
+        started = []  # (kind, its ranks, their workers)
         for kind in ("policy", "reference", "critic"):
             ranks = sorted(role for role in places if role.kind == kind)
             if not ranks:
@@ -290,8 +308,18 @@ def start_roles(
                 roles.reference = group
             else:
                 roles.critic = group
+            started.append((kind, ranks, workers))
+        engines = sum(role.kind == "rollout" for role in places)
+        roles.engines = [start_engine(i) for i in range(engines)]
+        # Every process is starting now. A group's ranks set up once its rank 0 says where the
+        # group meets; an engine answers once its constructor is done.
+        starts = [
+            (e.startup_seconds.remote(), Role("rollout", i).label)
+            for i, e in enumerate(roles.engines)
+        ]
+        for kind, ranks, workers in started:
             master = get(workers[0].where.remote(), ranks[0].label)
-            setups += [
+            starts += [
                 (
                     w.setup.remote(
                         kind,
@@ -306,15 +334,16 @@ def start_roles(
                 )
                 for i, w in enumerate(workers)
             ]
-        engines = sum(role.kind == "rollout" for role in places)
-        roles.engines = [start_engine(i) for i in range(engines)]
         # Wait for every role to start, naming the one that could not.
-        get_each(setups, arrivals=arrivals)
-        waits = [(h.__ray_ready__.remote(), role.label) for role, h in roles.handles().items()]
-        get_each([w for w in waits if w[1] not in arrivals], arrivals=arrivals)
-        if ready is not None:
-            in_order = sorted(arrivals.items(), key=lambda item: item[1])
-            ready.update({role: round(when - began, 1) for role, when in in_order})
+        results = get_each(starts, arrivals=arrivals)
+        timed = {role: seconds for (_, role), seconds in zip(starts, results, strict=True)}
+        for role, when in sorted(arrivals.items(), key=lambda item: item[1]):
+            took, seconds = when - began, timed[role]
+            if ready is not None:
+                ready[role] = round(took, 1)
+            if phases is not None:
+                rest = max(took - sum(seconds.values()), 0.0)
+                phases[role] = {k: round(v, 1) for k, v in {"process": rest, **seconds}.items()}
         open_weight_sync(setup.weight_sync, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()

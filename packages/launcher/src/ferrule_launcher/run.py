@@ -89,7 +89,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             startup.mark("SFT warm start")
         places, groups = place_roles(config.ray, wanted_roles(config))
         setup = role_setup(config, model_path)
-        roles = start_roles(setup, places, groups, env, ready=startup.roles_ready)
+        roles = start_roles(
+            setup, places, groups, env, ready=startup.roles_ready, phases=startup.role_phases
+        )
         startup.mark("roles")
         write_roles(out / "roles.json", roles, rewards)
         loop = Loop(

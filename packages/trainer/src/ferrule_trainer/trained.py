@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import checkpoint
+from ferrule_trainer.engine import startup_seconds as process_startup
 from ferrule_trainer.offload import offload_states, reload_states
 
 
@@ -29,6 +30,11 @@ class TrainedModel:
     def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
         """Restores what save_state saved; returns its client state (step, data position, ...)."""
         return checkpoint.load_state(self.engine, directory, tag=tag)
+
+    def startup_seconds(self) -> dict[str, float]:
+        """Where this process's start went, seconds by phase (`engine.startup_seconds`: in a
+        process that built only this model, its start)."""
+        return process_startup()
 
     def offload(self) -> None:
         """Frees accelerator memory for the rollout engines; see offload.py."""
