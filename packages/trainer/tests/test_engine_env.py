@@ -50,23 +50,29 @@ def test_cpu_group_needs_no_compiled_op(tmp_path):
     assert not (stale / "deepspeed_shm_comm.so").exists()
 
 
-def test_adam_is_torchs_own_unless_the_states_are_offloaded():
+def test_adam_is_torchs_own_unless_deepspeed_needs_its_own():
     """No compiled op for the optimizer: DeepSpeed's FusedAdam builds a CUDA extension with ninja
-    on each machine's first start; torch's fused AdamW is in the wheel. Offloaded states keep
-    DeepSpeed's CPU Adam (no torch_adam: DeepSpeed picks it)."""
+    on each machine's first start; torch's fused AdamW is in the wheel. ZeRO-3 (whose
+    offload_states takes FusedAdam only) and offloaded states (DeepSpeed's CPU Adam) keep
+    DeepSpeed's pick: no torch_adam."""
     from ferrule_trainer.engine import adam_params
 
     hyper = {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}
-    assert adam_params(cpu=True, offloaded=False, **hyper) == dict(hyper, torch_adam=True)
-    gpu = adam_params(cpu=False, offloaded=False, **hyper)
-    assert gpu == dict(hyper, torch_adam=True, fused=True)
-    assert adam_params(cpu=False, offloaded=True, **hyper) == hyper
+    for stage in (0, 1, 2, 3):
+        cpu = adam_params(cpu=True, zero_stage=stage, offloaded=False, **hyper)
+        assert cpu == dict(hyper, torch_adam=True)
+    for stage in (0, 1, 2):
+        gpu = adam_params(cpu=False, zero_stage=stage, offloaded=False, **hyper)
+        assert gpu == dict(hyper, torch_adam=True, fused=True)
+    assert adam_params(cpu=False, zero_stage=3, offloaded=False, **hyper) == hyper
+    for stage in (1, 2, 3):
+        assert adam_params(cpu=False, zero_stage=stage, offloaded=True, **hyper) == hyper
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_deepspeed_trains_with_torchs_fused_adamw_at_every_zero_stage(stage, monkeypatch):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_deepspeed_trains_with_torchs_fused_adamw_below_zero_3(stage, monkeypatch):
     """The GPU's optimizer params (torch_adam + fused), run here on torch's CPU fused kernel:
-    DeepSpeed hands `fused` to torch.optim.AdamW and every ZeRO stage steps with it."""
+    DeepSpeed hands `fused` to torch.optim.AdamW and ZeRO 0-2 step with it."""
     from ferrule_testkit import tiny_model
     from ferrule_trainer import engine
 

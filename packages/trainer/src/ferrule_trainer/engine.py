@@ -8,7 +8,7 @@
     startup_seconds()  # {"imports": 4.1, "distributed": 0.3, "weights": 2.0, "deepspeed": 1.2}
 
 The same code runs on CPU (DeepSpeed's CPU accelerator over gloo, torch AdamW) and on GPUs
-(NCCL, torch's fused AdamW). The actor, critic, reference and reward model (actor.py, critic.py)
+(NCCL, torch's fused AdamW below ZeRO-3). The actor, critic, reference and reward model (actor.py, critic.py)
 are built from these functions; nothing here knows about losses.
 """
 
@@ -300,9 +300,11 @@ def build_engine(
             engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         engine.eval()
         return engine
+    zero = ds_config.get("zero_optimization", {})
     adam = adam_params(
         cpu=on_cpu(),
-        offloaded="offload_optimizer" in ds_config.get("zero_optimization", {}),
+        zero_stage=zero.get("stage", 0),
+        offloaded="offload_optimizer" in zero,
         lr=learning_rate,
         betas=list(betas),
         eps=eps,
@@ -320,19 +322,23 @@ def build_engine(
     return engine
 
 
-def adam_params(*, cpu: bool, offloaded: bool, **hyper) -> dict[str, Any]:
+def adam_params(*, cpu: bool, zero_stage: int, offloaded: bool, **hyper) -> dict[str, Any]:
     """The params of DeepSpeed's "AdamW" optimizer (`hyper`: lr, betas, eps, weight_decay).
 
-    torch's own AdamW wherever the states live next to the weights: on the CPU accelerator, and on
-    GPUs as torch's fused kernel. Left to itself DeepSpeed picks its FusedAdam there, a CUDA
-    extension that ninja compiles the first time on each machine (tens of seconds of start-up;
-    our GPU machines start fresh every time); torch's steps as fast (57.4k against 56.9k tok/s,
-    0.5B ZeRO-2 bf16 on an H100, benchmarks/RESULTS.md). States offloaded to the host keep DeepSpeed's CPU
-    Adam (its own compiled op): ZeRO-Offload has its own paths for it, and DeepSpeed calls any
-    other optimizer there "poor performance" (`zero_force_ds_cpu_optimizer`)."""
-    if offloaded:
+    torch's own AdamW on the CPU accelerator, and on GPUs under ZeRO 0-2 as torch's fused kernel.
+    Left to itself DeepSpeed picks its FusedAdam there, a CUDA extension that ninja compiles the
+    first time on each machine (tens of seconds of start-up; our GPU machines start fresh every
+    time); torch's steps as fast (57.4k against 56.9k tok/s, 0.5B ZeRO-2 bf16 on an H100,
+    benchmarks/RESULTS.md). ZeRO-3 keeps FusedAdam: its `offload_states` (the hybrid engine's
+    offload between phases) accepts no other optimizer (deepspeed/runtime/zero/stage3.py).
+    States offloaded to the host keep DeepSpeed's CPU Adam (its own compiled op): ZeRO-Offload
+    has its own paths for it, and DeepSpeed calls any other optimizer there "poor performance"
+    (`zero_force_ds_cpu_optimizer`)."""
+    if cpu:
+        return dict(hyper, torch_adam=True)
+    if offloaded or zero_stage == 3:
         return dict(hyper)
-    return dict(hyper, torch_adam=True, **({} if cpu else {"fused": True}))
+    return dict(hyper, torch_adam=True, fused=True)
 
 
 def global_sum(value: float | int | torch.Tensor) -> torch.Tensor:
