@@ -8,8 +8,9 @@
     startup_seconds()  # {"imports": 4.1, "distributed": 0.3, "weights": 2.0, "deepspeed": 1.2}
 
 The same code runs on CPU (DeepSpeed's CPU accelerator over gloo, torch AdamW) and on GPUs
-(NCCL, torch's fused AdamW below ZeRO-3). The actor, critic, reference and reward model (actor.py, critic.py)
-are built from these functions; nothing here knows about losses.
+(NCCL, torch's fused AdamW below ZeRO-3; see `adam_params`). The actor, critic, reference and
+reward model (actor.py, critic.py) are built from these functions; nothing here knows about
+losses.
 """
 
 import contextlib
