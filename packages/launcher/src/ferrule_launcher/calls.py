@@ -195,3 +195,6 @@ class RankGroup:
 
     def reload(self) -> list:
         return [w.reload.remote() for w in self.workers]
+
+    def release_cache(self) -> list:
+        return [w.release_cache.remote() for w in self.workers]

@@ -102,8 +102,15 @@ class Loop:
         get_each(calls)
 
     def to_sync(self) -> None:
-        """The engines take their memory back, to receive the new weights and generate."""
+        """The engines take their memory back, to receive the new weights and generate; the
+        trained models first give back what their training phase's activations reserved."""
         if self.config.rollout.sleep_between_phases:
+            calls = [(ref, "policy (release cache)") for ref in self.roles.policy.release_cache()]
+            if self.roles.critic is not None:
+                calls += [
+                    (ref, "critic (release cache)") for ref in self.roles.critic.release_cache()
+                ]
+            get_each(calls)
             self.engines.each(lambda e: e.wake_up.remote(), "wake up")
 
     def sync(self, version: int) -> float:

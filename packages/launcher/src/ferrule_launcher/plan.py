@@ -9,7 +9,8 @@ chosen as the fastest plan that fits, and a refusal naming the keys when nothing
 Each role's bytes come from ferrule_trainer.memory (fitted to peaks measured at 1.5B), assuming
 the worst micro-batch: every token a response token. A process keeps what its allocator once
 reserved, so a policy rank holds its training peak in every phase unless offload_between_phases
-moves its states out; an engine gives its memory back only with sleep_between_phases.
+moves its states out or the engines sleep while it trains (the loop then has it give its cache
+back before they wake); an engine gives its memory back only with sleep_between_phases.
 """
 
 import itertools
@@ -35,13 +36,15 @@ ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activation
 # 1.5B (benchmarks/step_gpu.py, 2026-11-27: 70.1 GiB in use while training against 59.9 planned).
 RELOADED = 1.2
 
-# Seconds, from benchmarks/memory_gpu.py's and step_gpu.py's timings at 1.5B on an H100: a
-# trained token costs 6 N flops at ~540 TFLOP/s less what small micro-batches leave idle (17 us
-# at 1.5B: 1 + 11,500 / tokens), checkpointing recomputes the forward, ZeRO-3 gathers the weights
-# every pass, optimizer states offloaded step on the CPU; moving the states out and back between
-# phases goes through host memory at ~10 GB/s each way.
-SECONDS_PER_FLOP = 1.84e-15
-IDLE_TOKENS = 11_500
+# Seconds, from benchmarks/train_phase_gpu.py's timings of a whole step at 1.5B on an H100
+# (2026-11-27: 8.73 s at 8k-token micro-batches, 8.14 s at 12k, no checkpointing): a trained token
+# costs 6 N flops at ~360 TFLOP/s, more where small micro-batches leave the GPU idle (1 + 2,000 /
+# tokens), checkpointing recomputes the forward (1.2x measured), ZeRO-3 gathers the weights every
+# pass, optimizer states offloaded step on the CPU; moving the states out and back between phases
+# goes through host memory at ~10 GB/s each way.
+SECONDS_PER_FLOP = 2.8e-15
+IDLE_TOKENS = 2_000
+CHECKPOINTING_COST = 1.2
 STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
 HOST_BYTES_PER_S = 10e9
 
@@ -54,7 +57,7 @@ def seconds(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> floa
     train_tokens, forward_tokens = _pass_tokens(t, r.max_model_len)
     flop = SECONDS_PER_FLOP * shape.parameters * step_tokens
     train = 6 * flop * (1 + IDLE_TOKENS / train_tokens)
-    train *= (1.3 if t.gradient_checkpointing else 1.0) * STAGE_COST[t.zero_stage]
+    train *= (CHECKPOINTING_COST if t.gradient_checkpointing else 1.0) * STAGE_COST[t.zero_stage]
     train *= (5.0 if t.offload_optimizer else 1.0) * (2.0 if t.offload_params else 1.0)
     passes = (t.kl_coef > 0) + t.needs_old_logprobs()
     forward = 2 * flop * (1 + IDLE_TOKENS / forward_tokens) * passes
@@ -161,18 +164,22 @@ def holdings(
     """What each process holds on each distinct GPU (`gpu_bytes`: one GPU's, for vLLM's share)."""
     r, ray, dtype = config.rollout, config.ray, config.model.dtype
     train_tokens, forward_tokens = _pass_tokens(trainer, r.max_model_len)
-    trained = dict(
+    lora = trainer.lora_rank > 0
+    state_keys = dict(
         dtype=dtype,
         zero_stage=trainer.zero_stage,
         ranks=trainer.ranks,
-        checkpointing=trainer.gradient_checkpointing,
-        tokens=train_tokens,
-        response_share=1.0,  # the worst micro-batch: every token through the LM head
         offload_optimizer=trainer.offload_optimizer,
         offload_params=trainer.offload_params,
     )
+    trained = dict(
+        state_keys,
+        checkpointing=trainer.gradient_checkpointing,
+        tokens=train_tokens,
+        response_share=1.0,  # the worst micro-batch: every token through the LM head
+    )
     policy_peak = max(
-        memory.policy_train_peak(shape, lora=trainer.lora_rank > 0, **trained),
+        memory.policy_train_peak(shape, lora=lora, **trained),
         memory.forward_peak(shape, dtype, forward_tokens, 1.0),
     )
     if trainer.offload_between_phases:
@@ -183,7 +190,8 @@ def holdings(
     # IPC with the policy resident).
     in_place = ray.placement == "colocate_all" and not trainer.offload_between_phases
     sync = 0 if in_place else 2 * max(GiB, shape.vocab * shape.hidden * 2)
-    held = CONTEXT + sync if trainer.offload_between_phases else policy_peak + sync
+    state = memory.training_state(shape, lora=lora, **state_keys)
+    held = _while_generating(trainer, r, policy_peak, state) + sync
     how = f"{train_tokens} tokens per micro-batch" + (", weight-sync buffers" if sync else "")
     policy = Holding("policy", held, policy_peak + sync, how)
     gpus = [[policy]]
@@ -195,7 +203,8 @@ def holdings(
         value_model = replace(shape, vocab=0)  # a value head instead of the LM head
         critic_trained = dict(trained, ranks=config.critic.ranks)
         peak = CONTEXT + memory.policy_train_peak(value_model, **critic_trained)
-        held = CONTEXT if trainer.offload_between_phases else peak
+        state = memory.training_state(value_model, **dict(state_keys, ranks=config.critic.ranks))
+        held = _while_generating(trainer, r, peak, state)
         gpus.append([Holding("critic", held, peak, how)])
     awake, engine_how = _engine(config, shape, gpu_bytes)
     asleep = CONTEXT if r.sleep_between_phases else awake
@@ -205,6 +214,17 @@ def holdings(
     if ray.placement == "colocate" and trainer.kl_coef > 0:  # the reference beside rank 0
         return [gpus[0] + gpus[1], *gpus[2:]]
     return gpus
+
+
+def _while_generating(trainer: TrainerConfig, rollout, peak: int, state: tuple[int, int]) -> int:
+    """A trained model's bytes while the engines generate: its peak, which its allocator keeps;
+    nothing where its states move out between phases; its states alone where the engines sleep
+    while it trains (the loop has it give its activations' cache back before they wake)."""
+    if trainer.offload_between_phases:
+        return CONTEXT
+    if rollout.sleep_between_phases:
+        return CONTEXT + int(memory.FRAGMENTATION * sum(state))
+    return peak
 
 
 def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple[int, str]:
@@ -231,7 +251,7 @@ def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
     if "micro_batch_tokens" in auto:
         options["micro_batch_tokens"] = TOKEN_CHOICES
     if "forward_batch_tokens" in auto:  # None: micro_batch_tokens
-        options["forward_batch_tokens"] = (None, 8192, 4096, 2048, 1024)
+        options["forward_batch_tokens"] = (None, *TOKEN_CHOICES)
     if "zero_stage" in auto:
         options["zero_stage"] = (2, 3)
     for key in ("gradient_checkpointing", "offload_optimizer", "offload_params"):

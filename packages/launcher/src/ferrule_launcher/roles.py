@@ -181,6 +181,9 @@ class RankWorker:
     def reload(self) -> None:
         self.actor.reload()
 
+    def release_cache(self) -> None:
+        self.actor.release_cache()
+
 
 @dataclass(frozen=True)
 class WeightSync:

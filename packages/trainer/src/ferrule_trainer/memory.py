@@ -12,14 +12,16 @@ memory_gpu.py, benchmarks/RESULTS.md), and are checked against new measurements 
 packages/trainer/tests/test_memory_gpu.py:
 - training state per parameter: bf16 weights (2 bytes), DeepSpeed's fp32 master weights and Adam
   moments (12), fp32 gradients (4), each divided over the ranks by the ZeRO stage that shards
-  it; ZeRO-0 keeps bf16 gradients besides (2) and measures 4 bytes more.
+  it; with bf16, the bf16 gradients besides (2; under ZeRO-1 and 2 measured 4, with
+  DeepSpeed's contiguous gradient buffer, on every rank).
 - activations per token of a micro-batch: each decoder layer keeps ~30 hidden widths and ~6.7
   MLP widths of bytes for backward, or, with gradient checkpointing, its 2-byte input and one
   layer's worth while it recomputes.
 - the LM head: `sequences.response_logprobs` runs it on HEAD_CHUNK response tokens at a time,
   so its logits, their float32 copy and the cross-entropy's log-softmax take a fixed
-  HEAD_CHUNK x vocabulary x ~16 bytes while training (recomputed in backward) and ~10 without
-  gradients, plus the head's inputs per response token. Under ZeRO-3 the logits are held whole:
+  HEAD_CHUNK x vocabulary x ~16 bytes while training (recomputed in backward) and ~6 without
+  gradients, plus the head's inputs per response token. A pass without gradients holds one
+  layer's MLP widths per token at a time. Under ZeRO-3 the logits are held whole:
   ~12 bytes x vocabulary per response token in training and ~9.4 without gradients, which with
   a 150k vocabulary is larger than the whole body under checkpointing.
 Pure Python (json only): the launcher plans before any process or torch starts.
@@ -35,10 +37,10 @@ GiB = 2**30
 # fitted at 1.5B (benchmarks/memory_gpu.py): bytes per token per layer, in hidden / MLP widths
 BODY_HIDDEN, BODY_MLP = 30.0, 6.7
 HEAD_CHUNK = 1024  # response tokens per call of the LM head (sequences.response_logprobs)
-HEAD_CHUNK_TRAIN, HEAD_CHUNK_FORWARD = 16.0, 10.0  # bytes per chunk token per vocabulary entry
+HEAD_CHUNK_TRAIN, HEAD_CHUNK_FORWARD = 16.0, 6.0  # bytes per chunk token per vocabulary entry
 HEAD_TRAIN, HEAD_FORWARD = 12.0, 9.4  # whole logits (ZeRO-3): per response token, per entry
-# reserved / allocated at the peak: 1.07-1.12 measured without checkpointing, 1.10-1.31 with
-FRAGMENTATION, FRAGMENTATION_CHECKPOINTED = 1.12, 1.2
+# reserved / allocated at the peak: 1.12-1.24 measured without checkpointing, 1.12-1.35 with
+FRAGMENTATION, FRAGMENTATION_CHECKPOINTED = 1.18, 1.2
 ZERO3_PREFETCH = 50_000_000  # parameters: engine.py's stage3_prefetch_bucket_size
 
 
@@ -130,13 +132,15 @@ def training_state(
         return p * weight, 0
     # fp32 training keeps no master copy: the weights are the master weights
     optimizer = 0 if offload_optimizer else p * (12 if dtype == "bfloat16" else 8)
-    if zero_stage == 0:  # DeepSpeed's bf16 optimizer: bf16 and fp32 gradients, and 4 bytes more
-        return p * weight + optimizer, p * (10 if dtype == "bfloat16" else 4)
+    if zero_stage == 0:  # DeepSpeed's bf16 optimizer: bf16 and fp32 gradients
+        return p * weight + optimizer, p * (6 if dtype == "bfloat16" else 4)
     weights = 0 if offload_params else p * weight
     gradients = p * 4
     optimizer //= ranks
     if zero_stage >= 2:
         gradients //= ranks
+    if zero_stage < 3 and dtype == "bfloat16":  # bf16 gradients and the contiguous buffer
+        gradients += p * 4
     if zero_stage == 3:
         weights = weights // ranks + zero3_gathered(shape, dtype)
     return weights + optimizer, gradients
@@ -182,7 +186,7 @@ def forward_activations(
     if whole_logits:
         return int(tokens * (8 * shape.hidden + HEAD_FORWARD * shape.vocab * response_share))
     chunk = HEAD_CHUNK_FORWARD * shape.vocab * min(HEAD_CHUNK, tokens)
-    return int(tokens * 8 * shape.hidden + chunk)
+    return int(tokens * (6 * shape.intermediate + 8 * shape.hidden) + chunk)
 
 
 def policy_train_peak(
