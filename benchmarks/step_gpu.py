@@ -12,8 +12,9 @@ so nearly all run to 512), GRPO with k3 KL (0.001) in the loss, one optimizer st
              the [trainer] memory keys left "auto": the memory plan's choice, printed.
   baseline:  what TRL's GRPOTrainer does, in one process (TRL itself cannot be carried to the
              GPU machines): Hugging Face `generate`, the reward function, the reference's
-             forward, then the same loss on the same micro-batches (the plan's token budget and
-             checkpointing) with torch's AdamW, gradients clipped at 1.0.
+             forward, then the same loss on the plan's micro-batches (its token budget and
+             checkpointing; at most 8k tokens, where the loop's whole logits still fit) with
+             torch's AdamW, gradients clipped at 1.0.
 Seconds per step are medians after the first step (the warm-up). Per phase: ours from each
 step's metrics (time/generate, score, train, sync, switch), the baseline timed the same way.
 Train MFU: (6 N train tokens + 2 N reference tokens) / (train seconds x 989 TFLOP/s, an H100's
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny.toml"
 H100_BF16 = 989e12
 KL_COEF, LEARNING_RATE = 0.001, 1e-6
+BASELINE_MAX_TOKENS = 8192
 
 
 def model_path() -> Path:
@@ -335,8 +337,15 @@ def main() -> None:
         name="step_gpu", device=_device(), gpus=args.gpus, parameters=parameters, ours=mine
     )
     if not args.skip_baseline:
+        print(json.dumps({"ours": mine}), file=sys.stderr, flush=True)  # kept if the baseline fails
         one = one_gpu_plan(args, model)
-        theirs = baseline(args, model, one.micro_batch_tokens, one.gradient_checkpointing)
+        # The plain loop holds each micro-batch's logits whole (~1.8 MB a response token): past
+        # 8k tokens it runs out of memory (32k: 18 GiB more in backward, measured), so it takes
+        # the plan's micro-batches up to that size, checkpointing on where they were cut.
+        tokens = min(one.micro_batch_tokens, BASELINE_MAX_TOKENS)
+        checkpointing = one.gradient_checkpointing or tokens < one.micro_batch_tokens
+        theirs = baseline(args, model, tokens, checkpointing)
+        theirs["micro_batch_tokens"], theirs["checkpointing"] = tokens, checkpointing
         theirs["train_mfu"] = flops / (
             (theirs["phases"]["train"] + theirs["phases"]["reference"]) * H100_BF16
         )
