@@ -79,6 +79,7 @@ def overrides(args, model: Path, out: Path) -> list[str]:
         'ray.placement="colocate_all"',
         "ray.gpus_per_role=1",
         "ray.cpus_per_role=2",
+        f"ray.num_cpus={2 * args.gpus}",  # a bundle of 2 CPUs per GPU (colocate_all)
         f'output.dir="{out}"',
     ]
 
