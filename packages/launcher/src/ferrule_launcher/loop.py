@@ -84,34 +84,30 @@ class Loop:
     def to_generate(self) -> None:
         """The trainer's states leave the GPUs for the engines."""
         if self.config.trainer.offload_between_phases:
-            calls = [(ref, "policy (offload)") for ref in self.roles.policy.offload()]
-            if self.roles.critic is not None:
-                calls += [(ref, "critic (offload)") for ref in self.roles.critic.offload()]
-            get_each(calls)
+            self._each_trained(lambda group: group.offload(), "offload")
 
     def to_train(self) -> None:
         """The engines free their GPU memory (weights kept in host memory); the trainer's
         states come back."""
         if self.config.rollout.sleep_between_phases:
             self.engines.each(lambda e: e.sleep.remote(), "sleep")
-        calls = []
         if self.config.trainer.offload_between_phases:
-            calls += [(ref, "policy (reload)") for ref in self.roles.policy.reload()]
-            if self.roles.critic is not None:
-                calls += [(ref, "critic (reload)") for ref in self.roles.critic.reload()]
-        get_each(calls)
+            self._each_trained(lambda group: group.reload(), "reload")
 
     def to_sync(self) -> None:
         """The engines take their memory back, to receive the new weights and generate; the
         trained models first give back what their training phase's activations reserved."""
         if self.config.rollout.sleep_between_phases:
-            calls = [(ref, "policy (release cache)") for ref in self.roles.policy.release_cache()]
-            if self.roles.critic is not None:
-                calls += [
-                    (ref, "critic (release cache)") for ref in self.roles.critic.release_cache()
-                ]
-            get_each(calls)
+            self._each_trained(lambda group: group.release_cache(), "release cache")
             self.engines.each(lambda e: e.wake_up.remote(), "wake up")
+
+    def _each_trained(self, call, label: str) -> None:
+        """`call(group)` on every rank of the policy and the critic, waited for; a rank that
+        fails is named ("policy (offload)")."""
+        groups = [self.roles.policy] + (
+            [self.roles.critic] if self.roles.critic is not None else []
+        )
+        get_each([(ref, f"{g.role} ({label})") for g in groups for ref in call(g)])
 
     def sync(self, version: int) -> float:
         """Send the policy's weights to every engine as `version`; returns the seconds taken.

@@ -36,7 +36,9 @@ GiB = 2**30
 
 # fitted at 1.5B (benchmarks/memory_gpu.py): bytes per token per layer, in hidden / MLP widths
 BODY_HIDDEN, BODY_MLP = 30.0, 6.7
-HEAD_CHUNK = 1024  # response tokens per call of the LM head (sequences.response_logprobs)
+# response tokens per call of the LM head (sequences.response_logprobs): its float32 logits are
+# HEAD_CHUNK x vocabulary x 4 bytes (0.6 GB at a 151,936-token vocabulary), however long the pass
+HEAD_CHUNK = 1024
 HEAD_CHUNK_TRAIN, HEAD_CHUNK_FORWARD = 16.0, 6.0  # bytes per chunk token per vocabulary entry
 HEAD_TRAIN, HEAD_FORWARD = 12.0, 9.4  # whole logits (ZeRO-3): per response token, per entry
 # reserved / allocated at the peak: 1.12-1.24 measured without checkpointing, 1.12-1.35 with

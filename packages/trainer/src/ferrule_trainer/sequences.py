@@ -15,9 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import token_entropy
-
-# response tokens per call of the LM head: its float32 logits are HEAD_CHUNK x vocabulary x 4
-# bytes (0.6 GB at a 151,936-token vocabulary), however long the pass
 from ferrule_trainer.memory import HEAD_CHUNK
 
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
