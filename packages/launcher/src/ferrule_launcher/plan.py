@@ -104,6 +104,9 @@ class Plan:
             f"{key} = {getattr(self.trainer, key)}" + (" (auto)" if key in chosen else "")
             for key in AUTO_KEYS
         )
+        if self.trainer.kl_coef > 0:
+            auto = " (auto)" if self.trainer.reference_ranks_auto else ""
+            keys += f", reference_ranks = {self.trainer.reference_ranks}{auto}"
         lines.append(f"[trainer] {keys}")
         size = f"{self.memory / GiB:.1f} GiB" if self.memory else "unknown size"
         lines.append(f"per GPU ({size}; the plan fills at most {HEADROOM:.0%}):")

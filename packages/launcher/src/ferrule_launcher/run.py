@@ -199,6 +199,7 @@ def role_setup(config: Config, model_path: str) -> RoleSetup:
     the critic's ranks and of the engines, and how the weight sync runs."""
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
+    model["compile_layers"] = m.compile_layers and not r.exact  # inductor reorders the math
     scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
     if r.exact:
         from ferrule_rollout.exact import ExactNumerics

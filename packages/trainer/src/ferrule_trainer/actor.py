@@ -40,6 +40,8 @@ class Actor(TrainedModel):
     train=False builds the reference policy: no optimizer, ZeRO-3 sharding if zero_stage is 3,
     a full copy per rank otherwise. temperature is the rollout's sampling temperature: log-probs
     are computed under softmax(logits / temperature), as the sampler drew the tokens.
+    compile_layers: the decoder layers through torch.compile (CUDA, ZeRO 0-2; see
+    engine.compile_decoder_layers).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Actor(TrainedModel):
         lora_targets: Sequence[str] = LORA_TARGETS,
         temperature: float = 1.0,
         attn_implementation: str | None = None,
+        compile_layers: bool = False,
         seed: int = 0,
         prepare_model: Callable[[torch.nn.Module], Any] | None = None,
     ):
@@ -89,6 +92,7 @@ class Actor(TrainedModel):
             lora_alpha=lora_alpha,
             lora_targets=lora_targets,
             attn_implementation=attn_implementation,
+            compile_layers=compile_layers,
             prepare=prepare_model,
         )
         self.engine = engine.build_engine(

@@ -57,6 +57,10 @@ class ModelConfig(Table):
     """"float32" or "bfloat16" (use float32 on CPUs without bf16 instructions)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
     """transformers' attention kernel for the trained and frozen models (None: its default)."""
+    compile_layers: bool = True
+    """torch.compile each decoder layer of the policy, the reference and the critic: ~18% faster
+    training at 1.5B on an H100, after a first step that compiles. On CUDA below ZeRO-3 only
+    (elsewhere, and with [rollout] exact, the layers run eagerly)."""
 
 
 GSPO_AGG_MODE = "seq-mean-token-mean"
@@ -82,9 +86,11 @@ class TrainerConfig(Table):
     """Actor learning rate (AdamW)."""
     ranks: int = Field(1, ge=1, le=1024)
     """Data-parallel ranks of the policy (DeepSpeed), one Ray actor and one bundle each."""
-    reference_ranks: int = Field(1, ge=1, le=1024)
+    reference_ranks: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
     """Data-parallel ranks of the reference (kl_coef > 0); with zero_stage = 3 its weights are
-    sharded over them, so a large reference needs no single device's memory."""
+    sharded over them, so a large reference needs no single device's memory. "auto": on GPUs
+    where the reference shares the policy's bundles (placement "colocate_all" or "colocate"),
+    one beside each policy rank, so that each GPU scores its own samples; otherwise 1."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -214,12 +220,18 @@ class TrainerConfig(Table):
     only where the memory plan needs it (off on CPU)."""
 
     _auto: frozenset[str] = PrivateAttr(frozenset())
+    _reference_ranks_auto: bool = PrivateAttr(False)
 
     @property
     def auto(self) -> frozenset[str]:
         """The keys left to the memory plan ("auto"), now holding the CPU defaults, which
         ferrule-launcher's plan replaces on GPUs."""
         return self._auto
+
+    @property
+    def reference_ranks_auto(self) -> bool:
+        """Whether reference_ranks was left "auto" (now 1; ferrule-launcher places GPU runs)."""
+        return self._reference_ranks_auto
 
     @model_validator(mode="after")
     def _cpu_defaults(self):
@@ -239,6 +251,9 @@ class TrainerConfig(Table):
         for key in auto:
             object.__setattr__(self, key, defaults[key])  # frozen: this is its validation
         self._auto = auto
+        self._reference_ranks_auto = self.reference_ranks == "auto"
+        if self._reference_ranks_auto:
+            object.__setattr__(self, "reference_ranks", 1)
         return self
 
     @model_validator(mode="before")

@@ -48,6 +48,7 @@ class Critic(TrainedModel):
         lora_rank: int = 0,
         lora_alpha: int = 16,
         attn_implementation: str | None = None,
+        compile_layers: bool = False,
         seed: int = 0,
     ):
         engine.init_distributed()
@@ -69,6 +70,7 @@ class Critic(TrainedModel):
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             attn_implementation=attn_implementation,
+            compile_layers=compile_layers,
         )
         self.engine = engine.build_engine(
             model,

@@ -191,6 +191,7 @@ def load_model(
     lora_targets: Sequence[str] = LORA_TARGETS,
     attn_implementation: str | None = None,
     prepare: Callable[[torch.nn.Module], Any] | None = None,
+    compile_layers: bool = False,
 ) -> torch.nn.Module:
     """A Hugging Face model from `path`, ready for `build_engine`.
 
@@ -200,6 +201,8 @@ def load_model(
     lora_rank > 0 wraps the model with peft LoRA adapters on `lora_targets`; only they train.
     `prepare(model)` runs on the loaded model before checkpointing, LoRA and DeepSpeed (the
     launcher passes ferrule-rollout's exact numerics this way, so the trainer imports none).
+    compile_layers: each decoder layer through torch.compile (see `compile_decoder_layers`); on
+    CUDA below ZeRO-3 only, elsewhere the layers run as they are.
     """
     torch_dtype = check_dtype(dtype)
     with _timed("imports"):  # transformers' auto classes import lazily, on first use (~1.5 s)
@@ -225,6 +228,9 @@ def load_model(
         model = classes[kind].from_pretrained(path, config=config, dtype=torch_dtype, **extra)
     if prepare is not None:
         prepare(model)
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
+    if compile_layers and not on_cpu() and stage != 3:
+        compile_decoder_layers(model)
     if kind != "causal-lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
@@ -243,6 +249,26 @@ def load_model(
         )
         model = get_peft_model(model, lora)
     return model
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """torch.compile each decoder layer (the classes the model lists in `_no_split_modules`), in
+    place; returns how many. Inductor fuses the norms, rotary, activation and residual kernels
+    between the matmuls: at 1.5B on an H100 those small kernels took as long as the matmuls, and
+    compiled layers made a training step 18% faster (benchmarks/train_phase_gpu.py). Each layer
+    compiles on its first call, once for a first length and once for any length after it (packed
+    micro-batches vary). ZeRO-3 is left out: its hooks gather every layer's weights inside the
+    forward, which dynamo would have to break around."""
+    import torch._dynamo
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # every layer instance has its own guards on the one forward's code: two entries each
+    limit = torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int | None, min_lr_ratio: float = 0.1):
