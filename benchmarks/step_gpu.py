@@ -3,6 +3,7 @@ single-process loop a TRL GRPOTrainer user runs, on the same work.
 
     python benchmarks/step_gpu.py [--steps 4] [--baseline-steps 3] [--prompts 64] [--tokens 512]
     python benchmarks/step_gpu.py --gpus 4       # ours on four GPUs, the baseline on one
+    python benchmarks/step_gpu.py --set rollout.compile_decode=true   # ours with another key
 
 The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
 frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
@@ -81,6 +82,7 @@ def overrides(args, model: Path, out: Path) -> list[str]:
         "ray.cpus_per_role=2",
         f"ray.num_cpus={2 * args.gpus}",  # a bundle of 2 CPUs per GPU (colocate_all)
         f'output.dir="{out}"',
+        *args.set,
     ]
 
 
@@ -308,6 +310,9 @@ def main() -> None:
         "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
     )
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="ours: another override"
+    )
     args = parser.parse_args()
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
