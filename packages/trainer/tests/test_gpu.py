@@ -123,5 +123,7 @@ def test_compiled_decoder_layers_train_like_eager_ones(model_dir, tmp_path):
     initial = {name: t.bfloat16().float() for name, t in model.state_dict().items()}
     drift = sum(((compiled_weights[n] - eager_weights[n]) ** 2).sum() for n in eager_weights)
     update = sum(((eager_weights[n] - initial[n]) ** 2).sum() for n in eager_weights)
+    # Adam turns a rounding difference on a weight whose gradient is noise into a whole step of
+    # lr either way (see the test above): 0.046 measured on an H100; a wrong gradient gives ~1
     print(f"compiled: updates differ by {float((drift / update).sqrt()):.2e} of their norm")
-    assert (drift / update).sqrt() < 0.05, (drift / update).sqrt()
+    assert (drift / update).sqrt() < 0.1, (drift / update).sqrt()
