@@ -131,6 +131,21 @@ def test_the_reference_gets_a_rank_beside_each_policy_rank_on_gpus(write):
     assert "reference_ranks = 4 (auto)" in make_plan(load_config(write(), four)).describe()
 
 
+def test_several_ranks_take_fewer_larger_micro_batches(write):
+    """benchmarks/step_gpu.py --gpus 2: ZeRO-2 reduces each micro-batch's gradients over the
+    ranks; 8k-token micro-batches without checkpointing (the plan's choice before it counted
+    that) trained in 13.9 s a step on two H100s, 32k with checkpointing in 9.5 s."""
+    two = {
+        **HYBRID,
+        "rollout.sleep_between_phases": False,
+        "rollout.prompts_per_step": 128,
+        "trainer.ranks": 2,
+        "rollout.engines": 2,
+    }
+    t = load_config(write(), two).trainer
+    assert (t.micro_batch_tokens, t.gradient_checkpointing, t.zero_stage) == (32768, True, 2)
+
+
 def test_a_machine_without_gpus_must_be_told_their_size(write, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
     error = error_of(write(gpu_gb=None))
