@@ -47,11 +47,10 @@ IDLE_TOKENS = 2_000
 CHECKPOINTING_COST = 1.2
 STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
 HOST_BYTES_PER_S = 10e9
-# Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them (ZeRO 0-1
-# once a step), so fewer, larger micro-batches pay less: fitted to step_gpu.py on two H100s at
-# 1.5B (2026-11-27), where 8k-token micro-batches without checkpointing trained in 13.9 s a step
-# and 32k-token ones with it in 9.5 s (9.5 on one GPU), as if each micro-batch moved its bf16
-# gradients at ~18 GB/s.
+# Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them, so fewer,
+# larger micro-batches pay less: fitted to step_gpu.py on two H100s at 1.5B (2026-11-27), where
+# 8k-token micro-batches without checkpointing trained in 13.9 s a step and 32k-token ones with
+# it in 9.5 s (9.5 on one GPU), as if each micro-batch moved its bf16 gradients at ~18 GB/s.
 REDUCE_BYTES_PER_S = 18e9
 
 

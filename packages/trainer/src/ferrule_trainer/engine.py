@@ -257,8 +257,8 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     between the matmuls: at 1.5B on an H100 those small kernels took as long as the matmuls, and
     compiled layers made a training step 18% faster (benchmarks/train_phase_gpu.py). Each layer
     compiles on its first call, once for a first length and once for any length after it (packed
-    micro-batches vary). ZeRO-3 is left out: its hooks gather every layer's weights inside the
-    forward, which dynamo would have to break around."""
+    micro-batches vary). ZeRO-3 is left out (not tried): its hooks gather every layer's weights
+    inside the forward, which dynamo would have to break around."""
     import torch._dynamo
 
     names = set(getattr(model, "_no_split_modules", None) or ())
