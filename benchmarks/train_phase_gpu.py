@@ -54,7 +54,6 @@ def batch_of(rows: int, response: int, vocab: int = 151_000):
 
 
 def run_ours(args, stage: int) -> list[float]:
-    import torch
 
     from ferrule_trainer.actor import Actor
 
@@ -77,22 +76,7 @@ def run_ours(args, stage: int) -> list[float]:
         micro_batch_tokens=args.tokens,
         kl_coef=0.001,
     )
-    times = []
-    for i in range(args.repeats + 1):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        if args.profile and i == args.repeats:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                actor.train_epochs(batch, **options)
-                torch.cuda.synchronize()
-            report_profile(prof, "ours", time.perf_counter() - start)
-            continue
-        actor.train_epochs(batch, **options)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
+    return time_steps(lambda: actor.train_epochs(batch, **options), args, "ours")
 
 
 def run_baseline(args) -> list[float]:
@@ -124,6 +108,14 @@ def run_baseline(args) -> list[float]:
             b.response_mask,
         )
 
+    return time_steps(step, args, "baseline")
+
+
+def time_steps(step, args, side: str) -> list[float]:
+    """Seconds of a warm-up and --repeats steps; with --profile the last step is profiled
+    instead of timed (the profiler slows it)."""
+    import torch
+
     times = []
     for i in range(args.repeats + 1):
         torch.cuda.synchronize()
@@ -134,7 +126,7 @@ def run_baseline(args) -> list[float]:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 step()
                 torch.cuda.synchronize()
-            report_profile(prof, "baseline", time.perf_counter() - start)
+            report_profile(prof, side, time.perf_counter() - start)
             continue
         step()
         torch.cuda.synchronize()

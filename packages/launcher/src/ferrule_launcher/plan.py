@@ -50,7 +50,8 @@ HOST_BYTES_PER_S = 10e9
 # Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them, so fewer,
 # larger micro-batches pay less: fitted to step_gpu.py on two H100s at 1.5B (2026-11-27), where
 # 8k-token micro-batches without checkpointing trained in 13.9 s a step and 32k-token ones with
-# it in 9.5 s (9.5 on one GPU), as if each micro-batch moved its bf16 gradients at ~18 GB/s.
+# it in 9.5 s (9.5 on one GPU), as if each micro-batch moved its gradients (in the weights'
+# dtype, bf16 there) at ~18 GB/s.
 REDUCE_BYTES_PER_S = 18e9
 
 
@@ -66,7 +67,7 @@ def seconds(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> floa
     train *= (5.0 if t.offload_optimizer else 1.0) * (2.0 if t.offload_params else 1.0)
     if t.ranks > 1 and t.zero_stage >= 2 and not t.lora_rank:  # adapters' gradients are small
         micro_batches = math.ceil(step_tokens / train_tokens)
-        train += micro_batches * shape.parameters * 2 / REDUCE_BYTES_PER_S
+        train += micro_batches * shape.weights(config.model.dtype) / REDUCE_BYTES_PER_S
     passes = (t.kl_coef > 0) + t.needs_old_logprobs()
     forward = 2 * flop * (1 + IDLE_TOKENS / forward_tokens) * passes
     moved = 0.0
