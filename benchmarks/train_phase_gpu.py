@@ -54,7 +54,6 @@ def batch_of(rows: int, response: int, vocab: int = 151_000):
 
 
 def run_ours(args, stage: int) -> list[float]:
-
     from ferrule_trainer.actor import Actor
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
