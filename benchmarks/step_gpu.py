@@ -155,7 +155,7 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     timed = records[1:-1]
     steps = [b["wall_seconds"] - a["wall_seconds"] for a, b in zip(records, timed, strict=False)]
     phases = {}
-    for key in ("generate", "score", "train", "sync", "switch"):
+    for key in ("generate", "score", "train", "forward", "sync", "switch"):  # forward: of train
         phases[key] = statistics.median(r.get(f"time/{key}", 0.0) for r in timed)
     used = {  # every process on the GPU, right after generating / training (GB -> GiB)
         phase: max(r.get(f"gpu/used_gb_{phase}", 0.0) for r in records) * 1e9 / 2**30

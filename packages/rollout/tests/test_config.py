@@ -23,7 +23,10 @@ def test_each_backend_gets_its_class_and_options():
     hf = EngineConfig(backend="transformers", max_batch_size=32)
     assert hf.engine_class() is TransformersEngine
     assert hf.engine_options() == dict(
-        max_model_len=128, max_batch_size=32, exact=False, compile_decode=False
+        max_model_len=128,
+        max_batch_size=32,
+        exact=False,
+        compile_decode=True,  # "auto"
     )
 
 
@@ -47,3 +50,17 @@ def test_sampling_settings_of_the_table():
 def test_bad_tables_are_refused(fields, message):
     with pytest.raises(ValidationError, match=message):
         EngineConfig(**fields)
+
+
+def test_compile_decode_auto_is_off_where_compiling_is_not_measured_or_not_allowed():
+    on = dict(backend="transformers")
+    assert EngineConfig(**on).compiles_decode()
+    assert not EngineConfig(**on, exact=True).compiles_decode()  # inductor reorders math
+    assert not EngineConfig(**on, sleep_between_phases=True).compiles_decode()
+    assert EngineConfig(**on, sleep_between_phases=True, compile_decode=True).compiles_decode()
+    assert not EngineConfig(**on, compile_decode=False).compiles_decode()
+    assert EngineConfig(backend="vllm").compile_decode == "auto"  # no refusal: it means "off"
+    with pytest.raises(ValueError, match='compile_decode needs backend = "transformers"'):
+        EngineConfig(backend="vllm", compile_decode=True)
+    with pytest.raises(ValueError, match="compile_decode"):
+        EngineConfig(**on, compile_decode="sometimes")

@@ -129,9 +129,43 @@ def k3(samples, theirs) -> float:
     return (log_ratio.exp() - 1 - log_ratio).mean().item()
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, exact):
-    """bf16 at 1.5B: vllm_kl <= 1e-3 by default; bit for bit in exact mode. In exact mode
+def test_the_slab_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
+    """slab_kernel at Qwen2.5-1.5B's heads (12 query heads over 2 KV heads of 128) in bf16:
+    against sdpa with the same mask, rows anywhere from their first slot to the slab's last."""
+    import torch.nn.functional as F
+
+    from ferrule_rollout.slab_kernel import decode_attention, usable
+
+    rows, kv, group, dim, length = 96, 2, 6, 128, 576
+    g = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(rows, 1, kv * group, dim, device="cuda", generator=g).bfloat16()
+    query = query.transpose(1, 2)
+    keys, values = (
+        torch.randn(rows, kv, length, dim, device="cuda", generator=g).bfloat16() for _ in "kv"
+    )
+    slots = torch.randint(0, length, (rows,), device="cuda", generator=g)
+    pads = (torch.rand(rows, device="cuda", generator=g) * slots).long()
+    where = torch.arange(length, device="cuda")
+    visible = ((where >= pads[:, None]) & (where <= slots[:, None])) | (where == slots[:, None])
+    assert usable(query, keys)
+    got = decode_attention(query, keys, values, visible, slots, dim**-0.5)
+    want = (
+        F.scaled_dot_product_attention(
+            query.reshape(rows, kv, group, dim).float(),
+            keys.float(),
+            values.float(),
+            attn_mask=visible[:, None, None, :],
+        )
+        .reshape(rows, kv * group, 1, dim)
+        .transpose(1, 2)
+    )
+    assert (got.float() - want).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compiled", "exact"])
+def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, mode):
+    """bf16 at 1.5B: vllm_kl <= 1e-3 with graphs (slab_kernel's attention) and compiled;
+    bit for bit in exact mode. In exact mode
     continuous batching (4 rows at a time) and each prompt alone also give the same tokens and
     logprobs as one batch (batch invariance), here greedy."""
     from transformers import AutoModelForCausalLM
@@ -140,8 +174,11 @@ def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, exact)
     from ferrule_rollout.hf_engine import TransformersEngine
 
     path, prompts = real_size
+    exact = mode == "exact"
     settings = SamplingSettings(n=2, max_tokens=128, ignore_eos=True, seed=4)
-    with TransformersEngine(path, dtype="bfloat16", max_model_len=512, exact=exact) as engine:
+    with TransformersEngine(
+        path, dtype="bfloat16", max_model_len=512, exact=exact, compile_decode=mode == "compiled"
+    ) as engine:
         samples = engine.generate(prompts, settings)
         if exact:
             greedy = SamplingSettings(max_tokens=64, temperature=0.0, ignore_eos=True)

@@ -108,6 +108,7 @@ def test_every_estimator_and_correction_trains_the_policy(policy, reference, est
     assert metrics["vllm_kl"] == pytest.approx(0.0, abs=1e-5)  # its own log-probabilities
     assert "kl" in metrics and metrics["kl_coef"] == 0.01  # k1's mean: either sign
     assert metrics["dropped_stale_groups"] == 0 and metrics["staleness"] == 0
+    assert metrics["time/forward"] > 0  # the reference's pass (and old logprobs' where needed)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     if correction.get("rollout_correction") == "tis":
         assert metrics["rollout_correction/truncated"] == 0.0  # every ratio is 1

@@ -8,7 +8,8 @@ graphs, sampling, logprobs and EOS / length stops on the device, the host readin
 The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
-graph; on CPU the same steps run eagerly. Each row has its own next slot, so finished rows leave
+graph, and decode attention (slab_kernel.py) reads each row's slots only as far as it has got; on
+CPU the same steps run eagerly, attention through sdpa. Each row has its own next slot, so finished rows leave
 and queued prompts take their rows at the host's reads (continuous batching within a call).
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
 step), so a seeded sample is the same whatever else is in the batch.
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrule_rollout.exact import ExactNumerics
-from ferrule_rollout.sampling import sample, uniforms
+from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
+from ferrule_rollout.slab_kernel import decode_attention, usable
 
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
@@ -26,16 +28,22 @@ KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """sdpa for one-token queries against the slab: the query heads are grouped under their KV
-    head ([rows, kv, group, dim] against [rows, kv, slots, dim]), so the cache is read once
-    rather than copied `group` times first (HF's repeat_kv). Prefill goes to HF's sdpa."""
+    """One-token queries against the slab: on CUDA slab_kernel's, which reads each row's slots
+    only up to `slab_slots` (each row's own, passed down by Decoder.forward); else sdpa with the
+    query heads grouped under their KV head ([rows, kv, group, dim] against [rows, kv, slots,
+    dim]), so the cache is read once rather than copied `group` times first (HF's repeat_kv).
+    Prefill goes to HF's sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
+    slots = kw.pop("slab_slots", None)
     if length != 1 or kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
         )
+    if slots is not None and attention_mask.dtype == torch.bool and usable(query, key):
+        scale = dim**-0.5 if scaling is None else scaling
+        return decode_attention(query, key, value, attention_mask[:, 0, 0], slots, scale), None
     grouped = query.view(rows, key.shape[1], heads // key.shape[1], dim)
     out = F.scaled_dot_product_attention(
         grouped, key, value, attn_mask=attention_mask, scale=scaling
@@ -170,12 +178,16 @@ class Decoder:
         # residual kernels between the GEMMs; each new shape compiles first (tens of seconds).
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
+        # and the decode loop's logprobs (cast, temperature, log_softmax: fused passes over
+        # [rows, vocabulary]); the inverse CDF's cumsum stays eager: inductor's split scan fails
+        # to generate code at 32 rows (torch 2.11)
+        self.logprobs_of = torch.compile(sampling_logprobs, dynamic=False) if compiled else None
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
         self.steps.clear()
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
-        self.pool = self.step_forward = None
+        self.pool = self.step_forward = self.logprobs_of = None
 
     def forward(self, ids, positions, pad_ok, slots, rows=None, last=None):
         """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
@@ -191,6 +203,8 @@ class Decoder:
             mask.masked_fill_(~keep[:, None], low)
         self.cache.rows, self.cache.slots = rows, slots
         extra, pick = self.extra, None
+        if rows is None and self.exact is None:  # slab_attention reads each row up to its slot
+            extra = dict(extra, slab_slots=slots)
         if last is not None:  # the distinct last columns through the LM head, then each row's
             columns, pick = torch.unique(last, return_inverse=True)
             extra = {"logits_to_keep": columns} if self.extra else {}
@@ -268,7 +282,7 @@ class Decoder:
                 t += 1
                 state.grow(t + 1)
                 logits = state.step.run(state.chosen)
-                chosen, logprob = sample(logits, *sampling, state.u[:, t])
+                chosen, logprob = sample(logits, *sampling, state.u[:, t], self.logprobs_of)
                 state.record(t, chosen, logprob)
         return state.results
 

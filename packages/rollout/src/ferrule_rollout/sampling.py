@@ -48,10 +48,11 @@ def uniforms(keys, steps: int):
     return ((high << 21) + (low >> 11)).double() / 2.0**53
 
 
-def sample(logits, temperature: float, top_k: int, top_p: float, u):
-    """One token per row and its logprob under `sampling_logprobs`, on the logits' device:
-    greedy at temperature 0, else by inverse CDF at the row's uniform `u` (float64 [rows])."""
-    logprobs = sampling_logprobs(logits, temperature, top_k, top_p)
+def sample(logits, temperature: float, top_k: int, top_p: float, u, logprobs_of=None):
+    """One token per row and its logprob under `sampling_logprobs` (or `logprobs_of`, the same
+    function compiled), on the logits' device: greedy at temperature 0, else by inverse CDF at
+    the row's uniform `u` (float64 [rows])."""
+    logprobs = (logprobs_of or sampling_logprobs)(logits, temperature, top_k, top_p)
     if temperature == 0:
         chosen = logits.argmax(dim=-1)
     else:

@@ -18,6 +18,7 @@ and the critic's passes run at the same time where they live in different proces
 """
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -215,7 +216,7 @@ class RLStep:
         )
         batch = rl.build_batch(samples, self.pad_id)
         forward = t.forward_options()  # rows and tokens per pass
-        pending = {}
+        began, pending = time.perf_counter(), {}
         if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
             pending["old"] = self.policy.logprobs(batch, **forward)
         if self.reference is not None:
@@ -223,6 +224,7 @@ class RLStep:
         if self.critic_ranks is not None:
             pending["values"] = self.critic_ranks.values(batch, **forward)
         done = {name: wait() for name, wait in pending.items()}
+        forward_seconds = time.perf_counter() - began  # scoring passes, before the epochs
         old, ref, values = done.get("old"), done.get("ref"), done.get("values")
         advantages, returns = rl.estimate(
             t.estimator,
@@ -276,6 +278,7 @@ class RLStep:
                 )
         result["dropped_stale_groups"] = dropped
         result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
+        result["time/forward"] = forward_seconds  # of time/train: reference, old logprobs, values
         return result
 
     # -- the recipes -------------------------------------------------------------------------

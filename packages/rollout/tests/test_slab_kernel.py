@@ -1,0 +1,105 @@
+"""slab_kernel.py's Triton decode attention, run by Triton's interpreter on the CPU (a process of
+its own: TRITON_INTERPRET must be set before Triton is imported): against sdpa with the same
+mask on inputs that break a naive kernel, and inside the decode loop on the kit models."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+AGAINST_SDPA = """
+import torch
+import torch.nn.functional as F
+from ferrule_rollout.slab_kernel import decode_attention
+
+def check(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
+    torch.manual_seed(rows * 1000 + length)
+    heads = kv * group
+    query = torch.randn(rows, 1, heads, dim, dtype=dtype).transpose(1, 2)  # HF's strided layout
+    keys = 4 * torch.randn(rows, kv, length, dim, dtype=dtype)  # large scores: softmax's max
+    values = torch.randn(rows, kv, length, dim, dtype=dtype)
+    slots = torch.tensor(slots)
+    where = torch.arange(length)
+    pad_ok = where[None, :] >= torch.tensor(pads)[:, None]  # left padding
+    visible = (pad_ok & (where <= slots[:, None])) | (where == slots[:, None])
+    got = decode_attention(query, keys, values, visible, slots, dim**-0.5)
+    grouped = query.reshape(rows, kv, group, dim).float()
+    want = F.scaled_dot_product_attention(
+        grouped, keys.float(), values.float(), attn_mask=visible[:, None, None, :]
+    )
+    want = want.reshape(rows, heads, 1, dim).transpose(1, 2)
+    assert got.shape == want.shape and got.dtype == dtype
+    error = (got.float() - want).abs().max().item()
+    assert error < tolerance, (rows, kv, group, dim, length, error)
+    # the slots past each row's own are never read: garbage there changes nothing
+    for r, slot in enumerate(slots.tolist()):
+        keys[r, :, slot + 1 :] = float("nan")
+        values[r, :, slot + 1 :] = float("nan")
+    again = decode_attention(query, keys, values, visible, slots, dim**-0.5)
+    assert torch.equal(again, got)
+
+# a first block wholly padding (row 1), slot 0 (row 0: only itself), a row at the last slot
+check(3, 2, 6, 64, 160, [0, 100, 159], [0, 70, 3], torch.float32, 1e-5)
+check(2, 1, 1, 128, 64, [63, 10], [0, 0], torch.float32, 1e-5)      # one head a KV head
+check(2, 4, 8, 32, 200, [130, 199], [129, 0], torch.float32, 1e-5)  # padding up to the slot
+# half precision in, float32 softmax inside (the interpreter has no bfloat16: test_hf_engine_gpu)
+check(4, 2, 6, 64, 128, [5, 64, 65, 127], [0, 1, 2, 3], torch.float16, 2e-3)
+print("ok")
+"""
+
+IN_THE_LOOP = """
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from ferrule_rollout import decode, slab_kernel
+from ferrule_rollout.hf_engine import ATTENTION, slab_attention
+from ferrule_testkit import tiny_model
+
+AttentionInterface.register(ATTENTION, slab_attention)
+calls = []
+def on_the_cpu_too(query, keys):
+    calls.append(query.shape[0])
+    return True
+
+prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 170)), [7]]
+for arch in ("qwen2", "llama"):
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model(arch), dtype=torch.float32, attn_implementation=ATTENTION
+    ).eval()
+    runs = []
+    for kernel in (False, True):
+        decode.usable = on_the_cpu_too if kernel else (lambda query, keys: False)
+        runs.append(decode.Decoder(model, float_mask=False).generate(
+            prompts, [12, 30, 9, 20], pad=1, keys=[0, 1, 2, 3], temperature=1.0, top_k=0,
+            top_p=1.0, eos=None, max_rows=3,
+        ))
+    assert calls, "the kernel was never called"
+    for (t0, l0, n0, _), (t1, l1, n1, _) in zip(*runs):
+        assert t0 == t1 and n0 == n1, (arch, t0, t1)
+        assert max(abs(a - b) for a, b in zip(l0, l1)) < 1e-4, arch
+    calls.clear()
+print("ok")
+"""
+
+
+def interpreted(script: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_the_kernel_equals_sdpa_and_reads_no_slot_past_a_rows_own():
+    interpreted(AGAINST_SDPA)
+
+
+def test_the_decode_loop_gives_the_same_samples_with_the_kernel():
+    interpreted(IN_THE_LOOP)
