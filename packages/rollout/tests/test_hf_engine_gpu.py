@@ -129,12 +129,12 @@ def k3(samples, theirs) -> float:
     return (log_ratio.exp() - 1 - log_ratio).mean().item()
 
 
-def test_the_slab_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
-    """slab_kernel at Qwen2.5-1.5B's heads (12 query heads over 2 KV heads of 128) in bf16:
+def test_the_decode_attention_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
+    """kernels.decode_attention at Qwen2.5-1.5B's heads (12 query heads over 2 KV heads of 128) in bf16:
     against sdpa with the same mask, rows anywhere from their first slot to the slab's last."""
     import torch.nn.functional as F
 
-    from ferrule_rollout.slab_kernel import decode_attention, usable
+    from ferrule_rollout.kernels import decode_attention, usable
 
     rows, kv, group, dim, length = 96, 2, 6, 128, 576
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -164,7 +164,7 @@ def test_the_slab_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
 
 @pytest.mark.parametrize("mode", ["graphs", "compiled", "exact"])
 def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, mode):
-    """bf16 at 1.5B: vllm_kl <= 1e-3 with graphs (slab_kernel's attention) and compiled;
+    """bf16 at 1.5B: vllm_kl <= 1e-3 with graphs (kernels.decode_attention) and compiled;
     bit for bit in exact mode. In exact mode
     continuous batching (4 rows at a time) and each prompt alone also give the same tokens and
     logprobs as one batch (batch invariance), here greedy."""

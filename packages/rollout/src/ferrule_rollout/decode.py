@@ -8,7 +8,7 @@ graphs, sampling, logprobs and EOS / length stops on the device, the host readin
 The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
-graph, and decode attention (slab_kernel.py) reads each row's slots only as far as it has got; on
+graph, and decode attention (kernels.py) reads each row's slots only as far as it has got; on
 CPU the same steps run eagerly, attention through sdpa. Each row has its own next slot, so finished rows leave
 and queued prompts take their rows at the host's reads (continuous batching within a call).
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrule_rollout.exact import ExactNumerics
+from ferrule_rollout.kernels import decode_attention, triton_available, usable
 from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
-from ferrule_rollout.slab_kernel import decode_attention, usable
 
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
@@ -28,11 +28,11 @@ KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """One-token queries against the slab: on CUDA slab_kernel's, which reads each row's slots
-    only up to `slab_slots` (each row's own, passed down by Decoder.forward); else sdpa with the
-    query heads grouped under their KV head ([rows, kv, group, dim] against [rows, kv, slots,
-    dim]), so the cache is read once rather than copied `group` times first (HF's repeat_kv).
-    Prefill goes to HF's sdpa."""
+    """One-token queries against the slab: on CUDA kernels.decode_attention, which reads each
+    row's slots only up to `slab_slots` (each row's own, passed down by Decoder.forward); else
+    sdpa with the query heads grouped under their KV head ([rows, kv, group, dim] against [rows,
+    kv, slots, dim]), so the cache is read once rather than copied `group` times first (HF's
+    repeat_kv). Prefill goes to HF's sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
@@ -182,6 +182,9 @@ class Decoder:
         # [rows, vocabulary]); the inverse CDF's cumsum stays eager: inductor's split scan fails
         # to generate code at 32 rows (torch 2.11)
         self.logprobs_of = torch.compile(sampling_logprobs, dynamic=False) if compiled else None
+        # and draws without top-k / top-p through kernels.draw (not in exact mode: its logprobs
+        # are the trainer's to the bit)
+        self.kernels = self.use_graphs and exact is None and triton_available()
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
@@ -282,7 +285,9 @@ class Decoder:
                 t += 1
                 state.grow(t + 1)
                 logits = state.step.run(state.chosen)
-                chosen, logprob = sample(logits, *sampling, state.u[:, t], self.logprobs_of)
+                chosen, logprob = sample(
+                    logits, *sampling, state.u[:, t], self.logprobs_of, self.kernels
+                )
                 state.record(t, chosen, logprob)
         return state.results
 
@@ -358,7 +363,7 @@ class _Rows:
         self.grow(t + max(limits) + 1)
         draws = uniforms([self.keys[i] for i in taken], max(limits)).to(dev)
         self.u[at, t : t + max(limits)] = draws
-        first, logprob = sample(logits, *sampling, draws[:, 0])
+        first, logprob = sample(logits, *sampling, draws[:, 0], kernel=self.decoder.kernels)
         self.tokens[at, t], self.logprobs[at, t], self.chosen[at] = first, logprob, first
         ends = torch.tensor([t + n for n in limits], device=dev)
         if self.eos is not None:

@@ -48,10 +48,15 @@ def uniforms(keys, steps: int):
     return ((high << 21) + (low >> 11)).double() / 2.0**53
 
 
-def sample(logits, temperature: float, top_k: int, top_p: float, u, logprobs_of=None):
+def sample(logits, temperature: float, top_k: int, top_p: float, u, logprobs_of=None, kernel=False):
     """One token per row and its logprob under `sampling_logprobs` (or `logprobs_of`, the same
     function compiled), on the logits' device: greedy at temperature 0, else by inverse CDF at
-    the row's uniform `u` (float64 [rows])."""
+    the row's uniform `u` (float64 [rows]). `kernel` (CUDA): kernels.draw where neither top-k
+    nor top-p cuts (the same draw in fewer passes, rounded otherwise)."""
+    if kernel and temperature > 0 and top_p >= 1 and not 0 < top_k < logits.shape[-1]:
+        from ferrule_rollout.kernels import draw
+
+        return draw(logits, temperature, u)
     logprobs = (logprobs_of or sampling_logprobs)(logits, temperature, top_k, top_p)
     if temperature == 0:
         chosen = logits.argmax(dim=-1)

@@ -1,6 +1,7 @@
-"""slab_kernel.py's Triton decode attention, run by Triton's interpreter on the CPU (a process of
-its own: TRITON_INTERPRET must be set before Triton is imported): against sdpa with the same
-mask on inputs that break a naive kernel, and inside the decode loop on the kit models."""
+"""kernels.py's Triton kernels, run by Triton's interpreter on the CPU (a process of its own:
+TRITON_INTERPRET must be set before Triton is imported): decode attention against sdpa with the
+same mask on inputs that break a naive kernel and inside the decode loop on the kit models; the
+draw against sampling.sample's inverse CDF in float64."""
 
 import os
 import subprocess
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 AGAINST_SDPA = """
 import torch
 import torch.nn.functional as F
-from ferrule_rollout.slab_kernel import decode_attention
+from ferrule_rollout.kernels import decode_attention
 
 def check(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
     torch.manual_seed(rows * 1000 + length)
@@ -51,10 +52,51 @@ check(4, 2, 6, 64, 128, [5, 64, 65, 127], [0, 1, 2, 3], torch.float16, 2e-3)
 print("ok")
 """
 
+DRAW = """
+import torch
+from ferrule_rollout.kernels import draw
+from ferrule_rollout.sampling import sample
+
+def check(logits, u, temperature):
+    chosen, logprob = draw(logits, temperature, u)
+    eager, _ = sample(logits, temperature, 0, 1.0, u)
+    logprobs = torch.log_softmax(logits.double() / temperature, -1)
+    cdf = logprobs.exp().cumsum(-1)
+    point = u * (1 - 2**-20) * cdf[:, -1]
+    for r in range(len(u)):
+        c = int(chosen[r])
+        below = float(cdf[r, c - 1]) if c else 0.0
+        # a correct inverse-CDF draw, up to float32 sums
+        assert below - 1e-5 <= point[r] < cdf[r, c] + 1e-5, (r, c, below, point[r], cdf[r, c])
+        assert logprobs[r, c] > -1e9, (r, c)  # never a token of probability 0
+        assert abs(logprob[r] - logprobs[r, c]) < 1e-4, (r, float(logprob[r]), logprobs[r, c])
+    assert (chosen == eager).float().mean() >= 0.8, (chosen, eager)
+
+torch.manual_seed(0)
+u = torch.tensor([0.0, 1e-9, 0.25, 0.5, 0.999, 1 - 1e-12], dtype=torch.float64)
+rows = len(u)
+check(3 * torch.randn(rows, 5000), u, 1.0)  # not a multiple of the kernel's block
+steps = torch.rand(rows, 7, dtype=torch.float64)
+check(3 * torch.randn(rows, 5000), steps[:, 3], 1.0)  # a column of the loop's draws: strided
+check(torch.randn(rows, 5000).half(), u, 0.7)
+masked = torch.randn(rows, 6000)
+masked[:, ::2] = float("-inf")  # half the vocabulary cut (as top-k would)
+masked[:, -3000:] = float("-inf")  # and every block past the middle
+check(masked, u, 1.0)
+check(torch.zeros(rows, 4099), u, 1.0)  # all equal: u picks the token
+dominant = torch.zeros(rows, 3000)
+dominant[:, 1234] = 60.0  # one token takes ~all the mass: extreme log-ratios elsewhere
+check(dominant, u, 1.0)
+chosen, logprob = draw(dominant, 1.0, u)
+assert chosen[2:5].tolist() == [1234] * 3 and abs(float(logprob[3])) < 1e-6
+check(torch.randn(rows, 100), u, 1.3)  # smaller than one block
+print("ok")
+"""
+
 IN_THE_LOOP = """
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
-from ferrule_rollout import decode, slab_kernel
+from ferrule_rollout import decode, kernels
 from ferrule_rollout.hf_engine import ATTENTION, slab_attention
 from ferrule_testkit import tiny_model
 
@@ -72,7 +114,9 @@ for arch in ("qwen2", "llama"):
     runs = []
     for kernel in (False, True):
         decode.usable = on_the_cpu_too if kernel else (lambda query, keys: False)
-        runs.append(decode.Decoder(model, float_mask=False).generate(
+        decoder = decode.Decoder(model, float_mask=False)
+        decoder.kernels = kernel  # the draw too (on CUDA whenever Triton is there)
+        runs.append(decoder.generate(
             prompts, [12, 30, 9, 20], pad=1, keys=[0, 1, 2, 3], temperature=1.0, top_k=0,
             top_p=1.0, eos=None, max_rows=3,
         ))
@@ -99,6 +143,10 @@ def interpreted(script: str) -> None:
 
 def test_the_kernel_equals_sdpa_and_reads_no_slot_past_a_rows_own():
     interpreted(AGAINST_SDPA)
+
+
+def test_the_draw_is_an_inverse_cdf_draw_of_the_tempered_softmax():
+    interpreted(DRAW)
 
 
 def test_the_decode_loop_gives_the_same_samples_with_the_kernel():

@@ -1,0 +1,209 @@
+"""The transformers engine's Triton kernels (CUDA): decode attention that reads only the slots a
+row has used, and the decode loop's draw.
+
+    out = decode_attention(query, keys, values, visible, slots, scale)   # [rows, 1, heads, dim]
+    chosen, logprob = draw(logits, temperature, u)                       # [rows] each
+
+decode_attention: SDPA against the slab reads every slot of every row at each step, the empty
+ones included: at 1.5B, 512 rows and 576 slots that was 3.6 ms of a 10.2 ms step
+(benchmarks/RESULTS.md, issue 42). Here one program per (row, KV head) walks the row's slots in
+blocks up to its own next slot (`slots[r]`, where it just wrote), so a row 100 tokens in reads
+100 slots, whatever the slab's length. The query heads of a KV head are its program's rows
+(grouped-query attention without copying the cache); softmax runs online in float32. The op is
+registered with torch.library, so torch.compile (the engine's compile_decode) treats it as one
+opaque call, and a CUDA graph captures it with the slots as a device tensor: a replay reads as
+far as each row has got.
+
+draw: sampling.sample's inverse-CDF draw at temperature T without top-k / top-p, one program per
+row: a pass for the row's log-sum-exp, then a running sum up to the row's point. It reads the
+logits twice where the eager draw makes five float32 passes over [rows, vocabulary] (1.6 ms at
+512 rows x 151,936). Sums run in another order than torch's cumsum, so a draw at a CDF boundary
+may pick the neighbouring token (either is a correct draw; exact mode keeps the eager one).
+
+Triton is imported on first use: CPU-only installs never need it.
+"""
+
+import torch
+
+BLOCK = 64  # slots per iteration
+VOCAB_BLOCK = 2048  # vocabulary entries per iteration of the draw
+_kernel = _draw_kernel = None
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def usable(query, keys) -> bool:
+    """Whether the kernel covers this call: CUDA, one query token, power-of-two head size, at
+    most 16 query heads per KV head (one tl.dot tile), Triton importable."""
+    _, heads, length, dim = query.shape
+    kv = keys.shape[1]
+    if not query.is_cuda or length != 1 or heads % kv or heads // kv > 16:
+        return False
+    if dim & (dim - 1) or dim < 16 or query.stride(-1) != 1 or keys.stride(-1) != 1:
+        return False
+    return triton_available()
+
+
+def _build():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(
+        Q, K, V, VISIBLE, SLOTS, OUT, scale,
+        q_row, q_head, k_row, k_head, k_slot, v_row, v_head, v_slot, vis_row, o_row, o_head,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM)
+        heads = h * GROUP + g
+        q = tl.load(
+            Q + r * q_row + heads[:, None] * q_head + d[None, :],
+            mask=(g < GROUP)[:, None],
+            other=0.0,
+        )
+        last = tl.load(SLOTS + r)  # the row's own slot: nothing after it is visible
+        best = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: an all-masked block is no NaN
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+        for start in range(0, last + 1, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            seen = tl.load(VISIBLE + r * vis_row + j, mask=j <= last, other=0) != 0
+            k = tl.load(
+                K + r * k_row + h * k_head + j[:, None] * k_slot + d[None, :],
+                mask=seen[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            s = tl.where(seen[None, :], s, float("-inf"))
+            new_best = tl.maximum(best, tl.max(s, axis=1))
+            p = tl.exp(s - new_best[:, None])
+            shrink = tl.exp(best - new_best)
+            total = total * shrink + tl.sum(p, axis=1)
+            v = tl.load(
+                V + r * v_row + h * v_head + j[:, None] * v_slot + d[None, :],
+                mask=seen[:, None],
+                other=0.0,
+            )
+            acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            best = new_best
+        out = acc / total[:, None]
+        tl.store(
+            OUT + r * o_row + heads[:, None] * o_head + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=(g < GROUP)[:, None],
+        )
+
+    return kernel
+
+
+@torch.library.custom_op("ferrule::slab_decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [rows, heads, 1, dim]; keys, values [rows, kv heads, slab slots, dim] (last dim
+    contiguous); visible [rows, slab slots] bool (what each row may attend to: its prompt
+    and tokens up to its slot); slots [rows] int64 (each row's last written slot). Returns
+    [rows, 1, heads, dim], as Hugging Face attention functions do."""
+    global _kernel
+    if _kernel is None:
+        _kernel = _build()
+    rows, heads, _, dim = query.shape
+    kv = keys.shape[1]
+    group = heads // kv
+    out = torch.empty((rows, 1, heads, dim), dtype=query.dtype, device=query.device)
+    if rows == 0:
+        return out
+    visible = visible.view(torch.uint8) if visible.dtype == torch.bool else visible  # no copy
+    _kernel[(rows, kv)](
+        query, keys, values, visible, slots, out, scale,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), visible.stride(0),
+        out.stride(0), out.stride(2),
+        GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), DIM=dim, BLOCK=BLOCK,
+        PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 stays float32
+    )  # fmt: skip
+    return out
+
+
+@decode_attention.register_fake
+def _(query, keys, values, visible, slots, scale):
+    rows, heads, _, dim = query.shape
+    return query.new_empty((rows, 1, heads, dim))
+
+
+def _build_draw():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(LOGITS, U, CHOSEN, LOGPROB, temperature, vocab, row, u_row, BLOCK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        base = LOGITS + r * row
+        j = tl.arange(0, BLOCK)
+        # the log-sum-exp of logits / T, per lane then across (finite start: -inf logits are 0)
+        best = tl.full([BLOCK], -1.0e30, tl.float32)
+        total = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, vocab, BLOCK):
+            x = tl.load(base + start + j, mask=start + j < vocab, other=float("-inf"))
+            x = x.to(tl.float32) / temperature
+            new_best = tl.maximum(best, x)
+            total = total * tl.exp(best - new_best) + tl.exp(x - new_best)
+            best = new_best
+        top = tl.max(best, axis=0)
+        mass = tl.sum(total * tl.exp(best - top), axis=0)  # of exp(x / T - top)
+        # sampling.sample's point: u (1 - 2**-20) of the total mass, never the total itself
+        point = (tl.load(U + r * u_row) * (1 - 2.0**-20)).to(tl.float32) * mass
+        chosen = vocab - 1  # as sample's clamp, should rounding leave the point past the end
+        start = 0
+        below = 0.0
+        while start < vocab:
+            x = tl.load(base + start + j, mask=start + j < vocab, other=float("-inf"))
+            p = tl.exp(x.to(tl.float32) / temperature - top)
+            above = (below + tl.cumsum(p, axis=0) > point) & (start + j < vocab)
+            first = tl.min(tl.where(above, start + j, vocab), axis=0)
+            if first < vocab:
+                chosen = first
+                start = vocab  # found: leave the loop
+            else:
+                below += tl.sum(p, axis=0)
+                start += BLOCK
+        logit = tl.load(base + chosen).to(tl.float32) / temperature
+        tl.store(CHOSEN + r, chosen.to(tl.int64))
+        tl.store(LOGPROB + r, logit - top - tl.log(mass))
+
+    return kernel
+
+
+def draw(logits: torch.Tensor, temperature: float, u: torch.Tensor):
+    """One token per row of `logits` ([rows, vocabulary], last dim contiguous) drawn from
+    softmax(logits / temperature) by inverse CDF at the row's uniform `u` (float64 [rows], any
+    stride), and
+    its log-probability (float32): sampling.sample's draw without top-k / top-p."""
+    global _draw_kernel
+    if _draw_kernel is None:
+        _draw_kernel = _build_draw()
+    rows, vocab = logits.shape
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    chosen = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprob = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _draw_kernel[(rows,)](
+            logits, u, chosen, logprob, float(temperature), vocab, logits.stride(0), u.stride(0),
+            BLOCK=VOCAB_BLOCK, num_warps=8,
+        )  # fmt: skip
+    return chosen, logprob
