@@ -103,6 +103,7 @@ def test_compile_decoder_layers_compiles_each_decoder_layer_and_nothing_else():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from ferrule_trainer.engine import compile_decoder_layers
+    from ferrule_trainer.sequences import compiled_head
 
     config = Qwen2Config(
         vocab_size=64,
@@ -119,5 +120,6 @@ def test_compile_decoder_layers_compiles_each_decoder_layer_and_nothing_else():
         compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None)]
         assert compiled == list(model.model.layers)
         assert torch._dynamo.config.cache_size_limit >= 2 * 12
+        assert compiled_head(model)  # response_logprobs compiles the head's softmax too
     finally:
         torch._dynamo.config.cache_size_limit = limit

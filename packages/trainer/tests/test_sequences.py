@@ -36,10 +36,15 @@ def _rl_batch(rows: int = 5, prompt: int = 6, response: int = 7, seed: int = 0):
     return Batch(ids, attention, attention[:, prompt:].clone())
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_response_logprobs_equal_the_whole_logits_in_values_and_gradients(monkeypatch, packed):
+@pytest.mark.parametrize(
+    ("packed", "compiled"), [(False, False), (True, False), (False, True)], ids=str
+)
+def test_response_logprobs_equal_the_whole_logits_in_values_and_gradients(
+    monkeypatch, packed, compiled
+):
     """The LM head on chunks of 4 tokens (a short last one), each recomputed in backward, gives
-    the log-probabilities, entropies and gradients of the whole (B, R, vocab) logits."""
+    the log-probabilities, entropies and gradients of the whole (B, R, vocab) logits; so does
+    its softmax compiled (a model marked as compile_decoder_layers marks it; inductor on CPU)."""
     from transformers import AutoModelForCausalLM
 
     from ferrule_testkit import tiny_model
@@ -63,8 +68,16 @@ def test_response_logprobs_equal_the_whole_logits_in_values_and_gradients(monkey
     expected_grads = gradients(expected, expected_entropy)
 
     monkeypatch.setattr(sequences, "HEAD_CHUNK", 4)
+    calls = []
+    if compiled:
+        setattr(model, sequences.COMPILED_HEAD, True)
+        chunk = sequences._compiled_head_logprobs()
+        monkeypatch.setattr(
+            sequences, "_compiled_head_logprobs", lambda: lambda *a: calls.append(1) or chunk(*a)
+        )
     logprobs, entropy = response_logprobs(model, batch, 0.7, packed=packed, entropy=True)
     assert int(real.sum()) > 2 * sequences.HEAD_CHUNK  # several chunks
+    assert bool(calls) == compiled
     torch.testing.assert_close(logprobs[real], expected[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy[real], expected_entropy[real], rtol=1e-5, atol=1e-5)
     assert not logprobs[~real].any() and not entropy[~real].any()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer.config import LORA_TARGETS
+from ferrule_trainer.sequences import COMPILED_HEAD
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -268,6 +269,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
     for layer in layers:
         layer.compile(dynamic=True)
+    setattr(model, COMPILED_HEAD, True)  # and the LM head's softmax (sequences.response_logprobs)
     return len(layers)
 
 

@@ -7,6 +7,7 @@ without its shared padding, `packed_inputs` lays a group out as one row without 
 `forward_in_micro_batches` runs a forward over them in row order.
 """
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -18,6 +19,8 @@ from ferrule_trainer.losses import token_entropy
 from ferrule_trainer.memory import HEAD_CHUNK
 
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
+# set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax
+COMPILED_HEAD = "ferrule_compiled_head"
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
@@ -189,13 +192,13 @@ def response_logprobs(
         hidden = response_logits(model, batch, packed)  # (B, R, hidden): the head's inputs
     real = batch.attention_mask[:, -batch.response_len :].bool()
     tokens = batch.response_tokens[real]
-    chunks = []
+    chunks, logprobs_of = [], _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
     for rows, targets in zip(hidden[real].split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
         args = (head, rows, targets, temperature, entropy)
         if torch.is_grad_enabled():
-            chunks.append(checkpoint(_head_logprobs, *args, use_reentrant=False))
+            chunks.append(checkpoint(logprobs_of, *args, use_reentrant=False))
         else:
-            chunks.append(_head_logprobs(*args))
+            chunks.append(logprobs_of(*args))
     logprobs = hidden.new_zeros(real.shape, dtype=torch.float32)
     logprobs = logprobs.masked_scatter(real, torch.cat([c[0] for c in chunks]))
     if not entropy:
@@ -224,6 +227,20 @@ def _head_logprobs(head, rows, tokens, temperature: float, entropy: bool):
         logits = logits / temperature
     logprobs = -F.cross_entropy(logits, tokens, reduction="none")
     return logprobs, token_entropy(logits) if entropy else logprobs.new_zeros(0)
+
+
+@functools.cache
+def _compiled_head_logprobs():
+    """`_head_logprobs` through torch.compile, for models whose decoder layers are compiled
+    (engine.compile_decoder_layers marks them): eager, the cast, the log-softmax and its
+    gradient are each a float32 pass over [chunk, vocabulary], ~7 GB a 1,024-token chunk at
+    151,936 with the recomputation; inductor fuses them around the head's matmul."""
+    return torch.compile(_head_logprobs, dynamic=True)
+
+
+def compiled_head(model) -> bool:
+    """Whether `model` (or the module a DeepSpeed engine wraps) was marked COMPILED_HEAD."""
+    return bool(getattr(getattr(model, "module", model), COMPILED_HEAD, False))
 
 
 @contextmanager
