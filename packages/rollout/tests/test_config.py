@@ -60,6 +60,7 @@ def test_compile_decode_auto_is_off_where_compiling_is_not_measured_or_not_allow
     assert EngineConfig(**on, sleep_between_phases=True, compile_decode=True).compiles_decode()
     assert not EngineConfig(**on, compile_decode=False).compiles_decode()
     assert EngineConfig(backend="vllm").compile_decode == "auto"  # no refusal: it means "off"
+    assert EngineConfig(backend="vllm", compile_decode="auto").compile_decode == "auto"  # as read
     with pytest.raises(ValueError, match='compile_decode needs backend = "transformers"'):
         EngineConfig(backend="vllm", compile_decode=True)
     with pytest.raises(ValueError, match="compile_decode"):

@@ -69,6 +69,8 @@ class EngineConfig(Table):
     @field_validator("exact", "compile_decode")
     @classmethod
     def _transformers_only(cls, on: bool | str, info: ValidationInfo) -> bool | str:
+        if on == "auto":  # resolved by compiles_decode(); means "off" for vLLM
+            return on
         if on and info.data.get("backend") != "transformers":
             raise ValueError(f'{info.field_name} needs backend = "transformers"')
         if on and info.field_name == "exact" and info.data.get("top_p", 1.0) < 1:
@@ -76,8 +78,6 @@ class EngineConfig(Table):
                 "exact samples from the policy's own softmax, which the trainer scores: it "
                 f"needs top_p = 1, got {info.data['top_p']}"
             )
-        if on == "auto":
-            return on
         if on and info.field_name == "compile_decode" and info.data.get("exact"):
             raise ValueError("exact and compile_decode exclude each other (inductor reorders math)")
         return on
