@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per round")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    if args.rounds < 2:  # the first round warms up: no timed round would be left to report
+        parser.error(f"--rounds must be at least 2 (the first warms up), got {args.rounds}")
 
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     from transformers import AutoModelForCausalLM, AutoTokenizer
