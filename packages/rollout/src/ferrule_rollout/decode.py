@@ -9,8 +9,9 @@ The model is a plain Hugging Face causal LM: its forward runs with a 4D attentio
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
 graph, and decode attention (kernels.py) reads each row's slots only as far as it has got; on
-CPU the same steps run eagerly, attention through sdpa. Each row has its own next slot, so finished rows leave
-and queued prompts take their rows at the host's reads (continuous batching within a call).
+CPU the same steps run eagerly, attention through sdpa. Each row has its own next slot, so
+finished rows leave and queued prompts take their rows at the host's reads (continuous batching
+within a call).
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
 step), so a seeded sample is the same whatever else is in the batch.
 """

@@ -192,8 +192,7 @@ def _build_draw():
 def draw(logits: torch.Tensor, temperature: float, u: torch.Tensor):
     """One token per row of `logits` ([rows, vocabulary], last dim contiguous) drawn from
     softmax(logits / temperature) by inverse CDF at the row's uniform `u` (float64 [rows], any
-    stride), and
-    its log-probability (float32): sampling.sample's draw without top-k / top-p."""
+    stride), and its log-probability (float32): sampling.sample's draw without top-k / top-p."""
     global _draw_kernel
     if _draw_kernel is None:
         _draw_kernel = _build_draw()

@@ -18,9 +18,9 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import token_entropy
 from ferrule_trainer.memory import HEAD_CHUNK
 
-# Model settings that change the logits after the LM head; such models take the whole-logits path.
-# set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax
+# Set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax.
 COMPILED_HEAD = "ferrule_compiled_head"
+# Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
