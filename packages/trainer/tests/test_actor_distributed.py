@@ -15,6 +15,7 @@ from ferrule_trainer.config import LORA_TARGETS
 
 WORKER = Path(__file__).with_name("actor_step_worker.py")
 EXPORT_WORKER = Path(__file__).with_name("export_worker.py")
+UNEVEN_WORKER = Path(__file__).with_name("uneven_step_worker.py")
 
 
 def _free_port() -> int:
@@ -23,7 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(args: list[str], world: int) -> None:
+def _start(args: list[str], world: int, timeout: float = 300) -> None:
     """Runs `args` as ranks 0..world-1 of one torch.distributed group (gloo) and waits."""
     env = dict(
         os.environ,
@@ -43,9 +44,13 @@ def _start(args: list[str], world: int) -> None:
         )
         for r in range(world)
     ]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-4000:]
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, output[-4000:]
+    finally:  # a rank that failed or hung leaves the others waiting on it
+        for proc in procs:
+            proc.kill()
 
 
 def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> dict:
@@ -127,3 +132,29 @@ def test_zero3_export_over_three_ranks_cuts_the_padding_and_fills_the_senders_la
         assert in_place == buckets, key
         assert result["gathers"][key] == buckets, key
     assert result["in_place"]["None/1073741824"][1] == 1
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ranks_with_different_micro_batch_counts_step_as_one_process(tmp_path, zero_stage):
+    """Token budgets give ranks different numbers of micro-batches (here two and one). Every
+    backward under ZeRO-2 and every forward under ZeRO-3 is a collective: before the ranks kept
+    in step, ZeRO-2's step died (gloo: connection reset) and ZeRO-3's forward waited forever."""
+    model = tiny_model("qwen2")
+    runs = {}
+    for name, world, stage in (("one", 1, 2), ("two", 2, zero_stage)):
+        out = tmp_path / name
+        out.mkdir()
+        _start([sys.executable, str(UNEVEN_WORKER), str(model), str(out), str(stage)], world, 150)
+        runs[name] = dict(
+            metrics=json.loads((out / "metrics.json").read_text()),
+            logprobs=[torch.load(out / f"logprobs_rank{r}.pt") for r in range(world)],
+        )
+    one, two = runs["one"], runs["two"]
+    whole = one["logprobs"][0]
+    # the ranks' rows, each trimmed of the columns padding in all of its rows (Batch.take)
+    torch.testing.assert_close(two["logprobs"][0], whole[:3], rtol=0, atol=1e-5)
+    torch.testing.assert_close(two["logprobs"][1], whole[3:, : two["logprobs"][1].shape[1]])
+    assert one["metrics"]["tokens"] == two["metrics"]["tokens"] == 3 * 8 + 3 * 4
+    assert one["metrics"]["loss"] == pytest.approx(two["metrics"]["loss"], rel=1e-5)
+    # the padding passes add no gradient: the norm is the one process's
+    assert one["metrics"]["grad_norm"] == pytest.approx(two["metrics"]["grad_norm"], rel=1e-5)

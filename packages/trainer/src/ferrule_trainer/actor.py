@@ -142,7 +142,13 @@ class Actor(TrainedModel):
 
         try:
             return forward_in_micro_batches(
-                forward, batch, micro_batch_size, self.device, micro_batch_tokens, packed
+                forward,
+                batch,
+                micro_batch_size,
+                self.device,
+                micro_batch_tokens,
+                packed,
+                lockstep=self.engine.zero_optimization_stage() == 3,
             )
         finally:
             self.engine.train(was_training)

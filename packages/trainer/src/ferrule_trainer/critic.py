@@ -103,6 +103,7 @@ class Critic(TrainedModel):
                 engine.device(),
                 micro_batch_tokens,
                 packed,
+                lockstep=self.engine.zero_optimization_stage() == 3,
             )
         finally:
             self.engine.train()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer.config import LORA_TARGETS
-from ferrule_trainer.sequences import COMPILED_HEAD
+from ferrule_trainer.sequences import COMPILED_HEAD, most_over_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -391,6 +391,12 @@ def optimizer_step(
     so the share is multiplied by the world size before backward; no accumulation-step scaling,
     since we mark the accumulation boundary ourselves. Returns the step's loss (summed over
     ranks), the mean of each metric over micro-batches, the gradient norm and the learning rate.
+
+    Every rank runs as many backward passes as the rank with most micro-batches: under ZeRO-2
+    each backward reduces gradients across ranks, under ZeRO-3 each forward gathers parameters,
+    and token budgets give ranks different counts (one more pass on one rank: a mismatched
+    collective, which gloo aborts and NCCL waits on forever). A rank with fewer repeats its last
+    micro-batch with its loss times zero: no gradient, no metric.
     """
     if not micro_batches:
         raise ValueError("optimizer_step needs at least one micro-batch")
@@ -400,9 +406,14 @@ def optimizer_step(
     # would stall the host and leave the GPU idle while Python launches the next forward.
     total = torch.zeros((), dtype=torch.float64, device=device())
     sums: dict[str, torch.Tensor] = {}
-    for index, micro_batch in enumerate(micro_batches):
-        engine.set_gradient_accumulation_boundary(index == len(micro_batches) - 1)
-        loss, metrics = loss_fn(micro_batch)
+    passes = most_over_ranks(len(micro_batches), device())
+    for index in range(passes):
+        engine.set_gradient_accumulation_boundary(index == passes - 1)
+        if index >= len(micro_batches):
+            loss, _ = loss_fn(micro_batches[-1])
+            engine.backward(loss * 0.0, scale_wrt_gas=False)
+            continue
+        loss, metrics = loss_fn(micro_batches[index])
         engine.backward(loss * world, scale_wrt_gas=False)
         total += loss.detach()
         for key, value in metrics.items():

@@ -5,6 +5,11 @@ Micro-batches by tokens: `plan_micro_batches` sorts rows by length into groups w
 budget (`group_by_length`, which SFT, RM and DPO use too), `Batch.take` cuts a group out
 without its shared padding, `packed_inputs` lays a group out as one row without padding;
 `forward_in_micro_batches` runs a forward over them in row order.
+
+Token budgets give data-parallel ranks different numbers of micro-batches. Where every pass is a
+collective (ZeRO-2 reduces gradients after every backward, ZeRO-3 gathers parameters in every
+forward), `most_over_ranks` gives the count that every rank runs: a rank with fewer repeats its
+last micro-batch for nothing until it has as many passes as the rank with most.
 """
 
 import functools
@@ -22,6 +27,16 @@ from ferrule_trainer.memory import HEAD_CHUNK
 COMPILED_HEAD = "ferrule_compiled_head"
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def most_over_ranks(count: int, device: torch.device) -> int:
+    """The largest `count` over the ranks of the default group (`count` itself without one).
+    Every rank must call it: it is a collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return count
+    most = torch.tensor(count, device=device)
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    return int(most)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -104,22 +119,33 @@ def forward_in_micro_batches(
     device: torch.device,
     max_tokens: int | None = None,
     packed: bool = False,
+    lockstep: bool = False,
 ) -> torch.Tensor:
     """`forward(micro_batch)` over micro-batches of `size` rows (None: all at once) on `device`,
     concatenated on the host. A forward's activations and logits scale with its rows: a whole
     rank's shard at once can be far larger than the device. With `max_tokens`, the micro-batches
     are `plan_micro_batches` of that budget (`packed`: one row each, `forward` packs it), each
-    trimmed by `Batch.take`; the (B, R) result comes back in the batch's row order, 0 on padding."""
+    trimmed by `Batch.take`; the (B, R) result comes back in the batch's row order, 0 on padding.
+    `lockstep` (ZeRO-3, whose forward gathers parameters from every rank): every rank of the
+    group calls this together, and runs as many forwards as the rank with most."""
     rows = batch.rows
     if max_tokens is None:
-        parts = [forward(mb.to(device)).cpu() for mb in batch.split(size or rows)]
+        micro_batches = batch.split(size or rows)
+        passes = most_over_ranks(len(micro_batches), device) if lockstep else len(micro_batches)
+        parts = [forward(mb.to(device)).cpu() for mb in micro_batches]
+        for _ in range(passes - len(micro_batches)):  # repeats, to keep in step with the others
+            forward(micro_batches[-1].to(device))
         return torch.cat(parts)
+    groups = plan_micro_batches(batch, max_rows=size or rows, max_tokens=max_tokens, packed=packed)
+    passes = most_over_ranks(len(groups), device) if lockstep else len(groups)
     response_len = batch.response_len
     out = None
-    for group in plan_micro_batches(
-        batch, max_rows=size or rows, max_tokens=max_tokens, packed=packed
-    ):
-        part = forward(batch.take(group).to(device)).cpu()
+    for index in range(passes):
+        group = groups[min(index, len(groups) - 1)]
+        part = forward(batch.take(group).to(device))
+        if index >= len(groups):  # a repeat, to keep in step with the other ranks
+            continue
+        part = part.cpu()
         if out is None:
             out = part.new_zeros((rows, response_len, *part.shape[2:]))
         out[torch.tensor(group), : part.shape[1]] = part
