@@ -47,6 +47,29 @@ def test_rewards_do_not_depend_on_batching(reward_model):
     assert len(set(batched.rewards)) == len(TEXTS)  # a real function of the text
 
 
+def test_forwards_keep_to_the_token_budget_and_the_rewards_do_not_change(reward_model):
+    """Each forward holds at most batch_tokens padded tokens (samples x the longest), a sample
+    over the budget goes alone, and the rewards are those of the unbudgeted scorer."""
+    from ferrule_rewards.model import ModelScorer
+
+    texts = ["a b " * n for n in (1, 2, 3, 4, 6, 8, 40)]
+    plain = ModelScorer(reward_model, device="cpu", batch_size=8, batch_tokens=10**6)
+    budgeted = ModelScorer(reward_model, device="cpu", batch_size=8, batch_tokens=48)
+    lengths = [len(t) for t in budgeted.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    assert max(lengths) > 48 > 2 * sorted(lengths)[-2]  # one over the budget, pairs fit
+    shapes = []
+    forward = budgeted._forward
+    budgeted._forward = lambda ids: shapes.append((len(ids), max(map(len, ids)))) or forward(ids)
+    scores = budgeted.score_texts(texts)
+    assert not scores.errors
+    assert scores.rewards == pytest.approx(plain.score_texts(texts).rewards, abs=1e-4)
+    assert sum(rows for rows, _ in shapes) == len(texts) and len(shapes) > 2
+    assert (1, max(lengths)) in shapes  # the long one alone
+    assert all(rows * longest <= 48 for rows, longest in shapes if longest <= 48)
+    with pytest.raises(ValueError, match="batch_tokens must be >= 1, got 32 and 0"):
+        ModelScorer(reward_model, device="cpu", batch_tokens=0)
+
+
 def test_a_response_ending_in_the_pad_token_is_read_at_its_end(tmp_path):
     """Padding with the end-of-sequence token must not move where a sequence is read: the score
     of a text that ends with it is the same alone and padded in a batch, and is read at that

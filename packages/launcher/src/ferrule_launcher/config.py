@@ -157,6 +157,9 @@ class RewardsConfig(Table):
     normalize: bool = False
     """model: score (score - mean) / std with the held-out moments saved beside the model
     (reward_stats.json, written by `rlhf-train rm`)."""
+    model_batch_tokens: int = Field(32768, ge=1)
+    """model: tokens per forward of the reward model, samples x the longest one's tokens (at
+    most 32 samples; a longer sample goes alone)."""
     address: list[str] = Field(default_factory=list)
     """host:port of running ferrule-rewards servers to use instead of starting one."""
     timeout: float = Field(60.0, gt=0)

@@ -28,7 +28,7 @@ class RewardModelServer:
     """The Ray actor: ferrule-rewards' server, model backend, in this process."""
 
     def __init__(
-        self, model: str, normalize: bool, token: str, driver_node: str, log: str, first: bool
+        self, model: str, options: dict, token: str, driver_node: str, log: str, first: bool
     ):
         import logging
 
@@ -46,7 +46,7 @@ class RewardModelServer:
             logging.getLogger("ferrule_rewards").setLevel(logging.INFO)
         host = "127.0.0.1" if on_driver_node else ray.util.get_node_ip_address()
         bind = f"[{host}]:0" if ":" in host else f"{host}:0"
-        scorer = partial(ModelScorer, model, normalize=normalize)
+        scorer = partial(ModelScorer, model, **options)  # normalize, batch_tokens
         self.server = BackgroundServer(scorer, bind, token=token)
         logging.getLogger("ferrule_rewards").info(
             "serving the reward model %s on %s (Ray node %s)", model, self.server.address, host
@@ -90,7 +90,7 @@ class RewardModelRole:
             )
             .remote(
                 str(config.model),
-                config.normalize,
+                dict(normalize=config.normalize, batch_tokens=config.model_batch_tokens),
                 token,
                 ray.get_runtime_context().get_node_id(),
                 str(out / "rewards.log"),

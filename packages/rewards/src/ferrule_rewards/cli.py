@@ -160,6 +160,13 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", default="auto", help="reward model device: auto, cpu, cuda, cuda:1...")
     add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
     add("--model-batch-size", type=_COUNT, default=32, help="samples per model forward pass")
+    add(
+        "--model-batch-tokens",
+        type=_COUNT,
+        default=32768,
+        help="tokens per model forward pass: samples x the longest one's tokens (a longer "
+        "sample goes alone; default: %(default)s)",
+    )
     add("--max-length", type=_COUNT, help="longest prompt + response the model scores, in tokens")
     add(
         "--normalize",
@@ -197,6 +204,7 @@ def make_scorer(args):
         device=args.device,
         dtype=args.dtype,
         batch_size=args.model_batch_size,
+        batch_tokens=args.model_batch_tokens,
         max_length=args.max_length,
         normalize=args.normalize,
     )

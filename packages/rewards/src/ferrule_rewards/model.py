@@ -1,12 +1,13 @@
 """A Hugging Face sequence-classification reward model as a scoring backend (the `model` extra).
 
-    scorer = ModelScorer("path/to/reward-model", device="auto", batch_size=32)
+    scorer = ModelScorer("path/to/reward-model", device="auto", batch_size=32, batch_tokens=32768)
     scores = scorer.score([(prompt, response), ...])
 
 The model reads `prompt + response` as one string, exactly as sent (no special tokens are
 added: apply the chat template and end-of-sequence token the model was trained with before
 sending), and the reward is its single output logit (`num_labels=1`). Samples are sorted by
-length and scored in micro-batches of `batch_size`. The server runs it in a scoring process of
+length and scored in micro-batches of at most `batch_size` samples and `batch_tokens` tokens
+(samples x the longest one's tokens, what the padded forward holds; a longer sample goes alone). The server runs it in a scoring process of
 its own (child.py), one batch at a time.
 torch and transformers are imported here only, so the rest of the package runs without them.
 """
@@ -77,6 +78,7 @@ class ModelScorer:
         device: str = "auto",
         dtype: str = "auto",
         batch_size: int = 32,
+        batch_tokens: int = 32768,
         max_length: int | None = None,
         normalize: bool = False,
     ):
@@ -89,7 +91,12 @@ class ModelScorer:
 
         self.name = f"model {path}"
         self.device = _pick_device(device)
-        self.batch_size = batch_size
+        if batch_size < 1 or batch_tokens < 1:
+            raise ValueError(
+                f"reward model {path}: batch_size and batch_tokens must be >= 1, "
+                f"got {batch_size} and {batch_tokens}"
+            )
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=_pick_dtype(dtype, self.device)
@@ -128,8 +135,7 @@ class ModelScorer:
             else:
                 order.append(index)
         order.sort(key=lambda index: len(ids[index]))  # similar lengths pad less
-        for first in range(0, len(order), self.batch_size):
-            chunk = order[first : first + self.batch_size]
+        for chunk in self._chunks(order, [len(tokens) for tokens in ids]):
             try:
                 values = self._forward([ids[index] for index in chunk])
             except Exception as error:  # e.g. out of memory: fail this chunk, keep serving
@@ -142,6 +148,22 @@ class ModelScorer:
                 else:
                     scores.fail(index, Status.INVALID_REWARD, f"the model's reward is {value}")
         return scores
+
+    def _chunks(self, order: list[int], lengths: list[int]) -> list[list[int]]:
+        """`order` (shortest first) cut into forwards of at most batch_size samples and
+        batch_tokens padded tokens: the newest sample is the chunk's longest."""
+        chunks: list[list[int]] = []
+        for index in order:
+            chunk = chunks[-1] if chunks else None
+            if (
+                chunk is None
+                or len(chunk) >= self.batch_size
+                or (len(chunk) + 1) * lengths[index] > self.batch_tokens
+            ):
+                chunks.append([index])
+            else:
+                chunk.append(index)
+        return chunks
 
     def _forward(self, ids: list[list[int]]) -> list[float]:
         batch = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
