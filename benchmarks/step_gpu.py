@@ -3,6 +3,7 @@ single-process loop a TRL GRPOTrainer user runs, on the same work.
 
     python benchmarks/step_gpu.py [--steps 4] [--baseline-steps 3] [--prompts 64] [--tokens 512]
     python benchmarks/step_gpu.py --gpus 4       # ours on four GPUs, the baseline on one
+    python benchmarks/step_gpu.py --gpus 4 --scaling --steps 4   # ours on four against one
     python benchmarks/step_gpu.py --set rollout.compile_decode=true   # ours with another key
 
 The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
@@ -23,8 +24,8 @@ dense bf16 x the GPUs), N the parameters. Last line: one JSON object ending with
 samples/s / the baseline's (on one GPU the same work, so baseline s/step / ours s/step; goal >= 3).
 --gpus N: ours runs N policy ranks and N engines, one pair per GPU (colocate_all), on N x
 --prompts prompts a step, so that each GPU has the one-GPU work; the baseline stays the one-GPU
-loop on --prompts. ours.samples_per_s against a --gpus 1 run's on the same machine is our
-scaling (issue 42's goal at four GPUs: >= 3.2x one GPU's samples per second).
+loop on --prompts. --scaling (with --gpus N): no baseline; ours runs on one GPU and then on N
+in the same invocation, ratio = samples/s on N / on one (issue 42's goal at four GPUs: >= 3.2).
 """
 
 import argparse
@@ -311,37 +312,35 @@ def main() -> None:
     )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="with --gpus N: ours on one GPU and then on N, instead of the baseline; ratio = "
+        "samples/s on N / on one",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="ours: another override"
     )
     args = parser.parse_args()
+    if args.scaling and args.gpus < 2:
+        parser.error(f"--scaling compares --gpus N >= 2 with one GPU, got --gpus {args.gpus}")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
     from ferrule_trainer.memory import ModelShape
 
     model = model_path()
     parameters = ModelShape.read(model).parameters
-    with tempfile.TemporaryDirectory() as tmp:
-        mine, config = ours(args, model, Path(tmp) / "run")
-    t = config.trainer
+    header = dict(name="step_gpu", device=_device(), gpus=args.gpus, parameters=parameters)
+    if args.scaling:  # ours on one GPU, then on --gpus, one after the other on this machine
+        one, _ = measure(args, model, parameters, gpus=1)
+        print(json.dumps({"one_gpu": one}), file=sys.stderr, flush=True)
+        mine, _ = measure(args, model, parameters, gpus=args.gpus)
+        ratio = mine["samples_per_s"] / one["samples_per_s"]
+        print(json.dumps(dict(header, one_gpu=one, ours=mine, ratio=ratio)))
+        return
+    mine, train_tokens = measure(args, model, parameters, gpus=args.gpus)
     rows = args.prompts * 8  # one GPU's rows: the baseline's step, each of ours' GPUs' share
-    # a step's tokens on one GPU: prompts (~10 tokens) and responses, at most max_tokens each
-    train_tokens = rows * (12 + statistics.median(mine["response_len"]))
     flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
-    mine["gpus"] = args.gpus
-    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)  # per GPU
-    mine["tokens_per_s"] = args.gpus * train_tokens / mine["step_s"]
-    mine["samples_per_s"] = args.gpus * rows / mine["step_s"]
-    mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
-    from ferrule_launcher.plan import make_plan
-
-    plan = make_plan(config)
-    mine["plan_gib"] = {
-        phase: sum(getattr(h, phase) for h in plan.gpus[0]) / 2**30
-        for phase in ("generate", "train")
-    }
-    result = dict(
-        name="step_gpu", device=_device(), gpus=args.gpus, parameters=parameters, ours=mine
-    )
+    result = dict(header, ours=mine)
     if not args.skip_baseline:
         print(json.dumps({"ours": mine}), file=sys.stderr, flush=True)  # kept if the baseline fails
         one = one_gpu_plan(args, model)
@@ -360,6 +359,32 @@ def main() -> None:
         result["baseline"] = theirs
         result["ratio"] = mine["samples_per_s"] / theirs["samples_per_s"]
     print(json.dumps(result))
+
+
+def measure(args, model: Path, parameters: int, gpus: int) -> tuple[dict, float]:
+    """Ours on `gpus` GPUs: the run's figures with tokens/s, samples/s and the train phase's
+    MFU (per GPU), and one GPU's train tokens a step."""
+    run = argparse.Namespace(**{**vars(args), "gpus": gpus})
+    with tempfile.TemporaryDirectory() as tmp:
+        mine, config = ours(run, model, Path(tmp) / "run")
+    t = config.trainer
+    rows = args.prompts * 8  # each GPU's rows
+    # a step's tokens on one GPU: prompts (~10 tokens) and responses, at most max_tokens each
+    train_tokens = rows * (12 + statistics.median(mine["response_len"]))
+    flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
+    mine["gpus"] = gpus
+    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)  # per GPU
+    mine["tokens_per_s"] = gpus * train_tokens / mine["step_s"]
+    mine["samples_per_s"] = gpus * rows / mine["step_s"]
+    mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
+    from ferrule_launcher.plan import make_plan
+
+    plan = make_plan(config)
+    mine["plan_gib"] = {
+        phase: sum(getattr(h, phase) for h in plan.gpus[0]) / 2**30
+        for phase in ("generate", "train")
+    }
+    return mine, train_tokens
 
 
 def _device() -> str:

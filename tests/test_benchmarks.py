@@ -17,3 +17,14 @@ def test_dpo_tiny_refuses_a_single_round_before_loading_the_model():
     )
     assert done.returncode == 2
     assert "--rounds must be at least 2 (the first warms up), got 1" in done.stderr
+
+
+def test_step_gpu_scaling_needs_more_than_one_gpu():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_gpu.py"), "--scaling"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--scaling compares --gpus N >= 2 with one GPU, got --gpus 1" in done.stderr
