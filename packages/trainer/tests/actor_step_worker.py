@@ -14,6 +14,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+from rank_exit import leave_and_exit
 
 from ferrule_trainer import export
 from ferrule_trainer.actor import Actor
@@ -109,13 +110,4 @@ if rank == 0:
         json.dumps({"metrics": metrics, "gathers": gathers, "tensors": len(exported)})
     )
 torch.save(exported, out_dir / f"exported_rank{rank}.pt")
-# Leave the group before exiting, as deepspeed_step_worker.py does: a gloo group still alive at
-# interpreter exit can abort the process.
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-# Every check of this rank has passed. End without Python's teardown: there a native thread
-# left joinable (gloo, DeepSpeed) now and then aborts the process ("terminate called without
-# an active exception", SIGABRT) after the work is done, 1 CI run in 5.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_and_exit()

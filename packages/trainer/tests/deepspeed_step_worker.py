@@ -5,12 +5,12 @@ writes the losses and a checksum of the gathered full weights to the JSON path i
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import deepspeed
 import torch
+from rank_exit import leave_and_exit
 from transformers import AutoModelForCausalLM
 
 from ferrule_trainer.engine import init_distributed
@@ -49,13 +49,4 @@ result = {
     "shard_numel": sum(shard_sizes),
 }
 Path(out_path).write_text(json.dumps(result))
-# Leave the group before exiting: a gloo group still alive at interpreter exit can abort the
-# process ("terminate called without an active exception", seen once in CI).
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-# Every check of this rank has passed. End without Python's teardown: there a native thread
-# left joinable (gloo, DeepSpeed) now and then aborts the process ("terminate called without
-# an active exception", SIGABRT) after the work is done, 1 CI run in 5.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_and_exit()

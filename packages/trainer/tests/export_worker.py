@@ -11,6 +11,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+from rank_exit import leave_and_exit
 
 from ferrule_trainer import export
 from ferrule_trainer.actor import Actor
@@ -62,11 +63,4 @@ for dtype in (None, torch.bfloat16):
         result["gathers"][key], result["in_place"][key] = gathers, [in_place, len(buckets)]
 if rank == 0:
     (out_dir / "result.json").write_text(json.dumps(result))
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-# Every check of this rank has passed. End without Python's teardown: there a native thread
-# left joinable (gloo, DeepSpeed) now and then aborts the process ("terminate called without
-# an active exception", SIGABRT) after the work is done, 1 CI run in 5.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_and_exit()

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from rank_exit import leave_and_exit
 
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.batch import Batch
@@ -35,8 +36,4 @@ metrics = actor.train_epochs(mine, epochs=1, mini_batches=1, **tokens)
 torch.save(logprobs, out_dir / f"logprobs_rank{rank}.pt")
 if rank == 0:
     (out_dir / "metrics.json").write_text(json.dumps(metrics))
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # see actor_step_worker.py: Python's teardown now and then aborts after the work
+leave_and_exit()
