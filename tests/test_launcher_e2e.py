@@ -137,13 +137,18 @@ def test_async_run_learns_with_bounded_staleness_on_separate_placements(tmp_path
 
 
 def test_colocated_two_zero3_policy_ranks_reference_two_engines_and_jsonl_prompts(tmp_path):
+    """Two ZeRO-3 policy ranks on prompts of mixed lengths in small token budgets: the ranks'
+    micro-batch counts differ from step to step (before 5229fd7 the run hung in the first
+    step's training), and every step's weights still reach both engines."""
     from ferrule_launcher.task import eval_problems, step_problems
 
     held_out = eval_problems("reversal", 3, 20, seed=0)
-    for name, rows in [
-        ("eval", held_out),
-        ("train", step_problems("reversal", 3, 64, 0, 1, held_out)),
-    ]:
+    train = step_problems("reversal", 3, 64, 0, 1, held_out)
+    # every third prompt much longer: each rank's share of a step differs in its tokens
+    train = [
+        ("Now a new string. " * 4 + p if i % 3 == 0 else p, a) for i, (p, a) in enumerate(train)
+    ]
+    for name, rows in [("eval", held_out), ("train", train)]:
         lines = [json.dumps({"question": p, "answer": a}) for p, a in rows]
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines))
     out = tmp_path / "colocate"
@@ -152,6 +157,9 @@ def test_colocated_two_zero3_policy_ranks_reference_two_engines_and_jsonl_prompt
         'ray.placement="colocate"',
         "trainer.ranks=2",
         "trainer.zero_stage=3",  # exported by all-gathers on both ranks, sent by rank 0
+        # a budget of a few rows: ranks whose rows differ in length get different numbers of
+        # micro-batches, and ZeRO-3's every forward is a collective (they must keep in step)
+        "trainer.micro_batch_tokens=128",
         "rollout.engines=2",
         "trainer.kl_coef=0.01",
         "loop.steps=4",
