@@ -7,8 +7,8 @@ The model reads `prompt + response` as one string, exactly as sent (no special t
 added: apply the chat template and end-of-sequence token the model was trained with before
 sending), and the reward is its single output logit (`num_labels=1`). Samples are sorted by
 length and scored in micro-batches of at most `batch_size` samples and `batch_tokens` tokens
-(samples x the longest one's tokens, what the padded forward holds; a longer sample goes alone). The server runs it in a scoring process of
-its own (child.py), one batch at a time.
+(samples x the longest one's tokens, what the padded forward holds; a longer sample goes
+alone). The server runs it in a scoring process of its own (child.py), one batch at a time.
 torch and transformers are imported here only, so the rest of the package runs without them.
 """
 
