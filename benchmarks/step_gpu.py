@@ -339,7 +339,7 @@ def main() -> None:
         return
     mine, train_tokens = measure(args, model, parameters, gpus=args.gpus)
     rows = args.prompts * 8  # one GPU's rows: the baseline's step, each of ours' GPUs' share
-    flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
+    flops = step_flops(parameters, train_tokens)
     result = dict(header, ours=mine)
     if not args.skip_baseline:
         print(json.dumps({"ours": mine}), file=sys.stderr, flush=True)  # kept if the baseline fails
@@ -371,9 +371,8 @@ def measure(args, model: Path, parameters: int, gpus: int) -> tuple[dict, float]
     rows = args.prompts * 8  # each GPU's rows
     # a step's tokens on one GPU: prompts (~10 tokens) and responses, at most max_tokens each
     train_tokens = rows * (12 + statistics.median(mine["response_len"]))
-    flops = (6 + 2) * parameters * train_tokens  # the policy's step and the reference's forward
     mine["gpus"] = gpus
-    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)  # per GPU
+    mine["train_mfu"] = step_flops(parameters, train_tokens) / (mine["phases"]["train"] * H100_BF16)
     mine["tokens_per_s"] = gpus * train_tokens / mine["step_s"]
     mine["samples_per_s"] = gpus * rows / mine["step_s"]
     mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
@@ -385,6 +384,12 @@ def measure(args, model: Path, parameters: int, gpus: int) -> tuple[dict, float]
         for phase in ("generate", "train")
     }
     return mine, train_tokens
+
+
+def step_flops(parameters: int, train_tokens: float) -> float:
+    """One GPU's train-phase FLOPs a step: the policy's step (6 N a token) and the reference's
+    forward (2 N)."""
+    return (6 + 2) * parameters * train_tokens
 
 
 def _device() -> str:

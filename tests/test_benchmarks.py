@@ -7,24 +7,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_dpo_tiny_refuses_a_single_round_before_loading_the_model():
-    """One round is all warm-up: the script used to crash on the median of no timings."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dpo_tiny.py"), "--rounds", "1"],
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_dpo_tiny_refuses_a_single_round_before_loading_the_model():
+    """One round is all warm-up: the script used to crash on the median of no timings."""
+    done = run_script("dpo_tiny.py", "--rounds", "1")
     assert done.returncode == 2
     assert "--rounds must be at least 2 (the first warms up), got 1" in done.stderr
 
 
 def test_step_gpu_scaling_needs_more_than_one_gpu():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_gpu.py"), "--scaling"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_script("step_gpu.py", "--scaling")
     assert done.returncode == 2
     assert "--scaling compares --gpus N >= 2 with one GPU, got --gpus 1" in done.stderr

@@ -140,15 +140,13 @@ def forward_in_micro_batches(
     passes = most_over_ranks(len(groups), device) if lockstep else len(groups)
     response_len = batch.response_len
     out = None
-    for index in range(passes):
-        group = groups[min(index, len(groups) - 1)]
-        part = forward(batch.take(group).to(device))
-        if index >= len(groups):  # a repeat, to keep in step with the other ranks
-            continue
-        part = part.cpu()
+    for group in groups:
+        part = forward(batch.take(group).to(device)).cpu()
         if out is None:
             out = part.new_zeros((rows, response_len, *part.shape[2:]))
         out[torch.tensor(group), : part.shape[1]] = part
+    for _ in range(passes - len(groups)):  # repeats, to keep in step with the others
+        forward(batch.take(groups[-1]).to(device))
     real = batch.attention_mask[:, -response_len:].bool()
     return torch.where(real.view(*real.shape, *[1] * (out.dim() - 2)), out, 0)
 
