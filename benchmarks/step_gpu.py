@@ -148,6 +148,9 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     peaks = ProcessPeaks()
     result = subprocess.run(command, capture_output=True, text=True, timeout=1500)
     process_gib = peaks.by_role(out / "roles.json")
+    if args.log:  # the launcher's own log, kept
+        with open(args.log, "a") as log:
+            log.write(result.stderr)
     if result.returncode != 0:
         raise SystemExit(f"rlhf-launch failed ({result.returncode}):\n{result.stderr[-5000:]}")
     print(f"ours: {args.steps} steps in {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -311,6 +314,7 @@ def main() -> None:
         "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
     )
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--log", help="append the launcher's stderr (its roles' logs) to this file")
     parser.add_argument(
         "--scaling",
         action="store_true",

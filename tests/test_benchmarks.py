@@ -27,3 +27,9 @@ def test_step_gpu_scaling_needs_more_than_one_gpu():
     done = run_script("step_gpu.py", "--scaling")
     assert done.returncode == 2
     assert "--scaling compares --gpus N >= 2 with one GPU, got --gpus 1" in done.stderr
+
+
+def test_nccl_ray_refuses_more_gpus_than_the_machine_has():
+    done = run_script("nccl_ray.py", "--gpus", "64")
+    assert done.returncode == 2
+    assert "--gpus 64: needs 2 or more CUDA GPUs, at most this machine's" in done.stderr

@@ -47,12 +47,12 @@ IDLE_TOKENS = 2_000
 CHECKPOINTING_COST = 1.2
 STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
 HOST_BYTES_PER_S = 10e9
-# Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them, so fewer,
-# larger micro-batches pay less: fitted to step_gpu.py on two H100s at 1.5B (2026-11-27), where
-# 8k-token micro-batches without checkpointing trained in 13.9 s a step and 32k-token ones with
-# it in 9.5 s (9.5 on one GPU), as if each micro-batch moved its gradients (in the weights'
-# dtype, bf16 there) at ~18 GB/s.
-REDUCE_BYTES_PER_S = 18e9
+# Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them: NCCL between
+# the launcher's Ray actors reduce-scatters a 1.5B model's bf16 gradient in 7.0 ms, ~440 GB/s
+# (benchmarks/nccl_ray.py, four H200s, 2026-11-28), and four ranks' micro-batches of a step
+# took as long as one GPU's. An earlier fit, 18 GB/s, had timed steps in which compiled layers
+# recompiled (sequences.ALIGN) and made the plan checkpoint on several GPUs for nothing.
+REDUCE_BYTES_PER_S = 400e9
 
 
 def seconds(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> float:

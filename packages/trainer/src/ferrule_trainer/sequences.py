@@ -25,6 +25,10 @@ from ferrule_trainer.memory import HEAD_CHUNK
 
 # Set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax.
 COMPILED_HEAD = "ferrule_compiled_head"
+# Compiled layers specialise on whether the attention mask is None (transformers drops it for a
+# batch without padding) and on whether the length is a multiple of 8 (inductor's alignment):
+# each new combination recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
+ALIGN = 8
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -172,24 +176,39 @@ def packed_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     return ids[None], positions[None], index
 
 
+def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.Tensor]:
+    """The keywords of a forward over `batch`: padded rows with their mask and positions, or with
+    `packed` the one row of `packed_inputs` (and "index", its response positions).
+
+    For a model with compiled layers (`compiled_head`) every pass has the same form: padding
+    columns on the left (packed: pad tokens at the end, a document of their own) bring the
+    length to a multiple of ALIGN with at least one, so that there is always a mask. Padding
+    changes no real token's output: it is masked, and positions count real tokens only."""
+    aligned = compiled_head(model)
+    if packed:
+        ids, positions, index = packed_inputs(batch)
+        if aligned:
+            tail = ALIGN - ids.shape[1] % ALIGN
+            ids = F.pad(ids, (0, tail))
+            positions = torch.cat([positions, torch.arange(tail, device=ids.device)[None]], 1)
+        return dict(input_ids=ids, position_ids=positions, index=index)
+    ids, mask = batch.input_ids, batch.attention_mask
+    if aligned:
+        extra = ALIGN - ids.shape[1] % ALIGN
+        ids, mask = F.pad(ids, (extra, 0)), F.pad(mask, (extra, 0))
+    return dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+
+
 def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
     """(B, R, vocab) logits that predict the R response tokens. Only the last R + 1 positions go
     through the LM head (`logits_to_keep`): with a 150k vocabulary the full logits would be the
     largest tensor of the step. `packed`: one forward of `packed_inputs(batch)`, no padding."""
-    response_len = batch.response_len
+    inputs = model_inputs(model, batch, packed)
     if packed:
-        ids, positions, index = packed_inputs(batch)
-        output = model(
-            input_ids=ids, position_ids=positions, logits_to_keep=index.flatten(), use_cache=False
-        )
+        index = inputs.pop("index")
+        output = model(**inputs, logits_to_keep=index.flatten(), use_cache=False)
         return output.logits.view(*index.shape, -1)
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids(batch.attention_mask),
-        logits_to_keep=response_len + 1,
-        use_cache=False,
-    )
+    output = model(**inputs, logits_to_keep=batch.response_len + 1, use_cache=False)
     return output.logits[:, :-1]
 
 
@@ -305,15 +324,9 @@ def token_logprobs(
 def response_values(model, batch: Batch, packed: bool = False) -> torch.Tensor:
     """(B, R) critic values: the value of the state before each response token, read at the same
     positions as the logits that predict it. `packed`: as `response_logits`."""
-    response_len = batch.response_len
+    inputs = model_inputs(model, batch, packed)
     if packed:
-        ids, positions, index = packed_inputs(batch)
-        output = model(input_ids=ids, position_ids=positions, use_cache=False)
-        return output.logits[0, :, 0][index].float()
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids(batch.attention_mask),
-        use_cache=False,
-    )
-    return output.logits[:, -response_len - 1 : -1, 0].float()
+        index = inputs.pop("index")
+        return model(**inputs, use_cache=False).logits[0, :, 0][index].float()
+    output = model(**inputs, use_cache=False)
+    return output.logits[:, -batch.response_len - 1 : -1, 0].float()
