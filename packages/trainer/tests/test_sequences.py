@@ -85,7 +85,7 @@ def test_response_logprobs_equal_the_whole_logits_in_values_and_gradients(
     assert grads.keys() == expected_grads.keys()
     assert "model.embed_tokens.weight" in grads  # the tied head's gradient reaches it
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=2e-6, msg=name)
     # the head is itself again afterwards
     assert model.get_output_embeddings()(torch.ones(1, model.config.hidden_size)).shape[-1] > 1
     with torch.no_grad():
@@ -120,7 +120,8 @@ def test_response_logprobs_keep_a_replaced_head_forward_and_refuse_a_zero_temper
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monkeypatch, device):
     """Token budgets give micro-batches of every width, some without padding. Compiled layers
-    used to specialise on both (a None mask; on CUDA, a width that is a multiple of 8 or not):
+    used to specialise on both (a None mask; on CUDA, a width that is a multiple of 8 or not)
+    and on a single row (a long response alone in its budget):
     each new case recompiled every layer mid-run, ~9 s at 1.5B on four GPUs (2026-11-28). The
     forwards' inputs now always take one form."""
     import torch._dynamo
@@ -139,11 +140,12 @@ def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monk
     assert compile_decoder_layers(model) == model.config.num_hidden_layers
     full = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(2))
     unpadded = Batch(full, torch.ones_like(full), torch.ones(3, 4, dtype=torch.long))
-    batches = [  # widths 9, 16, 13, 8
+    batches = [  # widths 9, 16, 13, 8, 13; rows 3, 4, 5, 5, 1
         unpadded,
         _rl_batch(rows=4, prompt=6, response=10),
         _rl_batch(),
         _rl_batch(prompt=5, response=3),
+        _rl_batch(rows=1),
     ]
     for index, batch in enumerate(batch.to(device) for batch in batches):
         logprobs, _ = response_logprobs(model, batch)

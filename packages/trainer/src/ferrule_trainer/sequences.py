@@ -26,8 +26,8 @@ from ferrule_trainer.memory import HEAD_CHUNK
 # Set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax.
 COMPILED_HEAD = "ferrule_compiled_head"
 # Compiled layers specialise on whether the attention mask is None (transformers drops it for a
-# batch without padding) and on whether the length is a multiple of 8 (inductor's alignment):
-# each new combination recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
+# batch without padding), on whether the length is a multiple of 8 (inductor's alignment) and on
+# a single row: each new case recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
 ALIGN = 8
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -182,8 +182,10 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
 
     For a model with compiled layers (`compiled_head`) every pass has the same form: padding
     columns on the left (packed: pad tokens at the end, a document of their own) bring the
-    length to a multiple of ALIGN with at least one, so that there is always a mask. Padding
-    changes no real token's output: it is masked, and positions count real tokens only."""
+    length to a multiple of ALIGN with at least one, so that there is always a mask, and a
+    single row gets a second of one token (callers keep the first `batch.rows` rows of the
+    output). Padding changes no real token's output: it is masked, and positions count real
+    tokens only."""
     aligned = compiled_head(model)
     if packed:
         ids, positions, index = packed_inputs(batch)
@@ -196,6 +198,9 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
     if aligned:
         extra = ALIGN - ids.shape[1] % ALIGN
         ids, mask = F.pad(ids, (extra, 0)), F.pad(mask, (extra, 0))
+        if len(ids) == 1:  # one token of its own: a row with none would attend to nothing
+            ids, mask = F.pad(ids, (0, 0, 0, 1)), F.pad(mask, (0, 0, 0, 1))
+            mask[1, -1] = 1
     return dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
 
 
@@ -209,7 +214,7 @@ def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
         output = model(**inputs, logits_to_keep=index.flatten(), use_cache=False)
         return output.logits.view(*index.shape, -1)
     output = model(**inputs, logits_to_keep=batch.response_len + 1, use_cache=False)
-    return output.logits[:, :-1]
+    return output.logits[: batch.rows, :-1]
 
 
 def response_logprobs(
@@ -235,9 +240,11 @@ def response_logprobs(
         hidden = response_logits(model, batch, packed)  # (B, R, hidden): the head's inputs
     real = batch.attention_mask[:, -batch.response_len :].bool()
     tokens = batch.response_tokens[real]
-    chunks, logprobs_of = [], _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
+    chunks, compiled = [], _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
     for rows, targets in zip(hidden[real].split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
         args = (head, rows, targets, temperature, entropy)
+        # a last chunk of one token would recompile the head for that size (see ALIGN)
+        logprobs_of = compiled if len(rows) > 1 else _head_logprobs
         if torch.is_grad_enabled():
             chunks.append(checkpoint(logprobs_of, *args, use_reentrant=False))
         else:
@@ -329,4 +336,4 @@ def response_values(model, batch: Batch, packed: bool = False) -> torch.Tensor:
         index = inputs.pop("index")
         return model(**inputs, use_cache=False).logits[0, :, 0][index].float()
     output = model(**inputs, use_cache=False)
-    return output.logits[:, -batch.response_len - 1 : -1, 0].float()
+    return output.logits[: batch.rows, -batch.response_len - 1 : -1, 0].float()
