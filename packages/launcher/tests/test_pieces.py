@@ -281,3 +281,34 @@ def test_the_roles_start_with_the_arguments_the_config_gives_them():
     assert setup.policy["compile_layers"] and setup.reference["compile_layers"]
     assert setup.critic["compile_layers"]
     assert not exact_setup.policy["compile_layers"] and not exact_setup.reference["compile_layers"]
+
+
+def test_a_training_call_reports_the_slowest_rank_and_every_rank_s_compiles(monkeypatch):
+    """A rank that compiles (a compiled layer meeting a new input form) holds every rank up at
+    the next collective: the step's metrics say how long the slowest rank took and how many
+    graphs were built, where rank 0's own figures could show nothing."""
+    import torch
+
+    from ferrule_launcher.roles import _timed
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=True)
+
+    def train(batch, **options):
+        compiled(torch.ones(batch))
+        return {"loss": 0.5, "options": options}
+
+    first = _timed(train, 3, epochs=1)
+    assert first["compiles"] == 1 and first["seconds"] > 0
+    assert first["loss"] == 0.5 and first["options"] == {"epochs": 1}
+    again = _timed(train, 5)
+    assert again["compiles"] == 0  # any length after the first: the same graph
+
+    ranks = [
+        {"loss": 0.5, "seconds": 6.6, "compiles": 0},
+        {"loss": 0.5, "seconds": 16.4, "compiles": 28},
+        {"loss": 0.5, "seconds": 6.7, "compiles": 0},
+    ]
+    monkeypatch.setattr(calls, "get", lambda refs, role: ranks)
+    metrics = calls.RankGroup([None] * 3, "policy")._first(["refs"])()
+    assert metrics == {"loss": 0.5, "seconds": 16.4, "compiles": 28}
+    assert ranks[0]["seconds"] == 6.6  # rank 0's own result is left as it was

@@ -123,8 +123,19 @@ class RankGroup:
 
         return wait
 
-    def _first(self, refs: list):  # training metrics are global: rank 0's stand for all
-        return lambda: get(refs, self.role)[0]
+    def _first(self, refs: list):
+        """Rank 0's training metrics (they are global), but "seconds", the slowest rank's (the
+        step waits for it), and "compiles", the sum over ranks."""
+
+        def wait():
+            each = get(refs, self.role)
+            metrics = dict(each[0])
+            if "seconds" in metrics:
+                metrics["seconds"] = max(m["seconds"] for m in each)
+                metrics["compiles"] = sum(m["compiles"] for m in each)
+            return metrics
+
+        return wait
 
     def logprobs(
         self,

@@ -27,6 +27,21 @@ if TYPE_CHECKING:
     from ferrule_trainer.batch import Batch
 
 
+def _timed(train, batch: "Batch", **options) -> dict:
+    """`train`'s metrics and this rank's share of its cost: "seconds" it took and "compiles",
+    the graphs torch.compile built meanwhile (a compiled layer meeting an input of a new form:
+    seconds each at real sizes, and every other rank waits at the next collective)."""
+    import time
+
+    from torch._dynamo.utils import counters
+
+    began, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
+    metrics = train(batch, **options)
+    metrics["seconds"] = time.perf_counter() - began
+    metrics["compiles"] = counters["stats"]["unique_graphs"] - graphs
+    return metrics
+
+
 class RankWorker:
     """One data-parallel rank of the policy, the reference or the critic: ferrule-trainer's
     `Actor` (trained, or frozen for the reference) or `Critic`, plus, on the policy, the
@@ -145,13 +160,13 @@ class RankWorker:
         return self.actor.values(batch, micro_batch_size, **tokens)
 
     def train_epochs(self, batch: "Batch", **options) -> dict:
-        return self.actor.train_epochs(batch, **options)
+        return _timed(self.actor.train_epochs, batch, **options)
 
     def likelihood_epochs(self, batch: "Batch", **options) -> dict:
-        return self.actor.likelihood_epochs(batch, **options)
+        return _timed(self.actor.likelihood_epochs, batch, **options)
 
     def preference_epochs(self, batch: "Batch", **options) -> dict:
-        return self.actor.preference_epochs(batch, **options)
+        return _timed(self.actor.preference_epochs, batch, **options)
 
     def save(self, directory: str, step: int) -> None:
         self.actor.save_state(directory, step=step)
