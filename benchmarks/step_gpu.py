@@ -168,6 +168,10 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     return dict(
         step_s=statistics.median(steps),
         phases=phases,
+        # the slowest policy rank's training call, and graphs compiled in the timed steps (a
+        # compiled layer meeting a new input form: seconds each, and every rank waits)
+        rank_train_s=statistics.median(r.get("train/seconds", 0.0) for r in timed),
+        compiles_timed=sum(r.get("train/compiles", 0) for r in timed),
         response_len=[r["response_length"] for r in timed],
         used_gib=used,
         process_peak_gib=process_gib,
