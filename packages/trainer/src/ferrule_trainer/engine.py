@@ -257,14 +257,16 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     place; returns how many. Inductor fuses the norms, rotary, activation and residual kernels
     between the matmuls: at 1.5B on an H100 those small kernels took as long as the matmuls, and
     compiled layers made a training step 18% faster (benchmarks/train_phase_gpu.py). Each layer
-    compiles on its first call, once for a first length and once for any length after it (packed
-    micro-batches vary). ZeRO-3 is left out (not tried): its hooks gather every layer's weights
-    inside the forward, which dynamo would have to break around."""
+    compiles on its first call, for any length (dynamic shapes); the forwards give it inputs of
+    one form (`sequences.model_inputs`), else it would recompile for each new one. ZeRO-3 is
+    left out (not tried): its hooks gather every layer's weights inside the forward, which
+    dynamo would have to break around."""
     import torch._dynamo
 
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    # every layer instance has its own guards on the one forward's code: two entries each
+    # every layer instance has its own guards on the one forward's code: an entry each with
+    # gradients and without (the scoring passes)
     limit = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
     for layer in layers:
