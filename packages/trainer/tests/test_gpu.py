@@ -113,7 +113,7 @@ def test_states_in_host_memory_train_like_states_on_the_gpu(model_dir, tmp_path,
 def test_compiled_decoder_layers_train_like_eager_ones(model_dir, tmp_path):
     """compile_layers (the launcher's default on GPUs): the same losses and updates as eager
     layers, up to inductor's reordered bf16 rounding, over batches of three lengths (each layer
-    compiles for a first length, then once for any)."""
+    compiles once, for any length: sequences.model_inputs)."""
     eager, eager_weights = train(model_dir, tmp_path, 2, "plain")
     compiled, compiled_weights = train(model_dir, tmp_path, 2, "compiled")
 
