@@ -240,11 +240,12 @@ def response_logprobs(
         hidden = response_logits(model, batch, packed)  # (B, R, hidden): the head's inputs
     real = batch.attention_mask[:, -batch.response_len :].bool()
     tokens = batch.response_tokens[real]
-    chunks, compiled = [], _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
+    chunks = []
+    head_logprobs = _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
     for rows, targets in zip(hidden[real].split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
         args = (head, rows, targets, temperature, entropy)
         # a last chunk of one token would recompile the head for that size (see ALIGN)
-        logprobs_of = compiled if len(rows) > 1 else _head_logprobs
+        logprobs_of = head_logprobs if len(rows) > 1 else _head_logprobs
         if torch.is_grad_enabled():
             chunks.append(checkpoint(logprobs_of, *args, use_reentrant=False))
         else:
