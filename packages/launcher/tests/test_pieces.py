@@ -309,6 +309,6 @@ def test_a_training_call_reports_the_slowest_rank_and_every_rank_s_compiles(monk
         {"loss": 0.5, "seconds": 6.7, "compiles": 0},
     ]
     monkeypatch.setattr(calls, "get", lambda refs, role: ranks)
-    metrics = calls.RankGroup([None] * 3, "policy")._first(["refs"])()
+    metrics = calls.RankGroup([None] * 3, "policy")._merged(["refs"])()
     assert metrics == {"loss": 0.5, "seconds": 16.4, "compiles": 28}
     assert ranks[0]["seconds"] == 6.6  # rank 0's own result is left as it was

@@ -144,8 +144,8 @@ def test_several_ranks_choose_as_one_gpu_where_the_same_keys_fit(write):
         "rollout.engines": 4,
     }
     for gpu_gb in (79.6, 139.8):
-        one = load_config(write(gpu_gb=gpu_gb), {**HYBRID, "rollout.sleep_between_phases": False})
-        one = one.trainer
+        one_gpu = {**HYBRID, "rollout.sleep_between_phases": False}
+        one = load_config(write(gpu_gb=gpu_gb), one_gpu).trainer
         several = load_config(write(gpu_gb=gpu_gb), four).trainer
         assert not several.gradient_checkpointing, gpu_gb
         if not one.gradient_checkpointing:  # one GPU's choice fits four ranks too

@@ -121,9 +121,9 @@ def test_response_logprobs_keep_a_replaced_head_forward_and_refuse_a_zero_temper
 def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monkeypatch, device):
     """Token budgets give micro-batches of every width, some without padding. Compiled layers
     used to specialise on both (a None mask; on CUDA, a width that is a multiple of 8 or not)
-    and on a single row (a long response alone in its budget):
-    each new case recompiled every layer mid-run, ~9 s at 1.5B on four GPUs (2026-11-28). The
-    forwards' inputs now always take one form."""
+    and on a single row (a long response alone in its budget): each new case recompiled every
+    layer mid-run, ~9 s at 1.5B on four GPUs (2026-11-28). The forwards' inputs now always
+    take one form."""
     import torch._dynamo
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +136,8 @@ def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monk
     model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.float32)
     reference.load_state_dict(model.state_dict())
-    model.to(device), reference.to(device)
+    model.to(device)
+    reference.to(device)
     assert compile_decoder_layers(model) == model.config.num_hidden_layers
     full = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(2))
     unpadded = Batch(full, torch.ones_like(full), torch.ones(3, 4, dtype=torch.long))

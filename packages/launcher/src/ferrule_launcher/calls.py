@@ -123,7 +123,7 @@ class RankGroup:
 
         return wait
 
-    def _first(self, refs: list):
+    def _merged(self, refs: list):
         """Rank 0's training metrics (they are global), but "seconds", the slowest rank's (the
         step waits for it), and "compiles", the sum over ranks."""
 
@@ -170,17 +170,17 @@ class RankGroup:
         )
 
     def train_epochs(self, batch: "Batch", **options):
-        return self._first(
+        return self._merged(
             self._on_shards(batch, lambda w, shard: w.train_epochs.remote(shard, **options))
         )
 
     def likelihood_epochs(self, batch: "Batch", **options):
-        return self._first(
+        return self._merged(
             self._on_shards(batch, lambda w, shard: w.likelihood_epochs.remote(shard, **options))
         )
 
     def preference_epochs(self, batch: "Batch", **options):
-        return self._first(
+        return self._merged(
             self._on_shards(batch, lambda w, shard: w.preference_epochs.remote(shard, **options))
         )
 
