@@ -331,7 +331,7 @@ def huge_reward(address, token):
 
 
 def huge_sub_scores(address, token):
-    """Samples with a million sub-scores each, next to normal ones: those samples get
+    """Samples with 100,000 sub-scores each, next to normal ones: those samples get
     INVALID_REWARD (--max-sub-scores), the others their rewards (finding 5)."""
 
     def expect(reply) -> bool:

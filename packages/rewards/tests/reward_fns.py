@@ -122,7 +122,7 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
     """The built-in math_reward (reading the metadata, as a real function may), except for
     `@gil` (C code that holds the GIL for hours), `@spin` (5 s of pure Python work), `@flood`
     (20 MiB to stdout and to stderr), `@fork` (children that try to outlive it: see spawner,
-    then a hang), `@subs` (a million sub-scores), `@huge` (a reward no float holds) and `@crash`
+    then a hang), `@subs` (100,000 sub-scores), `@huge` (a reward no float holds) and `@crash`
     (SIGKILL to itself). With
     metadata "log" (a file), it first appends metadata "id" there: a side effect."""
     from ferrule_rewards.builtin import math_reward
@@ -136,7 +136,9 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
         os.environ["REWARDS_TEST_LOG"] = metadata["pids"]
         spawner("fork setsid daemon hang")
     if response == "@subs":
-        return {"reward": 1.0} | {f"s{i}": 1.0 for i in range(1_000_000)}
+        # ~100x the default limit (1024). A million took ~1 s to build on the 2-core machine,
+        # the abuse suite's whole per-sample timeout: the sample could time out instead.
+        return {"reward": 1.0} | {f"s{i}": 1.0 for i in range(100_000)}
     if response == "@huge":
         return 10**400
     if response == "@thousand":
