@@ -149,5 +149,6 @@ def test_the_draw_is_an_inverse_cdf_draw_of_the_tempered_softmax():
     interpreted(DRAW)
 
 
+@pytest.mark.e2e  # ~20 s on 2 cores: the whole decode loop, twice
 def test_the_decode_loop_gives_the_same_samples_with_the_kernel():
     interpreted(IN_THE_LOOP)

@@ -13,6 +13,9 @@ import torch
 from ferrule_testkit import tiny_model
 from ferrule_trainer.config import LORA_TARGETS
 
+# DeepSpeed groups of 2-3 processes, 11-19 s each on 2 cores: the e2e tier.
+pytestmark = pytest.mark.e2e
+
 WORKER = Path(__file__).with_name("actor_step_worker.py")
 EXPORT_WORKER = Path(__file__).with_name("export_worker.py")
 UNEVEN_WORKER = Path(__file__).with_name("uneven_step_worker.py")

@@ -20,6 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e  # two DeepSpeed processes, ~10 s on 2 cores
 def test_zero3_two_processes_train(tmp_path):
     model = tiny_model("qwen2")
     env = dict(

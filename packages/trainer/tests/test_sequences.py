@@ -117,7 +117,10 @@ def test_response_logprobs_keep_a_replaced_head_forward_and_refuse_a_zero_temper
         response_logprobs(model, _rl_batch(), 0.0)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "device",
+    [pytest.param("cpu", marks=pytest.mark.e2e), pytest.param("cuda", marks=pytest.mark.gpu)],
+)  # on the CPU inductor compiles C++: ~23 s on 2 cores, the e2e tier
 def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monkeypatch, device):
     """Token budgets give micro-batches of every width, some without padding. Compiled layers
     used to specialise on both (a None mask; on CUDA, a width that is a multiple of 8 or not)
