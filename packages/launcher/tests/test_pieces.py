@@ -226,6 +226,29 @@ def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(mo
     assert "OMP_NUM_THREADS" not in role_env(5)
 
 
+def test_a_module_without_bytecode_is_warned_of_where_none_is_written(tmp_path, monkeypatch):
+    """Every role would compile such a module from source at each start (torch on the GPU
+    machines' image: ~8 s a role); the warning names it, its folder and the command that fixes it.
+    Found without importing it."""
+    import py_compile
+    import sys
+
+    from ferrule_launcher.placement import bytecode_warning
+
+    package = tmp_path / "slowpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    warning = bytecode_warning("slowpkg", writes_bytecode=False)
+    assert warning and "slowpkg" in warning and str(tmp_path) in warning
+    assert f"{sys.executable} -m compileall -q -j 0 {tmp_path}" in warning
+    assert bytecode_warning("slowpkg", writes_bytecode=True) is None  # the first import writes it
+    assert bytecode_warning("no_such_module_here", writes_bytecode=False) is None
+    py_compile.compile(str(package / "__init__.py"))
+    assert bytecode_warning("slowpkg", writes_bytecode=False) is None
+
+
 def test_device_memory_is_not_asked_of_roles_without_gpus():
     """Two Ray round trips per step (GPU memory after generating and after training) are made
     only where the roles have GPUs; on CPU the metric is 0 without a call."""

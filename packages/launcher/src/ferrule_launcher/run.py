@@ -49,6 +49,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     import ray
 
     from ferrule_launcher.placement import (
+        bytecode_warning,
         check_fits,
         place_roles,
         role_env,
@@ -71,6 +72,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
     threads = threads_per_role(config)
     env = role_env(threads)
     os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+    slow_start = bytecode_warning()
+    if slow_start:
+        print(f"warning: {slow_start}", flush=True)
     where = start_ray(config.ray, env)
     startup.mark("ray")
     on_cpu = f"; torch threads per role: {threads}" if "OMP_NUM_THREADS" in env else ""
