@@ -408,18 +408,21 @@ ATTACKS = [
 ]
 
 
-def idle_within(server_pid: int, processes: int, seconds: float) -> bool:
-    """Whether, within `seconds`, the server is down to its `processes` scoring processes and
-    none of them uses the CPU (over 0.3 s)."""
+def idle_within(server_pid: int, processes: int, seconds: float) -> str | None:
+    """None when, within `seconds`, the server is down to its `processes` scoring processes and
+    none of them uses the CPU (over 0.3 s); otherwise what was last seen, for the report:
+    how many processes it had and the CPU ticks they used in those 0.3 s."""
     deadline = time.monotonic() + seconds
+    seen = "never looked"
     while time.monotonic() < deadline:
         children = tree(server_pid)[1:]
         before = sum(map(cpu_ticks, children))
         time.sleep(0.3)
         after = sum(map(cpu_ticks, tree(server_pid)[1:]))
         if len(children) == processes and after - before <= 1:
-            return True
-    return False
+            return None
+        seen = f"{len(children)} processes under the server, {after - before} CPU ticks in 0.3 s"
+    return seen
 
 
 def _percentile(values: list[float], q: int) -> float:
@@ -443,7 +446,7 @@ def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[
             answered, sent = attack(address, token)
             took = time.monotonic() - started
             # Every call's deadline has passed: nothing may still be working 1.5 s on.
-            idle = idle_within(server_pid, processes, 1.5)
+            busy = idle_within(server_pid, processes, 1.5)
             health = watch.health_ms[health_at:]
             rows.append(
                 {
@@ -451,7 +454,8 @@ def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[
                     "answered": answered,
                     "sent": sent,
                     "seconds": round(took, 2),
-                    "idle_after": idle,
+                    "idle_after": busy is None,
+                    "busy_after": busy,
                     "health_ms_p50": round(_percentile(health, 50), 1),
                     "health_ms_p99": round(_percentile(health, 99), 1),
                     "health_ms_max": round(max(health, default=0), 1),

@@ -268,6 +268,54 @@ def test_a_scorer_that_cannot_be_rebuilt_turns_the_server_unhealthy_until_it_can
         assert raw_call(server.address, request({"response": ""})).results[0].reward == 1.0
 
 
+def test_a_replacement_that_fails_other_than_in_its_scorer_is_retried_not_lost(
+    fn_spec, monkeypatch
+):
+    """A scoring process's replacement that fails with an OSError (out of file descriptors,
+    say) once its child is running is retried after the child is reaped: the pool keeps its
+    slot (it used to lose it for good, and every later call waited for the other processes)
+    and leaves no zombie behind."""
+    import asyncio
+    import os
+
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.processes import ScoringProcess, ScoringProcesses
+
+    def children() -> set[int]:
+        found = set()
+        for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+            found |= {int(pid) for pid in task.read_text().split()}
+        return found
+
+    real_start, starts = ScoringProcess.start, []
+
+    async def start_then_fail_once(self):
+        ready = await real_start(self)
+        starts.append(self.process.pid)
+        if len(starts) == 2:  # the first replacement
+            raise OSError(24, "Too many open files")
+        return ready
+
+    monkeypatch.setattr(ScoringProcess, "start", start_then_fail_once)
+
+    async def main():
+        pool = ScoringProcesses(partial(FunctionScorer.load, fn_spec("length")), processes=1)
+        await pool.start()
+        loop = asyncio.get_running_loop()
+        async with pool.process(loop.time() + 5) as process:
+            process.recycle = True  # replaced after this call, as a process that asked to be
+        async with pool.process(loop.time() + 10) as process:  # the replacement's second try
+            assert process.alive and process.process.pid == starts[-1]
+            running = children()
+        await pool.close()
+        return running
+
+    running = asyncio.run(main())
+    assert len(starts) == 3
+    assert starts[0] not in running and starts[1] not in running  # killed and reaped
+    assert starts[2] in running
+
+
 def test_health_and_reflection_services(serve):
     server = serve()
     assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING

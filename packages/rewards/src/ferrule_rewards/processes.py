@@ -422,7 +422,10 @@ class ScoringProcesses:
 
     async def restart(self, process: ScoringProcess) -> None:
         """Replace `process`'s child with a new one, retrying with backoff until one starts.
-        While starts fail, the pool reports itself unhealthy (NOT_SERVING)."""
+        While starts fail, the pool reports itself unhealthy (NOT_SERVING). Any failure is
+        retried, not only the scorer's (StartFailed): an OSError here (out of file
+        descriptors, say) would otherwise end the restart and lose the process's slot for
+        good; each failed child is reaped before the next try."""
         await process.stop()
         process.recycle = False
         delay = RESTART_BACKOFF[0]
@@ -431,9 +434,10 @@ class ScoringProcesses:
                 await process.start()
                 self._set_health(True)
                 return
-            except StartFailed as error:
+            except Exception as error:
                 log.error("a scoring process failed to start (retry in %gs): %s", delay, error)
                 self._set_health(False)
+                await process.stop()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_BACKOFF[1])
 
