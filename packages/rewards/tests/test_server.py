@@ -280,12 +280,7 @@ def test_a_replacement_that_fails_other_than_in_its_scorer_is_retried_not_lost(
 
     from ferrule_rewards.functions import FunctionScorer
     from ferrule_rewards.processes import ScoringProcess, ScoringProcesses
-
-    def children() -> set[int]:
-        found = set()
-        for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-            found |= {int(pid) for pid in task.read_text().split()}
-        return found
+    from ferrule_rewards.tree import descendants
 
     real_start, starts = ScoringProcess.start, []
 
@@ -306,7 +301,7 @@ def test_a_replacement_that_fails_other_than_in_its_scorer_is_retried_not_lost(
             process.recycle = True  # replaced after this call, as a process that asked to be
         async with pool.process(loop.time() + 10) as process:  # the replacement's second try
             assert process.alive and process.process.pid == starts[-1]
-            running = children()
+            running = descendants(os.getpid())
         await pool.close()
         return running
 

@@ -131,8 +131,8 @@ def bytecode_warning(module: str = "torch", writes_bytecode: bool | None = None)
     """A warning when every role would compile `module` from source at each start: this Python
     writes no bytecode (PYTHONDONTWRITEBYTECODE, or -B; the roles inherit it) and the module
     has none (installed without it: pip --no-compile, uv without compile-bytecode). Each role
-    then compiles torch's ~2,000 modules as it starts: a policy rank's imports took 16 s so on
-    an H200 machine, 7.4 s with the bytecode. Found without importing the module."""
+    then compiles torch's ~2,000 modules as it starts: on an H200 machine a policy rank's
+    imports took 16 s that way, 7.4 s with the bytecode. Found without importing the module."""
     if writes_bytecode is None:
         writes_bytecode = not sys.flags.dont_write_bytecode
     spec = importlib.util.find_spec(module)
