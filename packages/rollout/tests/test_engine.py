@@ -279,3 +279,38 @@ def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
         eng.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
         perturbed_and_loaded(eng, joining.get(), policy, seed=11)
         assert_matches_transformers(eng.generate(long_prompt, GREEDY), policy, greedy=True)
+
+
+def test_stopping_the_server_ends_generation_in_flight_with_unavailable_not_after_the_grace(
+    engine,
+):
+    """A sample stream seldom finishes within a shutdown's grace: `stop` ends it at once with
+    UNAVAILABLE (its client retries elsewhere) and the engine aborts its sequences; before, the
+    call kept the server (and a SIGTERMed `rlhf-rollout serve`) waiting out the whole grace."""
+    import grpc
+
+    from ferrule_rollout.client import RolloutClient
+    from ferrule_rollout.server import serve
+
+    server, port = serve(engine, "127.0.0.1:0")
+    long = SamplingSettings(n=64, max_tokens=240, ignore_eos=True)
+    with RolloutClient(f"127.0.0.1:{port}", timeout=120) as client:
+        call = in_thread(client.generate, ["a long answer:"], long)
+        deadline = time.monotonic() + 30
+        while engine.health()["running"] < 64:
+            assert time.monotonic() < deadline, engine.health()
+            time.sleep(0.02)
+        stopping = time.monotonic()
+        stopped = server.stop(grace=30)
+        with pytest.raises(grpc.RpcError) as raised:
+            call.get(timeout=20)
+        ended = time.monotonic() - stopping
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value
+        assert "shutting down" in raised.value.details()
+        assert stopped.wait(10), "the server still waits on a call"
+        assert ended < 10, ended  # the grace is 30 s; ending takes a step (~0.1 s here)
+    deadline = time.monotonic() + 10
+    while engine.health()["running"] + engine.health()["queued"]:
+        assert time.monotonic() < deadline, f"sequences left running: {engine.health()}"
+        time.sleep(0.05)
+    assert len(engine.generate(PROMPTS, GREEDY)) == 2  # the engine itself serves on

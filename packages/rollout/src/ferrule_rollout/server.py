@@ -1,7 +1,8 @@
 """The gRPC front of a VLLMEngine (proto/ferrule/rollout/v1/rollout.proto).
 
-    server, port = serve(engine, "127.0.0.1:50052")      # a started grpc.Server
+    server, port = serve(engine, "127.0.0.1:50052")      # a started RolloutServer
     server, port = serve(engine, "0.0.0.0:50052", token=token, tls=TLS(cert, key, client_ca))
+    server.stop(grace=5).wait()
 
 `rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
 server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
@@ -11,6 +12,10 @@ samples when it ends: cancelled, or past its deadline (unary or streamed alike).
 Limits, checked before any work: `max_request_sequences` (prompts x n of one call),
 `max_sequences_in_flight` (over every call at once; more is RESOURCE_EXHAUSTED, retry later) and
 `max_prompt_bytes` (a prompt's text, before it is tokenized).
+
+`stop(grace)` refuses new calls and ends generation in flight at once with UNAVAILABLE (a sample
+stream seldom finishes within a grace period, and its client can retry on another engine);
+other calls in flight (weight updates, pause) get `grace` seconds.
 
 Secure by default, as the reward server is (ferrule-grpc-auth): it listens on loopback unless
 clients must authenticate, with a token or mutual TLS. The token is checked on every call,
@@ -86,6 +91,13 @@ class _Overloaded(Exception):
     """More sequences would be in flight than the server allows: RESOURCE_EXHAUSTED."""
 
 
+class _ShuttingDown(Exception):
+    """The server is stopping: UNAVAILABLE, which a client may retry on another engine."""
+
+    def __init__(self):
+        super().__init__("the rollout server is shutting down; retry on another")
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(
         self,
@@ -100,7 +112,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.max_sequences_in_flight = max_sequences_in_flight
         self.max_prompt_bytes = max_prompt_bytes
         self._in_flight = 0
+        self._streams: set = set()  # every call's samples still being generated
+        self._shutting_down = False
         self._lock = threading.Lock()
+
+    def shut_down(self) -> None:
+        """Refuse new generation and end the streams in flight (their calls: UNAVAILABLE)."""
+        with self._lock:
+            self._shutting_down = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
 
     def _stream(self, request, context):
         """The call's samples as they finish, within the limits; they end with the call."""
@@ -113,6 +135,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 f"this server's --max-request-sequences {self.max_request_sequences}"
             )
         with self._lock:
+            if self._shutting_down:
+                raise _ShuttingDown
             if self._in_flight + count > self.max_sequences_in_flight:
                 raise _Overloaded(
                     f"{self._in_flight} sequences in flight and {count} asked for: more than "
@@ -120,15 +144,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     "retry later"
                 )
             self._in_flight += count
+        stream = None
         try:
             stream = self.engine.generate_stream(prompts, settings)
             # Runs when the call ends for any reason; a client that cancels (or whose deadline
             # passes) aborts the samples still running. A no-op once all were sent.
             context.add_callback(stream.cancel)
-            yield from stream
+            with self._lock:
+                self._streams.add(stream)
+                if self._shutting_down:  # shut_down ran while the stream started
+                    stream.cancel()
+            sent = 0
+            for sample in stream:
+                sent += 1
+                yield sample
+            if sent < count and self._shutting_down:  # cut short by shut_down, not finished
+                raise _ShuttingDown
         finally:
             with self._lock:
                 self._in_flight -= count
+                self._streams.discard(stream)
 
     def Generate(self, request, context):
         with _status(context):
@@ -213,6 +248,8 @@ class _status:
             code = grpc.StatusCode.INVALID_ARGUMENT
         elif isinstance(error, _Overloaded):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        elif isinstance(error, _ShuttingDown):
+            code = grpc.StatusCode.UNAVAILABLE
         elif isinstance(error, PeerTimeoutError) or isinstance(error.__cause__, PeerTimeoutError):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         elif isinstance(error, RolloutError):
@@ -231,7 +268,7 @@ def serve(
     token: str | None = None,
     tls: TLS | None = None,
     **limits,
-) -> tuple[grpc.Server, int]:
+) -> tuple["RolloutServer", int]:
     """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port.
     InsecureBindError, before anything listens, for an address beyond loopback where clients
     need not authenticate (neither `token` nor `tls` with a client CA). `limits`:
@@ -255,4 +292,18 @@ def serve(
     if port == 0:
         raise RolloutError(f"could not bind the rollout server to {bind}")
     server.start()
-    return server, port
+    return RolloutServer(server, servicer), port
+
+
+class RolloutServer:
+    """A started gRPC server and its servicer; `stop` ends generation before the grace."""
+
+    def __init__(self, server: grpc.Server, servicer: RolloutServicer):
+        self.server, self.servicer = server, servicer
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Refuse new calls; generation in flight ends now with UNAVAILABLE, other calls get
+        `grace` seconds. The event is set once every call has ended."""
+        stopped = self.server.stop(grace)
+        self.servicer.shut_down()
+        return stopped
