@@ -311,6 +311,35 @@ def test_a_replacement_that_fails_other_than_in_its_scorer_is_retried_not_lost(
     assert starts[2] in running
 
 
+def test_a_start_that_cannot_spawn_leaks_no_descriptor(fn_spec, monkeypatch):
+    """Popen failing (out of processes, say) fails the start and closes what it opened for the
+    child, its socket pair and output pipe: the pool retries starts, and each failed one used to
+    leave the pipe's two descriptors open (the sockets until collected), until the server ran
+    out of them."""
+    import asyncio
+    import os
+    import subprocess
+
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.processes import ScoringProcess, ScoringProcesses
+
+    def cannot_spawn(*args, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    async def main():
+        pool = ScoringProcesses(partial(FunctionScorer.load, fn_spec("length")), processes=1)
+        process = ScoringProcess(pool)
+        monkeypatch.setattr(subprocess, "Popen", cannot_spawn)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            with pytest.raises(BlockingIOError):
+                await process.start()
+            await process.stop()  # closes the start's shared-memory mark, as a restart does
+        return len(os.listdir("/proc/self/fd")) - before
+
+    assert asyncio.run(main()) == 0
+
+
 def test_health_and_reflection_services(serve):
     server = serve()
     assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING

@@ -96,23 +96,29 @@ class ScoringProcess:
         output, output_end = os.pipe()
         # A fresh interpreter, not multiprocessing: a fork of a process that runs gRPC is not
         # safe, and multiprocessing's spawn runs the parent's __main__ again in the child.
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ferrule_rewards.child",
-                str(theirs.fileno()),
-                str(self.mark.fd),
-            ],
-            pass_fds=(theirs.fileno(), self.mark.fd),
-            # Its own session and process group, so that a Ctrl-C at the terminal reaches the
-            # server alone, and kill() reaches the function's children even once it is gone.
-            start_new_session=True,
-            stdout=output_end,
-            stderr=output_end,
-        )
-        theirs.close()
-        os.close(output_end)
+        try:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ferrule_rewards.child",
+                    str(theirs.fileno()),
+                    str(self.mark.fd),
+                ],
+                pass_fds=(theirs.fileno(), self.mark.fd),
+                # Its own session and process group, so that a Ctrl-C at the terminal reaches
+                # the server alone, and kill() reaches the function's children once it is gone.
+                start_new_session=True,
+                stdout=output_end,
+                stderr=output_end,
+            )
+        except BaseException:  # out of processes or descriptors: the pool retries, so leak none
+            ours.close()
+            os.close(output)
+            raise
+        finally:
+            theirs.close()
+            os.close(output_end)
         logs.forward(output, f"scoring process {self.process.pid}", self.pool.max_log_bytes)
         reader, self.writer = await asyncio.open_connection(sock=ours)
         self.frames = asyncio.Queue()
