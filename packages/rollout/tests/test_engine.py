@@ -263,24 +263,6 @@ def test_a_sender_that_never_sends_times_out_and_leaves_the_weights_alone(engine
     assert_matches_transformers(engine.generate(PROMPTS, GREEDY), policy, greedy=True)
 
 
-def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
-    from transformers import AutoModelForCausalLM
-
-    from ferrule_rollout.vllm_engine import VLLMEngine
-    from ferrule_weightsync import create_sender
-
-    path = tiny_model("qwen2")
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    long_prompt = [PROMPTS[0] * 12]  # ~170 tokens: a full KV block (128 on CPU) gets cached
-    with VLLMEngine(path, dtype="float32", max_model_len=512, enable_prefix_caching=True) as eng:
-        eng.generate(long_prompt, GREEDY)  # fills the prefix cache under the old weights
-        port = free_port()
-        joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)
-        eng.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
-        perturbed_and_loaded(eng, joining.get(), policy, seed=11)
-        assert_matches_transformers(eng.generate(long_prompt, GREEDY), policy, greedy=True)
-
-
 def test_stopping_the_server_ends_generation_in_flight_with_unavailable_not_after_the_grace(
     engine,
 ):
@@ -314,3 +296,23 @@ def test_stopping_the_server_ends_generation_in_flight_with_unavailable_not_afte
         assert time.monotonic() < deadline, f"sequences left running: {engine.health()}"
         time.sleep(0.05)
     assert len(engine.generate(PROMPTS, GREEDY)) == 2  # the engine itself serves on
+
+
+def test_prefix_cache_does_not_serve_old_weights_after_an_update(vllm_cpu_env):
+    # Last in the module: closing a second engine in this process tears down vLLM's
+    # process-wide parallel groups, and the module's engine fails every step after it.
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_rollout.vllm_engine import VLLMEngine
+    from ferrule_weightsync import create_sender
+
+    path = tiny_model("qwen2")
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    long_prompt = [PROMPTS[0] * 12]  # ~170 tokens: a full KV block (128 on CPU) gets cached
+    with VLLMEngine(path, dtype="float32", max_model_len=512, enable_prefix_caching=True) as eng:
+        eng.generate(long_prompt, GREEDY)  # fills the prefix cache under the old weights
+        port = free_port()
+        joining = in_thread(create_sender, "broadcast", "127.0.0.1", port, 1, timeout=60)
+        eng.init_weight_sync("broadcast", "127.0.0.1", port, rank=1, num_receivers=1, timeout=60)
+        perturbed_and_loaded(eng, joining.get(), policy, seed=11)
+        assert_matches_transformers(eng.generate(long_prompt, GREEDY), policy, greedy=True)
