@@ -1,4 +1,5 @@
-"""A weight-sync peer in its own process, driven by the tests: `python peer.py --role receiver ...`.
+"""A weight-sync peer in its own process, driven by the tests: `python peer.py --role receiver ...`,
+or `main_logged_to(log, argv)` in a process forked from a server that imported torch already.
 
 Receivers save what they received (or the error they raised) with torch.save to --out. Options
 inject the failures the tests need: corrupt a bucket, stall inside a bucket (to be killed), stop
@@ -6,6 +7,7 @@ consuming early; a sender can stall after its first bucket.
 """
 
 import argparse
+import os
 import time
 import traceback
 
@@ -170,7 +172,7 @@ def run_sender(args) -> None:
     sender.send(stalling_stream(), specs=specs)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=["sender", "receiver"], default="receiver")
     parser.add_argument("--transport", default="broadcast")
@@ -193,5 +195,18 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", help="broadcast receivers: cpu or cuda:N")
     parser.add_argument("--secret", help="the group's shared secret")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     run_sender(args) if args.role == "sender" else run_receiver(args)
+
+
+def main_logged_to(log: str, argv: list[str]) -> None:
+    """`main(argv)` with this process's output in the file `log`, as a pipe would hold it."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    main(argv)
+
+
+if __name__ == "__main__":
+    main()
