@@ -108,6 +108,30 @@ def test_outputs_cut_metrics_back_on_resume_and_plot(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 4}
 
 
+def test_outputs_show_skipped_steps_and_write_their_inf_norm_as_null(tmp_path, capsys):
+    """A skipped update (ferrule-trainer's nonfinite.py) is said in the log with where its
+    values arose, counted in the progress line, listed by `skipped_steps` (summary.json's
+    "skipped_steps"), also across a resume; its inf gradient norm is written as null."""
+    from ferrule_launcher.outputs import Outputs, skipped_steps
+
+    where = "micro-batch 2 of 4: NaN in the gradients of 9 of 26 parameters, ..."
+    out = Outputs(tmp_path, total_steps=4, first_step=1, tensorboard=False, progress=False)
+    out.log(1, {"reward": 0.1, "train/skipped": 0.0})
+    out.log(2, {"train/skipped": 1.0, "train/nonfinite": where, "train/grad_norm": float("inf")})
+    out.close()
+    resumed = Outputs(tmp_path, total_steps=4, first_step=3, tensorboard=False, progress=False)
+    resumed.log(3, {"critic/skipped": 1.0, "critic/nonfinite": ""})
+    resumed.log(4, {"train/skipped": 0.0})
+    resumed.close()
+    err = capsys.readouterr().err
+    assert f"step 2: the policy's update was skipped, its gradients not finite: {where}" in err
+    assert "step 3: the critic's update was skipped, its gradients not finite: not located" in err
+    assert "step 3: " in err and "skipped 2" in err.split("step 4: ")[1]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert records[1]["train/grad_norm"] is None and records[1]["train/nonfinite"] == where
+    assert skipped_steps(records) == [2, 3]
+
+
 def test_role_names_and_labels():
     assert [Role("policy", 1).name, Role("rollout", 0).name] == ["policy-1", "rollout-0"]
     assert [Role("reference").name, Role("reference", 1).name] == ["reference", "reference-1"]

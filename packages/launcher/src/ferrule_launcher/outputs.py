@@ -23,6 +23,11 @@ from pathlib import Path
 
 SHOWN = {"reward": "reward", "kl": "kl", "approx_kl": "kl_old", "tokens_per_s": "tok/s"}
 PHASES = ("generate", "score", "train", "sync")
+# a role's updates skipped for non-finite gradients (ferrule-trainer's nonfinite.py), and where
+SKIPPED = {
+    "train/skipped": ("policy", "train/nonfinite"),
+    "critic/skipped": ("critic", "critic/nonfinite"),
+}
 
 
 class Outputs:
@@ -40,6 +45,7 @@ class Outputs:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "eval_samples.jsonl"
         self.history = _read_history(self.metrics_path, before=first_step)
+        self.skipped = len(skipped_steps(self.history))
         _write_lines(self.metrics_path, self.history)  # drop steps after the checkpoint
         _write_lines(self.samples_path, _read_history(self.samples_path, before=first_step))
         self.writer = None
@@ -67,9 +73,11 @@ class Outputs:
         self.quiet = not progress
 
     def log(self, step: int, metrics: dict) -> None:
-        # NaN (a metric that could not be computed) is not JSON: null instead.
+        # NaN (a metric that could not be computed) and inf (a skipped step's gradient norm)
+        # are not JSON: null instead.
         metrics = {
-            k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in metrics.items()
         }
         record = {"step": step, **metrics}
         self.history.append(record)
@@ -92,6 +100,15 @@ class Outputs:
         phases = [metrics.get(f"time/{p}", 0.0) for p in PHASES]
         total = sum(phases) or 1.0
         postfix["gen/score/train/sync"] = "/".join(f"{100 * t / total:.0f}" for t in phases) + "%"
+        for key, (role, where) in SKIPPED.items():
+            if metrics.get(key):
+                self.message(
+                    f"step {step}: the {role}'s update was skipped, its gradients not finite: "
+                    f"{metrics.get(where) or 'not located'}"
+                )
+        self.skipped += bool(skipped_steps([record]))
+        if self.skipped:
+            postfix["skipped"] = str(self.skipped)
         if metrics.get("reward/failed"):
             postfix["reward_failed"] = str(metrics["reward/failed"])
         if "eval/reward" in metrics:
@@ -184,6 +201,11 @@ def plot_rewards(history: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def skipped_steps(history: list[dict]) -> list[int]:
+    """The steps at which the policy's or the critic's update was skipped."""
+    return [r["step"] for r in history if any(r.get(key) for key in SKIPPED)]
 
 
 def reward_summary(history: list[dict]) -> dict:

@@ -177,6 +177,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             "steps": config.loop.steps,
             "wall_seconds": round(wall_seconds(), 1),
             "resumed_from_step": state["step"] if state else 0,
+            "skipped_steps": outputs.skipped_steps(log.history),
             "startup_seconds": startup.as_dict(),
             "mode": config.loop.mode,
             "estimator": config.trainer.estimator,

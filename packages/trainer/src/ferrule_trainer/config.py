@@ -195,6 +195,10 @@ class TrainerConfig(Table):
     GPUs the fastest stage the memory plan fits (2 before 3), elsewhere 0 (2 with an offload)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
+    max_skipped_steps: int = Field(3, ge=1)
+    """A step whose gradients hold a NaN or an inf is skipped: no weight, optimizer state or
+    learning-rate change (train/skipped counts it, the log says where the values arose). The
+    run stops at this many skipped steps in a row (policy or critic)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.95)

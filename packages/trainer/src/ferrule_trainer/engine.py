@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ferrule_trainer import nonfinite
 from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.sequences import COMPILED_HEAD, most_over_ranks
 
@@ -153,7 +154,7 @@ def deepspeed_config(
         "zero_optimization": zero,
         # DeepSpeed's bf16 overflow check scans every gradient (six kernels each, then a host
         # sync): 45 of the 68 ms optimizer step of a 0.5B Qwen2 on one H100. bf16 needs no loss
-        # scaling, and `optimizer_step` stops on a non-finite gradient norm at no extra cost.
+        # scaling, and `optimizer_step` skips an update whose gradient norm is not finite.
         "bf16": {"enabled": dtype == "bfloat16", "check_grad_overflow": False},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -399,6 +400,10 @@ def optimizer_step(
     and token budgets give ranks different counts (one more pass on one rank: a mismatched
     collective, which gloo aborts and NCCL waits on forever). A rank with fewer repeats its last
     micro-batch with its loss times zero: no gradient, no metric.
+
+    An update whose gradients hold a NaN or an inf is skipped on every rank, nothing changed
+    (`_update_unless_nonfinite`): the result says "skipped" 1.0 (else 0.0) and "nonfinite",
+    where `nonfinite.locate` found the values to arise.
     """
     if not micro_batches:
         raise ValueError("optimizer_step needs at least one micro-batch")
@@ -427,25 +432,50 @@ def optimizer_step(
         engine.bfloat16_enabled() or engine.fp16_enabled()
     )
     own_norm = _grad_norm(engine.module) if plain_fp32 else None
-    engine.step()
+    applied = _update_unless_nonfinite(engine, own_norm)
     result = {key: float(value) / len(micro_batches) for key, value in sums.items()}
     result["loss"] = float(global_sum(total))
     grad_norm = engine.get_global_grad_norm() if own_norm is None else own_norm
     result["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    if grad_norm is not None and not math.isfinite(result["grad_norm"]):
-        raise NonFiniteGradientError(
-            f"gradient norm is {result['grad_norm']} (loss {result['loss']}): training stops "
-            "before this step's weights reach a checkpoint or an inference engine; resume from "
-            "the last checkpoint (a lower learning rate, tighter clipping or an importance-"
-            "sampling cap may help)"
+    if applied and grad_norm is not None and not nonfinite.is_finite(grad_norm):
+        raise nonfinite.NonFiniteGradientError(  # a DeepSpeed path that skipped nothing
+            f"gradient norm is {result['grad_norm']} (loss {result['loss']}) and the update "
+            "was applied: training stops before these weights reach a checkpoint or an engine"
         )
+    result["skipped"] = 0.0 if applied else 1.0
+    if not applied:
+        result["nonfinite"] = nonfinite.locate(engine, micro_batches, loss_fn)
     result["lr"] = lr
     return result
 
 
-class NonFiniteGradientError(FloatingPointError):
-    """A step's gradients held inf or NaN. DeepSpeed skips such a step in fp32 and fp16; in bf16
-    (its overflow scan is off, see `deepspeed_config`) the update has been applied."""
+def _update_unless_nonfinite(engine, own_norm: float | None) -> bool:
+    """engine.step(), unless the step's gradients hold a NaN or an inf; returns whether the
+    update was applied. A skipped update changes nothing (weights, optimizer states, the
+    learning-rate schedule) and drops the gradients: DeepSpeed's own overflow path, which it
+    takes by itself under ZeRO-3, in its ZeRO-0 bf16 optimizer and in fp32 under ZeRO-1/2.
+    In bf16 under ZeRO-1/2 its overflow scan is off (`deepspeed_config`): the norm it takes for
+    clipping is taken first here, and a bad one turns the scan on for this step alone. In fp32
+    under ZeRO-0 it calls torch's optimizer as it is: `own_norm` decides."""
+    if own_norm is not None:
+        if not nonfinite.is_finite(own_norm):
+            engine.zero_grad()
+            return False
+        engine.step()
+        return True
+    optimizer = engine.optimizer
+    unguarded = getattr(optimizer, "check_grad_overflow", True) is False and (
+        getattr(optimizer, "dtype", None) == torch.bfloat16
+    )
+    if unguarded and not nonfinite.is_finite(optimizer.scaled_global_norm()):
+        optimizer.check_grad_overflow = True
+        try:
+            engine.step()
+        finally:
+            optimizer.check_grad_overflow = False
+    else:
+        engine.step()
+    return engine.was_step_applied()
 
 
 def _grad_norm(module: torch.nn.Module) -> float:

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from ferrule_config import InputPath, Table
-from ferrule_trainer import engine
+from ferrule_trainer import engine, nonfinite
 from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.jsonl import records
@@ -149,6 +149,7 @@ def train_pairs(
         step = model.load_state(out / "state")["step"]
         log(f"resumed from {out / 'state'} at step {step}")
     losses = []
+    skips = nonfinite.SkippedSteps(nonfinite.DEFAULT_LIMIT, "model", "the skips allowed in a row")
     while step < total:
         epoch, index = divmod(step, steps_per_epoch)
         order = epoch_order(len(pairs), t.seed, epoch)
@@ -173,12 +174,18 @@ def train_pairs(
         started = time.perf_counter()
         metrics = engine.optimizer_step(model.engine, micro_batches, loss_fn)
         step += 1
+        skips.count(step, metrics)
+        where = metrics.pop("nonfinite", "")
         losses.append(metrics["loss"])
         if config.eval.every and step % config.eval.every == 0 and step < total:
             metrics.update(evaluate())
         if rank == 0:
             shown = " ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
-            log(f"step {step}/{total} epoch {epoch} {shown} s {time.perf_counter() - started:.2f}")
+            seconds = time.perf_counter() - started
+            log(
+                f"step {step}/{total} epoch {epoch} {shown} s {seconds:.2f}"
+                + (where and f" {where}")
+            )
         if config.output.save_every and step % config.output.save_every == 0 and step < total:
             model.save_state(out / "state", step=step)
     model.save_state(out / "state", step=step)

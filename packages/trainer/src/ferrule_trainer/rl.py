@@ -264,7 +264,8 @@ def ppo_epochs(
     **loss_options,
 ) -> dict[str, float]:
     """`epochs` passes over `batch`, `mini_batches` optimizer steps each, every step in
-    micro-batches of `micro_batch_size` rows; returns each metric's mean over the steps. With
+    micro-batches of `micro_batch_size` rows; returns each metric's mean over the steps ("skipped":
+    how many updates were skipped for non-finite gradients; "nonfinite": where, when any). With
     `micro_batch_tokens`, each mini-batch's rows are sorted by length into micro-batches of at
     most that many tokens (and `micro_batch_size` rows): `sequences.plan_micro_batches`.
     `pack_sequences`: each micro-batch is one row without padding (the step gets packed=True).
@@ -284,13 +285,22 @@ def ppo_epochs(
         return [mini.take(rows) for rows in plan]
 
     totals: dict[str, float] = {}
+    where: list[str] = []  # each skipped update's non-finite gradients, located
     steps = 0
     for _ in range(epochs):
         for mini in batch.split(size):
-            for key, value in train_step(micro_batches(mini), **loss_options).items():
+            metrics = train_step(micro_batches(mini), **loss_options)
+            if "nonfinite" in metrics:
+                where.append(f"update {steps + 1}: {metrics.pop('nonfinite') or 'not located'}")
+            for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
             steps += 1
-    return {key: value / steps for key, value in totals.items()}
+    result = {key: value / steps for key, value in totals.items()}
+    if "skipped" in totals:  # a count of updates, not a mean
+        result["skipped"] = totals["skipped"]
+    if where:
+        result["nonfinite"] = "; ".join(where)
+    return result
 
 
 def mean_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from ferrule_config import InputPath, Table
-from ferrule_trainer import engine
+from ferrule_trainer import engine, nonfinite
 from ferrule_trainer.aggregation import aggregate_loss
 from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.chat import prompt_text
@@ -232,6 +232,7 @@ def train(config: SFTConfig, log=print) -> list[float]:
         log(f"resumed from {out / 'state'} at step {step}")
     device = engine.device()
     losses = []
+    skips = nonfinite.SkippedSteps(nonfinite.DEFAULT_LIMIT, "model", "the skips allowed in a row")
     while step < total_steps:
         epoch, index = divmod(step, steps_per_epoch)  # the data position follows from the step
         order = epoch_order(len(examples), cfg_t.seed, epoch)
@@ -249,12 +250,14 @@ def train(config: SFTConfig, log=print) -> list[float]:
             lambda mb, tokens=tokens: (sft_loss(actor.engine, mb, tokens), {}),
         )
         step += 1
+        skips.count(step, metrics)
         losses.append(metrics["loss"])
         if rank == 0:
             speed = float(tokens) / (time.perf_counter() - start)
             log(
                 f"step {step}/{total_steps} epoch {epoch} loss {metrics['loss']:.4f} "
                 f"lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f} tokens/s {speed:.0f}"
+                + (f" skipped: {metrics['nonfinite']}" if metrics["skipped"] else "")
             )
         if config.output.save_every and step % config.output.save_every == 0 and step < total_steps:
             actor.save_state(out / "state", step=step, data_position=step * cfg_t.batch_size)

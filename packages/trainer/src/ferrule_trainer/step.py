@@ -27,6 +27,7 @@ import torch
 from ferrule_trainer import rl
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
+from ferrule_trainer.nonfinite import SkippedSteps
 
 Pending = Callable[[], object]
 """A call in flight: calling it waits for the result (and raises the callee's error)."""
@@ -139,13 +140,23 @@ class RLStep:
         # The state carried between steps ([trainer] kl_target, reward_norm = "running").
         self.kl_coef = trainer.kl_coef
         self.reward_moments = rl.RunningMoments()
+        # steps skipped in a row for non-finite gradients, each role's, up to max_skipped_steps
+        self.skips = {
+            role: SkippedSteps(trainer.max_skipped_steps, role) for role in ("policy", "critic")
+        }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_coef, "reward_moments": list(self.reward_moments)}
+        return {
+            "kl_coef": self.kl_coef,
+            "reward_moments": list(self.reward_moments),
+            "skipped_in_a_row": {role: s.in_a_row for role, s in self.skips.items()},
+        }
 
     def restore(self, state: dict) -> None:
         self.kl_coef = state.get("kl_coef", self.trainer.kl_coef)
         self.reward_moments = rl.RunningMoments(*state.get("reward_moments", ()))
+        for role, count in state.get("skipped_in_a_row", {}).items():
+            self.skips[role].in_a_row = count
 
     # -- before training: each draw's scores and groups --------------------------------------
 
@@ -190,9 +201,9 @@ class RLStep:
         up to step - 1). on_chosen: rejection sampling hands it the indices of the samples it
         trains on."""
         if self.algorithm == "rejection_sampling":
-            return self._best_of_n(samples, scores, on_chosen)
+            return self._best_of_n(step, samples, scores, on_chosen)
         if self.algorithm == "iterative_dpo":
-            return self._best_against_worst(samples, scores)
+            return self._best_against_worst(step, samples, scores)
         return self._ppo(step, samples, scores)
 
     def _ppo(self, step: int, samples: Sequence, scores: Sequence[float]) -> dict:
@@ -256,8 +267,11 @@ class RLStep:
                 **t.epoch_options(),
                 clip=self.critic.value_clip,
             )
-            result.update({f"critic/{k}": v for k, v in critic_done().items()})
+            critic_metrics = critic_done()
+            self.skips["critic"].count(step, critic_metrics)
+            result.update({f"critic/{k}": v for k, v in critic_metrics.items()})
         metrics = dict(policy_done())  # losses and norms are already global
+        self.skips["policy"].count(step, metrics)
         if old is None:  # measured by the training forward, over every rank
             result["vllm_kl"] = metrics.pop("vllm_kl")
             if ref is not None:
@@ -294,7 +308,7 @@ class RLStep:
                 found.append((best, min(group, key=lambda i: scores[i])))
         return found
 
-    def _best_of_n(self, samples, scores, on_chosen) -> dict:
+    def _best_of_n(self, step: int, samples, scores, on_chosen) -> dict:
         """Rejection sampling: SFT on the best sample of each prompt (by score), [trainer]
         epochs x mini_batches optimizer steps."""
         best = [b for b, _ in self._ranked(scores)]
@@ -305,12 +319,13 @@ class RLStep:
             on_chosen(best)
         batch = rl.build_batch([samples[i] for i in best], self.pad_id)
         metrics = self.policy.likelihood_epochs(batch, **self.trainer.epoch_options())()
+        self.skips["policy"].count(step, metrics)
         result = {f"train/{k}": v for k, v in metrics.items()}
         result["train/chosen"] = len(best)
         result["train/chosen_reward"] = sum(scores[i] for i in best) / len(best)
         return result
 
-    def _best_against_worst(self, samples, scores) -> dict:
+    def _best_against_worst(self, step: int, samples, scores) -> dict:
         """Iterative DPO: each prompt's best and worst sample by score as a preference pair
         (prompts whose samples all scored the same give none), [trainer] epochs x
         mini_batches DPO optimizer steps against the reference (the starting model)."""
@@ -329,6 +344,7 @@ class RLStep:
         metrics = self.policy.preference_epochs(
             batch, **self.trainer.epoch_options(), beta=self.dpo_beta, nll_coef=self.dpo_nll_coef
         )()
+        self.skips["policy"].count(step, metrics)
         result = {f"train/{k}": v for k, v in metrics.items()}
         result["train/pairs"] = len(pairs)
         return result
