@@ -19,6 +19,7 @@ weight sync, so a replacement loads exactly the weights of the version the engin
 """
 
 import contextlib
+import random
 import sys
 import threading
 
@@ -114,6 +115,27 @@ class Engines:
                 for i, engine in enumerate(self.roles.engines)
             ]
         )
+
+    def reseed(self, key: str) -> None:
+        """Every engine draws its samples' keys afresh from `key` and its index (transformers
+        engines: `TransformersEngine.reseed`), so that what a step samples depends on the step
+        alone. An engine that dies is replaced and every engine reseeded again."""
+        seeds = [
+            random.Random(f"{key}/{i}").getrandbits(62) for i in range(len(self.roles.engines))
+        ]
+        with self.lock:
+            for attempt in (1, 2):
+                calls = [
+                    (engine.reseed.remote(seeds[i]), f"rollout engine {i} (reseed)")
+                    for i, engine in enumerate(self.roles.engines)
+                ]
+                try:
+                    get_each(calls)
+                    return
+                except ActorDied as died:
+                    if attempt == 2:
+                        raise
+                    self.replace(self._dead(), died)
 
     def sync(self, version: int) -> None:
         """Send the policy's weights to every engine as `version`. Running samples wait to

@@ -88,6 +88,8 @@ class Rollouts:
         drawn_episodes = []
         while len(rollout.problems) < want and draws < c.loop.max_draws:
             problems = self.prompts.draw(step, draws, want)
+            if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
+                self.engines.reseed(f"{c.loop.seed}/{step}/{draws}")
             start = time.perf_counter()
             samples, episodes = self.play(problems, c.rollout.temperature, n)
             generated = time.perf_counter()

@@ -145,16 +145,24 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
 
         def on_step(step: int, metrics: dict, shown: list[dict] | None) -> None:
             nonlocal kept
+            if o.export_every and step % o.export_every == 0:
+                began = time.perf_counter()
+                path = out / "exports" / f"step{step}"
+                get(roles.policy.save_hf(str(path)), "policy (export)")
+                metrics["time/export"] = time.perf_counter() - began
+            every = o.checkpoint_every
+            checkpoint = every and step % every == 0 and step < config.loop.steps
+            # The checkpoint is saved before the step's metrics, which show its seconds, and
+            # marked complete after them: a run killed in between resumes from the one before.
+            if checkpoint:
+                began = time.perf_counter()
+                _save_checkpoint(out, roles, step)
+                metrics["time/checkpoint"] = time.perf_counter() - began
             metrics["wall_seconds"] = round(wall_seconds(), 3)
             log.log(step, metrics)
             if shown:
                 log.samples(step, shown)
-            if o.export_every and step % o.export_every == 0:
-                path = out / "exports" / f"step{step}"
-                get(roles.policy.save_hf(str(path)), "policy (export)")
-            every = o.checkpoint_every
-            if every and step % every == 0 and step < config.loop.steps:
-                _save_checkpoint(out, roles, step)
+            if checkpoint:
                 value = metrics.get(o.keep_best) if o.keep_best else None
                 now = [*kept, {"step": step, "value": value}]
                 keep = outputs.retained(now, o.keep_last, o.keep_best, o.keep_best_mode)

@@ -228,6 +228,14 @@ class TransformersEngine(EngineBase):
                 self._running -= len(rows)
                 self._cv.notify_all()
 
+    def reseed(self, seed: int) -> None:
+        """Draw the keys of unseeded samples afresh from `seed`. The launcher does so before each
+        step's generation with [rollout] exact, so that a step's samples depend on the step and
+        the weights alone, not on what the engine generated before: a run resumed from a
+        checkpoint samples what the uninterrupted run did."""
+        with self._model_lock:
+            self._rng.manual_seed(seed)
+
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> ComputedStream:
