@@ -221,6 +221,17 @@ def test_n_samples_order_seeds_and_stream(engine):
     assert list(stream) == []
 
 
+def test_reseed_repeats_unseeded_samples_whatever_came_before(engine):
+    """What a resumed run relies on: after reseed(s), unseeded samples are the same whether or
+    not the engine generated anything before."""
+    settings = SamplingSettings(n=2, max_tokens=7, ignore_eos=True, temperature=1.0)
+    engine.reseed(11)
+    first = engine.generate(PROMPTS, settings)
+    assert engine.generate(PROMPTS, settings) != first  # the key stream moves on
+    engine.reseed(11)
+    assert engine.generate(PROMPTS, settings) == first
+
+
 def test_stop_strings_end_samples_and_are_cut_from_the_text(engine):
     text = engine.generate(PROMPTS[:1], GREEDY)[0].text
     stop = text[3:6]
