@@ -151,9 +151,11 @@ def _assert_same_steps(ours, theirs, ours_grads, theirs_grads):
     assert len(ours_grads) == len(theirs_grads) > 0
     for mine, whole in zip(ours_grads, theirs_grads, strict=True):
         assert mine.keys() == whole.keys()
-        for name in whole:  # to float32 rounding of sums in another order
+        # to float32 rounding of sums in another order: on one 2-core machine a critic's
+        # gradient element differed by 1.4e-4 of its tensor's largest (on the old code too)
+        for name in whole:
             scale = float(whole[name].abs().max())
-            torch.testing.assert_close(mine[name], whole[name], rtol=1e-4, atol=1e-4 * scale)
+            torch.testing.assert_close(mine[name], whole[name], rtol=1e-4, atol=5e-4 * scale)
 
 
 POLICY_CASES = [

@@ -161,3 +161,35 @@ def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monk
         assert response_values(model, batch).shape == batch.response_mask.shape
         if index == 0:  # the first forward compiled; from here on, none may
             monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+
+
+def test_under_sdpa_every_padding_query_sees_its_own_key_and_real_tokens_are_unchanged():
+    """Issue 56: a left-padding query that sees no key got NaN gradients from sdpa's cuDNN
+    backward (an H200; tests/test_gpu.py). `model_inputs` gives it its own key; what real
+    tokens compute is what eager attention (transformers' own mask) computes."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_testkit import tiny_model
+    from ferrule_trainer.batch import Batch
+    from ferrule_trainer.sequences import model_inputs, response_logprobs
+
+    path = tiny_model("qwen2")
+    ids = torch.randint(5, 400, (3, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :6] = 0  # a prompt of one token
+    batch = Batch(ids, mask, mask[:, -3:].clone())
+    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    inputs = model_inputs(sdpa, batch)
+    keys = inputs["attention_mask"]
+    assert keys.shape == (3, 1, 10, 10) and keys.dtype == torch.bool
+    assert keys.any(-1).all()  # no query without a key
+    assert keys[2, 0, 3].tolist() == [False] * 3 + [True] + [False] * 6  # padding: only itself
+    real = keys[1, 0, 6]  # a real token sees the real tokens before it, itself included
+    assert real.tolist() == [False] * 4 + [True] * 3 + [False] * 3
+    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    ours, _ = response_logprobs(sdpa, batch)
+    theirs, _ = response_logprobs(eager, batch)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    unpadded = Batch(ids[:1], mask[:1], mask[:1, -3:].clone())
+    assert model_inputs(sdpa, unpadded)["attention_mask"].dim() == 2  # transformers' causal path

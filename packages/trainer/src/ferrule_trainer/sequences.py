@@ -185,7 +185,10 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
     length to a multiple of ALIGN with at least one, so that there is always a mask, and a
     single row gets a second of one token (callers keep the first `batch.rows` rows of the
     output). Padding changes no real token's output: it is masked, and positions count real
-    tokens only."""
+    tokens only.
+
+    For sdpa a mask with padding goes as the 4D boolean mask of `_sdpa_mask`, in which no query
+    sees no key: see there."""
     aligned = compiled_head(model)
     if packed:
         ids, positions, index = packed_inputs(batch)
@@ -201,7 +204,35 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
         if len(ids) == 1:  # one token of its own: a row with none would attend to nothing
             ids, mask = F.pad(ids, (0, 0, 0, 1)), F.pad(mask, (0, 0, 0, 1))
             mask[1, -1] = 1
-    return dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
+    if _attention(model) == "sdpa" and not mask.all():  # no padding: transformers' causal path
+        inputs["attention_mask"] = _sdpa_mask(mask)
+    return inputs
+
+
+def _attention(model) -> str | None:
+    """The attention implementation of `model` (or of the module a DeepSpeed engine wraps)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) booleans from a (B, T) padding mask: what transformers builds for sdpa
+    (causal, real keys only; it passes a 4D mask through as it is), plus each query's own key.
+
+    A left-padding query sees no key at all under the causal and padding masks, and on an H200
+    (torch 2.11, cuDNN's sm90 flash backward, which sdpa picks for a boolean mask) such fully
+    masked rows get NaN in dQ whenever T % 128 == 64, with the output and its gradient finite
+    and 0 there; the NaN then reaches every weight below that layer, the loss stays finite
+    (tests/test_gpu.py, issue 56). Left padding is in every RL batch (prompts of
+    several lengths; ALIGN's columns), and ALIGN makes T a multiple of 8, so one micro-batch in
+    16 hit it. With its own key every row of the attention is non-empty; a real token's row is
+    unchanged (its own key is real and causal), only padding outputs, which nothing reads, change."""
+    keys = mask.bool()
+    length = keys.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    own = torch.eye(length, dtype=torch.bool, device=mask.device)
+    return ((causal & keys[:, None, :]) | own)[:, None]
 
 
 def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
