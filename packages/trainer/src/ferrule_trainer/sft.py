@@ -34,7 +34,7 @@ from ferrule_trainer.sequences import group_by_length
 
 
 class SFTModelConfig(ModelConfig):
-    """[model] of `rlhf-train sft`: the model, and how DeepSpeed holds and trains it."""
+    """[model] of `rlhf-train sft`, `rm` and `dpo`: the model, and how DeepSpeed holds and trains it."""
 
     dtype: TrainDType = "bfloat16"
     """"bfloat16" or "float32" (use float32 on CPUs without bf16 instructions)."""
