@@ -456,3 +456,83 @@ def serve_once():
     yield server.address
     assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
     server.stop(grace=0)
+
+
+def test_a_kill_that_cannot_list_proc_still_kills_and_the_slot_comes_back(serve, monkeypatch):
+    """Out of descriptors (1020 idle connections under a soft limit of 1024), listing /proc
+    failed with EMFILE inside a kill at the call's deadline: the kill raised, the restart task
+    died, and the only scoring process never came back (every later call DEADLINE_EXCEEDED,
+    health SERVING). Now the process is frozen, the kill tried again, and the slot restored."""
+    from ferrule_rewards import tree
+
+    server = serve("slow", processes=1, timeout=10.0)
+    real, failures = tree.descendants, []
+
+    def out_of_descriptors(pid):
+        if len(failures) < 3:
+            failures.append(pid)
+            raise OSError(24, "Too many open files", f"/proc/{pid}/task")
+        return real(pid)
+
+    monkeypatch.setattr(tree, "descendants", out_of_descriptors)
+    with pytest.raises(grpc.RpcError) as error:
+        raw_call(server.address, request({"response": "4"}), timeout=1.0)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failures
+    for _ in range(3):
+        assert (
+            raw_call(server.address, request({"response": "0"}), timeout=8).results[0].reward == 1
+        )
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    assert not Path(f"/proc/{failures[0]}").exists()  # killed and reaped
+
+
+def test_connections_are_bounded_and_silent_ones_are_closed(serve, monkeypatch):
+    """Idle connections that never sent a byte were kept for good, each holding a descriptor,
+    and nothing bounded how many: with 1024 descriptors they starved the server. Now past
+    MAX_CONNECTIONS a new one is closed at once, and one silent past HANDSHAKE_SECONDS is
+    closed; calls on fresh connections are still answered."""
+    import socket
+
+    from ferrule_rewards import server as server_module
+
+    monkeypatch.setattr(server_module, "MAX_CONNECTIONS", 8, raising=False)
+    monkeypatch.setattr(server_module, "HANDSHAKE_SECONDS", 0.5, raising=False)
+    server = serve()
+    host, port = server.address.rsplit(":", 1)
+    sockets = [socket.create_connection((host, int(port))) for _ in range(12)]
+    closed_at = {}
+    started = time.monotonic()
+    while len(closed_at) < len(sockets) and time.monotonic() - started < 5:
+        for index, sock in enumerate(sockets):
+            sock.setblocking(False)
+            try:
+                if index not in closed_at and sock.recv(64) == b"":
+                    closed_at[index] = time.monotonic() - started
+            except BlockingIOError:
+                pass
+            except ConnectionError:
+                closed_at[index] = time.monotonic() - started
+        time.sleep(0.02)
+    for sock in sockets:
+        sock.close()
+    assert len(closed_at) == 12, closed_at
+    assert sorted(closed_at.values())[3] < 0.4  # the 4 past the bound: at once
+    assert max(closed_at.values()) < 2.0
+    assert raw_call(server.address, request({"response": "abc"})).results[0].reward == 3.0
+
+
+def test_the_descriptor_limit_is_raised_to_the_hard_one(serve):
+    """A systemd service gets a soft limit of 1024 descriptors; the server now raises it to
+    the hard limit when it starts, and the unit sets LimitNOFILE."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        serve()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    unit = (TESTS.parent / "deploy" / "ferrule-rewards.service").read_text()
+    assert "\nLimitNOFILE=" in unit

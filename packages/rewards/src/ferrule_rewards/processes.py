@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!i")  # multiprocessing.Connection's frame header
 _LONG_LENGTH = struct.Struct("!Q")
 RESTART_BACKOFF = (0.1, 5.0)  # seconds between failed starts of a process: first, most
+KILL_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # seconds before each new try at listing a tree
 
 
 class StartFailed(Exception):
@@ -74,6 +75,7 @@ class ScoringProcess:
         self._reading: asyncio.Task | None = None
         self.recycle = False  # it asked to be replaced after its answer
         self.killed = False
+        self.frozen: OSError | None = None  # why its tree could not be listed (see kill)
 
     @property
     def alive(self) -> bool:
@@ -310,12 +312,45 @@ class ScoringProcess:
         # So every wait for it comes after a kill.
         if self.process is None or self.process.returncode is not None:
             return
-        tree.kill_tree(self.process.pid)
+        pid = self.process.pid
+        try:
+            tree.kill_tree(pid)
+        except OSError as error:
+            # /proc could not be listed: out of descriptors (EMFILE), say. Freeze the process
+            # and its group, which keeps its subtree in place (an orphan of it is re-parented
+            # to the frozen process), and let stop() try again.
+            self.frozen = error
+            for send in (os.kill, os.killpg):
+                with contextlib.suppress(OSError):
+                    send(pid, signal.SIGSTOP)
+            return
+        self.frozen = None
         with contextlib.suppress(OSError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
+
+    async def _kill_for_good(self) -> None:
+        """kill(), tried again while its tree cannot be listed; after KILL_RETRIES, SIGKILL the
+        process and its group (what left both with setsid is then missed)."""
+        self.kill()
+        for delay in KILL_RETRIES:
+            if self.frozen is None:
+                return
+            await asyncio.sleep(delay)
+            self.kill()
+        if self.frozen is not None:
+            log.error(
+                "could not list the processes of scoring process %s (%s); killed it and its "
+                "process group only",
+                self.process.pid,
+                self.frozen,
+            )
+            for send in (os.kill, os.killpg):
+                with contextlib.suppress(OSError):
+                    send(self.process.pid, signal.SIGKILL)
+            self.frozen = None
 
     async def stop(self) -> None:
-        self.kill()
+        await self._kill_for_good()
         if self.writer is not None:
             self.writer.close()
         if self._reading is not None:
@@ -429,21 +464,20 @@ class ScoringProcesses:
     async def restart(self, process: ScoringProcess) -> None:
         """Replace `process`'s child with a new one, retrying with backoff until one starts.
         While starts fail, the pool reports itself unhealthy (NOT_SERVING). Any failure is
-        retried, not only the scorer's (StartFailed): an OSError here (out of file
-        descriptors, say) would otherwise end the restart and lose the process's slot for
-        good; each failed child is reaped before the next try."""
-        await process.stop()
+        retried, not only the scorer's (StartFailed), and so is stopping the old child: an
+        OSError here (out of file descriptors, say) would otherwise end the restart and lose
+        the process's slot for good; each failed child is reaped before the next try."""
         process.recycle = False
         delay = RESTART_BACKOFF[0]
         while not self._closed:
             try:
+                await process.stop()  # may fail too (out of descriptors): retried with the rest
                 await process.start()
                 self._set_health(True)
                 return
             except Exception as error:
                 log.error("a scoring process failed to start (retry in %gs): %s", delay, error)
                 self._set_health(False)
-                await process.stop()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RESTART_BACKOFF[1])
 

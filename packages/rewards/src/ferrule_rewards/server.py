@@ -24,6 +24,7 @@ import asyncio
 import logging
 import math
 import os
+import resource
 import signal
 import threading
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 MAX_LOG_MB = 1024
 MAX_SUB_SCORES = 1_000_000
+MAX_CONNECTIONS = 4096
+"""Connections open at once; past it gRPC closes new ones. Each costs a descriptor, and the
+server needs some of its own to replace a scoring process (1020 idle connections under a
+systemd service's soft limit of 1024 made a kill fail and lost the process for good)."""
+HANDSHAKE_SECONDS = 5.0
+"""A connection that has not finished its handshake (TLS, HTTP/2's preface) by then is closed:
+one that sends nothing holds a descriptor and no call."""
+IDLE_SECONDS = 300.0
+"""A connection with no call for this long is closed (GOAWAY; gRPC clients reconnect)."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +242,7 @@ async def start(
     (processes.StartFailed when they cannot), and serve on `bind` (port 0 picks a free port;
     see `.address`). With `reuse_port`, it shares the port with other servers that set it
     (the workers of workers.py)."""
+    raise_descriptor_limit()
     check_bind(
         bind,
         token=token,
@@ -264,6 +275,9 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
             # gRPC shares ports by default (SO_REUSEPORT): a second server on a busy port would
             # start silently and split the traffic. Fail instead, unless asked to share it.
             ("grpc.so_reuseport", int(reuse_port)),
+            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_SECONDS * 1000)),
+            ("grpc.max_connection_idle_ms", int(IDLE_SECONDS * 1000)),
         ],
     )
     handler = grpc.stream_unary_rpc_method_handler(server._score)  # raw bytes in and out
@@ -306,6 +320,14 @@ async def serve(
     log.info("serving %s on %s (%s)", server.name, server.address, security)
     await stop.wait()
     return await server.drain(grace)
+
+
+def raise_descriptor_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one: systemd gives a service 1024
+    (soft), which idle connections alone could use up."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def write_address(path: str, address: str) -> None:
