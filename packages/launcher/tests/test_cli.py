@@ -78,11 +78,15 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
         "--set",
         f'task.sources=[{{path="{tmp_path / "train.jsonl"}", eval_path="{tmp_path / "test.jsonl"}"}}]',
     )
-    if shutil.which("nvidia-smi") is None:  # the memory plan needs the GPUs' size: say so
+    if shutil.which("nvidia-smi") is None:
+        # on a laptop the dry run checks everything else; the memory plan's keys stay "auto"
+        # and it says how to plan for a GPU size (a run itself is refused: see test_plan.py)
         unsized = run(str(gpu_example), "--dry-run", *paths)
-        assert unsized.returncode == 2 and "[ray] gpu_memory_gb: this machine shows no GPU" in (
-            unsized.stderr
-        )
+        assert unsized.returncode == 0, unsized.stderr
+        assert 'zero_stage = "auto"' in unsized.stdout
+        assert 'gradient_checkpointing = "auto"' in unsized.stdout
+        assert "this machine shows no GPU" in unsized.stdout
+        assert "--plan --set ray.gpu_memory_gb=80" in unsized.stdout
     result = run(str(gpu_example), "--dry-run", *paths, "--set", "ray.gpu_memory_gb=80")
     assert result.returncode == 0, result.stderr
     assert "configuration is valid" in result.stdout

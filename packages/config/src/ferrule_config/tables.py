@@ -94,9 +94,12 @@ InputPath = Annotated[Path, AfterValidator(_near_the_file)]
 # -- loading ----------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path, schema: type[T], overrides: dict | None = None) -> T:
-    """Read and validate `path` as `schema`; overrides {"table.key": value} win over the file.
-    Every problem found raises one ConfigError listing all of them."""
+def load_config(
+    path: str | Path, schema: type[T], overrides: dict | None = None, context: dict | None = None
+) -> T:
+    """Read and validate `path` as `schema`; overrides {"table.key": value} win over the file;
+    `context` reaches the validators (beside "base", the file's folder). Every problem found
+    raises one ConfigError listing all of them."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file does not exist")
@@ -108,7 +111,8 @@ def load_config(path: str | Path, schema: type[T], overrides: dict | None = None
         table, _, name = key.partition(".")
         data.setdefault(table, {})[name] = value
     try:
-        return schema.model_validate(data, context={"base": path.resolve().parent})
+        context = {**(context or {}), "base": path.resolve().parent}
+        return schema.model_validate(data, context=context)
     except ValidationError as err:
         raise ConfigError(format_errors(path, schema, err)) from None
 
@@ -165,12 +169,14 @@ def _table(schema: type[BaseModel], tables: list[str]) -> type[BaseModel] | None
     return model
 
 
-def describe(config: BaseModel) -> str:
-    """A validated configuration as TOML (resolved paths, defaults filled in), for --dry-run."""
+def describe(config: BaseModel, shown: dict[str, dict] | None = None) -> str:
+    """A validated configuration as TOML (resolved paths, defaults filled in), for --dry-run;
+    `shown` {table: {key: value}} replaces what some keys show (a value still to be resolved)."""
     lines = []
     for table, value in config.model_dump(mode="json").items():
         if value is None:
             continue
+        value = {**value, **(shown or {}).get(table, {})}
         lines.append(f"[{table}]")
         lines += [f"{key} = {_toml(item)}" for key, item in value.items()]
         lines.append("")

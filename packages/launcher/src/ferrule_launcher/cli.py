@@ -78,15 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(args.set)
         if args.plan:  # show a plan that does not fit too, rather than only refuse it
             return print_plan(load_config(args.config, {**overrides, "ray.check_memory": False}))
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, overrides, dry_run=args.dry_run)
         prompts = make_prompts(config)  # data files are read and checked here, before any process
     except (ConfigError, ValueError) as err:
         print(f"rlhf-launch: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
+        unplanned = config.unplanned
         print(f"# {args.config}: configuration is valid; resolved values:\n")
-        print(describe(config))
+        print(describe(config, {"trainer": dict.fromkeys(unplanned, "auto")}))
         print(f"\n# prompts: {prompts.describe()}")
+        if unplanned:
+            print(
+                f'# [trainer] {", ".join(sorted(config.trainer.auto))} stay "auto": this machine '
+                "shows no GPU. The memory plan for GPUs of a given size: rlhf-launch "
+                f"{args.config} --plan --set ray.gpu_memory_gb=80"
+            )
         return 0
 
     from ferrule_launcher.outputs import describe_eval

@@ -15,7 +15,7 @@ import importlib.util
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from ferrule_config import ConfigError, InputPath, Problems, Table, describe
 from ferrule_config import load_config as load_file
@@ -447,6 +447,8 @@ class Config(Table):
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     output: OutputConfig = OutputConfig()
+    # [trainer] keys a dry run on a machine without GPUs left "auto" (_memory_plan)
+    _unplanned: frozenset[str] = PrivateAttr(frozenset())
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -600,9 +602,10 @@ class Config(Table):
         return self
 
     @model_validator(mode="after")
-    def _memory_plan(self):
+    def _memory_plan(self, info: ValidationInfo):
         """GPU runs: the [trainer] keys left "auto" take the fastest plan that fits the GPUs;
-        a plan that cannot fit is refused here, before any process starts (plan.py)."""
+        a plan that cannot fit is refused here, before any process starts (plan.py). Loaded
+        for a dry run (context "dry_run") on a machine that shows no GPU, they stay "auto"."""
         from ferrule_launcher.plan import make_plan, refusal
 
         if not self.ray.gpus_per_role:
@@ -614,7 +617,9 @@ class Config(Table):
                 [("model.path", f"the memory plan cannot read the model: {err}")]
             ) from None
         if plan.memory is None:
-            if self.trainer.auto:
+            if self.trainer.auto and (info.context or {}).get("dry_run"):
+                self._unplanned = self.trainer.auto
+            elif self.trainer.auto:
                 raise Problems(
                     [
                         (
@@ -630,6 +635,11 @@ class Config(Table):
             raise Problems(refusal(plan))
         object.__setattr__(self, "trainer", plan.trainer)  # frozen: this is its validation
         return self
+
+    @property
+    def unplanned(self) -> frozenset[str]:
+        """The [trainer] keys still "auto": a dry run's on a machine that shows no GPU."""
+        return self._unplanned
 
     def needs_reward_server(self) -> bool:
         """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""
@@ -709,6 +719,7 @@ class Config(Table):
         return problems
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> Config:
-    """Read and validate a run's TOML file; overrides {"loop.steps": 3} win over the file."""
-    return load_file(path, Config, overrides)
+def load_config(path: str | Path, overrides: dict | None = None, dry_run: bool = False) -> Config:
+    """Read and validate a run's TOML file; overrides {"loop.steps": 3} win over the file.
+    `dry_run`: on a machine that shows no GPU, the [trainer] memory keys may stay "auto"."""
+    return load_file(path, Config, overrides, {"dry_run": dry_run})
