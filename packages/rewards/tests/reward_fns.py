@@ -5,6 +5,7 @@ import math
 import os
 import re
 import time
+from pathlib import Path
 
 from ferrule_rewards.records import Sample
 
@@ -115,7 +116,10 @@ def pid(response: str) -> dict[str, float]:
             log.write(f"{os.getpid()}\n")
     if response:
         time.sleep(float(response))
-    return {"reward": 1.0, "pid": float(os.getpid()), "server": float(os.getppid())}
+    # The scoring process's parent reaps its orphans (child.py); the server is above it.
+    reaper = Path(f"/proc/{os.getppid()}/stat").read_text()
+    server = int(reaper.rsplit(")", 1)[1].split()[1])
+    return {"reward": 1.0, "pid": float(os.getpid()), "server": float(server)}
 
 
 def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, float]:
@@ -187,6 +191,14 @@ def spawner(response: str) -> float:
         record(int(os.read(read, 32)))
     if "hang" in response:
         time.sleep(600)
+    return 1.0
+
+
+def orphaner(response: str) -> float:
+    """Starts a shell that leaves a background `sleep` behind (an orphan); returns 1.0."""
+    import subprocess
+
+    subprocess.run(["sh", "-c", "sleep 0.01 &"], check=True)
     return 1.0
 
 

@@ -184,3 +184,28 @@ def test_a_finished_sample_is_never_scored_twice(serve, tmp_path, monkeypatch):
     assert all(reply.results[i].reward == 2 * i for i in range(40) if expected[i] == "OK")
     assert "SIGKILL" in reply.results[15].error
     assert sorted(map(int, log.read_text().split())) == list(range(40))  # each once
+
+
+def test_orphans_a_reward_function_leaves_are_reaped(serve):
+    """A scoring process adopts the orphans of its subtree (a child subreaper) but never
+    reaped them: 500 samples of `sh -c "sleep 0.01 &"` left 500 zombies. Now they are reaped,
+    and a function's own children are still its own to wait for (subprocess.run's check)."""
+    from ferrule_rewards.tree import descendants
+
+    server = serve("orphaner", processes=1)
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request(*[{"response": ""}] * 60), timeout=30)
+    assert statuses(reply) == ["OK"] * 60
+
+    def zombies() -> list[int]:
+        return [pid for pid in descendants(os.getpid()) if _state(pid) == "Z"]
+
+    assert wait_until(lambda: not zombies(), 2.0), len(zombies())
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

@@ -29,6 +29,7 @@ sample finishes, which the server reads when this process dies or is killed mid-
     python -m ferrule_rewards.child SOCKET_FD MARK_FD       # how processes.py starts one
 """
 
+import contextlib
 import ctypes
 import marshal
 import mmap
@@ -92,7 +93,6 @@ class Mark:
 
 def main() -> None:
     """The process's life: build the scorer, say so, score requests until the server goes."""
-    _die_with_parent()
     # Ctrl-C and a SIGTERM to the whole group (systemd stops a service so) reach the server,
     # which drains: its calls in flight still need this process. The server stops it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -213,20 +213,50 @@ def _rss() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when the server dies, even if it is frozen (Linux)."""
+def _die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent (the server, or `parent`) dies, even if it is
+    frozen (Linux)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() == 1:  # the server died before prctl took effect
+    if os.getppid() == 1 or (parent and os.getppid() != parent):  # died before prctl
         os._exit(1)
 
 
-if __name__ == "__main__":
+def _reap_orphans() -> None:
+    """Fork: the child returns and scores; this process, a child subreaper that runs no reward
+    function, adopts the orphans of the child's subtree and reaps them (the scorer itself
+    cannot: it could reap a child its function still waits for). Once the scorer has exited,
+    it kills what is left of the tree and ends as the scorer did, so the server sees its
+    status. The server's pid for the scoring process is this one's; a kill reaches both."""
     tree.become_subreaper()
-    try:
-        main()
-    finally:  # exiting by itself (recycled, or its server gone): what its function started too
-        tree.kill_tree(os.getpid(), include_root=False)
+    _die_with_parent()
+    reaper = os.getpid()
+    scorer = os.fork()
+    if scorer == 0:
+        _die_with_parent(reaper)
+        return
+    for fd in (int(sys.argv[1]), int(sys.argv[2])):  # the server sees EOF when the scorer goes
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        pid, status = os.wait()
+        if pid == scorer:
+            break
+    # Exiting by itself (recycled, its server gone, or dead): what its function started too.
+    tree.kill_tree(reaper, include_root=False)
+    with contextlib.suppress(ChildProcessError):
+        while True:
+            os.wait()
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(reaper, os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    _reap_orphans()
+    main()

@@ -1,7 +1,7 @@
 """A scoring process and everything it started, killed together: what a reward function forks
 or spawns (`os.fork`, `Popen(start_new_session=True)`, a daemon's double fork) dies with it.
 
-    become_subreaper()            # in the scoring process, first thing
+    become_subreaper()            # in the scoring process's reaper (child.py), first thing
     kill_tree(pid)                # the server: the process and all its descendants
     kill_tree(os.getpid(), include_root=False)   # the process, before it exits by itself
 
