@@ -207,6 +207,28 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.5):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def kill_9_after_a_checkpoint(out: Path, overrides: list[str], step: int) -> int:
+    """Launch, and kill -9 the launcher and every process it started once a checkpoint of
+    `step` or later is complete; the checkpoint's step."""
+    process = subprocess.Popen(
+        command(out, *overrides),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    checkpoint = out / "checkpoint" / "launcher.json"
+    try:
+        wait_for(
+            lambda: checkpoint.exists() and json.loads(checkpoint.read_text())["step"] >= step,
+            300,
+            f"a checkpoint of step {step} or later",
+        )
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        process.wait(30)
+    return json.loads(checkpoint.read_text())["step"]
+
+
 def test_kill_9_then_resume_ends_with_the_uninterrupted_runs_weights_bit_for_bit(tmp_path):
     """[rollout] exact = true and a fixed seed: a run killed with kill -9 after its checkpoint at
     step 2 and resumed ends with the same weights, bit for bit, as the same run uninterrupted.
@@ -224,19 +246,7 @@ def test_kill_9_then_resume_ends_with_the_uninterrupted_runs_weights_bit_for_bit
     whole = tmp_path / "whole"
     launch(whole, *overrides)
     out = tmp_path / "resumed"
-    process = subprocess.Popen(
-        command(out, *overrides),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    checkpoint = out / "checkpoint" / "launcher.json"
-    try:
-        wait_for(lambda: checkpoint.exists(), 300, "the first checkpoint")
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every process it started
-    finally:
-        process.wait(30)
-    saved = json.loads(checkpoint.read_text())["step"]
+    saved = kill_9_after_a_checkpoint(out, overrides, step=2)
     launch(out, *overrides, resume=True)
     resumed = json.loads((out / "summary.json").read_text())
     assert resumed["resumed_from_step"] == saved == 2
@@ -256,23 +266,8 @@ def test_kill_9_then_resume_repeats_and_skips_no_step(tmp_path):
         'output.keep_best="reward"',
         "output.export_every=6",
     ]
-    process = subprocess.Popen(
-        command(out, *overrides),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    saved = kill_9_after_a_checkpoint(out, overrides, step=4)
     checkpoint = out / "checkpoint" / "launcher.json"
-    try:
-        wait_for(
-            lambda: checkpoint.exists() and json.loads(checkpoint.read_text())["step"] >= 4,
-            300,
-            "the first checkpoint",
-        )
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every process it started
-    finally:
-        process.wait(30)
-    saved = json.loads(checkpoint.read_text())["step"]
     launch(out, *overrides, resume=True)
     steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, 13)), steps
