@@ -232,3 +232,27 @@ def once(response: str, metadata: dict[str, str]) -> float:
     if response == "gil":
         re.match(r"(a|aa)*c", "a" * 60)
     return 2.0 * int(metadata["id"])
+
+
+class _FloatRaises:
+    def __float__(self):
+        raise RuntimeError("no float today")
+
+
+def batch_bad_outputs(samples: list[Sample]) -> list:
+    """For `deep`, a list nested 200,000 deep; for `float`, an object whose __float__ raises;
+    for `subs`, a dict whose sub-score's __float__ raises; 1.0 for the others."""
+    outputs = []
+    for sample in samples:
+        if sample.response == "deep":
+            deep = []
+            for _ in range(200_000):
+                deep = [deep]
+            outputs.append(deep)
+        elif sample.response == "float":
+            outputs.append(_FloatRaises())
+        elif sample.response == "subs":
+            outputs.append({"reward": 1.0, "bad": _FloatRaises()})
+        else:
+            outputs.append(1.0)
+    return outputs

@@ -209,3 +209,19 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return ""
+
+
+def test_a_result_that_cannot_be_checked_fails_its_sample_only(serve):
+    """A per-batch function returning one value nested 200,000 deep: checking it formatted it
+    with `!r`, the RecursionError escaped, and all 8 samples of the batch were ERROR ("killed
+    by SIGKILL"). Now any exception while checking one output fails that sample only, and the
+    repr in the message is bounded."""
+    server = serve("batch_bad_outputs", processes=1)
+    responses = ["deep", "ok", "float", "ok", "subs", "ok", "ok", "ok"]
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request(*[{"response": r} for r in responses]), timeout=30)
+    assert statuses(reply) == ["INVALID_REWARD", "OK", "ERROR", "OK", "ERROR", "OK", "OK", "OK"]
+    assert len(reply.results[0].error) < 300 and "[[[" in reply.results[0].error
+    assert "no float today" in reply.results[2].error
+    assert "no float today" in reply.results[4].error

@@ -189,7 +189,7 @@ class _Reporter(Progress):
         elif type(output) is dict:  # with sub-scores, the next most
             try:
                 reward, subs = reward_of(output)
-            except (TypeError, ValueError):
+            except Exception:
                 pass  # collect below says what is wrong
             else:
                 data = self.budget.fit(

@@ -32,6 +32,7 @@ from ferrule_rewards.records import (
     Scores,
     Status,
     check_reward,
+    short_repr,
 )
 
 _TIMED_OUT = object()  # marks an output whose call ran past the timeout
@@ -132,7 +133,11 @@ def _describe(error: BaseException) -> str:
     """`Type: message (at file:line)`, the line being the innermost frame of the traceback."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    text = f"{type(error).__name__}: {error}{where}"
+    try:
+        message = str(error)
+    except Exception:  # an exception whose __str__ raises
+        message = "<unprintable>"
+    text = f"{type(error).__name__}: {message[:_MAX_ERROR_CHARS]}{where}"
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
@@ -262,6 +267,9 @@ def collect(outputs: list, scores: Scores, timeout: float) -> None:
             except (TypeError, ValueError) as error:
                 scores.fail(index, Status.INVALID_REWARD, str(error))
                 continue
+            except Exception as error:  # its __float__ raised, say: this sample's error only
+                scores.fail(index, Status.ERROR, f"checking its reward: {_describe(error)}")
+                continue
             if subs:
                 scores.sub_scores[index] = subs
 
@@ -272,11 +280,11 @@ def reward_of(output: object) -> tuple[float, dict[str, float]]:
     if not isinstance(output, Mapping):
         return check_reward(output), {}
     if "reward" not in output:
-        raise ValueError(f"returned a dict without a 'reward' key: {sorted(output)!r:.200}")
+        raise ValueError(f"returned a dict without a 'reward' key: {short_repr(list(output))}")
     subs = {}
     for key, value in output.items():
         if key != "reward":
             if not isinstance(key, str):
-                raise TypeError(f"sub-score name {key!r} is not a string")
-            subs[key] = check_reward(value, f"sub-score {key!r}")
+                raise TypeError(f"sub-score name {short_repr(key)} is not a string")
+            subs[key] = check_reward(value, f"sub-score {key!r:.80}")
     return check_reward(output["reward"]), subs

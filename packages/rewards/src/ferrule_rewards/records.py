@@ -7,6 +7,7 @@ tells its scoring process which sample it has started and what it finished.
 """
 
 import math
+import reprlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -98,10 +99,23 @@ class Result:
         return self.status == Status.OK
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+
+
+def short_repr(value: object) -> str:
+    """A repr of `value` of bounded size and depth, for messages: `{value!r:.80}` builds the
+    whole repr first (a list nested 200,000 deep raised RecursionError)."""
+    try:
+        return _REPR.repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def check_reward(value: object, what: str = "reward") -> float:
     """`value` as a finite float, or ValueError / TypeError saying what was wrong with it."""
     if isinstance(value, str | bytes) or not hasattr(type(value), "__float__"):
-        raise TypeError(f"{what} is {type(value).__name__} {value!r:.80}, expected a number")
+        raise TypeError(f"{what} is {type(value).__name__} {short_repr(value)}, expected a number")
     try:
         number = float(value)
     except OverflowError:  # an int beyond a float's range (10**400): that sample's error
