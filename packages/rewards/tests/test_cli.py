@@ -313,3 +313,22 @@ def test_address_file_names_where_it_serves_once_it_serves(spawn, tmp_path, work
     with RewardClient(path.read_text().strip()) as client:
         assert client.score([{"response": "#### 4", "label": "4"}])[0].ok
     assert server.stop() == 0
+
+
+def test_sighup_drains_and_the_functions_children_die(spawn, fn_spec, tmp_path):
+    """SIGHUP (a closed terminal, a log rotation) exited 129 with no log line, the call in
+    flight got UNAVAILABLE, and the function's forked children lived on under PID 1. Now it
+    drains as SIGTERM does."""
+    log = tmp_path / "pids"
+    server = spawn("--function", fn_spec("spawner"), "--grace", "10",
+                   env={"REWARDS_TEST_LOG": str(log)})  # fmt: skip
+    with RewardClient(server.address) as client:
+        assert client.score([{"response": "setsid"}])[0].reward == 1.0
+    child = int(log.read_text().split()[0])
+    server.process.send_signal(signal.SIGHUP)
+    assert server.process.wait(10) == 0
+    assert any("draining" in line for line in server.log)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists():
+        assert time.monotonic() < deadline, f"the function's child {child} outlived the server"
+        time.sleep(0.05)

@@ -98,14 +98,17 @@ def test_sigterm_drains_every_worker(spawn, fn_spec, tmp_path):
     assert log.count("draining: ") == 2 and log.count("stopped") == 2
 
 
-def test_sigterm_to_every_process_at_once_drains_too(spawn, fn_spec):
-    """As systemd stops a service (it signals the whole control group)."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_every_process_at_once_drains_too(spawn, fn_spec, signum):
+    """As systemd stops a service (it signals the whole control group), and as a closed
+    terminal hangs up its process group: SIGHUP killed every process (exit 129)."""
     server = spawn("--function", fn_spec("pid"), "--workers", "2")
     pids = worker_pids(server)
     for pid in [server.process.pid, *pids]:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signum)
     assert server.process.wait(10) == 0
     assert all(gone(pid, within=0) for pid in pids)
+    assert "".join(server.log).count("draining: ") == 2
 
 
 def test_a_killed_worker_is_replaced_and_no_sample_is_lost(spawn, fn_spec):

@@ -95,8 +95,8 @@ def main() -> None:
     """The process's life: build the scorer, say so, score requests until the server goes."""
     # Ctrl-C and a SIGTERM to the whole group (systemd stops a service so) reach the server,
     # which drains: its calls in flight still need this process. The server stops it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=int(sys.argv[1])).detach())
     mark = Mark(int(sys.argv[2])).values
     mark[1] = IDLE
@@ -240,8 +240,8 @@ def _reap_orphans() -> None:
         return
     for fd in (int(sys.argv[1]), int(sys.argv[2])):  # the server sees EOF when the scorer goes
         os.close(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     while True:
         pid, status = os.wait()
         if pid == scorer:

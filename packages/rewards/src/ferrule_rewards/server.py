@@ -12,7 +12,7 @@ back. So its event loop answers health checks and refusals within milliseconds w
 requests hold or the function does. `make_scorer` (picklable) builds the scorer in each
 scoring process.
 
-`rlhf-rewards serve` (cli.py) calls `serve`, which drains on SIGTERM/SIGINT: health turns
+`rlhf-rewards serve` (cli.py) calls `serve`, which drains on SIGTERM/SIGINT/SIGHUP: health turns
 NOT_SERVING, new calls are refused with UNAVAILABLE, and calls in flight finish within the grace
 period. With `--workers N`, workers.py runs N of these on one port. Every limit answers at once
 with a status (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), before the request's body is read; nothing
@@ -44,6 +44,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 MAX_LOG_MB = 1024
 MAX_SUB_SCORES = 1_000_000
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each drains; SIGHUP exited 129
 MAX_CONNECTIONS = 4096
 """Connections open at once; past it gRPC closes new ones. Each costs a descriptor, and the
 server needs some of its own to replace a scoring process (1020 idle connections under a
@@ -310,10 +311,11 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
 async def serve(
     make_scorer, bind: str, *, grace: float = 30.0, address_file: str | None = None, **options
 ) -> int:
-    """Serve until SIGTERM or SIGINT, then drain (the `rlhf-rewards serve` main loop). Returns
+    """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a log rotation), then drain
+    (the `rlhf-rewards serve` main loop). Returns
     how many calls the grace period cut off."""
     server = await start(make_scorer, bind, **options)
-    stop = stop_requested((signal.SIGTERM, signal.SIGINT))
+    stop = stop_requested(STOP_SIGNALS)
     security = "TLS" if options.get("tls") else "plaintext"
     if address_file:  # before the log line: whoever reads the log may look for the file
         write_address(address_file, server.address)

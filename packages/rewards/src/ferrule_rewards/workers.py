@@ -6,7 +6,7 @@ A Python process serves gRPC on one core. The supervisor (the calling process) h
 and spawns N workers; each runs its own grpc.aio server on that port with SO_REUSEPORT, with
 its own scoring processes (`make_scorer` must pickle: a module-level function, or a partial of
 one), and the kernel spreads incoming connections over them. The supervisor logs `serving ... on HOST:PORT`
-once every worker accepts calls, drains them all on SIGTERM or SIGINT, and replaces a worker
+once every worker accepts calls, drains them all on SIGTERM, SIGINT or SIGHUP, and replaces a worker
 that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. Workers exit
 when the supervisor does, even when it is killed: each watches a pipe from it.
 """
@@ -87,7 +87,8 @@ def supervise(
     woken, wake = socket.socketpair()
     wake.setblocking(False)
     previous_fd = signal.set_wakeup_fd(wake.fileno())
-    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # as server.STOP_SIGNALS
+    previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals}
     pool = _Pool(make_scorer, address, workers, grace, log_level, options)
     pool.address_file = address_file
     try:
@@ -240,7 +241,9 @@ class _Pool:
 def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> None:
     """A worker process: build the scorer, serve, tell the supervisor; drain on SIGTERM or
     when the supervisor's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which stops us
+    # Ctrl-C and a terminal's hangup reach the supervisor too, which stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logs.configure(log_level, f"%(asctime)s %(levelname)s %(name)s[worker {index}]: %(message)s")
     from ferrule_rewards.processes import StartFailed
 
