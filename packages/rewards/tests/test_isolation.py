@@ -225,3 +225,30 @@ def test_a_result_that_cannot_be_checked_fails_its_sample_only(serve):
     assert len(reply.results[0].error) < 300 and "[[[" in reply.results[0].error
     assert "no float today" in reply.results[2].error
     assert "no float today" in reply.results[4].error
+
+
+def test_scoring_processes_import_nothing_from_the_working_directory(tmp_path, monkeypatch):
+    """Scoring processes started as `python -m ...`, which puts the working directory first on
+    sys.path: a `mmap.py` where the server started ran in every scoring process. Now they
+    start with -P; the reward module itself is still looked up there (README), and what is
+    imported after it finds the standard library first."""
+    from functools import partial
+
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.server import BackgroundServer
+
+    ran = tmp_path / "ran"
+    for name in ("mmap", "json"):
+        (tmp_path / f"{name}.py").write_text(
+            f"open({str(ran)!r}, 'a').write({name!r} + '\\n')\nraise ImportError('shadowed')\n"
+        )
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def reward(response):\n    import json\n    return float(len(json.dumps(response)))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    scorer = partial(FunctionScorer.load, "cwd_rewards:reward", timeout=5.0)
+    with BackgroundServer(scorer) as server, grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request({"response": "abc"}), timeout=10)
+    assert statuses(reply) == ["OK"] and reply.results[0].reward == 5.0
+    assert not ran.exists(), ran.read_text()

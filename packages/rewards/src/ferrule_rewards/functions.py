@@ -60,8 +60,10 @@ def load_function(spec: str) -> Callable:
         except Exception as error:
             raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
     else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
+        cwd = str(Path.cwd())
+        added = "" not in sys.path and cwd not in sys.path
+        if added:  # first while the reward module is imported, as `python -m` would
+            sys.path.insert(0, cwd)
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
@@ -72,6 +74,10 @@ def load_function(spec: str) -> Callable:
             raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
         except Exception as error:  # the module is there but broken: the user's to fix
             raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
+        finally:
+            if added:  # then last: a module imported later (json, say) is not shadowed there
+                sys.path.remove(cwd)
+                sys.path.append(cwd)
     target = module
     for part in attribute.split("."):
         try:

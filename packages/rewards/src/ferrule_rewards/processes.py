@@ -102,6 +102,10 @@ class ScoringProcess:
             self.process = subprocess.Popen(
                 [
                     sys.executable,
+                    # -P: not the working directory first on sys.path, where a `mmap.py`
+                    # would run in every scoring process; functions.py looks up the reward
+                    # module there itself.
+                    "-P",
                     "-m",
                     "ferrule_rewards.child",
                     str(theirs.fileno()),
