@@ -80,6 +80,10 @@ def test_serve_and_score_from_the_command_line(spawn):
         (["--max-sub-scores", "-1"], "argument --max-sub-scores: -1 is out of range"),
         (["--max-sub-scores", "2000000"], "2000000 is out of range: must be >= 0 and <= 1e+06"),
         (["--max-batch", "many"], "argument --max-batch: 'many' is not a int"),
+        (
+            ["--max-message-mb", "0.0001", "--max-batch", "100000000"],
+            "raise --max-message-mb to 3433 or more, or lower --max-batch",
+        ),
         (["--max-stuck", "1"], "unrecognized arguments: --max-stuck"),
         (
             ["--bind", "0.0.0.0:0", "--tls-cert", "c.pem", "--tls-key", "k.pem"],

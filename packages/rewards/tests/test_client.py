@@ -79,7 +79,7 @@ def test_non_retryable_errors_raise_with_their_status(serve):
 
 
 def test_a_call_too_large_for_the_server_is_not_retried(serve):
-    server = serve(limits=Limits(max_message_bytes=1 << 16))
+    server = serve(limits=Limits(max_message_bytes=1 << 16, max_batch=1024))
     with RewardClient(server.address, retry_for=30) as client:
         started = time.monotonic()
         with pytest.raises(RewardError) as error:

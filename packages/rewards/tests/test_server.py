@@ -536,3 +536,24 @@ def test_the_descriptor_limit_is_raised_to_the_hard_one(serve):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     unit = (TESTS.parent / "deploy" / "ferrule-rewards.service").read_text()
     assert "\nLimitNOFILE=" in unit
+
+
+def test_every_result_fits_the_message_limit_the_late_ones_as_errors():
+    """Results were budgeted only when larger than 256 bytes: 4096 small results of
+    math_reward (51 bytes each) under --max-message-mb 0.1 failed the whole call with
+    RESOURCE_EXHAUSTED. Now the response always fits: the late results that do not are that
+    sample's ERROR."""
+    from ferrule_rewards.functions import FunctionScorer
+    from ferrule_rewards.server import BackgroundServer
+
+    scorer = partial(FunctionScorer.load, "ferrule_rewards.builtin:math_reward")
+    limits = Limits(max_batch=2000, max_message_bytes=80_000)
+    samples = [{"response": "#### 4", "label": "4"}] * 1999 + [{"label": "4"}]
+    with BackgroundServer(scorer, limits=limits) as server:
+        reply = raw_call(server.address, request(*samples))
+    assert len(reply.results) == 2000 and reply.ByteSize() <= 80_000
+    ok = [result.status == pb.SAMPLE_STATUS_OK for result in reply.results]
+    first_error = ok.index(False)
+    assert first_error > 100 and not any(ok[first_error:])
+    assert reply.results[first_error].status == pb.SAMPLE_STATUS_ERROR
+    assert "--max-message-mb" in reply.results[-1].error

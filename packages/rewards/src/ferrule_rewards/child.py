@@ -157,6 +157,7 @@ def _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss) 
         return recycle
     for index in missing:
         chunks.insert(index, wire.MISSING_CHUNK)
+    chunks = wire.within(chunks, meta["max_bytes"])
     _send(conn, b"D", {"recycle": recycle}, b"".join(chunks))
     return recycle
 

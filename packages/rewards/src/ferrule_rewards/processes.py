@@ -176,10 +176,10 @@ class ScoringProcess:
                 try:
                     await self._follow(job, deadline)
                 except _Done:
-                    return job.response or job.in_order()
+                    return job.response or job.in_order(self.pool.max_message_bytes)
                 # It was killed or died in a sample: a fresh process scores the rest.
                 if not await self._restart_within(deadline, job):
-                    return job.in_order()
+                    return job.in_order(self.pool.max_message_bytes)
         except BaseException:  # cancelled (the client went away), or the request is invalid
             if job.running:
                 self.kill()
@@ -384,11 +384,13 @@ class _Job:
         for index in range(self.n):
             self.results.setdefault(index, failed)
 
-    def in_order(self) -> bytes:
-        """The ScoreResponse's bytes: the results' bytes in order, joined, none decoded."""
+    def in_order(self, max_bytes: int) -> bytes:
+        """The ScoreResponse's bytes: the results' bytes in order, joined, none decoded; the
+        last ones an ERROR where the whole would be over `max_bytes` (wire.within)."""
         for index in self.missing:
             self.results[index] = wire.MISSING_CHUNK
-        return b"".join([self.results[index] for index in range(self.n)])
+        chunks = [self.results[index] for index in range(self.n)]
+        return b"".join(wire.within(chunks, max_bytes))
 
 
 class ScoringProcesses:

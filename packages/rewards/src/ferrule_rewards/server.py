@@ -37,7 +37,7 @@ from ferrule_grpc_auth import TLS, TokenInterceptor, check_bind, split_address
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.processes import CallFailed, ScoringProcesses
 from ferrule_rewards.security import NO_TOKEN_METHODS, TOKEN_ENV
-from ferrule_rewards.wire import InvalidRequest
+from ferrule_rewards.wire import OVER_LIMIT_CHUNK, InvalidRequest
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
@@ -85,6 +85,15 @@ class Limits:
             raise ValueError(f"max_sub_scores is {self.max_sub_scores}; 0 to {MAX_SUB_SCORES}")
         if not 0 <= self.max_log_bytes <= MAX_LOG_MB << 20:
             raise ValueError(f"max_log_bytes is {self.max_log_bytes}; 0 to {MAX_LOG_MB} MiB")
+        least = self.max_batch * len(OVER_LIMIT_CHUNK)  # every sample gets a result
+        if least > self.max_message_bytes:
+            raise ValueError(
+                f"a batch of {self.max_batch} samples (--max-batch) needs a response of at "
+                f"least {least} bytes ({len(OVER_LIMIT_CHUNK)} a sample), over the message "
+                f"limit of {self.max_message_bytes} (--max-message-mb "
+                f"{self.max_message_bytes / (1 << 20):.4g}); raise --max-message-mb to "
+                f"{least / (1 << 20):.4g} or more, or lower --max-batch"
+            )
         if self.max_message_bytes > MAX_MESSAGE_MB << 20:
             raise ValueError(
                 f"max_message_bytes is {self.max_message_bytes}; at most {MAX_MESSAGE_MB} MiB"

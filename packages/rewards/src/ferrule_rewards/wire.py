@@ -108,6 +108,25 @@ def failure_chunk(status: Status, message: str) -> bytes:
 
 
 MISSING_CHUNK = chunk(MISSING_RESPONSE)
+OVER_LIMIT_CHUNK = failure_chunk(Status.ERROR, "response past --max-message-mb")
+"""What a result gets when the response has no room left for it: the least any result takes
+beyond a bare reward, so a server refuses to start with a --max-batch of these over its
+message limit (server.Limits)."""
+
+
+def within(chunks: list[bytes], max_bytes: int) -> list[bytes]:
+    """`chunks`, the last results longer than OVER_LIMIT_CHUNK replaced by it until the whole
+    takes at most `max_bytes`: every sample keeps a result, the late ones an ERROR. Budget
+    fails a huge result itself as it comes; this also covers what it does not see (the
+    server's TIMEOUT and ERROR results, samples without a response)."""
+    total, small = sum(map(len, chunks)), len(OVER_LIMIT_CHUNK)
+    index = len(chunks)
+    while total > max_bytes and index:
+        index -= 1
+        if len(chunks[index]) > small:
+            total -= len(chunks[index]) - small
+            chunks[index] = OVER_LIMIT_CHUNK
+    return chunks
 
 
 class Budget:
