@@ -194,8 +194,10 @@ class Loop:
             metrics.update(memory)
         shown = None
         if self._eval_due(step):
+            began = time.perf_counter()
             report, shown = self.rollouts.evaluate(step)
             metrics.update({f"eval/{k}": v for k, v in report.items()})
+            metrics["time/eval"] = time.perf_counter() - began
         on_step(step, metrics, shown)
 
     def run_async(self, first_step: int, on_step) -> None:
