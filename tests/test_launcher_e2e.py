@@ -109,6 +109,7 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
         assert 0 < report["pass@1"] <= report["pass@4"] <= 1 and report["reward_failed"] == 0
     assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]
     assert records[-1]["eval/reward"] == summary["eval_after"]["reward"]
+    assert records[-1]["time/eval"] > 0 and "time/eval" not in records[0]  # only where it ran
     assert "held-out after RL:  reward" in result.stdout
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert (out / "policy" / "config.json").exists()
