@@ -1,10 +1,16 @@
-"""Helpers for the rollout tests: a transformers reference, weight perturbation, free ports.
+"""Helpers for the rollout tests: a transformers reference, weight perturbation, free ports,
+`rlhf-rollout serve` with the transformers engine.
 
 Imported by path (`sys.path` gets this folder) because pytest runs in importlib mode.
 """
 
+import os
 import socket
+import subprocess
+import sys
 import threading
+
+from ferrule_testkit import tiny_model
 
 # Log-probabilities from vLLM (float32, CPU) and from a transformers forward pass of the same
 # weights differ only by kernel rounding: measured max |diff| 1e-6 over 32 x 100 sampled tokens
@@ -102,3 +108,26 @@ def assert_matches_transformers(samples, model, greedy: bool, **sampling) -> Non
         assert torch.allclose(got, expected, atol=LOGPROB_ATOL), (got - expected).abs().max()
         if greedy:
             assert sample.token_ids == argmax.tolist()
+
+
+def start_transformers_server(
+    *options: str, env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`rlhf-rollout serve` on the tiny model with `options`; (process, address) once ready."""
+    command = [sys.executable, "-m", "ferrule_rollout", "serve", "--engine", "transformers"]
+    command += ["--model", str(tiny_model("qwen2")), "--dtype", "float32", "--max-model-len", "128"]
+    process = subprocess.Popen(
+        [*command, *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("rlhf-rollout: serving"):
+            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
+            return process, line.rsplit(" on ", 1)[1].strip()
+    process.wait(30)
+    raise AssertionError(f"exit {process.returncode} before serving:\n" + "".join(lines[-20:]))

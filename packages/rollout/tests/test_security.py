@@ -3,10 +3,8 @@ authenticate, the token on every call (weight sync, pause / resume and health in
 and mutual TLS. The real CLI in its own process, with the transformers engine (it starts in
 seconds; the vLLM server's token path is test_server.py's)."""
 
-import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import grpc
@@ -17,11 +15,11 @@ from ferrule_rollout import SamplingSettings, rollout_pb2_grpc
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout.client import RolloutClient
 from ferrule_rollout.server import MAX_MESSAGE_BYTES
-from ferrule_testkit import tiny_model
 from ferrule_testkit.certs import make_certs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from rollout_helpers import free_port
+from rollout_helpers import start_transformers_server as start
 
 TOKEN = "rollout-security-token-0123456789"
 GREEDY = SamplingSettings(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -44,27 +42,6 @@ CALLS = {
 def test_every_method_of_the_service_is_covered():
     methods = pb.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert set(methods) == set(CALLS)
-
-
-def start(*options: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`rlhf-rollout serve` on the tiny model with `options`; (process, address) once ready."""
-    command = [sys.executable, "-m", "ferrule_rollout", "serve", "--engine", "transformers"]
-    command += ["--model", str(tiny_model("qwen2")), "--dtype", "float32", "--max-model-len", "128"]
-    process = subprocess.Popen(
-        [*command, *options],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    lines = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("rlhf-rollout: serving"):
-            threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()
-            return process, line.rsplit(" on ", 1)[1].strip()
-    process.wait(30)
-    raise AssertionError(f"exit {process.returncode} before serving:\n" + "".join(lines[-20:]))
 
 
 @pytest.fixture

@@ -228,6 +228,24 @@ def test_without_the_token_nothing_is_served_and_nothing_changes(server, client)
     assert client.health()["status"] == "serving"  # the stranger's pause did not happen
 
 
+def test_generation_goes_on_while_a_join_waits_for_its_sender(server, client):
+    """A join with no sender held the engine lock for weightsync's 900 s connect default:
+    every Generate timed out meanwhile, whatever timeout_s said."""
+    joining = in_thread(
+        client.init_weight_sync, "ipc", "127.0.0.1", free_port(), rank=1, num_receivers=1,
+        timeout=4,
+    )  # fmt: skip
+    time.sleep(0.5)
+    reply = raw_generate(server, [pb.Prompt(text="hi")], timeout=3, max_tokens=4)
+    assert len(reply.samples) == 1
+    assert joining.thread.is_alive()  # still waiting for the sender
+    with pytest.raises(grpc.RpcError) as caught:
+        joining.get(30)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "cannot reach the weight-sync group" in caught.value.details()
+    assert client.health()["status"] == "serving"
+
+
 def test_weight_update_over_grpc(client, policy):
     from ferrule_weightsync import create_sender
 

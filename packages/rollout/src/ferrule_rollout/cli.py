@@ -18,19 +18,27 @@ import threading
 
 from ferrule_grpc_auth import add_server_options, check_bind, server_security
 from ferrule_rollout.security import TOKEN_ENV
+from ferrule_rollout.server import CONTROL_THREADS  # grpc only, as ferrule_grpc_auth
 
 DEFAULT_BIND = "127.0.0.1:50052"  # the reward server's is 50051: both run side by side
 
 
-def _at_least_1(text: str) -> int:
-    """An argparse type: an int >= 1, or a message that says so."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= 1")
-    return value
+def _at_least(lowest: int):
+    """An argparse type: an int >= `lowest`, or a message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be >= {lowest}")
+        return value
+
+    return parse
+
+
+_at_least_1 = _at_least(1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run vLLM's engine core in its own process (default: in this one)",
     )
     serve.add_argument("--enable-sleep-mode", action="store_true", help="GPU only")
-    serve.add_argument("--max-workers", type=int, default=64, help="gRPC handler threads")
+    serve.add_argument(
+        "--max-workers",
+        type=_at_least(CONTROL_THREADS + 1),
+        default=64,
+        help=f"gRPC handler threads: {CONTROL_THREADS} are kept for health and control calls, the "
+        "rest bound the generation calls at once (more are RESOURCE_EXHAUSTED; default: "
+        "%(default)s)",
+    )
     limit = serve.add_argument
     limit(
         "--max-request-sequences",

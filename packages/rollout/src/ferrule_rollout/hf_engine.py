@@ -27,6 +27,7 @@ from pathlib import Path
 from ferrule_rollout.decode import Decoder, slab_attention
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.interface import EngineBase, WeightSyncGroup
+from ferrule_rollout.joining import JoinAbandoned, Joining
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -193,6 +194,7 @@ class TransformersEngine(EngineBase):
         self._cv = threading.Condition()
         self._model_lock = threading.Lock()  # one generate call or weight change at a time
         self._update_lock = threading.Lock()
+        self._join_lock = threading.Lock()
         self._running = self._queued = 0  # samples of calls admitted / waiting out a pause
         self._paused = self._closed = False
         self._broken = ""  # why the engine cannot generate (partly loaded or dropped weights)
@@ -323,17 +325,26 @@ class TransformersEngine(EngineBase):
                     "(the engine stays paused; resume() or wait longer)"
                 )
 
-    def _join(self, group: WeightSyncGroup) -> None:
+    def _join(self, group: WeightSyncGroup, given_up) -> None:
         from ferrule_weightsync import create_receiver
 
-        options = group.options()
+        # `timeout` bounds the wait for the sender to appear too (weightsync's own default for
+        # that is 900 s, which kept a join with no sender going for 15 minutes).
+        options = {**group.options(), "connect_timeout": group.timeout}
         if group.transport == "broadcast":
             options["device"] = self.device
-        with self._update_lock:
-            if self._receiver is not None:
-                self._receiver.close()
-                self._receiver = None
-            self._receiver = create_receiver(**options)
+        with self._join_lock:  # one join at a time: each replaces the group
+            with self._update_lock:
+                if self._receiver is not None:
+                    self._receiver.close()
+                    self._receiver = None
+            # Off the update lock, so that close() need not wait for the sender either.
+            receiver = Joining(lambda: create_receiver(**options)).wait(given_up)
+            with self._update_lock:
+                if self._closed:  # closed as the join completed: nothing will receive
+                    receiver.close()
+                    raise JoinAbandoned("the engine was closed while it joined")
+                self._receiver = receiver
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update and copy it into the model; return its version.

@@ -12,7 +12,7 @@ can freeze them mid-sample; the transformers engine runs one call at a time) and
 """
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -29,6 +29,7 @@ class Stream(Protocol):
 
 class Engine(Protocol):
     model: str
+    max_model_len: int  # prompt plus generated tokens
 
     @property
     def version(self) -> int: ...
@@ -59,6 +60,7 @@ class Engine(Protocol):
         num_receivers: int,
         timeout: float = 300.0,
         secret: str | None = None,
+        cancel: threading.Event | None = None,
     ) -> None: ...
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int: ...
@@ -98,6 +100,7 @@ class EngineBase:
     joins a weight-sync group (`_join`)."""
 
     model: str
+    _closed: bool
     _cv: threading.Condition
     _version: int
     _paused: bool
@@ -135,18 +138,21 @@ class EngineBase:
         num_receivers: int,
         timeout: float = 300.0,
         secret: str | None = None,
-        **options,
+        cancel: threading.Event | None = None,
     ) -> None:
-        """Join the trainer's weight-sync group (blocks until the sender is there too); a
-        previous group is left first. An engine of several workers (vLLM with tensor
-        parallelism) is receivers `rank` .. `rank + workers - 1`, and `num_receivers` counts
-        every worker of every engine in the group. `secret`: the group's, when its sender has
-        one. `options`: the engine's own (see its `_join`)."""
+        """Join the trainer's weight-sync group (blocks until the sender is there too, at most
+        `timeout` seconds); a previous group is left first. An engine of several workers (vLLM
+        with tensor parallelism) is receivers `rank` .. `rank + workers - 1`, and
+        `num_receivers` counts every worker of every engine in the group. `secret`: the
+        group's, when its sender has one. Setting `cancel` (or closing the engine) gives up the
+        wait at once: JoinAbandoned, and no group is joined."""
+        from ferrule_rollout.joining import JoinAbandoned
+
         self._check_receivers(transport, rank, self._workers(), num_receivers)
         group = WeightSyncGroup(transport, host, port, rank, num_receivers, timeout, secret)
         try:
-            self._join(group, **options)
-        except (BadRequestError, RolloutError):
+            self._join(group, given_up=lambda: self._closed or bool(cancel and cancel.is_set()))
+        except (BadRequestError, RolloutError, JoinAbandoned):
             raise
         except Exception as err:
             raise RolloutError(
@@ -157,7 +163,9 @@ class EngineBase:
         """How many weight-sync receivers this engine is (one per worker)."""
         return 1
 
-    def _join(self, group: WeightSyncGroup, **options) -> None:
+    def _join(self, group: WeightSyncGroup, given_up: Callable[[], bool]) -> None:
+        """Join `group` without holding what generation needs while peers are awaited, and
+        raise JoinAbandoned as soon as `given_up()` says so."""
         raise NotImplementedError
 
     def run_episodes(self, environment, prompts, settings=None, **options):

@@ -82,9 +82,10 @@ def prompt_token_ids(
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        elif isinstance(prompt, Sequence):
+            check_prompt_length(index, len(prompt), max_model_len)  # before scanning every id
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise BadRequestError(f"prompt {index} must be a string or a list of token ids")
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
@@ -96,13 +97,19 @@ def prompt_token_ids(
             raise BadRequestError(f"prompt {index} must be a string or a list of token ids")
         if not ids:
             raise BadRequestError(f"prompt {index} is empty")
-        if len(ids) >= max_model_len:
-            raise BadRequestError(
-                f"prompt {index} is {len(ids)} tokens long; the model's maximum length is "
-                f"{max_model_len} (prompt plus at least one generated token)"
-            )
+        check_prompt_length(index, len(ids), max_model_len)
         checked.append(ids)
     return checked
+
+
+def check_prompt_length(index: int, tokens: int, max_model_len: int) -> None:
+    """BadRequestError unless prompt `index`, `tokens` long, leaves room for one generated
+    token."""
+    if tokens >= max_model_len:
+        raise BadRequestError(
+            f"prompt {index} is {tokens} tokens long; the model's maximum length is "
+            f"{max_model_len} (prompt plus at least one generated token)"
+        )
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ input is INVALID_ARGUMENT with the engine's message; the server keeps serving. A
 samples when it ends: cancelled, or past its deadline (unary or streamed alike).
 
 Limits, checked before any work: `max_request_sequences` (prompts x n of one call),
-`max_sequences_in_flight` (over every call at once; more is RESOURCE_EXHAUSTED, retry later) and
-`max_prompt_bytes` (a prompt's text, before it is tokenized).
+`max_sequences_in_flight` (over every call at once; more is RESOURCE_EXHAUSTED, retry later),
+`max_prompt_bytes` (a prompt's text, before it is tokenized), the model's length (a token-id
+prompt, before its ids are read) and the generation calls at once (the pool less the
+CONTROL_THREADS kept for health and control calls, which never wait behind generation).
+A weight-sync join is given up when its call ends (client gone, deadline, server stopping).
 
 `stop(grace)` refuses new calls and ends generation in flight at once with UNAVAILABLE (a sample
 stream seldom finishes within a grace period, and its client can retry on another engine);
@@ -33,11 +36,24 @@ from ferrule_grpc_auth import TLS, SyncTokenInterceptor, check_bind
 from ferrule_rollout import rollout_pb2 as pb
 from ferrule_rollout import rollout_pb2_grpc
 from ferrule_rollout.interface import Engine
-from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
+from ferrule_rollout.joining import JoinAbandoned
+from ferrule_rollout.samples import (
+    BadRequestError,
+    RolloutError,
+    Sample,
+    SamplingSettings,
+    check_prompt_length,
+)
 from ferrule_rollout.security import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 2**20  # a batch of long samples can exceed gRPC's 4 MB default
+# Handler threads kept for health and control calls (pause / resume, weight sync, sleep): with
+# every thread of the pool held by a Generate queued behind a pause, Resume itself queued
+# behind them (a deadlock without client deadlines). Generation calls get the rest of the pool;
+# past it they are refused RESOURCE_EXHAUSTED. 8 is more control calls than a trainer makes
+# at once, and leaves health answerable beside them.
+CONTROL_THREADS = 8
 STATUS = {
     "serving": pb.HealthResponse.SERVING,
     "paused": pb.HealthResponse.PAUSED,
@@ -52,7 +68,13 @@ def settings_from_proto(message: pb.SamplingSettings) -> SamplingSettings:
     return SamplingSettings(**given, stop=tuple(message.stop), ignore_eos=message.ignore_eos)
 
 
-def prompts_from_proto(prompts, max_prompt_bytes: int | None = None) -> list:
+def prompts_from_proto(
+    prompts, max_prompt_bytes: int | None = None, max_model_len: int | None = None
+) -> list:
+    """The request's prompts as text or lists of token ids. A text longer than
+    `max_prompt_bytes` is refused before the tokenizer sees it, and a token-id prompt of
+    `max_model_len` ids or more before its ids become a Python list (10^8 ids took 18 s and
+    2.5 GB to be refused at the engine's length check)."""
     result = []
     for index, prompt in enumerate(prompts):
         if prompt.text and prompt.token_ids:
@@ -63,6 +85,8 @@ def prompts_from_proto(prompts, max_prompt_bytes: int | None = None) -> list:
                 f"prompt {index} is {size} bytes, more than this server's "
                 f"--max-prompt-bytes {max_prompt_bytes}"
             )
+        if max_model_len:
+            check_prompt_length(index, len(prompt.token_ids), max_model_len)
         result.append(prompt.text if prompt.text else list(prompt.token_ids))
     return result
 
@@ -106,12 +130,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         max_request_sequences: int = 4096,
         max_sequences_in_flight: int = 16384,
         max_prompt_bytes: int = 1 << 20,
+        max_generation_calls: int = 64 - CONTROL_THREADS,
     ):
         self.engine = engine
         self.max_request_sequences = max_request_sequences
         self.max_sequences_in_flight = max_sequences_in_flight
         self.max_prompt_bytes = max_prompt_bytes
+        self.max_generation_calls = max_generation_calls
         self._in_flight = 0
+        self._calls = 0  # generation calls in flight, each holding a handler thread
         self._streams: set = set()  # every call's samples still being generated
         self._shutting_down = False
         self._lock = threading.Lock()
@@ -126,7 +153,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _stream(self, request, context):
         """The call's samples as they finish, within the limits; they end with the call."""
-        prompts = prompts_from_proto(request.prompts, self.max_prompt_bytes)
+        max_model_len = getattr(self.engine, "max_model_len", None)
+        prompts = prompts_from_proto(request.prompts, self.max_prompt_bytes, max_model_len)
         settings = settings_from_proto(request.sampling)
         count = len(prompts) * max(settings.n, 0)
         if count > self.max_request_sequences:
@@ -137,6 +165,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         with self._lock:
             if self._shutting_down:
                 raise _ShuttingDown
+            if self._calls >= self.max_generation_calls:
+                raise _Overloaded(
+                    f"{self._calls} generation calls in flight, this server's most "
+                    f"(--max-workers less the {CONTROL_THREADS} threads kept for health and "
+                    "control calls); retry later"
+                )
             if self._in_flight + count > self.max_sequences_in_flight:
                 raise _Overloaded(
                     f"{self._in_flight} sequences in flight and {count} asked for: more than "
@@ -144,6 +178,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     "retry later"
                 )
             self._in_flight += count
+            self._calls += 1
         stream = None
         try:
             stream = self.engine.generate_stream(prompts, settings)
@@ -163,6 +198,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             with self._lock:
                 self._in_flight -= count
+                self._calls -= 1
                 self._streams.discard(stream)
 
     def Generate(self, request, context):
@@ -180,6 +216,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def InitWeightSync(self, request, context):
         with _status(context):
             timeout = _optional(request, "timeout_s")
+            # Set when the call ends for any reason: a client that leaves (or whose deadline
+            # passes), or the server stopping, gives up the wait for the sender at once.
+            cancel = threading.Event()
+            context.add_callback(cancel.set)
             self.engine.init_weight_sync(
                 request.transport,
                 request.host,
@@ -188,6 +228,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 num_receivers=request.num_receivers,
                 timeout=300.0 if timeout is None else timeout,
                 secret=_optional(request, "secret"),
+                cancel=cancel,
             )
             return pb.InitWeightSyncResponse()
 
@@ -250,6 +291,8 @@ class _status:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
         elif isinstance(error, _ShuttingDown):
             code = grpc.StatusCode.UNAVAILABLE
+        elif isinstance(error, JoinAbandoned):  # the call had ended already
+            code = grpc.StatusCode.CANCELLED
         elif isinstance(error, PeerTimeoutError) or isinstance(error.__cause__, PeerTimeoutError):
             code = grpc.StatusCode.DEADLINE_EXCEEDED
         elif isinstance(error, RolloutError):
@@ -272,7 +315,14 @@ def serve(
     """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port.
     InsecureBindError, before anything listens, for an address beyond loopback where clients
     need not authenticate (neither `token` nor `tls` with a client CA). `limits`:
-    RolloutServicer's max_request_sequences, max_sequences_in_flight, max_prompt_bytes."""
+    RolloutServicer's max_request_sequences, max_sequences_in_flight, max_prompt_bytes.
+    `max_workers` handler threads: CONTROL_THREADS are kept for health and control calls, the
+    rest bound the generation calls at once."""
+    if max_workers <= CONTROL_THREADS:
+        raise ValueError(
+            f"max_workers must be more than the {CONTROL_THREADS} threads kept for health and "
+            f"control calls, got {max_workers}"
+        )
     client_auth = tls is not None and tls.client_ca is not None
     check_bind(bind, token=token, client_auth=client_auth, token_env=TOKEN_ENV)
     server = grpc.server(
@@ -283,7 +333,7 @@ def serve(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    servicer = RolloutServicer(engine, **limits)
+    servicer = RolloutServicer(engine, max_generation_calls=max_workers - CONTROL_THREADS, **limits)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
     if tls is None:
         port = server.add_insecure_port(bind)

@@ -27,6 +27,8 @@ from importlib.metadata import version as dist_version
 from pathlib import Path
 
 from ferrule_rollout.interface import EngineBase, WeightSyncGroup
+from ferrule_rollout.joining import POLL_SECONDS as JOIN_POLL_SECONDS
+from ferrule_rollout.joining import JoinAbandoned
 from ferrule_rollout.samples import (
     BadRequestError,
     Prompt,
@@ -210,6 +212,7 @@ class VLLMEngine(EngineBase):
         self._cv = threading.Condition()
         self._engine_lock = threading.Lock()  # held by whoever touches the vLLM engine
         self._update_lock = threading.Lock()  # one weight update at a time
+        self._join_lock = threading.Lock()
         self._queue: deque[_Request] = deque()  # accepted, not yet given to vLLM
         self._running: dict[str, _Request] = {}
         self._to_abort: list[str] = []
@@ -391,14 +394,40 @@ class VLLMEngine(EngineBase):
     def _workers(self) -> int:
         return self._engine.vllm_config.parallel_config.world_size
 
-    def _join(self, group: WeightSyncGroup) -> None:
-        with self._engine_lock:
-            self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
-            self._weight_sync = ""
-            self._engine.collective_rpc(
-                "init_weight_transfer_engine", kwargs={"init_info": group.options()}
-            )
+    def _join(self, group: WeightSyncGroup, given_up) -> None:
+        """Each worker joins in a thread of its own (weights.py): the engine lock is held only
+        for the calls that start and check the joins, never while the sender is awaited (the
+        lock held for the whole wait stopped generation for as long)."""
+        from ferrule_rollout.weights import joined
+
+        with self._join_lock:  # one join at a time: each replaces the group
+            with self._engine_lock:
+                self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
+                self._weight_sync = ""
+                self._engine.collective_rpc(
+                    "init_weight_transfer_engine", kwargs={"init_info": group.options()}
+                )
+            try:
+                while not self._all_joined(joined):
+                    if given_up():
+                        raise JoinAbandoned("the weight-sync join was given up before it completed")
+                    time.sleep(JOIN_POLL_SECONDS)
+            except BaseException:
+                self._leave_group()  # workers still joining give up; joined ones leave
+                raise
             self._weight_sync = f"{group.transport} group at {group.host}:{group.port}"
+
+    def _all_joined(self, joined) -> bool:
+        """Whether every worker has joined; raises a worker's join error."""
+        with self._engine_lock:
+            if self._closed:
+                raise JoinAbandoned("the engine was closed while it joined")
+            return all(self._engine.collective_rpc(joined))
+
+    def _leave_group(self) -> None:
+        with self._engine_lock:
+            if not self._closed:  # close() leaves the group itself
+                self._engine.collective_rpc("shutdown_weight_transfer_engine")
 
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update from the weight-sync group and load it; return its version.

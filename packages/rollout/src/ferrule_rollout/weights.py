@@ -21,6 +21,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.logger import init_logger
 
+from ferrule_rollout.joining import Joining
+
 BACKEND = "ferrule"
 logger = init_logger(__name__)
 
@@ -57,6 +59,8 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.receiver = None
+        self.joining: Joining | None = None  # a join still waiting for its peers
+        self.group = ""  # the group joined or being joined, for the log
         self.version = 0  # version of the last update loaded into this worker
         self.touched = False  # the current update has begun to replace weights
 
@@ -65,27 +69,30 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
 
         from ferrule_weightsync import create_receiver
 
-        if self.receiver is not None:
+        if self.receiver is not None or self.joining is not None:
             raise RuntimeError("this engine already joined a weight-sync group")
         rank = init_info.rank + get_world_group().rank_in_group
-        options = {"timeout": init_info.timeout, "secret": init_info.secret}
+        # `timeout` bounds the wait for the sender to appear too (weightsync's own default for
+        # that is 900 s).
+        options = {"timeout": init_info.timeout, "connect_timeout": init_info.timeout}
+        options["secret"] = init_info.secret
         if init_info.transport == "broadcast":  # the ipc receiver maps buffers where they live
             options["device"] = self.device
-        self.receiver = create_receiver(
-            init_info.transport,
-            init_info.host,
-            init_info.port,
-            rank,
-            init_info.num_receivers,
-            **options,
+        # In a thread, so that this worker keeps stepping while the sender is awaited; the
+        # engine asks `joined` until it has, and `shutdown` gives the join up.
+        self.joining = Joining(
+            lambda: create_receiver(
+                init_info.transport,
+                init_info.host,
+                init_info.port,
+                rank,
+                init_info.num_receivers,
+                **options,
+            )
         )
-        logger.info(
-            "joined the %s weight-sync group at %s:%d as receiver %d of %d",
-            init_info.transport,
-            init_info.host,
-            init_info.port,
-            rank,
-            init_info.num_receivers,
+        self.group = (
+            f"the {init_info.transport} weight-sync group at {init_info.host}:{init_info.port} "
+            f"as receiver {rank} of {init_info.num_receivers}"
         )
 
     def start_weight_update(self) -> None:
@@ -122,6 +129,9 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
             _refresh_tied_lm_heads(self.model)
 
     def shutdown(self) -> None:
+        if self.joining is not None:
+            self.joining.abandon()
+            self.joining = None
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
@@ -150,6 +160,21 @@ def _refresh_tied_lm_heads(model: torch.nn.Module) -> None:
     for module in modules:
         if isinstance(module, ParallelLMHead) and module.weight.data_ptr() in embeddings:
             module.quant_method.process_weights_after_loading(module)
+
+
+def joined(worker) -> bool:
+    """Run in every worker by `collective_rpc`: has its join completed? Raises its error."""
+    engine = worker.weight_transfer_engine
+    if engine.joining is None:
+        if engine.receiver is None:
+            raise RuntimeError("no weight-sync group joined or being joined")
+        return True
+    if not engine.joining.done():
+        return False
+    joining, engine.joining = engine.joining, None
+    engine.receiver = joining.result()
+    logger.info("joined %s", engine.group)
+    return True
 
 
 def received_version(worker) -> int:
