@@ -8,13 +8,16 @@ after each, then close (which ends the receivers' loops).
 `--transport ipc` for shared memory (processes on one host); `--device cuda` for NCCL (one GPU
 per rank: the sender on cuda:0, receiver r on cuda:r) or CUDA IPC (every rank on cuda:0).
 Each side prints the digest of the weights of every version: they match when a sync landed.
+A sender that exits without `close()` (an exception, SIGTERM) still ends the receivers' loops:
+ferrule_weightsync closes it at exit.
 """
 
 import argparse
+import sys
 
 import torch
 
-from ferrule_weightsync import create_sender, digest
+from ferrule_weightsync import WeightSyncError, create_sender, digest
 
 
 def make_model(seed: int, device: str) -> torch.nn.Module:
@@ -37,8 +40,12 @@ def main() -> None:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     model = make_model(seed=0, device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    # Waits (up to connect_timeout, logging whom it waits for) until every receiver has joined.
-    sender = create_sender(args.transport, args.host, args.port, args.receivers, device=device)
+    # Waits (up to connect_timeout, logging whom it waits for) until every receiver has joined;
+    # a receiver started with another --receivers makes it fail at once, saying so.
+    try:
+        sender = create_sender(args.transport, args.host, args.port, args.receivers, device=device)
+    except WeightSyncError as err:
+        sys.exit(str(err))  # one line on stderr, exit status 1
     try:
         for step in range(args.steps):
             inputs = torch.randn(32, 64, device=device)

@@ -4,6 +4,7 @@ and `expected=` names what an update lacks."""
 
 import contextlib
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from ferrule_weightsync import (
     MismatchError,
     PeerTimeoutError,
     WeightSyncError,
+    at_exit,
     control,
     create_receiver,
     create_sender,
@@ -182,3 +184,122 @@ def test_expected_names_an_update_lacks_are_refused_unless_partial(transport):
     assert "receive with partial=True" in out["refused"]
     assert set(out["partial"]) == set(STATE)
     assert out["into"] == (2, ["w", "b"])  # the refused update took no version
+
+
+@pytest.mark.parametrize(("rank", "receivers"), [(1, 1), (3, 3)])
+def test_a_receiver_started_for_another_number_of_receivers_fails_the_sender_at_once(
+    rank, receivers
+):
+    # The receiver failed at once, but the sender waited its whole connect timeout (900 s by
+    # default) for the receiver, and its error did not say that the counts differed.
+    port, out = free_port(), {}
+
+    def receiver():
+        try:
+            create_receiver("broadcast", "127.0.0.1", port, rank, receivers, connect_timeout=30)
+        except WeightSyncError as error:
+            out["receiver"] = str(error)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError) as raised:
+        create_sender("broadcast", "127.0.0.1", port, 2, connect_timeout=30)
+    thread.join()
+    assert time.monotonic() - started < 10  # not the connect timeout
+    assert not isinstance(raised.value, PeerTimeoutError)
+    assert (
+        f"receiver rank {rank} was started for {receivers} receivers, but the sender of the "
+        f"weight-sync group at 127.0.0.1:{port} expects 2" in str(raised.value)
+    )
+    assert f"expects {receivers} receivers, but the sender" in out["receiver"]
+    assert "was created for 2" in out["receiver"]
+
+
+UNCLOSED = """
+import os, signal, time, torch
+from ferrule_weightsync import TensorSpec, create_sender
+sender = create_sender({transport!r}, "127.0.0.1", {port}, 1, timeout=20, bucket_bytes=256)
+sender.send([("w", torch.ones(100))])
+print("sent", flush=True)
+{end}
+"""
+IN_SEND = """
+def stream():  # SIGTERM arrives between the update's two buckets
+    yield "w", torch.full((100,), 2.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    yield "v", torch.ones(3)
+specs = [TensorSpec("w", (100,), torch.float32), TensorSpec("v", (3,), torch.float32)]
+sender.send(stream(), specs=specs)
+print("went on after SIGTERM", flush=True)
+"""
+ENDS = {
+    "return": "pass",
+    "raise": "raise RuntimeError('the trainer failed')",
+    "sigterm": "time.sleep(60)",  # the test sends SIGTERM
+    "sigterm-in-send": IN_SEND,
+}
+
+
+@pytest.mark.parametrize(
+    ("transport", "end", "versions"),
+    [
+        ("broadcast", "return", [1]),
+        ("broadcast", "raise", [1]),
+        ("broadcast", "sigterm", [1]),
+        ("ipc", "sigterm", [1]),
+        ("broadcast", "sigterm-in-send", [1, 2]),  # the update completes, then the stream ends
+    ],
+)
+def test_a_sender_that_exits_without_close_ends_the_stream(transport, end, versions):
+    # The receiver got "WeightSyncError: rank 1: lost the weight-sync group ... Failed to
+    # recv, got 0 bytes" (and torch's C++ stack) once the sender's process was gone.
+    port, out = free_port(), {}
+    thread = threading.Thread(target=_receive_all, args=(transport, port, 1, 1, out))
+    thread.start()
+    process = subprocess.Popen(
+        [sys.executable, "-c", UNCLOSED.format(transport=transport, port=port, end=ENDS[end])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline() == "sent\n", process.communicate(timeout=30)
+        if end == "sigterm":
+            process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    thread.join(30)
+    assert out == {1: (versions, None, None)}, stderr
+    expected = {"return": 0, "raise": 1}.get(end, -signal.SIGTERM)
+    assert process.returncode == expected, stderr
+    assert stdout == "" and "leaked" not in stderr, stdout + stderr
+
+
+def test_the_sigterm_handler_stands_in_for_the_default_only_while_a_sender_is_open():
+    port, out = free_port(), {}
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    thread = threading.Thread(target=lambda: out.setdefault("r", _receiver(port)))
+    thread.start()
+    sender = create_sender("ipc", "127.0.0.1", port, 1, timeout=20)
+    thread.join()
+    assert signal.getsignal(signal.SIGTERM) is at_exit._on_sigterm
+    out["r"].close()
+    sender.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # back once none is open
+
+    def host(signum, frame):  # a program's own handler is never replaced
+        pass
+
+    signal.signal(signal.SIGTERM, host)
+    try:
+        port = free_port()
+        thread = threading.Thread(target=lambda: out.update(r=_receiver(port)))
+        thread.start()
+        sender = create_sender("ipc", "127.0.0.1", port, 1, timeout=20)
+        thread.join()
+        assert signal.getsignal(signal.SIGTERM) is host
+        out["r"].close()
+        sender.close()
+        assert signal.getsignal(signal.SIGTERM) is host
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -369,20 +369,6 @@ def test_receiver_that_never_joins_times_out_with_its_rank(peers):
     assert time.monotonic() - started < 10 + 3
 
 
-def test_receiver_with_the_wrong_world_size_gets_a_clear_error():
-    port = free_port()
-    holder = {}
-    thread = threading.Thread(target=lambda: holder.setdefault("error", _try_sender(port, 1)))
-    thread.start()
-    time.sleep(1.0)
-    with pytest.raises(
-        WeightSyncError, match=r"expects 2 receivers, but the sender .* was created for 1"
-    ):
-        create_receiver("broadcast", "127.0.0.1", port, 1, 2, timeout=5)
-    thread.join()
-    assert isinstance(holder["error"], PeerTimeoutError)  # the sender still waits for rank 1
-
-
 def test_receiver_joining_twice_gets_a_clear_error():
     port = free_port()
     outcomes = {}

@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ferrule_weightsync import at_exit
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import BucketViews, TensorSpec, own_bytes, pack
@@ -230,6 +231,8 @@ class BroadcastSender:
             host, port, 0, num_receivers, device, timeout, connect_timeout, streams, secret
         )
         self._updates = UpdateSender(self._group.control, bucket_bytes, checksums)
+        # never closed: closes when collected, at interpreter exit or on SIGTERM (at_exit.py)
+        self._closer = at_exit.close_at_exit(self, _close_sender, self._updates, self._group)
 
     @property
     def version(self) -> int:
@@ -291,10 +294,21 @@ class BroadcastSender:
     def close(self, timeout: float = END_SECONDS) -> None:
         """End the stream: each receiver's `receive` returns None. Waits up to `timeout`
         seconds for the receivers to read that (0: not at all; one that calls `receive` after
-        the group went gets `WeightSyncError`), then leaves the group."""
-        if not self._group.broken:
-            self._updates.end(min(self._group.timeout, timeout))
-        self._group.close()
+        the group went gets `WeightSyncError`), then leaves the group. A sender never closed
+        does this when it is collected, at interpreter exit or on SIGTERM (see at_exit.py)."""
+        at_exit.close_now(self._closer, timeout=timeout, exiting=False)
+
+
+def _close_sender(
+    updates: UpdateSender, group: _Group, timeout: float = END_SECONDS, exiting: bool = True
+) -> None:
+    """A sender's close. `exiting` (at exit, on SIGTERM): one interrupted inside `send` leaves
+    the group as it is (its receivers see the sender go away; the transfer may be in flight)."""
+    if exiting and updates.sending:
+        return
+    if not group.broken:
+        updates.end(min(group.timeout, timeout))
+    group.close()
 
 
 class BroadcastReceiver(LoadsInto):

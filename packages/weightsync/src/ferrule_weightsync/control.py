@@ -123,8 +123,9 @@ class Control:
     # -- membership ------------------------------------------------------------------------
 
     def join(self, settings: dict[str, int | None] | None = None) -> dict[str, int | None]:
-        """Register this rank; fail clearly on a second join, a different world size, or (with
-        a secret) a peer that does not know it.
+        """Register this rank; fail clearly on a second join, a different world size (on both
+        sides at once: the receiver tells the sender), or (with a secret) a peer that does not
+        know it.
 
         The sender passes the group's `settings` (what every rank must agree on, such as the
         number of connections: names to ints or None); every rank gets them back, so receivers
@@ -142,6 +143,7 @@ class Control:
             self._prove()
         if self.rank == 0:
             self._wait_all("joined", "join the group", self.connect_timeout)
+            self._check_refused()
             if self._secret is not None:
                 self._admit()
             self._put("settings", settings or {})
@@ -158,6 +160,7 @@ class Control:
             checks["nonce"] = messages.text
         hello = fields(value, "hello", checks)
         if hello["world_size"] != self.world_size:
+            self._refuse(hello["world_size"])
             raise WeightSyncError(
                 f"receiver rank {self.rank} expects {self.world_size - 1} receivers, but the sender "
                 f"of the {self.where} was created for {hello['world_size'] - 1}"
@@ -171,6 +174,26 @@ class Control:
         if hello["signed"]:
             nonce = messages.from_b64(hello.get("nonce"), "hello", "nonce", messages.NONCE_BYTES)
             self._nonce = nonce
+
+    def _refuse(self, world_size: int) -> None:
+        """Receiver of another group size than the sender's: say so under `refused` and wake
+        the sender's wait for every rank to join (adding 0 makes a key without joining anyone),
+        so that it fails at once rather than after its connect timeout."""
+        self._put("refused", {"rank": self.rank, "receivers": self.world_size - 1})
+        for rank in range(1, world_size):
+            self.store.add(f"joined/{rank}", 0)
+
+    def _check_refused(self) -> None:
+        """Sender, once woken from its wait for the joins: fail if a receiver refused."""
+        if not self.store.check(["refused"]):
+            return
+        checks = {"rank": integer, "receivers": integer}
+        refused = self._take("refused", "a receiver", lambda v, key: fields(v, key, checks))
+        raise WeightSyncError(
+            f"receiver rank {refused['rank']} was started for {refused['receivers']} receivers, "
+            f"but the sender of the {self.where} expects {self.world_size - 1}: give the sender "
+            "and every receiver the same number of receivers"
+        )
 
     def _prove(self) -> None:
         """Receiver: publish this rank's nonce and the proof that it knows the secret."""
@@ -279,7 +302,7 @@ class Control:
         try:
             self._put(f"u{seq}/{stage}/{self.rank}", error)
         except dist.DistError as err:  # the sender, and its store, are gone
-            raise WeightSyncError(f"rank {self.rank}: lost the {self.where}: {err}") from err
+            raise WeightSyncError(self._lost(f"reporting '{stage}' for update {seq}", err)) from err
 
     def collect(self, seq: int, stage: str, timeout: float | None = None) -> list[str]:
         """Sender: wait for every receiver's report on `stage` (up to `timeout` seconds,
@@ -363,6 +386,17 @@ class Control:
     def _open(self, key: str, raw: bytes, check):
         return check(messages.decode(self._seal.open(key, raw), key), key)
 
+    def _lost(self, doing: str, err: Exception) -> str:
+        """The error of a lost connection to the store. A receiver's store is the sender's: it
+        went away (a sender that exits, closed or not, ends the stream first: receivers see
+        this where it was killed outright)."""
+        if self.rank == 0:
+            return f"rank 0: lost the {self.where} while {doing}: {err}"
+        return (
+            f"rank {self.rank}: the sender went away (killed, or its process ended without "
+            f"ending the stream) while this rank was {doing} on the {self.where}"
+        )
+
     def _multi_get(self, keys: list[str]) -> list[tuple[str, bytes]]:
         return list(zip(keys, self.store.multi_get(keys), strict=True))
 
@@ -378,10 +412,7 @@ class Control:
                 return self.store.get(key)
             except (RuntimeError, TimeoutError, dist.DistStoreError) as err:
                 if not _timed_out(err):
-                    raise WeightSyncError(
-                        f"rank {self.rank}: lost the {self.where} while waiting for {who} "
-                        f"({key}): {err}"
-                    ) from err
+                    raise WeightSyncError(self._lost(f"waiting for {who} ({key})", err)) from err
             finally:  # the other store calls keep the group's timeout
                 self.store.set_timeout(timedelta(seconds=self.timeout))
             if deadline is not None and time.monotonic() >= deadline:

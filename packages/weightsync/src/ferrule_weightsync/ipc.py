@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ferrule_weightsync import messages
+from ferrule_weightsync import at_exit, messages
 from ferrule_weightsync.control import Control
 from ferrule_weightsync.errors import MalformedMessageError, PeerTimeoutError, WeightSyncError
 from ferrule_weightsync.packing import (
@@ -122,9 +122,10 @@ class _SharedBuffer:
                 self._lock = os.open(SEGMENTS / self.shm.name, os.O_RDONLY)
                 fcntl.flock(self._lock, fcntl.LOCK_SH)
             # A sender never closed (dropped, or alive at exit): the segment is removed when
-            # this buffer is collected or the interpreter exits, not left to the resource
-            # tracker's "leaked shared_memory objects" warning and a GiB of /dev/shm meanwhile.
-            self._removed = weakref.finalize(self, _remove_segment, self.shm, self._lock)
+            # this buffer is collected, the interpreter exits or SIGTERM comes (at_exit.py),
+            # not left to the resource tracker's "leaked shared_memory objects" warning and a
+            # GiB of /dev/shm meanwhile.
+            self._removed = at_exit.close_at_exit(self, _remove_segment, self.shm, self._lock)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
 
     @classmethod
@@ -233,6 +234,9 @@ class IpcSender:
         self._handles_published = 0
         self._views = BucketViews()
         self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its event, opened
+        # never closed: ends the stream when collected, at interpreter exit or on SIGTERM
+        # (at_exit.py; the shared-memory segments go with their own finalizers)
+        self._closer = at_exit.close_at_exit(self, _close_sender, self._updates, self._control)
 
     @property
     def version(self) -> int:
@@ -383,12 +387,23 @@ class IpcSender:
         """Remove the shared buffers (receivers keep what they mapped) and end the stream:
         each receiver's `receive` returns None. Waits up to `timeout` seconds for the
         receivers to read that (0: not at all; one that calls `receive` after the group went
-        gets `WeightSyncError`)."""
+        gets `WeightSyncError`). A sender never closed ends the stream when it is collected,
+        at interpreter exit or on SIGTERM (see at_exit.py)."""
         for buffer in self._buffers + self._shared:
             buffer.close()
         self._buffers, self._shared = [], []
-        self._updates.end(min(self._control.timeout, timeout))
-        self._control.close()
+        at_exit.close_now(self._closer, timeout=timeout, exiting=False)
+
+
+def _close_sender(
+    updates: UpdateSender, control: Control, timeout: float = END_SECONDS, exiting: bool = True
+) -> None:
+    """A sender's close, less its buffers. `exiting` (at exit, on SIGTERM): one interrupted
+    inside `send` leaves the group as it is (its receivers see the sender go away)."""
+    if exiting and updates.sending:
+        return
+    updates.end(min(control.timeout, timeout))
+    control.close()
 
 
 class IpcReceiver(LoadsInto):

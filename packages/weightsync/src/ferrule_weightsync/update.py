@@ -17,7 +17,7 @@ from itertools import islice
 
 import torch
 
-from ferrule_weightsync import messages
+from ferrule_weightsync import at_exit, messages
 from ferrule_weightsync.control import Control, Manifest
 from ferrule_weightsync.errors import MalformedMessageError, MismatchError, WeightSyncError
 from ferrule_weightsync.packing import (
@@ -231,6 +231,7 @@ class UpdateSender:
         self.layouts: dict[tuple, Layout] = {}
         self.accepted: set[str] = set()  # layout keys every receiver took: no handshake
         self.broken = ""  # set when an update fails after data started to move
+        self.sending = False  # inside `send`: a close at exit leaves the group as it is
 
     def layout(self, specs: list[TensorSpec], placed: tuple | None = None) -> Layout:
         """The layout of these specs, published to the store the first time it is used.
@@ -267,6 +268,16 @@ class UpdateSender:
         pairs: nothing to move, only the buffers to hand over. `reads_end`: called once every
         receiver has reported, failed or not, to wait until their reads of the sender's memory
         have ended."""
+        with at_exit.deferring_sigterm():  # the stream ends between updates, not inside one
+            self.sending = True
+            try:
+                return self._send(
+                    named_tensors, send_buckets, version, specs, generation, placed, reads_end
+                )
+            finally:
+                self.sending = False
+
+    def _send(self, named_tensors, send_buckets, version, specs, generation, placed, reads_end):
         trusted = specs is None  # specs made from these very tensors need no second check
         if specs is None:
             if not hasattr(named_tensors, "__len__"):
