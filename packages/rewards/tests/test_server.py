@@ -557,3 +557,36 @@ def test_every_result_fits_the_message_limit_the_late_ones_as_errors():
     assert first_error > 100 and not any(ok[first_error:])
     assert reply.results[first_error].status == pb.SAMPLE_STATUS_ERROR
     assert "--max-message-mb" in reply.results[-1].error
+
+
+def test_a_call_counts_until_its_answer_is_sent(serve):
+    """A client that never reads its answers (an HTTP/2 window of 1 byte): the call's slot was
+    freed before the answer was sent, so answers piled up in memory past --max-concurrency
+    (RSS 43 MiB -> 2.8 GiB). Now a call counts until its answer is sent, and one whose answer
+    is never taken is cancelled at its deadline."""
+    server = serve(limits=Limits(max_concurrency=2))
+    big = request(*[{"response": "x"}] * 4000)  # an answer of 44 KB: past a window of 1 byte
+    options = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
+    options.append(("grpc.use_local_subchannel_pool", 1))
+    channels = [
+        grpc.insecure_channel(server.address, options=[*options, ("ferrule.test", i)])
+        for i in range(2)
+    ]
+    # Streaming calls: gRPC reads a message only when asked, and these are never asked.
+    unread = [channel.stream_stream(METHOD)(iter([big]), timeout=3) for channel in channels]
+    deadline = time.monotonic() + 2
+    while server.server.busy < 2:
+        assert time.monotonic() < deadline, server.server.busy
+        time.sleep(0.02)
+    time.sleep(0.5)  # both are scored by now: only their answers are left to send
+    assert status_of(server.address, request({"response": "ab"}))[0] == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
+    deadline = time.monotonic() + 5
+    while server.server.busy:
+        assert time.monotonic() < deadline, "the unread calls were not cancelled"
+        time.sleep(0.05)
+    assert raw_call(server.address, request({"response": "ab"})).results[0].reward == 2.0
+    del unread
+    for channel in channels:
+        channel.close()

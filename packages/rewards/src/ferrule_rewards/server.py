@@ -49,6 +49,7 @@ MAX_CONNECTIONS = 4096
 """Connections open at once; past it gRPC closes new ones. Each costs a descriptor, and the
 server needs some of its own to replace a scoring process (1020 idle connections under a
 systemd service's soft limit of 1024 made a kill fail and lost the process for good)."""
+WRITE_GRACE = 1.0  # seconds past the call's deadline that its answer may take to be sent
 HANDSHAKE_SECONDS = 5.0
 """A connection that has not finished its handshake (TLS, HTTP/2's preface) by then is closed:
 one that sends nothing holds a descriptor and no call."""
@@ -132,7 +133,7 @@ class RewardServer:
         self.processes, self.limits = processes, limits
         self.address = ""
         self.health = _Health(limits.max_health_watches)
-        self.busy = 0  # Score calls admitted: waiting for a scoring process, or being scored
+        self.busy = 0  # Score calls admitted: being read, scored, or answered
         self.draining = False
         self.cut_off = 0  # calls still running when the grace period ended
         self._server: grpc.aio.Server | None = None
@@ -155,9 +156,10 @@ class RewardServer:
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
-    async def _score(self, requests, context: grpc.aio.ServicerContext) -> bytes:
-        """Score (registered as client-streaming, which is the same on the wire as unary, so
-        that nothing of the request is read before the checks below pass)."""
+    async def _score(self, requests, context: grpc.aio.ServicerContext) -> None:
+        """Score (registered as streaming both ways, which is the same on the wire as unary,
+        so that nothing of the request is read before the checks below pass, and the answer's
+        send can be awaited)."""
         if self.draining or not self.processes.healthy:
             why = "shutting down" if self.draining else "unable to start its scoring processes"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reward server is {why}")
@@ -177,7 +179,9 @@ class RewardServer:
             deadline = loop.time() + budget
             body = await self._read(context, deadline)
             async with self.processes.process(deadline) as process:
-                return await process.score(body, deadline)
+                response = await process.score(body, deadline)
+            del body
+            await self._write(context, response, deadline)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except CallFailed as error:
@@ -188,6 +192,17 @@ class RewardServer:
             raise
         finally:
             self.busy -= 1
+
+    async def _write(self, context: grpc.aio.ServicerContext, response: bytes, deadline):
+        """Send the answer, the call still counted (max_concurrency) until it is sent: a client
+        that never read its answers had ~50 of them held in memory against a limit of 32
+        (2.8 GiB). One that has not taken it by the deadline is cancelled."""
+        wait = max(0.0, deadline - asyncio.get_running_loop().time()) + WRITE_GRACE
+        try:
+            await asyncio.wait_for(context.write(response), wait)
+        except TimeoutError:
+            log.warning("a client took no answer within its call's deadline; cancelled the call")
+            raise asyncio.CancelledError from None
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
         """The request's body, read before a scoring process is taken and within the call's
@@ -290,7 +305,7 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
             ("grpc.max_connection_idle_ms", int(IDLE_SECONDS * 1000)),
         ],
     )
-    handler = grpc.stream_unary_rpc_method_handler(server._score)  # raw bytes in and out
+    handler = grpc.stream_stream_rpc_method_handler(server._score)  # raw bytes in and out
     grpc_server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler(SERVICE, {"Score": handler})]
     )
