@@ -256,3 +256,14 @@ def batch_bad_outputs(samples: list[Sample]) -> list:
         else:
             outputs.append(1.0)
     return outputs
+
+
+def exits(response: str) -> float:
+    """`sys.exit` calls sys.exit(3), `os._exit` calls os._exit(3); 1.0 otherwise."""
+    import sys
+
+    if response == "sys.exit":
+        sys.exit(3)
+    if response == "os._exit":
+        os._exit(3)
+    return 1.0

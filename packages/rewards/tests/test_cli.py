@@ -336,3 +336,21 @@ def test_sighup_drains_and_the_functions_children_die(spawn, fn_spec, tmp_path):
     while Path(f"/proc/{child}").exists():
         assert time.monotonic() < deadline, f"the function's child {child} outlived the server"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ('{"response": "x", "label": }', "stdin line 3: not JSON: Expecting value: line 1 column"),
+        ('{"response": "x", "label": 4}', "stdin line 3: field 'label' (4): "),
+        ("[1, 2]", "stdin line 3: a list, not a dict"),
+    ],
+)
+def test_score_names_the_line_and_the_field_of_a_bad_sample(bad, message):
+    """A bad JSON line was reported by its column only (`line 1 column 28`), and a sample
+    with `"label": 4` as `bad argument type for built-in operation`, without the field. Now
+    the message names the line of stdin (blank lines counted) and the field."""
+    stdin = '{"response": "a"}\n\n' + bad + "\n"
+    score = [sys.executable, "-m", "ferrule_rewards", "score", "127.0.0.1:1"]
+    done = subprocess.run(score, input=stdin, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -252,3 +252,17 @@ def test_scoring_processes_import_nothing_from_the_working_directory(tmp_path, m
         reply = call(request({"response": "abc"}), timeout=10)
     assert statuses(reply) == ["OK"] and reply.results[0].reward == 5.0
     assert not ran.exists(), ran.read_text()
+
+
+def test_a_function_that_exits_is_reported_as_such(serve):
+    """A function that called sys.exit was reported "killed by SIGKILL" (its process exited,
+    and the server killed it before asking how). Now sys.exit is that sample's error, and a
+    process that exits by itself (os._exit) is reported with its status."""
+    server = serve("exits", processes=1)
+    samples = [{"response": r} for r in ("ok", "sys.exit", "ok", "os._exit", "ok")]
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
+        reply = call(request(*samples), timeout=30)
+    assert statuses(reply) == ["OK", "ERROR", "OK", "ERROR", "OK"]
+    assert reply.results[1].error.startswith("SystemExit: 3"), reply.results[1].error
+    assert "exited with status 3" in reply.results[3].error, reply.results[3].error

@@ -253,7 +253,8 @@ def _reap_orphans() -> None:
         while True:
             os.wait()
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's handler cannot be set
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
         os.kill(reaper, os.WTERMSIG(status))
     os._exit(os.waitstatus_to_exitcode(status))
 

@@ -281,10 +281,23 @@ def _health(args) -> None:
 
 
 def _score(args) -> None:
-    samples = [json.loads(line) for line in sys.stdin if line.strip()]
+    from ferrule_rewards.client import InvalidSample
+
+    samples, numbers = [], []  # numbers: each sample's line on stdin (blank lines skipped)
+    for number, line in enumerate(sys.stdin, 1):
+        if line.strip():
+            try:
+                samples.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"stdin line {number}: not JSON: {error}") from None
+            numbers.append(number)
     failed = 0
     with _client(args) as client:
-        for result in client.score(samples):
+        try:
+            results = client.score(samples)
+        except InvalidSample as error:
+            raise ValueError(f"stdin line {numbers[error.index]}: {error.message}") from None
+        for result in results:
             line = {"reward": result.reward if result.ok else None, "status": str(result.status)}
             failed += not result.ok
             if result.error:

@@ -50,6 +50,15 @@ class RewardServersUnavailable(RewardError):
     """No server could take the call: every attempt was refused or could not connect."""
 
 
+class InvalidSample(ValueError):
+    """A sample the wire format cannot carry, found before anything is sent: `index` is its
+    place in the samples given to `score`."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(f"sample {index}: {message}")
+        self.index, self.message = index, message
+
+
 class RewardClient:
     def __init__(
         self,
@@ -236,8 +245,22 @@ def _encode(samples: list, offset: int) -> bytes:
             try:
                 pb.Sample(**sample)
             except (ValueError, TypeError, UnicodeError) as error:
-                raise ValueError(f"sample {offset + index}: {error}") from None
+                raise InvalidSample(offset + index, _what_is_wrong(sample, error)) from None
         raise
+
+
+def _what_is_wrong(sample, error: Exception) -> str:
+    """The field of `sample` that protobuf refused, and why (its own message, `bad argument
+    type for built-in operation`, names none)."""
+    if not isinstance(sample, Mapping):
+        return f"a {type(sample).__name__}, not a dict of the sample's fields"
+    for key, value in sample.items():
+        try:
+            pb.Sample(**{key: value})
+        except (ValueError, TypeError, UnicodeError) as field_error:
+            shown = repr(value) if isinstance(value, int | float | bool) else type(value).__name__
+            return f"field {key!r} ({shown}): {field_error}"
+    return str(error)
 
 
 def _decode(response: pb.ScoreResponse, n: int, address: str) -> list[Result]:

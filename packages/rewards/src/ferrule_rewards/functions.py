@@ -201,7 +201,7 @@ class FunctionScorer:
             start(index)
             try:
                 output = fn(*row) if positional else fn(**row)
-            except Exception as error:
+            except (Exception, SystemExit) as error:  # sys.exit: this sample's error too
                 output = error
             outputs.append(output)
             done(index, output)
@@ -216,7 +216,7 @@ class FunctionScorer:
         except TimeoutError:
             scores.fail_all(Status.TIMEOUT, f"no rewards for the batch within {self.timeout:g}s")
             return None
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             scores.fail_all(Status.ERROR, _describe(error))
             return None
         if not isinstance(outputs, list | tuple) or len(outputs) != len(samples):

@@ -29,6 +29,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 from ferrule_rewards import child, journal, logs, tree, wire
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!i")  # multiprocessing.Connection's frame header
 _LONG_LENGTH = struct.Struct("!Q")
 RESTART_BACKOFF = (0.1, 5.0)  # seconds between failed starts of a process: first, most
+EXIT_WAIT = 0.5  # seconds a process whose socket closed gets to exit by itself
 KILL_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # seconds before each new try at listing a tree
 
 
@@ -295,9 +297,12 @@ class ScoringProcess:
         job.results.setdefault(index, wire.failure_chunk(Status.ERROR, message))
 
     async def _exit(self) -> str:
-        """How the process ended, in words (it is killed first, with what it started)."""
-        self.kill()
+        """How the process ended, in words (it is killed first, with what it started, unless
+        it exits by itself within EXIT_WAIT: an `os._exit(3)` read as "killed by SIGKILL")."""
         loop = asyncio.get_running_loop()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await loop.run_in_executor(None, self._wait_unreaped, EXIT_WAIT)
+        self.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             await loop.run_in_executor(None, self.process.wait, 1.0)
         code = self.process.returncode
@@ -306,6 +311,13 @@ class ScoringProcess:
         if code < 0:
             return f"was killed by {signal.Signals(-code).name}"
         return f"exited with status {code}"
+
+    def _wait_unreaped(self, seconds: float) -> None:
+        """Wait up to `seconds` for the process to exit, without reaping it (kill needs its
+        pid, its group's id, not reused until then)."""
+        deadline = time.monotonic() + seconds
+        while self.alive and not self.killed and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def kill(self) -> None:
         """SIGKILL, the only way to stop a call that may hold the GIL, to the process and to
