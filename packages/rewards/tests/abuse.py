@@ -14,6 +14,7 @@ records it.
 import functools
 import os
 import random
+import socket
 import statistics
 import tempfile
 import threading
@@ -38,8 +39,11 @@ def tree(pid: int) -> list[int]:
     while todo:
         current = todo.pop()
         pids.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            todo += [int(child) for child in task.read_text().split()]
+        try:  # it may be gone meanwhile
+            for task in Path(f"/proc/{current}/task").glob("*/children"):
+                todo += [int(child) for child in task.read_text().split()]
+        except OSError:
+            continue
     return pids
 
 
@@ -383,6 +387,94 @@ def crash_after_finished(address, token):
     return answered, sent
 
 
+def idle_connections(address, token):
+    """300 connections that never send a byte (each holds a descriptor of the server's; 1020
+    of them made a kill fail and lost a scoring process for good, issue 58): the server closes
+    every one within its handshake timeout (5 s), and keeps answering meanwhile."""
+    host, port = address.rsplit(":", 1)
+    sockets = [socket.create_connection((host, int(port))) for _ in range(300)]
+    closed = set()
+    deadline = time.monotonic() + 8
+    while len(closed) < len(sockets) and time.monotonic() < deadline:
+        for index, sock in enumerate(sockets):
+            if index in closed:
+                continue
+            sock.setblocking(False)
+            try:
+                if sock.recv(64) == b"":
+                    closed.add(index)
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed.add(index)
+        time.sleep(0.05)
+    for sock in sockets:
+        sock.close()
+    return len(closed), len(sockets)
+
+
+def unread_answers(address, token):
+    """Calls whose client never reads the answer (an HTTP/2 window of 1 byte): each holds its
+    place until its deadline, then ends; answers never pile up in the server's memory (issue
+    58: ~50 held, 2.8 GiB)."""
+    body = _request(*["#### 4"] * 1000)  # an answer of ~50 KB
+    options = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
+    ends = ("DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED")
+    channels = [
+        grpc.insecure_channel(address, options=[*options, ("abuse.unread", i)]) for i in range(40)
+    ]
+    # Streaming calls: gRPC reads a message only when asked, and these are never asked.
+    calls = [
+        c.stream_stream(METHOD)(iter([body]), timeout=3, metadata=_auth(token)) for c in channels
+    ]
+    answered = sum(call.code().name in ends for call in calls)
+    for channel in channels:
+        channel.close()
+    return answered, len(calls)
+
+
+def orphans(address, token):
+    """Samples whose function leaves 50 background processes behind: every orphan is reaped,
+    none is left a zombie under the server (issue 58: 500 zombies in 0.7 s)."""
+    ok, sent = _calls(
+        address, [_request(*["@orphans"] * 4)] * 2, token=token, timeout=30,
+        expect=_statuses("OK"),
+    )  # fmt: skip
+    time.sleep(0.5)
+    return ok * (not zombies_under(_server_pid[0])), sent
+
+
+def odd_outputs(address, token):
+    """A reward nested 200,000 deep (its message's repr raised RecursionError and the whole
+    batch failed) and a function that calls sys.exit (read "killed by SIGKILL"): each fails
+    its own sample only."""
+
+    def expect(reply) -> bool:
+        if isinstance(reply, grpc.RpcError):
+            return False
+        statuses = [pb.SampleStatus.Name(r.status)[14:] for r in reply.results]
+        return statuses == ["INVALID_REWARD", "OK", "ERROR", "OK"] and (
+            reply.results[2].error.startswith("SystemExit: 3")
+        )
+
+    body = _request("@deep", "#### 4", "@exit", "#### 4")
+    return _calls(address, [body] * 2, token=token, timeout=30, expect=expect)
+
+
+_server_pid = [0]  # run_all's; for the attacks that look at the server's processes
+
+
+def zombies_under(pid: int) -> list[int]:
+    return [p for p in tree(pid) if _state(p) == "Z"]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -405,12 +497,17 @@ ATTACKS = [
     huge_sub_scores,
     big_results,
     crash_after_finished,
+    idle_connections,
+    unread_answers,
+    orphans,
+    odd_outputs,
 ]
 
 
 def idle_within(server_pid: int, processes: int, seconds: float) -> str | None:
-    """None when, within `seconds`, the server is down to its `processes` scoring processes and
-    none of them uses the CPU (over 0.3 s); otherwise what was last seen, for the report:
+    """None when, within `seconds`, the server is down to its `processes` scoring processes
+    (each two processes, see below) and none of them uses the CPU (over 0.3 s); otherwise
+    what was last seen, for the report:
     how many processes it had and the CPU ticks they used in those 0.3 s."""
     deadline = time.monotonic() + seconds
     seen = "never looked"
@@ -419,7 +516,8 @@ def idle_within(server_pid: int, processes: int, seconds: float) -> str | None:
         before = sum(map(cpu_ticks, children))
         time.sleep(0.3)
         after = sum(map(cpu_ticks, tree(server_pid)[1:]))
-        if len(children) == processes and after - before <= 1:
+        # Each scoring process is two: the one that scores and its reaper (child.py).
+        if len(children) == 2 * processes and after - before <= 1:
             return None
         seen = f"{len(children)} processes under the server, {after - before} CPU ticks in 0.3 s"
     return seen
@@ -437,6 +535,7 @@ def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[
     for attack in ATTACKS:
         getattr(attack, "prepare", lambda: None)()
     watch = Watch(server_pid, address, token)
+    _server_pid[0] = server_pid
     rows = []
     try:
         time.sleep(0.5)

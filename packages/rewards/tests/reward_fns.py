@@ -126,8 +126,9 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
     """The built-in math_reward (reading the metadata, as a real function may), except for
     `@gil` (C code that holds the GIL for hours), `@spin` (5 s of pure Python work), `@flood`
     (20 MiB to stdout and to stderr), `@fork` (children that try to outlive it: see spawner,
-    then a hang), `@subs` (100,000 sub-scores), `@huge` (a reward no float holds) and `@crash`
-    (SIGKILL to itself). With
+    then a hang), `@subs` (100,000 sub-scores), `@huge` (a reward no float holds), `@crash`
+    (SIGKILL to itself), `@orphans` (50 background processes left behind), `@deep` (a reward
+    nested 200,000 deep) and `@exit` (sys.exit(3)). With
     metadata "log" (a file), it first appends metadata "id" there: a side effect."""
     from ferrule_rewards.builtin import math_reward
 
@@ -149,6 +150,15 @@ def hostile(response: str, label: str, metadata: dict[str, str]) -> dict[str, fl
         return {"reward": 1.0} | {f"s{i}": 1.0 for i in range(1000)}
     if response == "@crash":
         os.kill(os.getpid(), 9)
+    if response == "@orphans":
+        orphaner("50")
+    if response == "@deep":
+        deep = []
+        for _ in range(200_000):
+            deep = [deep]
+        return deep
+    if response == "@exit":
+        raise SystemExit(3)
     if response == "@gil":
         re.match(r"(a|aa)*c", "a" * 60)
     if response == "@spin":
@@ -195,10 +205,12 @@ def spawner(response: str) -> float:
 
 
 def orphaner(response: str) -> float:
-    """Starts a shell that leaves a background `sleep` behind (an orphan); returns 1.0."""
+    """Starts shells that leave a background `sleep` behind (an orphan): one, or `response`
+    of them; returns 1.0."""
     import subprocess
 
-    subprocess.run(["sh", "-c", "sleep 0.01 &"], check=True)
+    for _ in range(int(response or 1)):
+        subprocess.run(["sh", "-c", "sleep 0.01 &"], check=True)
     return 1.0
 
 

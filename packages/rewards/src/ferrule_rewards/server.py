@@ -203,6 +203,8 @@ class RewardServer:
         except TimeoutError:
             log.warning("a client took no answer within its call's deadline; cancelled the call")
             raise asyncio.CancelledError from None
+        except Exception:  # the call ended first (its deadline, its client gone): grpc raises
+            raise asyncio.CancelledError from None  # its private ExecuteBatchError, logged loud
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
         """The request's body, read before a scoring process is taken and within the call's
