@@ -26,7 +26,11 @@ that sample's index (-1: the whole batch; DECODING, IDLE). The watchdog reads it
 process is frozen. The same memory holds the journal (journal.py): each result, written as its
 sample finishes, which the server reads when this process dies or is killed mid-batch.
 
-    python -m ferrule_rewards.child SOCKET_FD MARK_FD       # how processes.py starts one
+    python -P -m ferrule_rewards.child SOCKET_FD MARK_FD    # how processes.py starts one
+
+It forks first: the parent, which runs no reward function, is a child subreaper that reaps the
+orphans of the scoring child's subtree and, once that child has gone, kills what is left and
+exits as it did (see _reap_orphans).
 """
 
 import contextlib
