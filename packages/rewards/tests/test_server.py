@@ -590,3 +590,33 @@ def test_a_call_counts_until_its_answer_is_sent(serve):
     del unread
     for channel in channels:
         channel.close()
+
+
+def test_a_process_frozen_by_a_kill_that_cannot_list_proc_scores_no_sample_twice(
+    serve, tmp_path, monkeypatch
+):
+    """When a timeout's kill cannot list /proc, the process is frozen rather than killed; its
+    journal was then left unread (only a dead writer's was), so the next process scored the
+    samples it had finished again. A frozen writer's journal is read too."""
+    from ferrule_rewards import tree
+
+    log = tmp_path / "ids"
+    monkeypatch.setenv("REWARDS_TEST_LOG", str(log))
+    server = serve("once", timeout=1.0)
+    real, failures = tree.descendants, []
+
+    def out_of_descriptors(pid):
+        if len(failures) < 2:
+            failures.append(pid)
+            raise OSError(24, "Too many open files", f"/proc/{pid}/task")
+        return real(pid)
+
+    monkeypatch.setattr(tree, "descendants", out_of_descriptors)
+    responses = [""] * 20
+    responses[10] = "gil"
+    samples = [{"response": r, "metadata": {"id": str(i)}} for i, r in enumerate(responses)]
+    reply = raw_call(server.address, request(*samples), timeout=30)
+    statuses = [pb.SampleStatus.Name(r.status)[14:] for r in reply.results]
+    assert statuses == ["OK"] * 10 + ["TIMEOUT"] + ["OK"] * 9
+    assert failures
+    assert sorted(map(int, log.read_text().split())) == list(range(20))  # each once

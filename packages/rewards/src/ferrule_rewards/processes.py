@@ -275,7 +275,9 @@ class ScoringProcess:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             await loop.run_in_executor(None, self.process.wait, 1.0)
-        if self.process.returncode is not None:  # a writer that still runs is never read
+        # A writer that still runs is never read; one frozen by kill (its tree could not be
+        # listed), which stopped well within the wait, is: at most once holds there too.
+        if self.process.returncode is not None or self.frozen is not None:
             job.results.update(journal.read(self.mark.fd))
 
     async def _died(self, job: "_Job") -> None:
