@@ -5,6 +5,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "tiny.toml"
@@ -62,6 +64,7 @@ def test_dry_run_prints_the_resolved_config():
     assert str(EXAMPLE.parent / "tiny" / "model") in result.stdout  # resolved near the file
 
 
+@pytest.mark.e2e  # several rlhf-launch processes, 15-20 s
 def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     """examples/grpo-gsm8k-gpu.toml names a model and data the user brings: with those paths
     pointing at files that exist, the whole configuration is valid as written."""
@@ -100,6 +103,7 @@ def test_gpu_example_passes_the_dry_run_once_its_local_paths_exist(tmp_path):
     assert missing.returncode == 2 and "[model] path: no Hugging Face model at" in missing.stderr
 
 
+@pytest.mark.e2e  # several rlhf-launch processes, 15-20 s
 def test_bad_data_stops_before_anything_starts_naming_the_file_and_row(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1 + 1 ="}\n{"question": "2 + 2 ="}\n')
     (tmp_path / "test.jsonl").write_text('{"prompt": "3 + 3 ="}\n')

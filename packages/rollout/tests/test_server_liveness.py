@@ -69,6 +69,7 @@ def join(stub, port: int, *, timeout_s: float, deadline: float):
     return stub.InitWeightSync(request, timeout=deadline, metadata=bearer(TOKEN))
 
 
+@pytest.mark.e2e  # a server of its own or a shared one, ~5-15 s
 def test_a_join_with_no_sender_ends_within_its_timeout(shared):
     """It waited weightsync's 900 s connect default whatever timeout_s said."""
     started = time.monotonic()
@@ -80,6 +81,7 @@ def test_a_join_with_no_sender_ends_within_its_timeout(shared):
     assert took < 10, took
 
 
+@pytest.mark.e2e  # a server of its own or a shared one, ~5-15 s
 def test_a_join_whose_client_left_is_given_up(shared):
     """Joins run one at a time, so the next one succeeds only once the server stopped
     waiting on behalf of the client that left (it used to wait on for up to 900 s)."""
@@ -95,6 +97,7 @@ def test_a_join_whose_client_left_is_given_up(shared):
     joining.get(30).close(timeout=0)
 
 
+@pytest.mark.e2e  # a server of its own or a shared one, ~5-15 s
 def test_sigterm_exits_within_its_grace_while_a_join_waits(own):
     """SIGTERM logged "shutting down" and the process was still there 28 s later. The join
     gets the grace as other calls do; the interpreter's exit takes ~2 s more here."""
@@ -107,6 +110,7 @@ def test_sigterm_exits_within_its_grace_while_a_join_waits(own):
     assert caught.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 
 
+@pytest.mark.e2e  # a server of its own or a shared one, ~5-15 s
 def test_health_and_resume_answer_while_paused_generation_fills_the_pool():
     """66 Generates queued behind a pause took all 64 handler threads: Health and Resume then
     waited for them (a deadlock without client deadlines)."""
@@ -159,6 +163,7 @@ def test_too_long_a_token_id_prompt_is_refused_before_it_is_converted():
         prompts_from_proto([prompt], max_prompt_bytes=1 << 20, max_model_len=128)
 
 
+@pytest.mark.e2e  # a server of its own or a shared one, ~5-15 s
 def test_a_huge_token_id_prompt_is_refused_at_once_over_grpc(shared):
     stub = stub_of(shared)
     """2 * 10^7 ids (20 MB on the wire): refused after 8 s before, 1.5 s now on this loaded

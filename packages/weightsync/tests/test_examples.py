@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# the examples as real processes: 3-9 s a test
+pytestmark = pytest.mark.e2e
+
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "weightsync"
 
 
