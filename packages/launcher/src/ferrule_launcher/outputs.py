@@ -45,7 +45,6 @@ class Outputs:
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "eval_samples.jsonl"
         self.history = _read_history(self.metrics_path, before=first_step)
-        self.skipped = len(skipped_steps(self.history))
         _write_lines(self.metrics_path, self.history)  # drop steps after the checkpoint
         _write_lines(self.samples_path, _read_history(self.samples_path, before=first_step))
         self.writer = None
@@ -106,9 +105,9 @@ class Outputs:
                     f"step {step}: the {role}'s update was skipped, its gradients not finite: "
                     f"{metrics.get(where) or 'not located'}"
                 )
-        self.skipped += bool(skipped_steps([record]))
-        if self.skipped:
-            postfix["skipped"] = str(self.skipped)
+        skipped = len(skipped_steps(self.history))  # resumed runs' earlier steps included
+        if skipped:
+            postfix["skipped"] = str(skipped)
         if metrics.get("reward/failed"):
             postfix["reward_failed"] = str(metrics["reward/failed"])
         if "eval/reward" in metrics:
