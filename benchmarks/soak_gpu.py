@@ -28,7 +28,8 @@ SHAPE_1_5B = dict(
 )
 
 
-def command(model: Path, out: Path, steps: int, resume: bool) -> list[str]:
+def command(model: Path, out: Path, steps: int, resume: bool, **extra) -> list[str]:
+    """The issue-56 case's `rlhf-launch` command line; `extra` keys (dots as "__") override."""
     keys = {
         "model.path": f'"{model}"',
         "model.dtype": '"bfloat16"',
@@ -50,6 +51,7 @@ def command(model: Path, out: Path, steps: int, resume: bool) -> list[str]:
         "output.checkpoint_every": 10,
         "output.progress": "false",
         "output.dir": f'"{out}"',
+        **{key.replace("__", "."): value for key, value in extra.items()},
     }
     args = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
     for key, value in keys.items():
@@ -63,9 +65,9 @@ def logged_steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines]
 
 
-def launch(model, out, steps, resume, log) -> subprocess.Popen:
+def launch(model, out, steps, resume, log, **extra) -> subprocess.Popen:
     return subprocess.Popen(
-        command(model, out, steps, resume),
+        command(model, out, steps, resume, **extra),
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # kill -9 of the session: the launcher and all it started

@@ -439,6 +439,11 @@ def test_ppo_with_a_two_rank_reference_and_critic_under_zero3(tmp_path):
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all("critic/loss" in r and "kl" in r for r in records)
+    saved = records[1]  # step 2 checkpointed: its seconds by role and part
+    for role in ("policy", "critic"):  # the two roles save at once
+        parts = [saved[f"time/checkpoint/{role}_{part}"] for part in ("weights", "optimizer")]
+        assert min(parts) > 0 and sum(parts) <= saved["time/checkpoint"]
+    assert not any(key.startswith("time/checkpoint") for key in records[0])
     roles = json.loads((out / "roles.json").read_text())
     assert {"reference", "reference-1", "critic", "critic-1"} <= set(roles)
     assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 2

@@ -404,7 +404,9 @@ class OutputConfig(Table):
     """Save resumable state every this many steps (0: never; --resume then starts over). A
     checkpoint holds the policy's (and critic's) weights, fp32 master weights and Adam moments:
     at 1.5B 18 GB, written in 26-29 s on an H200 machine's local disk, some 4 steps of 256-token
-    GRPO (benchmarks/RESULTS.md); its seconds are time/checkpoint in metrics."""
+    GRPO (benchmarks/RESULTS.md); its seconds are time/checkpoint in metrics, and the writes
+    of each role's weights and optimizer time/checkpoint/policy_weights, .../policy_optimizer
+    (the critic's likewise)."""
     keep_last: int = Field(3, ge=1)
     """Complete checkpoints kept, the newest; an older one is deleted once a newer one is
     complete (the one keep_best picks is kept too)."""

@@ -168,8 +168,9 @@ class RankWorker:
     def preference_epochs(self, batch: "Batch", **options) -> dict:
         return _timed(self.actor.preference_epochs, batch, **options)
 
-    def save(self, directory: str, step: int) -> None:
-        self.actor.save_state(directory, step=step)
+    def save(self, directory: str, step: int) -> dict[str, float]:
+        """Saves this rank's resumable state; its seconds by part (checkpoint.SavedState)."""
+        return self.actor.save_state(directory, step=step).seconds
 
     def load(self, directory: str, step: int) -> int:
         return int(self.actor.load_state(directory, tag=f"step{step}")["step"])

@@ -156,7 +156,7 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             # marked complete after them: a run killed in between resumes from the one before.
             if checkpoint:
                 began = time.perf_counter()
-                _save_checkpoint(out, roles, step)
+                metrics.update(_save_checkpoint(out, roles, step))
                 metrics["time/checkpoint"] = time.perf_counter() - began
             metrics["wall_seconds"] = round(wall_seconds(), 3)
             log.log(step, metrics)
@@ -309,13 +309,21 @@ def _held_version(engine) -> int:  # runs inside an engine's actor, through __ra
     return engine.version
 
 
-def _save_checkpoint(out: Path, roles: Roles, step: int) -> None:
-    """The policy's (and critic's) resumable states of `step`, under out/checkpoint."""
+def _save_checkpoint(out: Path, roles: Roles, step: int) -> dict[str, float]:
+    """Saves the policy's (and critic's) resumable states of `step` under out/checkpoint;
+    returns the seconds each role's slowest rank spent writing its weights and its optimizer
+    (`time/checkpoint/policy_weights`, ...): the ranks write at once."""
     directory = out / "checkpoint"
-    refs = roles.policy.save(str(directory / "policy"), step)
+    groups = {"policy": roles.policy}
     if roles.critic is not None:
-        refs += roles.critic.save(str(directory / "critic"), step)
-    get(refs, "policy/critic checkpoint")
+        groups["critic"] = roles.critic
+    refs = {role: group.save(str(directory / role), step) for role, group in groups.items()}
+    seconds = {}
+    for role, ranks in refs.items():
+        by_rank = get(ranks, f"{role} checkpoint")
+        for part in ("weights", "optimizer"):
+            seconds[f"time/checkpoint/{role}_{part}"] = max(s[part] for s in by_rank)
+    return seconds
 
 
 def _load_checkpoint(out: Path, roles: Roles, step: int) -> None:

@@ -10,10 +10,13 @@ a shard. `save_state` is DeepSpeed's own checkpoint (sharded weights, optimizer,
 each rank's RNG states and the caller's step and data position.
 """
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,16 +125,32 @@ def _rng_file(directory: Path, tag: str) -> Path:
     return directory / tag / f"rng_state_rank{_rank()}.pt"
 
 
-def save_state(engine, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
+@dataclass(frozen=True)
+class SavedState:
+    """What `save_state` wrote: its tag, and this rank's seconds by part: `weights` and
+    `optimizer` (writing DeepSpeed's model-states and ZeRO optimizer-states files; without ZeRO
+    the optimizer is inside the model states, so all of it counts as weights; at 1.5B nearly all
+    of a checkpoint is the fp32 master weights and Adam moments) and `total` (the whole save,
+    with gathering the states, the RNG file and the barrier)."""
+
+    tag: str
+    seconds: dict[str, float]
+
+
+def save_state(
+    engine, directory: str | os.PathLike, *, step: int, **client_state: Any
+) -> SavedState:
     """Saves everything needed to continue exactly: DeepSpeed's checkpoint (weights, optimizer,
     lr scheduler) under the tag `step{step}`, this rank's RNG states, and `client_state` (for
     example data_position: how many samples or batches the data loader has handed out).
-    Returns the tag; `latest` in the directory names it."""
+    `latest` in the directory names the tag."""
+    began = time.perf_counter()
     directory = Path(directory)
     tag = f"step{step}"
     # under one key: DeepSpeed returns its own entries beside ours on load
     state = {"ferrule": dict(client_state, step=step)}
-    engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+    with _timed_writes(engine) as seconds:
+        engine.save_checkpoint(str(directory), tag=tag, client_state=state)
     rng = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
@@ -140,7 +159,30 @@ def save_state(engine, directory: str | os.PathLike, *, step: int, **client_stat
     torch.save(rng, _rng_file(directory, tag))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    return tag
+    return SavedState(tag, {**seconds, "total": time.perf_counter() - began})
+
+
+@contextlib.contextmanager
+def _timed_writes(engine):
+    """Seconds spent in the checkpoint engine's writes (DeepSpeed's pluggable file writer), by
+    file: `*optim_states.pt` is the optimizer's, the rest the weights'."""
+    seconds = {"weights": 0.0, "optimizer": 0.0}
+    writer = engine.checkpoint_engine
+    save = writer.save
+
+    def timed(state_dict, path, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return save(state_dict, path, *args, **kwargs)
+        finally:
+            part = "optimizer" if str(path).endswith("optim_states.pt") else "weights"
+            seconds[part] += time.perf_counter() - began
+
+    writer.save = timed
+    try:
+        yield seconds
+    finally:
+        del writer.save  # the instance attribute: the class's method shows again
 
 
 def load_state(engine, directory: str | os.PathLike, *, tag: str | None = None) -> dict[str, Any]:

@@ -23,8 +23,11 @@ class TrainedModel:
         checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
         checkpoint.save_adapter(self.engine.module, os.path.join(path, "adapter"))
 
-    def save_state(self, directory: str | os.PathLike, *, step: int, **client_state: Any) -> str:
-        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position)."""
+    def save_state(
+        self, directory: str | os.PathLike, *, step: int, **client_state: Any
+    ) -> checkpoint.SavedState:
+        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position);
+        returns its tag and this rank's seconds by part."""
         return checkpoint.save_state(self.engine, directory, step=step, **client_state)
 
     def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
