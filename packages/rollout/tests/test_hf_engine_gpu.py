@@ -202,3 +202,41 @@ def test_at_real_size_logprobs_agree_with_the_trainers_forward(real_size, mode):
 
     assert outputs(queued) == outputs(together)
     assert outputs(alone) == outputs(together[:3])
+
+
+def test_exact_modes_gradients_repeat_bit_for_bit():
+    """The trainer's side of exact mode: the same left-padded bf16 batch at real head shapes
+    (12 query heads, 2 KV heads, 128 wide, 512 positions) gives the same gradients, bit for bit,
+    twice in a row. sdpa's fused backward kernels (cuDNN's, memory-efficient) did not on an H200,
+    so a resumed exact run could not end with the uninterrupted run's weights."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_rollout.exact import ExactNumerics
+
+    path = tiny_model(
+        "qwen2",
+        hidden_size=1536,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    ExactNumerics(512).apply(model)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 500, (8, 512), generator=generator).cuda()
+    lengths = torch.randint(100, 512, (8,), generator=generator).cuda()
+    mask = (torch.arange(512, device="cuda")[None] >= (512 - lengths)[:, None]).long()
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits
+        (logits.float().log_softmax(-1)[..., 7] * mask).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    first, second = gradients(), gradients()
+    differ = [name for name in first if not torch.equal(first[name], second[name])]
+    assert not differ, f"gradients differ between two identical backward passes: {differ}"

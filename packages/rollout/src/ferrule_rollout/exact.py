@@ -18,12 +18,15 @@ Both sides must use the same `key_slots`, dtype and weights; sampling must not r
 distribution (no top-k / top-p), since the trainer scores the policy's own softmax.
 
 Attention's backward (the trainer's) runs PyTorch's sdpa on the same inputs: gradients need
-only be correct, and the exact forward's per-chunk tensors need not be kept for it.
+only be correct, and the exact forward's per-chunk tensors need not be kept for it. It runs
+sdpa's math kernel, whose result does not change from run to run (the fused kernels' does on a
+GPU), so a run repeats itself bit for bit (its T x T scores are held per layer, one at a time).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROWS = 256  # rows per fixed-shape call: one chunk holds a decode step of up to 256 sequences
 ATTENTION = "ferrule_exact"  # trainer side: any padding; keys moved to slots 0..
@@ -186,8 +189,12 @@ class _ExactAttention(torch.autograd.Function):
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
             keep = keep.clone()
             keep[..., 0] |= ~keep.any(dim=-1)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep[:, None], scale=ctx.scaling, enable_gqa=True
-            )
+            # sdpa's math kernel: its matmuls add in a fixed order. cuDNN's and the memory-
+            # efficient kernels accumulate dQ with atomics, so on an H200 the same step gave
+            # different gradients run to run, and an exact run could not repeat itself.
+            with sdpa_kernel(SDPBackend.MATH):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=keep[:, None], scale=ctx.scaling, enable_gqa=True
+                )
             grads = torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
         return (*grads, None, None, None, None)
