@@ -5,6 +5,7 @@ single-process loop a TRL GRPOTrainer user runs, on the same work.
     python benchmarks/step_gpu.py --gpus 4       # ours on four GPUs, the baseline on one
     python benchmarks/step_gpu.py --gpus 4 --scaling --steps 4   # ours on four against one
     python benchmarks/step_gpu.py --set rollout.compile_decode=true   # ours with another key
+    python benchmarks/step_gpu.py --lengths geometric --tokens 4096   # long-tailed lengths
 
 The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
 frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
@@ -26,6 +27,15 @@ samples/s / the baseline's (on one GPU the same work, so baseline s/step / ours 
 --prompts prompts a step, so that each GPU has the one-GPU work; the baseline stays the one-GPU
 loop on --prompts. --scaling (with --gpus N): no baseline; ours runs on one GPU and then on N
 in the same invocation, ratio = samples/s on N / on one (issue 42's goal at four GPUs: >= 3.2).
+--lengths geometric (JSON name step_gpu_longtail): reasoning-like long-tailed lengths, as RL
+users meet them. The policy has the kit's 512-token vocabulary instead of the real one, so a
+random model ends a response with probability ~1/512 per token: lengths are geometric (mean
+~500-700), a few run to the cap --tokens (4096 or 16384), and both sides honour EOS. Each side
+samples its own stop points from the same model at temperature 1 (the same distribution, not
+the same points: HF generate cannot take our engine's random stream); the JSON gives each
+side's mean and longest length, and generation tokens/s (response tokens / generate seconds).
+The smaller vocabulary makes the LM head cheap: the train phase is easier than at the real
+vocabulary's, generation's tail is not.
 """
 
 import argparse
@@ -46,9 +56,12 @@ KL_COEF, LEARNING_RATE = 0.001, 1e-6
 BASELINE_MAX_TOKENS = 8192
 
 
-def model_path() -> Path:
+def model_path(lengths: str = "uniform") -> Path:
+    """The 1.5B shape; uniform: the real vocabulary, geometric: the kit's (see the docstring)."""
     from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
 
+    if lengths == "geometric":
+        return tiny_model("qwen2", **QWEN25_1_5B)
     return tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
 
 
@@ -173,6 +186,8 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         rank_train_s=statistics.median(r.get("train/seconds", 0.0) for r in timed),
         compiles_timed=sum(r.get("train/compiles", 0) for r in timed),
         response_len=[r["response_length"] for r in timed],
+        response_len_max=[r.get("response_length/max") for r in timed],
+        generate_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
         used_gib=used,
         process_peak_gib=process_gib,
     ), config
@@ -244,6 +259,7 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
         return [slice(i, min(i + per, rows)) for i in range(0, rows, per)]
 
     times = {k: [] for k in ("step", "generate", "score", "reference", "train")}
+    lengths = []  # each step's response lengths
     for step in range(args.baseline_steps):
         began = time.perf_counter()
         pairs = reversal_prompts(args.prompts, step)
@@ -267,6 +283,7 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
         response = out[:, enc["input_ids"].shape[1] :]
         done = (response == tokenizer.eos_token_id).int().cumsum(-1)
         response_mask = ((done == 0) | ((done == 1) & (response == tokenizer.eos_token_id))).long()
+        lengths.append(response_mask.sum(1).tolist())
         decoded = tokenizer.batch_decode(response * response_mask + pad * (1 - response_mask))
         rewards = torch.tensor(
             [char_match(t, label) for t, label in zip(decoded, labels, strict=True)]
@@ -299,9 +316,15 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
         print(f"baseline step {step}: {trained - began:.1f} s", file=sys.stderr)
     later = {k: v[1:] or v for k, v in times.items()}  # after the warm-up step
     medians = {k: statistics.median(v) for k, v in later.items()}
+    timed = lengths[1:] or lengths
     return dict(
         step_s=medians.pop("step"),
         phases=medians,
+        response_len=[statistics.mean(step) for step in timed],
+        response_len_max=[max(step) for step in timed],
+        generate_tokens_per_s=statistics.median(
+            sum(step) / seconds for step, seconds in zip(timed, later["generate"], strict=True)
+        ),
         peak_gib=torch.cuda.max_memory_reserved() / 2**30,
     )
 
@@ -313,7 +336,13 @@ def main() -> None:
     )
     parser.add_argument("--baseline-steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=512, help="the cap on a response's tokens")
+    parser.add_argument(
+        "--lengths",
+        choices=["uniform", "geometric"],
+        default="uniform",
+        help="geometric: long-tailed lengths (the kit's vocabulary; see the docstring)",
+    )
     parser.add_argument(
         "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
     )
@@ -335,9 +364,11 @@ def main() -> None:
 
     from ferrule_trainer.memory import ModelShape
 
-    model = model_path()
+    model = model_path(args.lengths)
     parameters = ModelShape.read(model).parameters
-    header = dict(name="step_gpu", device=_device(), gpus=args.gpus, parameters=parameters)
+    name = "step_gpu_longtail" if args.lengths == "geometric" else "step_gpu"
+    header = dict(name=name, device=_device(), gpus=args.gpus, parameters=parameters)
+    header.update(lengths=args.lengths, max_tokens=args.tokens)
     if args.scaling:  # ours on one GPU, then on --gpus, one after the other on this machine
         one, _ = measure(args, model, parameters, gpus=1)
         print(json.dumps({"one_gpu": one}), file=sys.stderr, flush=True)

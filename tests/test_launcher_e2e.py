@@ -544,6 +544,7 @@ def test_lora_icepop_batch_normalisation_dapo_filtering_and_overlong_penalties(t
         assert r["filter/kept_groups"] == 32 or r["filter/draws"] == 3
         assert -0.5 <= r["reward/overlong_penalty"] <= 0
         assert 0 <= r["reward/truncated"] <= 1
+        assert 0 < r["response_length"] <= r["response_length/max"]
     assert any(r["filter/draws"] > 1 for r in records), records
     assert any(r["reward/overlong_penalty"] < 0 for r in records), records
     # LoRA: the final policy is saved merged, with its adapter (tests/test_lora_sync.py checks

@@ -117,6 +117,8 @@ class Rollouts:
             "reward/failed": sum(failed.values()),
             **{f"reward/failed_{kind}": count for kind, count in failed.items()},
             "response_length": sum(len(s.token_ids) for s in drawn) / len(drawn),
+            # the longest sets how long the draw decodes its tail at low occupancy
+            "response_length/max": max(len(s.token_ids) for s in drawn),
             "tokens_per_s": sum(len(s.token_ids) for s in drawn)
             / max(rollout.seconds_generate, 1e-9),
             "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
