@@ -5,8 +5,8 @@
 
 The tables of the components are theirs: [model] [trainer] [critic] are ferrule-trainer's, the
 engine and sampling keys of [rollout] are ferrule-rollout's; this file adds the run's own tables
-([task] [sft] [rewards] [loop] [ray] [output]) and the checks that span tables. Errors come from
-ferrule-trainer's loader, all at once: `tiny.toml: [rollout] temperature: Input should be
+([task] [sft] [rewards] [loop] [ray] [output]); the rules that span tables are checks.py's.
+Errors come from ferrule-config's loader, all at once: `tiny.toml: [rollout] temperature: Input should be
 greater than 0, got -1`. Paths the run reads (model, reward function files, JSONL tasks) are
 relative to the TOML file; the output directory is relative to the current directory.
 """
@@ -19,8 +19,9 @@ from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_
 
 from ferrule_config import ConfigError, InputPath, Problems, Table, describe
 from ferrule_config import load_config as load_file
+from ferrule_launcher import checks
 from ferrule_rollout.config import EngineConfig
-from ferrule_trainer.config import CriticConfig, ModelConfig, TrainerConfig, rl_batch_problems
+from ferrule_trainer.config import CriticConfig, ModelConfig, TrainerConfig
 
 __all__ = ["Config", "ConfigError", "describe", "load_config"]
 
@@ -456,139 +457,11 @@ class Config(Table):
 
     @model_validator(mode="after")
     def _consistent(self):
-        """Settings that are each valid but contradict one another."""
-        r, w, task = self.rollout, self.rewards, self.task
-        given = [name for name in ("function", "model", "address") if getattr(w, name)]
-        problems = []
-        if not self.needs_reward_server():
-            if given:
-                problems.append(
-                    (
-                        f"rewards.{given[0]}",
-                        'unused: [environment] reward = "environment" scores episodes with the '
-                        "environment alone",
-                    )
-                )
-        elif len(given) != 1:
-            problems.append(
-                (
-                    "rewards.function",
-                    f"give exactly one of function, model or address, got {given or 'none'}",
-                )
-            )
-        problems += rl_batch_problems(
-            self.trainer,
-            self.critic,
-            r.samples_per_prompt,
-            r.prompts_per_step * r.samples_per_prompt,
-        )
-        if self.loop.partial_rollout and self.loop.mode != "async":
-            problems.append(("loop.partial_rollout", 'needs mode = "async"'))
-        elif self.loop.partial_rollout and r.backend != "vllm":
-            problems.append(
-                ("loop.partial_rollout", f'needs [rollout] backend = "vllm", got {r.backend!r}')
-            )
-        if r.exact and self.trainer.lora_rank:
-            problems.append(
-                ("rollout.exact", "needs no LoRA (the engine's merged weights round differently)")
-            )
-        if r.exact and self.model.attn_implementation is not None:
-            problems.append(
-                (
-                    "model.attn_implementation",
-                    "[rollout] exact = true sets the attention of the engine and the trainer; "
-                    f"leave attn_implementation unset, got {self.model.attn_implementation!r}",
-                )
-            )
-        buffer = self.trainer.overlong_buffer
-        if buffer is not None and buffer > r.max_tokens:
-            problems.append(
-                ("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {r.max_tokens}")
-            )
-        problems += self._data_problems()
-        if self.loop.algorithm != "rl":
-            recipe = f"[loop] algorithm = {self.loop.algorithm!r}"
-            if self.loop.mode != "sync":
-                problems.append(("loop.mode", f'{recipe} runs in mode = "sync"'))
-            if self.critic is not None:
-                problems.append(("critic.learning_rate", f"{recipe} trains no critic"))
-        for key in ("gpus", "cpus"):
-            if getattr(w, key) is not None and not w.model:
-                problems.append(
-                    (f"rewards.{key}", "sizes the reward model's role: needs [rewards] model")
-                )
-        if w.normalize and not w.model:
-            problems.append(("rewards.normalize", "needs [rewards] model (a reward model folder)"))
-        elif w.normalize and not (w.model / "reward_stats.json").is_file():
-            problems.append(
-                (
-                    "rewards.normalize",
-                    f"no reward_stats.json in {w.model} (`rlhf-train rm` writes one)",
-                )
-            )
-        if self.critic is not None and self.critic.init == "reward_model" and not w.model:
-            problems.append(
-                (
-                    "critic.init",
-                    '"reward_model" starts the critic from [rewards] model, which is not set',
-                )
-            )
-        if self.output.wandb and importlib.util.find_spec("wandb") is None:
-            problems.append(
-                ("output.wandb", "needs the wandb package: pip install 'ferrule-launcher[wandb]'")
-            )
-        best, every = self.output.keep_best, self.loop.eval_every
-        if (
-            best
-            and best.startswith("eval/")
-            and (not every or self.output.checkpoint_every % every)
-        ):
-            problems.append(
-                (
-                    "output.keep_best",
-                    f"{best!r} is measured every [loop] eval_every = {every} steps: "
-                    f"checkpoint_every ({self.output.checkpoint_every}) must be a multiple of it",
-                )
-            )
-        if r.max_tokens >= r.max_model_len:
-            problems.append(
-                (
-                    "rollout.max_tokens",
-                    f"must be < max_model_len {r.max_model_len}, got {r.max_tokens}",
-                )
-            )
-        if r.prompts_per_step % r.engines:
-            problems.append(
-                (
-                    "rollout.engines",
-                    f"must divide prompts_per_step {r.prompts_per_step}, got {r.engines}",
-                )
-            )
-        if r.transport in ("ipc", "host") and self.ray.placement != "colocate_all":
-            problems.append(
-                (
-                    "rollout.transport",
-                    f'"{r.transport}" needs placement = "colocate_all" (one host); use "broadcast" '
-                    'or "auto"',
-                )
-            )
-        if self.loop.mode == "sync" and self.loop.max_staleness != LoopConfig().max_staleness:
-            problems.append(("loop.max_staleness", 'only applies to mode = "async"'))
-        problems += self._device_problems()
-        problems += self._environment_problems()
+        """Settings that are each valid but contradict one another: checks.py's rules, then,
+        only where none is broken, the files they name."""
+        problems = [problem for check in checks.CROSS_TABLE for problem in check(self)]
         if not problems:  # files last: a contradiction is the first thing to mend
-            problems += [(f"rewards.{key}", message) for key, message in w.missing()]
-            if self.environment is not None:
-                problems += [
-                    (f"environment.{key}", message) for key, message in self.environment.missing()
-                ]
-            for i, source in enumerate(task.sources):
-                for key in ("path", "eval_path"):
-                    path = getattr(source, key)
-                    if path is not None and not path.exists():
-                        problems.append((f"task.sources.{i}.{key}", f"no file or folder {path}"))
-            if self.sft.data is not None and not self.sft.data.is_file():
-                problems.append(("sft.data", f"no file {self.sft.data}"))
+            problems = checks.check_files(self)
         if problems:
             raise Problems(problems)
         return self
@@ -648,79 +521,6 @@ class Config(Table):
     def needs_reward_server(self) -> bool:
         """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""
         return self.environment is None or self.environment.reward != "environment"
-
-    def _environment_problems(self) -> list[tuple[str, str]]:
-        """What multi-turn episodes do not run with (yet)."""
-        if self.environment is None:
-            return []
-        problems = []
-        if self.loop.algorithm != "rl":
-            problems.append(("environment.name", '[loop] algorithm must be "rl" with episodes'))
-        if self.loop.partial_rollout:
-            problems.append(("loop.partial_rollout", "is not supported with [environment]"))
-        return problems
-
-    def _data_problems(self) -> list[tuple[str, str]]:
-        """[task] sources against the task's name, and what the warm start trains on."""
-        task, problems = self.task, []
-        if task.name != "data":
-            if task.sources:
-                problems.append(("task.sources", f'only read by name = "data", not {task.name!r}'))
-            if self.sft.data is not None:
-                problems.append(
-                    ("sft.data", f"the warm start of a {task.name!r} task uses its own answers")
-                )
-            return problems
-        if not task.sources:
-            problems.append(("task.sources", '"data" needs at least one [[task.sources]] table'))
-        elif all(s.eval_path is None for s in task.sources):
-            problems.append(("task.sources", "no source has an eval_path: nothing to evaluate on"))
-        names = [s.name for s in task.sources]
-        for name in sorted({n for n in names if names.count(n) > 1}):
-            problems.append(("task.sources", f"two sources are named {name!r}: set name"))
-        if self.sft.steps and self.sft.data is None:
-            problems.append(("sft.data", 'with name = "data" the warm start needs a data file'))
-        limit = task.max_prompt_tokens
-        if limit is not None and limit > self.rollout.max_model_len - self.rollout.max_tokens:
-            problems.append(
-                (
-                    "task.max_prompt_tokens",
-                    f"must leave max_tokens ({self.rollout.max_tokens}) within max_model_len "
-                    f"({self.rollout.max_model_len}): at most "
-                    f"{self.rollout.max_model_len - self.rollout.max_tokens}, got {limit}",
-                )
-            )
-        return problems
-
-    def _device_problems(self) -> list[tuple[str, str]]:
-        """How the roles share devices: the hybrid engine's switches and GPU bundles."""
-        t, r, ray, problems = self.trainer, self.rollout, self.ray, []
-        switches = {
-            "trainer.offload_between_phases": t.offload_between_phases,
-            "rollout.sleep_between_phases": r.sleep_between_phases,
-        }
-        for key in [k for k, on in switches.items() if on]:
-            if ray.placement != "colocate_all":
-                problems.append((key, 'needs placement = "colocate_all" (roles sharing GPUs)'))
-            elif self.loop.mode != "sync":
-                problems.append((key, 'needs loop mode = "sync" (async overlaps the phases)'))
-        if ray.gpus_per_role and ray.placement == "colocate_all" and r.engines != t.ranks:
-            problems.append(
-                (
-                    "rollout.engines",
-                    f'with placement = "colocate_all" on GPUs each GPU holds a policy rank and an '
-                    f"engine: must equal [trainer] ranks {t.ranks}, got {r.engines}",
-                )
-            )
-        if ray.gpus_per_role and r.tensor_parallel_size > ray.gpus_per_role:
-            problems.append(
-                (
-                    "rollout.tensor_parallel_size",
-                    f"an engine's bundle has [ray] gpus_per_role = {ray.gpus_per_role:g} GPUs, "
-                    f"fewer than tensor_parallel_size {r.tensor_parallel_size}",
-                )
-            )
-        return problems
 
 
 def load_config(path: str | Path, overrides: dict | None = None, dry_run: bool = False) -> Config:

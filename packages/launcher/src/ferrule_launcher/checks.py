@@ -1,0 +1,309 @@
+"""The rules that span a run's tables: settings each valid alone that contradict one another.
+
+Each `check_*` takes a loaded `Config` and returns its problems as (dotted key, message) pairs,
+the key the one to change; none when the rule holds. `Config` runs every rule of CROSS_TABLE
+as it loads and, only when none is broken, `check_files` (a contradiction is the first thing
+to mend, a missing file the last). Each rule is tested alone in tests/test_checks.py.
+"""
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from ferrule_trainer.config import rl_batch_problems
+
+if TYPE_CHECKING:
+    from ferrule_launcher.config import Config
+
+Problem = tuple[str, str]
+
+
+def check_reward_source(config: "Config") -> list[Problem]:
+    """One of [rewards] function, model or address, unless the environment scores alone."""
+    w = config.rewards
+    given = [name for name in ("function", "model", "address") if getattr(w, name)]
+    if not config.needs_reward_server():
+        if not given:
+            return []
+        reason = (
+            'unused: [environment] reward = "environment" scores episodes with the environment '
+            "alone"
+        )
+        return [(f"rewards.{given[0]}", reason)]
+    if len(given) != 1:
+        return [
+            (
+                "rewards.function",
+                f"give exactly one of function, model or address, got {given or 'none'}",
+            )
+        ]
+    return []
+
+
+def check_batch(config: "Config") -> list[Problem]:
+    """The trainer's mini-batches and estimator against the step's samples (ferrule-trainer's
+    rule: its own SFT / preference recipes share it)."""
+    r = config.rollout
+    rows = r.prompts_per_step * r.samples_per_prompt
+    return rl_batch_problems(config.trainer, config.critic, r.samples_per_prompt, rows)
+
+
+def check_partial_rollout(config: "Config") -> list[Problem]:
+    """Partial rollouts continue samples across weight syncs: async, on vLLM."""
+    if not config.loop.partial_rollout:
+        return []
+    if config.loop.mode != "async":
+        return [("loop.partial_rollout", 'needs mode = "async"')]
+    if config.rollout.backend != "vllm":
+        return [
+            (
+                "loop.partial_rollout",
+                f'needs [rollout] backend = "vllm", got {config.rollout.backend!r}',
+            )
+        ]
+    return []
+
+
+def check_exact(config: "Config") -> list[Problem]:
+    """Exact mode sets the engine's and the trainer's attention, and merged LoRA weights round
+    differently from the trainer's."""
+    if not config.rollout.exact:
+        return []
+    problems = []
+    if config.trainer.lora_rank:
+        problems.append(
+            ("rollout.exact", "needs no LoRA (the engine's merged weights round differently)")
+        )
+    attention = config.model.attn_implementation
+    if attention is not None:
+        problems.append(
+            (
+                "model.attn_implementation",
+                "[rollout] exact = true sets the attention of the engine and the trainer; "
+                f"leave attn_implementation unset, got {attention!r}",
+            )
+        )
+    return problems
+
+
+def check_overlong_buffer(config: "Config") -> list[Problem]:
+    buffer, cap = config.trainer.overlong_buffer, config.rollout.max_tokens
+    if buffer is not None and buffer > cap:
+        return [("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {cap}")]
+    return []
+
+
+def check_data(config: "Config") -> list[Problem]:
+    """[task] sources against the task's name, and what the warm start trains on."""
+    task, sft, r, problems = config.task, config.sft, config.rollout, []
+    if task.name != "data":
+        if task.sources:
+            problems.append(("task.sources", f'only read by name = "data", not {task.name!r}'))
+        if sft.data is not None:
+            problems.append(
+                ("sft.data", f"the warm start of a {task.name!r} task uses its own answers")
+            )
+        return problems
+    if not task.sources:
+        problems.append(("task.sources", '"data" needs at least one [[task.sources]] table'))
+    elif all(s.eval_path is None for s in task.sources):
+        problems.append(("task.sources", "no source has an eval_path: nothing to evaluate on"))
+    names = [s.name for s in task.sources]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(("task.sources", f"two sources are named {name!r}: set name"))
+    if sft.steps and sft.data is None:
+        problems.append(("sft.data", 'with name = "data" the warm start needs a data file'))
+    room = r.max_model_len - r.max_tokens
+    if task.max_prompt_tokens is not None and task.max_prompt_tokens > room:
+        problems.append(
+            (
+                "task.max_prompt_tokens",
+                f"must leave max_tokens ({r.max_tokens}) within max_model_len "
+                f"({r.max_model_len}): at most {room}, got {task.max_prompt_tokens}",
+            )
+        )
+    return problems
+
+
+def check_recipe(config: "Config") -> list[Problem]:
+    """The SFT / RM / DPO recipes ([loop] algorithm) run synchronously and train no critic."""
+    if config.loop.algorithm == "rl":
+        return []
+    recipe, problems = f"[loop] algorithm = {config.loop.algorithm!r}", []
+    if config.loop.mode != "sync":
+        problems.append(("loop.mode", f'{recipe} runs in mode = "sync"'))
+    if config.critic is not None:
+        problems.append(("critic.learning_rate", f"{recipe} trains no critic"))
+    return problems
+
+
+def check_reward_model_keys(config: "Config") -> list[Problem]:
+    """Keys that size, normalise or start from the reward model need one."""
+    w, problems = config.rewards, []
+    for key in ("gpus", "cpus"):
+        if getattr(w, key) is not None and not w.model:
+            problems.append(
+                (f"rewards.{key}", "sizes the reward model's role: needs [rewards] model")
+            )
+    if w.normalize and not w.model:
+        problems.append(("rewards.normalize", "needs [rewards] model (a reward model folder)"))
+    elif w.normalize and not (w.model / "reward_stats.json").is_file():
+        problems.append(
+            ("rewards.normalize", f"no reward_stats.json in {w.model} (`rlhf-train rm` writes one)")
+        )
+    if config.critic is not None and config.critic.init == "reward_model" and not w.model:
+        problems.append(
+            (
+                "critic.init",
+                '"reward_model" starts the critic from [rewards] model, which is not set',
+            )
+        )
+    return problems
+
+
+def check_wandb(config: "Config") -> list[Problem]:
+    if config.output.wandb and importlib.util.find_spec("wandb") is None:
+        return [("output.wandb", "needs the wandb package: pip install 'ferrule-launcher[wandb]'")]
+    return []
+
+
+def check_keep_best(config: "Config") -> list[Problem]:
+    """An eval/ metric is measured every eval_every steps: a checkpoint must land on one."""
+    best, every, checkpoint = (
+        config.output.keep_best,
+        config.loop.eval_every,
+        config.output.checkpoint_every,
+    )
+    if best and best.startswith("eval/") and (not every or checkpoint % every):
+        return [
+            (
+                "output.keep_best",
+                f"{best!r} is measured every [loop] eval_every = {every} steps: "
+                f"checkpoint_every ({checkpoint}) must be a multiple of it",
+            )
+        ]
+    return []
+
+
+def check_lengths(config: "Config") -> list[Problem]:
+    r = config.rollout
+    if r.max_tokens >= r.max_model_len:
+        return [
+            ("rollout.max_tokens", f"must be < max_model_len {r.max_model_len}, got {r.max_tokens}")
+        ]
+    return []
+
+
+def check_engines(config: "Config") -> list[Problem]:
+    r = config.rollout
+    if r.prompts_per_step % r.engines:
+        return [
+            (
+                "rollout.engines",
+                f"must divide prompts_per_step {r.prompts_per_step}, got {r.engines}",
+            )
+        ]
+    return []
+
+
+def check_transport(config: "Config") -> list[Problem]:
+    """CUDA IPC and host memory need every role on one host."""
+    transport = config.rollout.transport
+    if transport in ("ipc", "host") and config.ray.placement != "colocate_all":
+        return [
+            (
+                "rollout.transport",
+                f'"{transport}" needs placement = "colocate_all" (one host); use "broadcast" '
+                'or "auto"',
+            )
+        ]
+    return []
+
+
+def check_staleness(config: "Config") -> list[Problem]:
+    from ferrule_launcher.config import LoopConfig
+
+    loop = config.loop
+    if loop.mode == "sync" and loop.max_staleness != LoopConfig().max_staleness:
+        return [("loop.max_staleness", 'only applies to mode = "async"')]
+    return []
+
+
+def check_devices(config: "Config") -> list[Problem]:
+    """How the roles share devices: the hybrid engine's switches and GPU bundles."""
+    t, r, ray, problems = config.trainer, config.rollout, config.ray, []
+    switches = {
+        "trainer.offload_between_phases": t.offload_between_phases,
+        "rollout.sleep_between_phases": r.sleep_between_phases,
+    }
+    for key in [k for k, on in switches.items() if on]:
+        if ray.placement != "colocate_all":
+            problems.append((key, 'needs placement = "colocate_all" (roles sharing GPUs)'))
+        elif config.loop.mode != "sync":
+            problems.append((key, 'needs loop mode = "sync" (async overlaps the phases)'))
+    if ray.gpus_per_role and ray.placement == "colocate_all" and r.engines != t.ranks:
+        problems.append(
+            (
+                "rollout.engines",
+                f'with placement = "colocate_all" on GPUs each GPU holds a policy rank and an '
+                f"engine: must equal [trainer] ranks {t.ranks}, got {r.engines}",
+            )
+        )
+    if ray.gpus_per_role and r.tensor_parallel_size > ray.gpus_per_role:
+        problems.append(
+            (
+                "rollout.tensor_parallel_size",
+                f"an engine's bundle has [ray] gpus_per_role = {ray.gpus_per_role:g} GPUs, "
+                f"fewer than tensor_parallel_size {r.tensor_parallel_size}",
+            )
+        )
+    return problems
+
+
+def check_environment(config: "Config") -> list[Problem]:
+    """What multi-turn episodes do not run with (yet)."""
+    if config.environment is None:
+        return []
+    problems = []
+    if config.loop.algorithm != "rl":
+        problems.append(("environment.name", '[loop] algorithm must be "rl" with episodes'))
+    if config.loop.partial_rollout:
+        problems.append(("loop.partial_rollout", "is not supported with [environment]"))
+    return problems
+
+
+def check_files(config: "Config") -> list[Problem]:
+    """The files and folders the run reads: reward function or model, environment, data."""
+    problems = [(f"rewards.{key}", message) for key, message in config.rewards.missing()]
+    if config.environment is not None:
+        problems += [
+            (f"environment.{key}", message) for key, message in config.environment.missing()
+        ]
+    for i, source in enumerate(config.task.sources):
+        for key in ("path", "eval_path"):
+            path = getattr(source, key)
+            if path is not None and not path.exists():
+                problems.append((f"task.sources.{i}.{key}", f"no file or folder {path}"))
+    if config.sft.data is not None and not config.sft.data.is_file():
+        problems.append(("sft.data", f"no file {config.sft.data}"))
+    return problems
+
+
+# in the order their problems are reported
+CROSS_TABLE = (
+    check_reward_source,
+    check_batch,
+    check_partial_rollout,
+    check_exact,
+    check_overlong_buffer,
+    check_data,
+    check_recipe,
+    check_reward_model_keys,
+    check_wandb,
+    check_keep_best,
+    check_lengths,
+    check_engines,
+    check_transport,
+    check_staleness,
+    check_devices,
+    check_environment,
+)
