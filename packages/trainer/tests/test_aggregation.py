@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from ferrule_trainer.aggregation import LOSS_AGG_MODES, aggregate_loss, masked_mean
+from ferrule_trainer.aggregation import (
+    LOSS_AGG_MODES,
+    aggregate_loss,
+    masked_mean,
+    sequences_with_tokens,
+)
 from ferrule_trainer.losses import policy_loss
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), float("inf")]])
@@ -20,6 +25,18 @@ def test_modes_by_hand():
     for mode, value in expected.items():
         torch.testing.assert_close(aggregate_loss(PER_TOKEN, MASK, mode=mode), torch.tensor(value))
     assert set(expected) == set(LOSS_AGG_MODES)
+
+
+def test_the_seq_mean_modes_leave_out_rows_without_a_valid_token():
+    """Issue 59, item 9: a response masked whole is no sequence of the step (as in OpenRLHF and
+    verl); counted, it shrank the loss of "seq-mean-token-mean" by up to half."""
+    per_token = torch.cat([PER_TOKEN, torch.tensor([[5.0, 6.0, 7.0]])])
+    mask = torch.cat([MASK, torch.zeros(1, 3, dtype=MASK.dtype)])
+    assert sequences_with_tokens(mask) == 2
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        torch.testing.assert_close(
+            aggregate_loss(per_token, mask, mode=mode), aggregate_loss(PER_TOKEN, MASK, mode=mode)
+        )
 
 
 def test_global_counts_replace_the_local_ones():

@@ -123,6 +123,22 @@ def test_value_loss_by_hand():
     torch.testing.assert_close(unclipped.loss, torch.tensor(0.5 * (0.25 + 0.25 + 0.81) / 3))
 
 
+def test_value_clip_fraction_counts_no_token_inside_the_clip_range():
+    """Issue 59, item 8: every value within `clip` of its old value is unclipped, whatever the
+    two's magnitudes. old + (v - old).clamp(...) is not exactly v when they differ in
+    magnitude, so a rounding tie made 8.5% of such tokens count as clipped at value scale 0.1."""
+    generator = torch.Generator().manual_seed(0)
+    old_values = 0.1 * torch.randn(64, 128, generator=generator)
+    values = old_values * torch.empty(64, 128).uniform_(0.0, 2.0, generator=generator)
+    values = torch.where((values - old_values).abs() < 0.2, values, old_values)  # all inside
+    returns = values + 0.01 * torch.randn(64, 128, generator=generator)
+    mask = torch.ones(64, 128)
+    out = value_loss(values, old_values, returns, mask, clip=0.2)
+    assert out.clip_fraction == 0
+    unclipped = value_loss(values, old_values, returns, mask, clip=None)
+    assert torch.equal(out.loss, unclipped.loss)
+
+
 def test_value_loss_ignores_padding():
     values = torch.tensor([[1.5, float("nan")]])
     old_values = torch.tensor([[1.0, float("inf")]])

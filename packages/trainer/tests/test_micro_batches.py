@@ -200,6 +200,30 @@ def test_a_policy_step_by_tokens_equals_the_step_over_the_whole_batch(case, pack
             assert ours[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.parametrize("agg_mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_a_response_masked_whole_changes_no_seq_mean_step(agg_mode):
+    """Issue 59, item 9: the step over a batch with one response masked whole (a filtered or
+    failed sample) is the step over the batch without that row: the sequences counted are
+    those with a valid token, on every rank and micro-batch."""
+    from ferrule_trainer.actor import Actor
+
+    model = tiny_model("qwen2")
+    common = dict(dtype="float32", zero_stage=0, seed=0, temperature=0.7, learning_rate=1e-2)
+    with_row, without = Actor(model, **common), Actor(model, **common)
+    batch = _batch()
+    old = with_row.logprobs(batch) - 0.1 * torch.rand(
+        B, R, generator=torch.Generator().manual_seed(2)
+    )
+    batch = batch.replace(old_logprobs=old)
+    masked = batch.replace(response_mask=batch.response_mask.clone())
+    masked.response_mask[5] = 0
+    options = dict(epochs=1, mini_batches=1, agg_mode=agg_mode)
+    grads_with, grads_without = _with_gradients(with_row), _with_gradients(without)
+    ours = with_row.train_epochs(masked, micro_batch_size=3, **options)
+    theirs = without.train_epochs(batch.take([0, 1, 2, 3, 4, 6, 7]), micro_batch_size=3, **options)
+    _assert_same_steps(ours, theirs, grads_with, grads_without)
+
+
 def test_the_step_metrics_are_token_means_however_the_rows_are_split():
     """clip_fraction and approx_kl are means over the step's tokens: micro-batches of unlike
     token counts (rows of unlike length, or split by tokens) weigh by their tokens. Before,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine, export
-from ferrule_trainer.aggregation import aggregate_loss, masked_sum
+from ferrule_trainer.aggregation import aggregate_loss, masked_sum, sequences_with_tokens
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.kl import kl_estimate, kl_loss
@@ -192,7 +192,9 @@ class Actor(TrainedModel):
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
         tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(sum(mb.rows for mb in micro_batches))
+        sequences = engine.global_sum(
+            sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
+        )
         counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:

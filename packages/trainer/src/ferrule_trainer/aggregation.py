@@ -28,6 +28,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
+def sequences_with_tokens(mask: torch.Tensor) -> int:
+    """Rows of `mask` with at least one valid token: the sequences the seq-mean modes count."""
+    return int(valid_tokens(mask).any(-1).sum())
+
+
 def aggregate_loss(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -43,14 +48,16 @@ def aggregate_loss(
     - "token-mean" (default; DAPO, Yu et al. 2025, "token-level policy gradient loss"):
       sum_it m_it l_it / num_tokens, num_tokens = valid tokens in the whole optimizer step.
     - "seq-mean-token-mean" (the GRPO paper, Shao et al. 2024): sum_i (sum_t m_it l_it / |o_i|)
-      / num_sequences. Tokens of long responses weigh less; Liu et al. 2025 (Dr. GRPO) show that
+      / num_sequences, over the sequences with a valid token (|o_i| > 0; as OpenRLHF and verl:
+      a row with none, a response masked whole, is no sample of the step). Tokens of long responses weigh less; Liu et al. 2025 (Dr. GRPO) show that
       this biases training towards long wrong answers.
     - "seq-mean-token-sum": sum_it m_it l_it / num_sequences. Dr. GRPO (Liu et al. 2025) divides
       each response's token sum by one constant (the generation budget) instead of |o_i|; that is
       this mode divided by the constant, which the caller may apply as a loss or lr scale.
 
     num_tokens / num_sequences: the counts over every micro-batch and data-parallel rank of the
-    step (an int, or a tensor after all-reduce). When None, this micro-batch's own count is used,
+    step (an int, or a tensor after all-reduce); sequences count only with a valid token
+    (`sequences_with_tokens`). When None, this micro-batch's own count is used,
     which is right only when the step is this one micro-batch on one rank. Summing this function
     over the step's micro-batches and ranks gives the step's loss; data-parallel gradient
     averaging and DeepSpeed's default division by the accumulation steps scale it down, so the
@@ -66,7 +73,7 @@ def aggregate_loss(
         per_sequence = masked_sum(per_token_loss, valid, dim=-1)
         if mode == "seq-mean-token-mean":
             per_sequence = per_sequence / valid.sum(-1).clamp(min=1)
-        count = valid.shape[0] if num_sequences is None else num_sequences
+        count = sequences_with_tokens(valid) if num_sequences is None else num_sequences
         return per_sequence.sum() / _positive(count, "num_sequences")
     raise ValueError(f"mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
 

@@ -127,7 +127,8 @@ class TrainerConfig(Table):
     dual_clip: float | None = Field(3.0, gt=1)
     """Dual-clip bound for negative advantages (None: off)."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses are reduced."""
+    """How per-token losses are reduced: over the step's valid tokens, or per sequence and then
+    over the sequences that have a valid token (aggregation.py; verl's names)."""
     kl_coef: float = Field(0.0, ge=0)
     """KL(policy || reference) coefficient; > 0 starts the reference model."""
     kl_kind: Literal["k1", "k2", "k3"] = "k3"

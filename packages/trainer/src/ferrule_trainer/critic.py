@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine
+from ferrule_trainer.aggregation import sequences_with_tokens
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import value_loss
 from ferrule_trainer.rl import ppo_epochs
@@ -123,7 +124,9 @@ class Critic(TrainedModel):
         micro_batches = [mb.to(engine.device()) for mb in micro_batches]
         own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
         tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(sum(mb.rows for mb in micro_batches))
+        sequences = engine.global_sum(
+            sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
+        )
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             values = response_values(self.engine, micro_batch, packed)

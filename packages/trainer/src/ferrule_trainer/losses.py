@@ -132,7 +132,7 @@ def value_loss(
 ) -> ValueLoss:
     """The critic's squared error with PPO value clipping, reduced over the step.
 
-        v_clip = old_values + clip(values - old_values, -clip, clip)
+        v_clip = clip(values, old_values - clip, old_values + clip)
         l = 1/2 max((values - returns)^2, (v_clip - returns)^2)
 
     As in OpenAI baselines' PPO2 (Schulman et al. 2017): the new value may move at most `clip`
@@ -150,7 +150,10 @@ def value_loss(
     squared_error = (values - returns).square()
     clip_active = torch.zeros_like(valid)
     if clip is not None:
-        values_clipped = old_values + (values - old_values).clamp(-clip, clip)
+        # the value itself clamped into old +- clip, as verl does: inside the range it is
+        # `values` exactly, so no rounding tie counts an unclipped token as clipped
+        # (old + (v - old).clamp(...) is not always v when the two differ in magnitude)
+        values_clipped = torch.clamp(values, old_values - clip, old_values + clip)
         clipped_error = (values_clipped - returns).square()
         clip_active = clipped_error > squared_error
         squared_error = torch.maximum(squared_error, clipped_error)
