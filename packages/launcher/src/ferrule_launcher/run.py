@@ -142,46 +142,16 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             return elapsed_before + time.monotonic() - started
 
         kept = state.get("kept", []) if state else []  # checkpoints on disk, oldest first
-
-        def on_step(step: int, metrics: dict, shown: list[dict] | None) -> None:
-            nonlocal kept
-            if o.export_every and step % o.export_every == 0:
-                began = time.perf_counter()
-                path = out / "exports" / f"step{step}"
-                get(roles.policy.save_hf(str(path)), "policy (export)")
-                metrics["time/export"] = time.perf_counter() - began
-            every = o.checkpoint_every
-            checkpoint = every and step % every == 0 and step < config.loop.steps
-            # The checkpoint is saved before the step's metrics, which show its seconds, and
-            # marked complete after them: a run killed in between resumes from the one before.
-            if checkpoint:
-                began = time.perf_counter()
-                metrics.update(_save_checkpoint(out, roles, step))
-                metrics["time/checkpoint"] = time.perf_counter() - began
-            metrics["wall_seconds"] = round(wall_seconds(), 3)
-            log.log(step, metrics)
-            if shown:
-                log.samples(step, shown)
-            if checkpoint:
-                value = metrics.get(o.keep_best) if o.keep_best else None
-                now = [*kept, {"step": step, "value": value}]
-                keep = outputs.retained(now, o.keep_last, o.keep_best, o.keep_best_mode)
-                outputs.mark_checkpoint(out, step, before, wall_seconds(), loop.state(), keep)
-                outputs.drop_checkpoints(out, [c["step"] for c in now if c not in keep])
-                kept = keep
-
+        after_step = AfterEachStep(config, out, roles, loop, log, before, wall_seconds, kept)
         if config.loop.mode == "sync":
-            loop.run_sync(first_step, on_step)
+            loop.run_sync(first_step, after_step)
         else:
-            loop.run_async(first_step, on_step)
-        evaluated = [r for r in log.history if "eval/reward" in r]  # the last step always is
-        after = {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
+            loop.run_async(first_step, after_step)
         digests = _check_weights(config, roles, config.loop.steps)
         get(roles.policy.save_hf(str(out / "policy")), "policy")
         summary = {
             "eval_before": before,
-            "eval_after": after,
-            **_task_accuracy(before, after),
+            **_eval_after(before, log.history),
             "steps": config.loop.steps,
             "wall_seconds": round(wall_seconds(), 1),
             "resumed_from_step": state["step"] if state else 0,
@@ -205,6 +175,69 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         if rewards is not None:
             rewards.stop()
         ray.shutdown()
+
+
+class AfterEachStep:
+    """What the run does once a step has trained, in order: export the policy (every
+    [output] export_every steps), save a checkpoint (every checkpoint_every steps but the last),
+    log the step's metrics and samples, then mark the checkpoint complete and drop those
+    retention lets go. The checkpoint is saved before the metrics, which show its seconds, and
+    marked complete after them: a run killed in between resumes from the one before."""
+
+    def __init__(
+        self,
+        config: Config,
+        out: Path,
+        roles: Roles,
+        loop: Loop,
+        log,
+        eval_before,
+        wall_seconds,
+        kept: list[dict],
+    ):
+        self.config, self.out, self.roles, self.loop, self.log = config, out, roles, loop, log
+        self.eval_before, self.wall_seconds = eval_before, wall_seconds
+        self.kept = kept  # the complete checkpoints on disk, oldest first
+
+    def __call__(self, step: int, metrics: dict, shown: list[dict] | None) -> None:
+        o = self.config.output
+        if o.export_every and step % o.export_every == 0:
+            began = time.perf_counter()
+            get(
+                self.roles.policy.save_hf(str(self.out / "exports" / f"step{step}")),
+                "policy (export)",
+            )
+            metrics["time/export"] = time.perf_counter() - began
+        every = o.checkpoint_every
+        checkpoint = every and step % every == 0 and step < self.config.loop.steps
+        if checkpoint:
+            began = time.perf_counter()
+            metrics.update(_save_checkpoint(self.out, self.roles, step))
+            metrics["time/checkpoint"] = time.perf_counter() - began
+        metrics["wall_seconds"] = round(self.wall_seconds(), 3)
+        self.log.log(step, metrics)
+        if shown:
+            self.log.samples(step, shown)
+        if checkpoint:
+            self._complete(step, metrics.get(o.keep_best) if o.keep_best else None)
+
+    def _complete(self, step: int, value: float | None) -> None:
+        o = self.config.output
+        now = [*self.kept, {"step": step, "value": value}]
+        keep = outputs.retained(now, o.keep_last, o.keep_best, o.keep_best_mode)
+        outputs.mark_checkpoint(
+            self.out, step, self.eval_before, self.wall_seconds(), self.loop.state(), keep
+        )
+        outputs.drop_checkpoints(self.out, [c["step"] for c in now if c not in keep])
+        self.kept = keep
+
+
+def _eval_after(before: dict, history: list[dict]) -> dict:
+    """The summary's eval_after (the last step's evaluation: it always has one) and the
+    synthetic tasks' accuracy before and after."""
+    evaluated = [r for r in history if "eval/reward" in r]
+    after = {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
+    return {"eval_after": after, **_task_accuracy(before, after)}
 
 
 def role_setup(config: Config, model_path: str) -> RoleSetup:
