@@ -39,7 +39,11 @@ def trainer_model(path):
     return ExactNumerics(MAX_MODEL_LEN).apply(model)
 
 
-@pytest.mark.parametrize("max_batch_size", [1, 3, 256])
+# one row and three rows at a time (continuous batching; ~50 s together) in the e2e tier
+@pytest.mark.parametrize(
+    "max_batch_size",
+    [pytest.param(1, marks=pytest.mark.e2e), pytest.param(3, marks=pytest.mark.e2e), 256],
+)
 def test_logprobs_equal_the_trainers_bit_for_bit(engine, trainer_model, max_batch_size):
     """Rows joining and leaving mid-call (1, 3), all at once (256), EOS ends (other lengths)."""
     engine.max_batch_size = max_batch_size

@@ -121,6 +121,7 @@ def test_every_call_needs_the_token_and_a_refused_one_does_nothing(stop):
         assert "wrong token" in refused.value.details()
 
 
+@pytest.mark.e2e  # a server of its own and a 10 s wait
 def test_a_refused_call_is_not_read(stop):
     """A stranger's request over the server's size limit is refused for its token, not its
     size: the server never read it. With the token, the size limit answers."""
