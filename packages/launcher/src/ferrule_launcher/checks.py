@@ -3,7 +3,8 @@
 Each `check_*` takes a loaded `Config` and returns its problems as (dotted key, message) pairs,
 the key the one to change; none when the rule holds. `Config` runs every rule of CROSS_TABLE
 as it loads and, only when none is broken, `check_files` (a contradiction is the first thing
-to mend, a missing file the last). Each rule is tested alone in tests/test_checks.py.
+to mend, a missing file the last). Each rule is tested alone in
+packages/launcher/tests/test_checks.py.
 """
 
 import importlib.util

@@ -6,9 +6,10 @@
 The tables of the components are theirs: [model] [trainer] [critic] are ferrule-trainer's, the
 engine and sampling keys of [rollout] are ferrule-rollout's; this file adds the run's own tables
 ([task] [sft] [rewards] [loop] [ray] [output]); the rules that span tables are checks.py's.
-Errors come from ferrule-config's loader, all at once: `tiny.toml: [rollout] temperature: Input should be
-greater than 0, got -1`. Paths the run reads (model, reward function files, JSONL tasks) are
-relative to the TOML file; the output directory is relative to the current directory.
+Errors come from ferrule-config's loader, all at once: `tiny.toml: [rollout] temperature: Input
+should be greater than 0, got -1`. Paths the run reads (model, reward function files, JSONL
+tasks) are relative to the TOML file; the output directory is relative to the current
+directory.
 """
 
 import importlib.util

@@ -49,16 +49,17 @@ def aggregate_loss(
       sum_it m_it l_it / num_tokens, num_tokens = valid tokens in the whole optimizer step.
     - "seq-mean-token-mean" (the GRPO paper, Shao et al. 2024): sum_i (sum_t m_it l_it / |o_i|)
       / num_sequences, over the sequences with a valid token (|o_i| > 0; as OpenRLHF and verl:
-      a row with none, a response masked whole, is no sample of the step). Tokens of long responses weigh less; Liu et al. 2025 (Dr. GRPO) show that
-      this biases training towards long wrong answers.
+      a row with none, a response masked whole, is no sample of the step). Tokens of long
+      responses weigh less; Liu et al. 2025 (Dr. GRPO) show that this biases training towards
+      long wrong answers.
     - "seq-mean-token-sum": sum_it m_it l_it / num_sequences. Dr. GRPO (Liu et al. 2025) divides
       each response's token sum by one constant (the generation budget) instead of |o_i|; that is
       this mode divided by the constant, which the caller may apply as a loss or lr scale.
 
     num_tokens / num_sequences: the counts over every micro-batch and data-parallel rank of the
     step (an int, or a tensor after all-reduce); sequences count only with a valid token
-    (`sequences_with_tokens`). When None, this micro-batch's own count is used,
-    which is right only when the step is this one micro-batch on one rank. Summing this function
+    (`sequences_with_tokens`). When None, this micro-batch's own count is used, which is right
+    only when the step is this one micro-batch on one rank. Summing this function
     over the step's micro-batches and ranks gives the step's loss; data-parallel gradient
     averaging and DeepSpeed's default division by the accumulation steps scale it down, so the
     caller multiplies by (data-parallel size x accumulation steps) to undo both.
