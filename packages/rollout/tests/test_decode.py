@@ -197,3 +197,26 @@ def test_an_empty_call_returns_nothing():
 
     with TransformersEngine(tiny_model("qwen2"), dtype="float32") as engine:
         assert engine.generate([], SamplingSettings(max_tokens=3)) == []
+
+
+def test_rows_that_hold_nothing_stay_at_slot_0_while_others_decode(model):
+    """A finished row (and a row no prompt took) must not walk on through the slab: on CUDA decode
+    attention reads each row up to its slot, so an idle row there would read every slot of the
+    slab at every step (at 4096-token caps, most of a long-tailed batch's time)."""
+    decoder = Decoder(model, float_mask=False)
+    seen = []  # each decode step's slots, as the step saw them
+
+    def forward(ids, positions, pad_ok, slots, **kw):
+        seen.append(slots.tolist())
+        return decoder.forward(ids, positions, pad_ok, slots, **kw)
+
+    decoder.step_forward = forward
+    results = run(decoder, PROMPTS[:3], limits=[2, 30, 3], read_every=1)
+    assert [n for _, _, n, _ in results] == [2, 30, 3]
+    # row 0 ends after 2 tokens, row 2 after 3; row 1 runs on: from its 4th step, only row 1 moves
+    late = seen[5:]
+    assert len(late) > 20
+    assert all(s[0] == 0 and s[2] == 0 for s in late), late[:3]
+    assert [s[1] for s in late] == sorted({s[1] for s in late})  # row 1 moves one slot a step
+    # and the samples are those of reads every 16 steps (rows idled later)
+    assert results == run(Decoder(model, float_mask=False), PROMPTS[:3], limits=[2, 30, 3])

@@ -96,6 +96,11 @@ def test_compiled_decode_matches_a_teacher_forced_forward():
         assert all(s.graph for s in engine._decoder.steps.values())
         assert engine._decoder.step_forward is not engine._decoder.forward
         assert_matches_transformers(samples, policy_of(engine), greedy=True)
+        # one compiled shape for every call: a held-out evaluation's few rows and short caps
+        # share the training steps' compile (the engine's 256 rows x 256 slots)
+        engine.generate(PROMPTS[:1], SamplingSettings(max_tokens=5))
+        engine.generate(PROMPTS * 30, SamplingSettings(n=2, max_tokens=100))
+        assert list(engine._decoder.steps) == [(256, 256)]
 
 
 def test_continuous_batching_under_graphs_gives_what_one_batch_gives(engine):

@@ -8,10 +8,11 @@ graphs, sampling, logprobs and EOS / length stops on the device, the host readin
 The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
-graph, and decode attention (kernels.py) reads each row's slots only as far as it has got; on
-CPU the same steps run eagerly, attention through sdpa. Each row has its own next slot, so
-finished rows leave and queued prompts take their rows at the host's reads (continuous batching
-within a call).
+graph (compiled, there is one shape: the engine's most rows and longest sequence), and decode
+attention (kernels.py) reads each row's slots only as far as it has got; on CPU the same steps
+run eagerly, attention through sdpa. Each row has its own next slot, so finished rows leave and
+queued prompts take their rows at the host's reads (continuous batching within a call); a row
+that holds nothing stays at slot 0.
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
 step), so a seeded sample is the same whatever else is in the batch.
 """
@@ -115,14 +116,18 @@ class Step:
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.pad_ok = torch.zeros((rows, length), dtype=torch.bool, device=device)
         self.slot = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next one
-        self.last = length - 1  # rows past their end (idle) stay here: in range, seen by none
+        # 1 for a row that holds a prompt, 0 for an idle one: an idle row stays at slot 0, so
+        # decode attention reads one slot of it, not the whole slab (at 1.5B, 256 rows and
+        # 4160 slots, idle rows at the end read 30 GB a step: most of a long-tailed batch's time)
+        self.moving = torch.zeros(rows, dtype=torch.long, device=device)
+        self.last = length - 1  # a row past its end stays here until the host's next read
         self.last_position = min(length, decoder.max_positions or length) - 1
         self.graph = self.logits = None
 
     def _run(self):
         logits = self.decoder.step_forward(self.ids, self.positions, self.pad_ok, self.slot)
-        self.positions.add_(1).clamp_(max=self.last_position)
-        self.slot.add_(1).clamp_(max=self.last)
+        self.positions.add_(self.moving[:, None]).clamp_(max=self.last_position)
+        self.slot.add_(self.moving).clamp_(max=self.last)
         return logits
 
     def capture(self, pool) -> None:
@@ -162,6 +167,7 @@ class Decoder:
         keep_last: bool = True,
         compile: bool = False,
         exact: ExactNumerics | None = None,
+        most: tuple[int, int] | None = None,
     ):
         self.model = model
         self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
@@ -179,6 +185,12 @@ class Decoder:
         # residual kernels between the GEMMs; each new shape compiles first (tens of seconds).
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
+        # and so every call decodes at one shape, `most` (the engine's most rows, its longest
+        # sequence): compiled once, by whichever call comes first (the held-out evaluation's
+        # few rows share the training steps' compile); idle rows cost their weights' reads only
+        self.one_shape = None
+        if compiled and most is not None:
+            self.one_shape = (bucket(most[0]), -(-most[1] // SLOT_ALIGN) * SLOT_ALIGN)
         # and the decode loop's logprobs (cast, temperature, log_softmax: fused passes over
         # [rows, vocabulary]); the inverse CDF's cumsum stays eager: inductor's split scan fails
         # to generate code at 32 rows (torch 2.11)
@@ -263,6 +275,8 @@ class Decoder:
         running = min(count, max_rows or count)
         batch = bucket(running) if self.use_graphs else running
         length = -(-(widest + max(limits) - 1) // SLOT_ALIGN) * SLOT_ALIGN
+        if self.one_shape is not None:
+            batch, length = max(batch, self.one_shape[0]), max(length, self.one_shape[1])
         if self.exact is not None:  # every attention sums over the same slots
             if length > self.exact.key_slots:
                 raise ValueError(
@@ -276,6 +290,7 @@ class Decoder:
             state.step.pad_ok.zero_()  # rows not taken see only themselves
             state.step.positions.zero_()
             state.step.slot.zero_()
+            state.step.moving.zero_()
             sampling = (temperature, top_k, top_p)
             state.fill(0, sampling)
             t = 0
@@ -372,6 +387,7 @@ class _Rows:
         self.ends[at] = ends
         self.step.positions[at] = lengths[:, None].to(dev)
         self.step.slot[at] = lengths.to(dev) if exact else width
+        self.step.moving[at] = 1
         for r, i in zip(rows, taken, strict=True):
             self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, []
             self.stops.pop(r, None)
@@ -426,9 +442,16 @@ class _Rows:
                 stopped = n < self.limits[i] or self.stops.get(r) == n or row[-1] in self.eos_set
                 self.results[i] = (row, values, n, stopped)
                 self.holder[r] = -1
+            self.idle(at)
         if self.queue:
             self.fill(t, sampling)
         return any(i >= 0 for i in self.holder)
+
+    def idle(self, rows) -> None:
+        """Rows `rows` hold nothing from now on: they stay at slot 0, seeing only it."""
+        step = self.step
+        step.moving[rows] = step.slot[rows] = step.positions[rows] = 0
+        step.pad_ok[rows] = False
 
     def walk(self, t: int, held: list[int], ends: list[int]) -> None:
         """Each running row's new tokens through stop_hit; a stop string ends the row there."""

@@ -109,8 +109,9 @@ class TransformersEngine(EngineBase):
         """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
         device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
         `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
-        graphs as without it; faster, once the first call of each (rows bucket, slots) shape
-        has compiled its step (tens of seconds). `exact`: exact.py's batch-invariant numerics,
+        graphs as without it; faster, once the first call has compiled its step (tens of
+        seconds). Every call then decodes at one shape, max_batch_size rows x max_model_len
+        slots, so its KV cache takes that much memory from the first call on (as vLLM's does). `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile)."""
         path = Path(model).expanduser()
@@ -268,6 +269,7 @@ class TransformersEngine(EngineBase):
                 self._keep_last,
                 compile=self._compile,
                 exact=self.exact_numerics,
+                most=(self.max_batch_size, self.max_model_len),
             )
         results = self._decoder.generate(
             prompts,
