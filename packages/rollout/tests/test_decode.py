@@ -220,3 +220,34 @@ def test_rows_that_hold_nothing_stay_at_slot_0_while_others_decode(model):
     assert [s[1] for s in late] == sorted({s[1] for s in late})  # row 1 moves one slot a step
     # and the samples are those of reads every 16 steps (rows idled later)
     assert results == run(Decoder(model, float_mask=False), PROMPTS[:3], limits=[2, 30, 3])
+
+
+def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
+    """48 prompts whose samples end at long-tailed lengths (limits, EOS and a stop string): once
+    12 or fewer still run they move into the first 12 rows and decode at that shape; each
+    prompt's tokens, logprobs, length and stop are what the same call gives without moving."""
+    import random
+
+    draw = random.Random(7)
+    prompts = [PROMPTS[k % 4] + [k + 1] for k in range(48)]
+    limits = [min(60, 2 + int(draw.expovariate(1 / 12))) for _ in prompts]
+    limits[5] = limits[30] = 60  # the longest two
+    shapes = []
+    decoder = Decoder(model, float_mask=False)
+    wider = decoder._step
+    decoder._step = lambda rows, length: shapes.append(rows) or wider(rows, length)
+    free = [r[0] for r in run(Decoder(model, float_mask=False, compact=False), prompts, limits)]
+    options = dict(
+        limits=limits, eos=[free[30][40]], stop_hit=lambda tokens: tokens[-2:] == free[5][44:46]
+    )
+    for every in (1, 16):
+        shapes.clear()
+        still = run(
+            Decoder(model, float_mask=False, compact=False), prompts, read_every=every, **options
+        )
+        moved = run(decoder, prompts, read_every=every, **options)
+        assert shapes == [48, 12], shapes  # it did move, once
+        assert max(n for _, _, n, _ in still) > 40 and any(s for *_, s in still)
+        for (tokens, logprobs, n, stopped), expected in zip(moved, still, strict=True):
+            assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])
+            assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)

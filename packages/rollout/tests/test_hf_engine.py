@@ -161,6 +161,17 @@ def test_greedy_matches_a_teacher_forced_forward_in_any_chunking(engine, policy)
     assert [s.token_ids for s in chunked] == [s.token_ids for s in samples]
 
 
+def test_compact_rows_reaches_the_decoder(engine):
+    """The [rollout] compact_rows key turns the tail's compaction (test_decode.py) on and off."""
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    engine.generate(VARIED[:1], GREEDY)
+    assert engine._decoder.compacts
+    with TransformersEngine(tiny_model("qwen2"), dtype="float32", compact_rows=False) as still:
+        still.generate(VARIED[:1], GREEDY)
+        assert not still._decoder.compacts
+
+
 def test_left_padded_rows_keep_their_absolute_positions(gpt2_model):
     from transformers import AutoModelForCausalLM
 

@@ -45,6 +45,11 @@ class EngineConfig(Table):
     max_batch_size: int = Field(256, ge=1)
     """transformers: most sequences decoding at once; a call of more queues the rest, which take
     the rows of finished ones (vLLM schedules its own batches)."""
+    compact_rows: bool = True
+    """transformers: once no prompt of a call waits and its running rows fit in a quarter of
+    the rows, they move there and decode at that narrower shape (a step costs its rows' weight
+    reads whether they run or idle; a long-tailed batch spends most steps on a few long
+    responses: benchmarks/RESULTS.md, issue 57). Not in exact mode."""
     exact: bool = False
     """transformers: batch-invariant numerics in the engine and in the trainer's policy and
     reference (ferrule_rollout.exact), so the logprobs the engine samples with are bit for bit
@@ -106,6 +111,7 @@ class EngineConfig(Table):
                 max_batch_size=self.max_batch_size,
                 exact=self.exact,
                 compile_decode=self.compiles_decode(),
+                compact_rows=self.compact_rows,
             )
         return dict(
             max_model_len=self.max_model_len,

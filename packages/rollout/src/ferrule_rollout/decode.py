@@ -27,6 +27,7 @@ from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
+FEWEST_ROWS = 8  # the tail's compaction stops here (see _Rows.compact)
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -69,7 +70,9 @@ class SlabCache:
         self.rows = self.slots = None  # where `update` writes: set before each forward
 
     def reserve(self, rows: int, length: int) -> bool:
-        """View the buffers as `rows` x `length` slots; True when they had to be reallocated."""
+        """View the buffers as `rows` x `length` slots; True when they had to be reallocated.
+        Keys fill each buffer from its start, values from its middle: fewer rows at the same
+        length view the first rows of more (the tail's compaction moves rows within them)."""
         half = rows * self.kv_heads * length * self.head_dim
         grew = not self.buffers or self.buffers[0].numel() < 2 * half
         if grew:
@@ -78,9 +81,9 @@ class SlabCache:
                 torch.zeros(2 * half, dtype=self.dtype, device=self.device)
                 for _ in range(self.layers)
             ]
-        shape = (rows, self.kv_heads, length, self.head_dim)
+        shape, middle = (rows, self.kv_heads, length, self.head_dim), self.buffers[0].numel() // 2
         self.keys = [b[:half].view(shape) for b in self.buffers]
-        self.values = [b[half : 2 * half].view(shape) for b in self.buffers]
+        self.values = [b[middle : middle + half].view(shape) for b in self.buffers]
         return grew
 
     def update(self, key, value, layer_idx: int, *args, **kwargs):
@@ -109,9 +112,9 @@ class SlabCache:
 class Step:
     """One decode step at a fixed shape: static inputs, and its CUDA graph once captured."""
 
-    def __init__(self, decoder: "Decoder", rows: int, length: int):
+    def __init__(self, decoder: "Decoder", rows: int, length: int, forward):
         device = decoder.device
-        self.decoder = decoder
+        self.forward = forward
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.pad_ok = torch.zeros((rows, length), dtype=torch.bool, device=device)
@@ -125,12 +128,16 @@ class Step:
         self.graph = self.logits = None
 
     def _run(self):
-        logits = self.decoder.step_forward(self.ids, self.positions, self.pad_ok, self.slot)
+        logits = self.forward(self.ids, self.positions, self.pad_ok, self.slot)
         self.positions.add_(self.moving[:, None]).clamp_(max=self.last_position)
         self.slot.add_(self.moving).clamp_(max=self.last)
         return logits
 
     def capture(self, pool) -> None:
+        """Capture the step as a graph. Its runs write keys and values at the last slot of its
+        rows, which no sequence reaches (the slab has room for the longest, and the token a
+        sequence ends on is never fed), so a capture in the middle of a call loses nothing."""
+        self.slot.fill_(self.last)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -140,6 +147,7 @@ class Step:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = self._run()
+        self.slot.zero_()
 
     def run(self, ids):
         """The logits after feeding `ids` ([rows]) at each row's slot; advances each one."""
@@ -168,6 +176,7 @@ class Decoder:
         compile: bool = False,
         exact: ExactNumerics | None = None,
         most: tuple[int, int] | None = None,
+        compact: bool = True,
     ):
         self.model = model
         self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
@@ -198,6 +207,7 @@ class Decoder:
         # and draws without top-k / top-p through kernels.draw (not in exact mode: its logprobs
         # are the trainer's to the bit)
         self.kernels = self.use_graphs and exact is None and triton_available()
+        self.compacts = compact and exact is None  # exact mode keeps its rows where they are
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
@@ -245,7 +255,10 @@ class Decoder:
         if step is None:
             if len(self.steps) >= KEPT_GRAPHS:
                 self.steps.pop(next(iter(self.steps)))
-            step = Step(self, rows, length)
+            # compiled with one shape, other shapes (the tail's fewer rows) run uncompiled:
+            # a capture takes a second, a compile tens
+            plain = self.one_shape not in (None, (rows, length))
+            step = Step(self, rows, length, self.forward if plain else self.step_forward)
             if self.use_graphs:
                 step.capture(self.pool)
         self.steps[(rows, length)] = step  # the most recent last
@@ -445,7 +458,36 @@ class _Rows:
             self.idle(at)
         if self.queue:
             self.fill(t, sampling)
+        elif self.decoder.compacts:
+            self.compact()
         return any(i >= 0 for i in self.holder)
+
+    def compact(self) -> None:
+        """Once no prompt waits and the rows still running fit in a quarter of the rows, they
+        move to the first quarter and decode at that shape from then on. A step costs its rows'
+        weight reads and sampling whether they run or idle (at 1.5B ~5 ms at 512 rows), and a
+        long-tailed batch spends most of its steps on a few long responses."""
+        rows, held = len(self.holder), [r for r, i in enumerate(self.holder) if i >= 0]
+        fewer = rows // 4
+        if fewer < FEWEST_ROWS or not held or len(held) > fewer:
+            return
+        order = held + [r for r, i in enumerate(self.holder) if i < 0][: fewer - len(held)]
+        at, decoder, old = torch.tensor(order, device=self.device), self.decoder, self.step
+        written = int(old.slot.max())  # each row has written the slots before its own
+        for layer in (*decoder.cache.keys, *decoder.cache.values):  # rows in the wider view
+            layer[:fewer, :, :written] = layer[at, :, :written]
+        self.step = decoder._step(fewer, self.length)  # the narrower view: the same first rows
+        for name in ("positions", "pad_ok", "slot", "moving"):
+            getattr(self.step, name).copy_(getattr(old, name)[at])
+        self.ends, self.chosen, self.tokens, self.logprobs, self.u = (
+            t[at] for t in (self.ends, self.chosen, self.tokens, self.logprobs, self.u)
+        )
+        self.holder, self.start, self.walked, self.seen = (
+            [values[r] for r in order]
+            for values in (self.holder, self.start, self.walked, self.seen)
+        )
+        moved = {r: k for k, r in enumerate(order)}
+        self.stops = {moved[r]: n for r, n in self.stops.items() if r in moved}
 
     def idle(self, rows) -> None:
         """Rows `rows` hold nothing from now on: they stay at slot 0, seeing only it."""

@@ -105,6 +105,7 @@ class TransformersEngine(EngineBase):
         attn_implementation: str | None = None,
         compile_decode: bool = False,
         exact: bool = False,
+        compact_rows: bool = True,
     ):
         """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
         device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
@@ -113,7 +114,8 @@ class TransformersEngine(EngineBase):
         seconds). Every call then decodes at one shape, max_batch_size rows x max_model_len
         slots, so its KV cache takes that much memory from the first call on (as vLLM's does). `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
-        from the same weights (slower; no torch.compile)."""
+        from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
+        rows move into fewer once they fit a quarter of them (decode.py's _Rows.compact)."""
         path = Path(model).expanduser()
         if not path.is_dir():
             raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
@@ -189,7 +191,7 @@ class TransformersEngine(EngineBase):
         self._pad = pad if pad is not None else min(self._eos, default=0)
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
-        self._compile = compile_decode
+        self._compile, self._compact = compile_decode, compact_rows
         self._version = 0
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
         self._cv = threading.Condition()
@@ -270,6 +272,7 @@ class TransformersEngine(EngineBase):
                 compile=self._compile,
                 exact=self.exact_numerics,
                 most=(self.max_batch_size, self.max_model_len),
+                compact=self._compact,
             )
         results = self._decoder.generate(
             prompts,
