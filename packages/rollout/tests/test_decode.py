@@ -224,7 +224,7 @@ def test_rows_that_hold_nothing_stay_at_slot_0_while_others_decode(model):
 
 def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
     """48 prompts whose samples end at long-tailed lengths (limits, EOS and a stop string): once
-    12 or fewer still run they move into the first 12 rows and decode at that shape; each
+    12 or fewer still run they move into the first 12 rows (compact=4) and decode there; each
     prompt's tokens, logprobs, length and stop are what the same call gives without moving."""
     import random
 
@@ -233,17 +233,17 @@ def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
     limits = [min(60, 2 + int(draw.expovariate(1 / 12))) for _ in prompts]
     limits[5] = limits[30] = 60  # the longest two
     shapes = []
-    decoder = Decoder(model, float_mask=False)
+    decoder = Decoder(model, float_mask=False, compact=4)
     wider = decoder._step
     decoder._step = lambda rows, length: shapes.append(rows) or wider(rows, length)
-    free = [r[0] for r in run(Decoder(model, float_mask=False, compact=False), prompts, limits)]
+    free = [r[0] for r in run(Decoder(model, float_mask=False, compact=0), prompts, limits)]
     options = dict(
         limits=limits, eos=[free[30][40]], stop_hit=lambda tokens: tokens[-2:] == free[5][44:46]
     )
     for every in (1, 16):
         shapes.clear()
         still = run(
-            Decoder(model, float_mask=False, compact=False), prompts, read_every=every, **options
+            Decoder(model, float_mask=False, compact=0), prompts, read_every=every, **options
         )
         moved = run(decoder, prompts, read_every=every, **options)
         assert shapes == [48, 12], shapes  # it did move, once

@@ -166,7 +166,7 @@ def test_compact_rows_reaches_the_decoder(engine):
     from ferrule_rollout.hf_engine import TransformersEngine
 
     engine.generate(VARIED[:1], GREEDY)
-    assert engine._decoder.compacts
+    assert engine._decoder.compacts == 16
     with TransformersEngine(tiny_model("qwen2"), dtype="float32", compact_rows=False) as still:
         still.generate(VARIED[:1], GREEDY)
         assert not still._decoder.compacts

@@ -46,8 +46,8 @@ class EngineConfig(Table):
     """transformers: most sequences decoding at once; a call of more queues the rest, which take
     the rows of finished ones (vLLM schedules its own batches)."""
     compact_rows: bool = True
-    """transformers: once no prompt of a call waits and its running rows fit in a quarter of
-    the rows, they move there and decode at that narrower shape (a step costs its rows' weight
+    """transformers: once no prompt of a call waits and its running rows fit in 1/16 of the
+    rows, they move there and decode at that narrower shape (a step costs its rows' weight
     reads whether they run or idle; a long-tailed batch spends most steps on a few long
     responses: benchmarks/RESULTS.md, issue 57). Not in exact mode."""
     exact: bool = False

@@ -27,7 +27,8 @@ from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
-FEWEST_ROWS = 8  # the tail's compaction stops here (see _Rows.compact)
+NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
+FEWEST_ROWS = 8  # and never into fewer than this
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -176,7 +177,7 @@ class Decoder:
         compile: bool = False,
         exact: ExactNumerics | None = None,
         most: tuple[int, int] | None = None,
-        compact: bool = True,
+        compact: int = NARROWER,
     ):
         self.model = model
         self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
@@ -207,7 +208,8 @@ class Decoder:
         # and draws without top-k / top-p through kernels.draw (not in exact mode: its logprobs
         # are the trainer's to the bit)
         self.kernels = self.use_graphs and exact is None and triton_available()
-        self.compacts = compact and exact is None  # exact mode keeps its rows where they are
+        # the tail's rows move into 1 / `compact` of them (0: never; nor in exact mode)
+        self.compacts = compact if compact > 1 and exact is None else 0
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
@@ -255,10 +257,7 @@ class Decoder:
         if step is None:
             if len(self.steps) >= KEPT_GRAPHS:
                 self.steps.pop(next(iter(self.steps)))
-            # compiled with one shape, other shapes (the tail's fewer rows) run uncompiled:
-            # a capture takes a second, a compile tens
-            plain = self.one_shape not in (None, (rows, length))
-            step = Step(self, rows, length, self.forward if plain else self.step_forward)
+            step = Step(self, rows, length, self.step_forward)
             if self.use_graphs:
                 step.capture(self.pool)
         self.steps[(rows, length)] = step  # the most recent last
@@ -463,12 +462,13 @@ class _Rows:
         return any(i >= 0 for i in self.holder)
 
     def compact(self) -> None:
-        """Once no prompt waits and the rows still running fit in a quarter of the rows, they
-        move to the first quarter and decode at that shape from then on. A step costs its rows'
-        weight reads and sampling whether they run or idle (at 1.5B ~5 ms at 512 rows), and a
-        long-tailed batch spends most of its steps on a few long responses."""
+        """Once no prompt waits and the rows still running fit in 1 / `compacts` of the rows,
+        they move to the first ones and decode at that shape from then on: a long-tailed batch
+        spends most of its steps on a few long responses, and a step costs its rows' weight
+        reads and sampling whether they run or idle. One narrower shape (compiled once, with
+        compile_decode: the tail of every later call reuses it)."""
         rows, held = len(self.holder), [r for r, i in enumerate(self.holder) if i >= 0]
-        fewer = rows // 4
+        fewer = rows // self.decoder.compacts
         if fewer < FEWEST_ROWS or not held or len(held) > fewer:
             return
         order = held + [r for r, i in enumerate(self.holder) if i < 0][: fewer - len(held)]

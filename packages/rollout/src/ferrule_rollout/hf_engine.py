@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ferrule_rollout.decode import Decoder, slab_attention
+from ferrule_rollout.decode import NARROWER, Decoder, slab_attention
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.interface import EngineBase, WeightSyncGroup
 from ferrule_rollout.joining import JoinAbandoned, Joining
@@ -115,7 +115,7 @@ class TransformersEngine(EngineBase):
         slots, so its KV cache takes that much memory from the first call on (as vLLM's does). `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
-        rows move into fewer once they fit a quarter of them (decode.py's _Rows.compact)."""
+        rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact)."""
         path = Path(model).expanduser()
         if not path.is_dir():
             raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
@@ -272,7 +272,7 @@ class TransformersEngine(EngineBase):
                 compile=self._compile,
                 exact=self.exact_numerics,
                 most=(self.max_batch_size, self.max_model_len),
-                compact=self._compact,
+                compact=NARROWER if self._compact else 0,
             )
         results = self._decoder.generate(
             prompts,
