@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "rl_in_one_file.py"
 
 
+@pytest.mark.e2e  # 16 s: a process of its own, 20 RL steps
 def test_the_one_file_loop_runs_and_its_reward_rises():
     # a process of its own, as a user runs it: the script starts its own torch.distributed
     # group and DeepSpeed engines, which must not meet the groups of tests run before it

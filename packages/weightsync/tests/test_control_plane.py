@@ -300,6 +300,7 @@ def test_with_a_secret_a_forged_manifest_is_refused(group):
         g.receiver.receive(timeout=5)
 
 
+@pytest.mark.e2e  # ~10 s: it waits out a timeout
 def test_a_receiver_without_the_secret_cannot_join():
     with pytest.raises(
         ForgedMessageError, match=r"receiver 1 joined .* without the group's secret"

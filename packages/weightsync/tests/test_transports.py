@@ -357,6 +357,7 @@ def test_sender_killed_mid_transfer_is_an_error_for_receivers(transport, peers):
     assert time.monotonic() - started < 4 + 3
 
 
+@pytest.mark.e2e  # ~10 s: it waits out a timeout
 def test_receiver_that_never_joins_times_out_with_its_rank(peers):
     port = free_port()
     peers.start(1, port=port, num_receivers=2)  # rank 1 joins, rank 2 never comes
