@@ -6,7 +6,6 @@ import os
 import socket
 import threading
 
-import pytest
 import torch
 
 from ferrule_testkit import tiny_model
@@ -31,7 +30,6 @@ def teacher_forced_logprobs(model, prompt_ids: list[int], token_ids: list[int]) 
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids)[:, None])[:, 0]
 
 
-@pytest.mark.e2e  # ~11 s
 def test_engine_logprobs_after_a_lora_sync_equal_the_merged_model(tmp_path, monkeypatch):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -250,6 +250,7 @@ def test_the_docker_health_check_works_with_tls_when_told_how(spawn, certs):
     assert server.stop() == 0
 
 
+@pytest.mark.e2e  # ~8 s: server processes of their own
 def test_two_replicas_one_killed_under_load(spawn, fn_spec, tmp_path):
     """The client fails over when a replica dies mid-call: every sample gets exactly one
     result, with the right value; the survivor never scores a sample twice; the only samples

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrule_rewards import rewards_pb2 as pb
@@ -108,6 +109,7 @@ def test_a_flood_of_output_reaches_the_log_capped(spawn, fn_spec):
     assert server.stop() == 0
 
 
+@pytest.mark.e2e  # ~8 s: a server process of its own
 def test_a_server_whose_stderr_nobody_reads_keeps_answering(tmp_path, fn_spec):
     """The scoring processes wrote into the server's own stderr: once a pipe there stopped
     being read, a flooding function blocked, was killed at its timeout, and the server froze

@@ -123,6 +123,7 @@ def test_only_single_output_models(tmp_path):
         ModelScorer(build(tmp_path, num_labels=2), device="cpu")
 
 
+@pytest.mark.e2e  # ~8 s: a server process of its own
 def test_served_from_the_command_line(spawn, reward_model):
     server = spawn("--model", str(reward_model), "--device", "cpu", timeout=180)
     with RewardClient(server.address) as client:

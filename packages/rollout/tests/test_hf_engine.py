@@ -522,6 +522,7 @@ def test_the_module_never_imports_vllm():
     assert "vllm" not in imported and {"torch", "transformers"} <= imported
 
 
+@pytest.mark.e2e  # ~9 s: an interpreter of its own
 def test_it_generates_where_vllm_cannot_be_imported():
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # any `import vllm` now fails

@@ -140,6 +140,7 @@ def test_a_refused_call_is_not_read(stop):
         assert health.status == pb.HealthResponse.SERVING
 
 
+@pytest.mark.e2e  # ~9 s: servers of their own
 def test_tls_and_mutual_tls_with_a_token(stop, certs):
     tls = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
     process, address = start(
