@@ -58,7 +58,8 @@ class EngineConfig(Table):
     compile_decode: bool | Literal["auto"] = "auto"
     """transformers on CUDA: decode steps and their log-softmax through torch.compile before
     they are captured as CUDA graphs (at 1.5B a 512-row step 8.2 -> 5.6 ms, once the one decode
-    shape, max_batch_size rows x max_model_len slots, has compiled: ~40 s at the first call). "auto": on unless exact (inductor reorders math) or
+    shape, max_batch_size rows x max_model_len slots, has compiled: ~40 s at the first call).
+    "auto": on unless exact (inductor reorders math) or
     sleep_between_phases (each wake makes new graphs: not measured compiled)."""
 
     @field_validator("tensor_parallel_size")

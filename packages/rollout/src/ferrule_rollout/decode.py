@@ -113,9 +113,9 @@ class SlabCache:
 class Step:
     """One decode step at a fixed shape: static inputs, and its CUDA graph once captured."""
 
-    def __init__(self, decoder: "Decoder", rows: int, length: int, forward):
+    def __init__(self, decoder: "Decoder", rows: int, length: int):
         device = decoder.device
-        self.forward = forward
+        self.decoder = decoder
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.pad_ok = torch.zeros((rows, length), dtype=torch.bool, device=device)
@@ -129,7 +129,7 @@ class Step:
         self.graph = self.logits = None
 
     def _run(self):
-        logits = self.forward(self.ids, self.positions, self.pad_ok, self.slot)
+        logits = self.decoder.step_forward(self.ids, self.positions, self.pad_ok, self.slot)
         self.positions.add_(self.moving[:, None]).clamp_(max=self.last_position)
         self.slot.add_(self.moving).clamp_(max=self.last)
         return logits
@@ -257,7 +257,7 @@ class Decoder:
         if step is None:
             if len(self.steps) >= KEPT_GRAPHS:
                 self.steps.pop(next(iter(self.steps)))
-            step = Step(self, rows, length, self.step_forward)
+            step = Step(self, rows, length)
             if self.use_graphs:
                 step.capture(self.pool)
         self.steps[(rows, length)] = step  # the most recent last

@@ -112,7 +112,8 @@ class TransformersEngine(EngineBase):
         `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
         graphs as without it; faster, once the first call has compiled its step (tens of
         seconds). Every call then decodes at one shape, max_batch_size rows x max_model_len
-        slots, so its KV cache takes that much memory from the first call on (as vLLM's does). `exact`: exact.py's batch-invariant numerics,
+        slots, so its KV cache takes that much memory from the first call on (as vLLM's does).
+        `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
         rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact)."""
