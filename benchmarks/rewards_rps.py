@@ -16,7 +16,9 @@ http.client connection per client process. `ratio` is ours / baseline; `goal` is
 project aims for. On 64 cpus the defaults are 48 clients and 32 workers, the headline's
 configuration in benchmarks/RESULTS.md.
 
-For context: `baseline_uvicorn_workers` is the baseline run with uvicorn's `workers=W`, the same
+For context: `ours_without_per_peer_bound` is ours with `--max-connections-per-peer 0`, which
+gRPC serves directly, without the relay that bounds each peer's connections (the price of that
+bound); `baseline_uvicorn_workers` is the baseline run with uvicorn's `workers=W`, the same
 W as ours, so that the ratio can be read per core too. The `*_one_in_flight` figures are this
 process alone, one call in flight: ours (the W-worker server; a call is served by one worker
 either way), the baseline through http.client, `baseline_httpx` through httpx (persistent
@@ -112,10 +114,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_ours(workers: int) -> tuple[subprocess.Popen, str]:
+def start_ours(workers: int, *extra: str) -> tuple[subprocess.Popen, str]:
     """Start our server on a free port; return the process and its address."""
     command = [sys.executable, "-m", "ferrule_rewards", "serve", "--bind", "127.0.0.1:0"]
-    command += ["--function", f"{HERE}:trivial_reward", "--workers", str(workers)]
+    command += ["--function", f"{HERE}:trivial_reward", "--workers", str(workers), *extra]
     # It logs one line when it serves, and nothing per call after that.
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
@@ -222,9 +224,12 @@ def main() -> None:
     import httpx
 
     ours_process, address = start_ours(args.workers)
+    # The per-peer bound's relay (front.py) costs a hop: the same server without it, for scale.
+    bare_process, bare_address = start_ours(args.workers, "--max-connections-per-peer", "0")
     port, workers_port, shipped_port = free_port(), free_port(), free_port()
     processes = [
         ours_process,
+        bare_process,
         start_baseline(port),
         start_baseline(workers_port, workers=args.workers),
         start_baseline(shipped_port, as_shipped=True),
@@ -254,6 +259,7 @@ def main() -> None:
 
     targets = {
         "ours": ("ours", address),
+        "ours_without_per_peer_bound": ("ours", bare_address),
         "baseline": ("http", str(port)),
         "baseline_uvicorn_workers": ("http", str(workers_port)),
     }

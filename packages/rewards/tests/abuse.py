@@ -413,6 +413,41 @@ def idle_connections(address, token):
     return len(closed), len(sockets)
 
 
+def one_peer_flood(address, token):
+    """1000 silent connections from one stranger (127.0.0.3; Linux answers on all of
+    127.0.0.0/8), past the server's default bound per peer (128): the rest are reset on arrival
+    (within 1 s), the ones held are closed at the handshake timeout (5 s), and the watch's
+    calls from another peer go on meanwhile. gRPC alone bounded connections only in all, so
+    one peer could hold every place (issue 58)."""
+    host, port = address.rsplit(":", 1)
+    sockets = []
+    for _ in range(1000):
+        sock = socket.socket()
+        sock.bind(("127.0.0.3", 0))
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        sockets.append(sock)
+    started = time.monotonic()
+    closed_at: dict[int, float] = {}
+    while len(closed_at) < len(sockets) and time.monotonic() - started < 8:
+        for index, sock in enumerate(sockets):
+            if index in closed_at:
+                continue
+            try:
+                if sock.recv(64) == b"":
+                    closed_at[index] = time.monotonic() - started
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_at[index] = time.monotonic() - started
+        time.sleep(0.05)
+    for sock in sockets:
+        sock.close()
+    at_once = sum(seconds < 1.0 for seconds in closed_at.values())
+    # Answered as they should: each reset at once past the bound, each of the rest closed.
+    return min(at_once, len(sockets) - 128) + min(len(closed_at) - at_once, 128), len(sockets)
+
+
 def unread_answers(address, token):
     """Calls whose client never reads the answer (an HTTP/2 window of 1 byte): each holds its
     place until its deadline, then ends; answers never pile up in the server's memory (issue
@@ -498,6 +533,7 @@ ATTACKS = [
     big_results,
     crash_after_finished,
     idle_connections,
+    one_peer_flood,
     unread_answers,
     orphans,
     odd_outputs,

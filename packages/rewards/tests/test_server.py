@@ -522,6 +522,77 @@ def test_connections_are_bounded_and_silent_ones_are_closed(serve, monkeypatch):
     assert raw_call(server.address, request({"response": "abc"})).results[0].reward == 3.0
 
 
+def _connect_from(source: str, address: str):
+    """A raw TCP connection to `address` from the loopback address `source` (Linux answers on
+    all of 127.0.0.0/8): a second peer on one machine."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _reset_within(sock, seconds: float) -> bool:
+    """True when the server closes or resets `sock` within `seconds`, without a byte sent."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(64) == b""
+    except ConnectionError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_one_peer_cannot_take_every_connection(serve):
+    """gRPC bounds connections only in all: one peer holding 4096 idle connections shut out
+    every other client until the handshake timeout closed them (issue 58). Now a peer past
+    max_connections_per_peer is reset on arrival, and other peers are served at once."""
+    server = serve(limits=Limits(max_connections_per_peer=4))
+    held = [_connect_from("127.0.0.2", server.address) for _ in range(4)]
+    extra = _connect_from("127.0.0.2", server.address)
+    assert _reset_within(extra, 1.0)
+    extra.close()
+    started = time.monotonic()
+    assert raw_call(server.address, request({"response": "abc"})).results[0].reward == 3.0
+    assert time.monotonic() - started < 2.0  # not after the handshake timeout (5 s) freed one
+    assert health_of(server.address) == health_pb2.HealthCheckResponse.SERVING
+    held.pop().close()
+    time.sleep(0.2)
+    again = _connect_from("127.0.0.2", server.address)  # a place came free
+    assert not _reset_within(again, 0.3)
+    for sock in [*held, again]:
+        sock.close()
+
+
+def test_a_peer_is_an_ipv4_address_or_an_ipv6_64():
+    from ferrule_rewards.front import peer_key
+
+    assert peer_key("10.0.0.7") == "10.0.0.7"
+    assert peer_key("::ffff:10.0.0.7") == "10.0.0.7"  # IPv4 on a dual-stack socket
+    assert peer_key("2001:db8:1:2::5") == peer_key("2001:db8:1:2:ffff::1") == "2001:db8:1:2::/64"
+    assert peer_key("2001:db8:1:3::5") != peer_key("2001:db8:1:2::5")
+    assert peer_key("fe80::1%eth0") == "fe80::/64"
+
+
+@pytest.mark.parametrize("bound", [-1, 4097])
+def test_a_per_peer_bound_out_of_range_is_refused(bound):
+    with pytest.raises(ValueError, match="max_connections_per_peer is"):
+        Limits(max_connections_per_peer=bound)
+
+
+def test_large_answers_cross_the_front_whole_and_in_order(serve):
+    """The front relays bytes: many samples in one call (a multi-megabyte request and answer)
+    and calls at once on one connection come back whole and in order."""
+    server = serve()
+    client = RewardClient(server.address, batch_size=4096, max_in_flight=4)
+    samples = [{"response": "x" * (i % 1000)} for i in range(16384)]
+    results = client.score(samples)
+    assert [r.reward for r in results] == [float(i % 1000) for i in range(16384)]
+    client.close()
+
+
 def test_the_descriptor_limit_is_raised_to_the_hard_one(serve):
     """A systemd service gets a soft limit of 1024 descriptors; the server now raises it to
     the hard limit when it starts, and the unit sets LimitNOFILE."""

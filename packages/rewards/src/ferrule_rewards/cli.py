@@ -147,6 +147,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "more are refused with RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     add(
+        "--max-connections-per-peer",
+        type=_number(int, 0, 4096),
+        default=128,
+        help="connections one peer (an IP address; an IPv6 /64) may hold open, per worker; "
+        "more are reset on arrival. 0 to 4096; 0 leaves only the bound in all, 4096 "
+        "(default: %(default)s)",
+    )
+    add(
         "--grace",
         type=_number(float, 0),
         default=30.0,
@@ -235,6 +243,7 @@ def _serve(args) -> None:
         call_timeout=args.call_timeout,
         max_log_bytes=int(args.max_log_mb * (1 << 20)),
         max_sub_scores=args.max_sub_scores,
+        max_connections_per_peer=args.max_connections_per_peer,
     )
     options = {"grace": args.grace, "token": token, "tls": tls, "limits": limits}
     options["address_file"] = args.address_file

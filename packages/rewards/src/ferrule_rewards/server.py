@@ -25,7 +25,9 @@ import logging
 import math
 import os
 import resource
+import shutil
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -35,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ferrule_grpc_auth import TLS, TokenInterceptor, check_bind, split_address
 from ferrule_rewards import rewards_pb2 as pb
+from ferrule_rewards.front import Front
 from ferrule_rewards.processes import CallFailed, ScoringProcesses
 from ferrule_rewards.security import NO_TOKEN_METHODS, TOKEN_ENV
 from ferrule_rewards.wire import OVER_LIMIT_CHUNK, InvalidRequest
@@ -77,6 +80,9 @@ class Limits:
     server's log; the rest is dropped until the process is replaced. 0 drops all of it."""
     max_sub_scores: int = 1024
     """Sub-scores one sample may return; more is that sample's INVALID_REWARD."""
+    max_connections_per_peer: int = 128
+    """Connections one peer (an IP address; an IPv6 /64) may hold open; more are reset on
+    arrival (front.py). 0 leaves only the bound in all, MAX_CONNECTIONS."""
 
     def __post_init__(self):
         for name in ("max_batch", "max_message_bytes", "max_concurrency", "max_health_watches"):
@@ -84,6 +90,11 @@ class Limits:
                 raise ValueError(f"{name} must be 1 or more, got {getattr(self, name)}")
         if not 0 <= self.max_sub_scores <= MAX_SUB_SCORES:
             raise ValueError(f"max_sub_scores is {self.max_sub_scores}; 0 to {MAX_SUB_SCORES}")
+        if not 0 <= self.max_connections_per_peer <= MAX_CONNECTIONS:
+            raise ValueError(
+                f"max_connections_per_peer is {self.max_connections_per_peer}; 0 to "
+                f"{MAX_CONNECTIONS}"
+            )
         if not 0 <= self.max_log_bytes <= MAX_LOG_MB << 20:
             raise ValueError(f"max_log_bytes is {self.max_log_bytes}; 0 to {MAX_LOG_MB} MiB")
         least = self.max_batch * len(OVER_LIMIT_CHUNK)  # every sample gets a result
@@ -137,6 +148,8 @@ class RewardServer:
         self.draining = False
         self.cut_off = 0  # calls still running when the grace period ended
         self._server: grpc.aio.Server | None = None
+        self._front: Front | None = None
+        self._backend_dir: str | None = None
         processes.on_health_change = self._health_changed
 
     @property
@@ -238,7 +251,10 @@ class RewardServer:
         # clients rightly do not retry.
         while self.busy and loop.time() < deadline:
             await asyncio.sleep(0.01)
+        if self._front is not None:
+            self._front.stop_accepting()
         await self._server.stop(max(0.0, deadline - loop.time()))
+        self._close_front()
         await self.processes.close()
         if self.cut_off:
             log.warning(
@@ -253,6 +269,12 @@ class RewardServer:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
+
+    def _close_front(self) -> None:
+        if self._front is not None:
+            self._front.close()
+        if self._backend_dir is not None:
+            shutil.rmtree(self._backend_dir, ignore_errors=True)
 
 
 async def start(
@@ -315,20 +337,43 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
     reflection.enable_server_reflection(
         [SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
     )
+    # Past gRPC's bound in all, a bound per peer needs our own accept: gRPC then listens on a
+    # Unix socket in a private directory and the front relays to it (front.py).
+    front = limits.max_connections_per_peer > 0 and not bind.startswith("unix:")
+    if front:
+        server._backend_dir = tempfile.mkdtemp(prefix="ferrule-rewards-")
+    listen = f"unix:{server._backend_dir}/grpc.sock" if front else bind
     try:
         if tls is None:
-            port = grpc_server.add_insecure_port(bind)
+            port = grpc_server.add_insecure_port(listen)
         else:
-            port = grpc_server.add_secure_port(bind, tls.server_credentials())
+            port = grpc_server.add_secure_port(listen, tls.server_credentials())
     except RuntimeError as error:  # gRPC raises this when it cannot bind
+        server._close_front()
         raise OSError(f"cannot listen on {bind}: {error}") from None
+    server._server = grpc_server
+    await grpc_server.start()
+    if front:
+        host, wanted = split_address(bind)
+        try:
+            server._front = await Front.open(
+                host,
+                wanted,
+                listen.removeprefix("unix:"),
+                per_peer=limits.max_connections_per_peer,
+                total=MAX_CONNECTIONS,
+                reuse_port=reuse_port,
+            )
+        except OSError as error:
+            await grpc_server.stop(None)
+            server._close_front()
+            raise OSError(f"cannot listen on {bind}: {error.strerror or error}") from None
+        port = server._front.port
     if bind.startswith("unix:"):
         server.address = bind
     else:
         host, _ = split_address(bind)
         server.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    server._server = grpc_server
-    await grpc_server.start()
     for name in ("", SERVICE):
         await server.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server

@@ -1,0 +1,224 @@
+"""A bound on each peer's connections, in front of the gRPC server.
+
+    front = await Front.open("0.0.0.0", 50051, backend_path, per_peer=64, total=4096)
+    ...; front.close()
+
+gRPC Python bounds connections only in all (`grpc.max_allowed_incoming_connections`), so one
+peer holding 4096 idle connections would shut every other client out. With a TCP bind and a
+per-peer bound, gRPC listens on a Unix socket in a private directory instead, and the front
+accepts on the public address: a connection past `per_peer` from one peer (an IPv6 peer counts
+by its /64, which one host usually holds whole) or past `total` is reset at once, before a byte
+of it is read; every other one is relayed byte for byte to gRPC, which still does the TLS,
+HTTP/2, token and limits end to end. The front decodes nothing.
+"""
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections import Counter
+
+log = logging.getLogger(__name__)
+HIGH_WATER = 1 << 20
+"""Bytes one side may have waiting to be written before the other side stops being read: a
+peer that does not read its answers holds at most this much in the front."""
+WARN_EVERY = 10.0  # seconds between log lines about one refused peer
+
+
+def peer_key(address: str) -> str:
+    """What one peer's connections are counted under: its IPv4 address, or its IPv6 /64."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(ip)
+    if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+
+
+class _Side(asyncio.Protocol):
+    """One end of a relayed connection: what it receives is written to the other end, and it
+    stops reading while the other end's writes are backed up."""
+
+    def __init__(self, other: "_Side | None" = None):
+        self.transport: asyncio.Transport | None = None
+        self.other = other
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self.other.transport.write(data)
+
+    def eof_received(self) -> bool:
+        return False  # close this end; connection_lost closes the other once it has flushed
+
+    def pause_writing(self) -> None:
+        self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.other.transport.resume_reading()
+
+    def connection_lost(self, exc) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+
+
+class Front:
+    """Listening sockets on the public address, relaying to gRPC's Unix socket."""
+
+    def __init__(self, backend_path: str, per_peer: int, total: int):
+        self.backend_path, self.per_peer, self.total = backend_path, per_peer, total
+        self.open_by_peer: Counter[str] = Counter()
+        self.refused = 0
+        self._servers: list[asyncio.Server] = []
+        self._sides: set[_Side] = set()
+        self._warned: dict[str, float] = {}
+
+    @classmethod
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        backend_path: str,
+        *,
+        per_peer: int,
+        total: int,
+        reuse_port: bool = False,
+    ) -> "Front":
+        """Listen on every address `host` resolves to, all on one port (port 0: a free one)."""
+        front = cls(backend_path, per_peer, total)
+        try:
+            for sock in _listening_sockets(host, port, reuse_port):
+                server = await asyncio.get_running_loop().create_server(
+                    front._accepted, sock=sock, backlog=1024
+                )
+                front._servers.append(server)
+        except BaseException:
+            front.close()
+            raise
+        return front
+
+    @property
+    def port(self) -> int:
+        return self._servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        return sum(self.open_by_peer.values())
+
+    def _accepted(self) -> _Side:
+        return _Client(self)
+
+    def _admit(self, client: "_Client", peer: str) -> bool:
+        over = (
+            "per peer"
+            if self.open_by_peer[peer] >= self.per_peer
+            else "in all"
+            if self.connections >= self.total
+            else None
+        )
+        if over is None:
+            self.open_by_peer[peer] += 1
+            self._sides.add(client)
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned.get(peer, -WARN_EVERY) >= WARN_EVERY:
+            self._warned[peer] = now
+            bound = self.per_peer if over == "per peer" else self.total
+            log.warning(
+                "refusing connections from %s: %d open, the bound %s is %d (%d refused so far)",
+                peer,
+                self.open_by_peer[peer],
+                over,
+                bound,
+                self.refused,
+            )
+        return False
+
+    def _closed(self, client: "_Client", peer: str) -> None:
+        self._sides.discard(client)
+        self.open_by_peer[peer] -= 1
+        if not self.open_by_peer[peer]:
+            del self.open_by_peer[peer]
+
+    def stop_accepting(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    def close(self) -> None:
+        """Stop accepting and reset every relayed connection."""
+        self.stop_accepting()
+        for client in list(self._sides):
+            client.transport.abort()
+
+
+class _Client(_Side):
+    """The public end: admitted or reset on arrival, then joined to a new gRPC connection."""
+
+    def __init__(self, front: Front):
+        super().__init__()
+        self.front = front
+        self.peer: str | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        peer = peer_key(transport.get_extra_info("peername")[0])
+        if not self.front._admit(self, peer):
+            transport.abort()  # a reset: nothing read, nothing relayed
+            return
+        self.peer = peer
+        transport.pause_reading()  # until gRPC's end is there to take the bytes
+        asyncio.get_running_loop().create_task(self._join())
+
+    async def _join(self) -> None:
+        try:
+            _, backend = await asyncio.get_running_loop().create_unix_connection(
+                lambda: _Side(other=self), self.front.backend_path
+            )
+        except OSError as error:
+            log.warning("front: cannot reach the gRPC server's socket: %s", error)
+            self.transport.abort()
+            return
+        if self.transport.is_closing():  # the client left while we connected
+            backend.transport.close()
+            return
+        self.other = backend
+        self.transport.resume_reading()
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        if self.peer is not None:
+            self.front._closed(self, self.peer)
+
+
+def _listening_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """A bound socket per address of `host` ("" or "0.0.0.0" and "::" as gRPC takes them), the
+    later ones on the port the first got."""
+    infos = socket.getaddrinfo(
+        None if host in ("", "*") else host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    seen, sockets = set(), []
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address[0]) in seen:
+                continue
+            seen.add((family, address[0]))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(infos) > 1))
+            if sockets[0] is not sock:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
