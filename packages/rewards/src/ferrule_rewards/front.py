@@ -20,7 +20,7 @@ import time
 from collections import Counter
 
 log = logging.getLogger(__name__)
-HIGH_WATER = 1 << 20
+HIGH_WATER = 256 << 10
 """Bytes one side may have waiting to be written before the other side stops being read: a
 peer that does not read its answers holds at most this much in the front."""
 WARN_EVERY = 10.0  # seconds between log lines about one refused peer
