@@ -13,6 +13,7 @@ PUBLIC = {
         "batch",
         "memory",
         "rl",
+        "groups",
         "step",
         "actor",
         "critic",

@@ -14,6 +14,7 @@ import torch
 from ferrule_testkit import tiny_model
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
+from ferrule_trainer.groups import Group
 from ferrule_trainer.nonfinite import NonFiniteGradientError, SkippedSteps
 from ferrule_trainer.step import LocalRanks, RLStep
 
@@ -161,14 +162,14 @@ def test_the_rl_step_counts_skips_and_stops_at_max_skipped_steps(role):
     )
     poison = _poison(policy if role == "policy" else critic, float("nan"))
     prefix = "train" if role == "policy" else "critic"
-    assert step.train(1, _samples(1), [0.0, 1.0] * 4)[f"{prefix}/skipped"] == 0.0
+    assert step.train(1, Group.split(_samples(1), [0.0, 1.0] * 4, 4))[f"{prefix}/skipped"] == 0.0
     poison.armed = True
     for number in (2, 3):
         before = policy.weights_digest()
-        metrics = step.train(number, _samples(number), [0.0, 1.0] * 4)
+        metrics = step.train(number, Group.split(_samples(number), [0.0, 1.0] * 4, 4))
         assert metrics[f"{prefix}/skipped"] == 1.0 and "NaN" in metrics[f"{prefix}/nonfinite"]
         if role == "policy":
             assert policy.weights_digest() == before
     assert step.state()["skipped_in_a_row"][role] == 2
     with pytest.raises(NonFiniteGradientError, match=f"the {role}'s gradients were not finite"):
-        step.train(4, _samples(4), [0.0, 1.0] * 4)
+        step.train(4, Group.split(_samples(4), [0.0, 1.0] * 4, 4))

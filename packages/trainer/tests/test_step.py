@@ -10,6 +10,7 @@ import torch
 
 from ferrule_testkit import tiny_model
 from ferrule_trainer.config import CriticConfig, TrainerConfig
+from ferrule_trainer.groups import Group
 from ferrule_trainer.step import LocalRanks, RLStep, reaches
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -80,6 +81,10 @@ def scores(groups: int = 2) -> list[float]:
     return [float((i * 7) % 5) / 4 for i in range(groups * N)]
 
 
+def grouped(samples, scores, n: int = N) -> list[Group]:
+    return Group.split(samples, scores, n)
+
+
 def weights(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.engine.module.parameters()])
 
@@ -103,7 +108,7 @@ def test_every_estimator_and_correction_trains_the_policy(policy, reference, est
     trainer = TrainerConfig(estimator=estimator, kl_coef=0.01, **correction)
     samples = rollout(policy)
     before = weights(policy)
-    metrics = step(trainer, policy, reference).train(1, samples, scores())
+    metrics = step(trainer, policy, reference).train(1, grouped(samples, scores()))
     assert not torch.equal(before, weights(policy))  # the policy took an optimizer step
     assert metrics["vllm_kl"] == pytest.approx(0.0, abs=1e-5)  # its own log-probabilities
     assert "kl" in metrics and metrics["kl_coef"] == 0.01  # k1's mean: either sign
@@ -120,7 +125,7 @@ def test_gae_trains_the_policy_and_the_critic(policy, reference, critic):
     trainer = TrainerConfig(estimator="gae", kl_coef=0.05, kl_in="reward")
     samples = rollout(policy)
     before = weights(critic)
-    metrics = step(trainer, policy, reference, critic).train(1, samples, scores())
+    metrics = step(trainer, policy, reference, critic).train(1, grouped(samples, scores()))
     assert not torch.equal(before, weights(critic))
     assert metrics["critic/loss"] > 0 and "train/loss" in metrics
 
@@ -136,7 +141,7 @@ def test_a_lora_policy_trains_only_its_adapters(lora_policy, estimator, correcti
         n: p.detach().clone() for n, p in lora_policy.module.named_parameters() if "lora" in n
     }
     assert adapters
-    step(trainer, lora_policy).train(1, rollout(lora_policy), scores())
+    step(trainer, lora_policy).train(1, grouped(rollout(lora_policy), scores()))
     now = dict(lora_policy.module.named_parameters())
     assert all(torch.equal(now[n], p) for n, p in frozen.items())
     assert any(not torch.equal(now[n], p) for n, p in adapters.items())
@@ -146,16 +151,18 @@ def test_stale_groups_are_dropped_and_fresh_ones_trained(policy):
     samples = rollout(policy, groups=3, version=4)
     samples[N].version = 1  # one sample of the second group: 3 versions behind step 6's
     the_step = step(TrainerConfig(), policy, max_staleness=1)
-    metrics = the_step.train(6, samples, scores(3))
+    metrics = the_step.train(6, grouped(samples, scores(3)))
     assert metrics["dropped_stale_groups"] == 1
     assert metrics["staleness"] == 1.0  # the kept ones: version 4 trained at step 6
-    assert step(TrainerConfig(), policy).train(9, samples, scores(3)) == {"dropped_stale_groups": 3}
+    assert step(TrainerConfig(), policy).train(9, grouped(samples, scores(3))) == {
+        "dropped_stale_groups": 3
+    }
 
 
 def test_all_equal_groups_leave_the_policy_alone():
     fresh = actor()  # no optimizer moments yet: a zero gradient is a zero update
     before = weights(fresh)
-    step(TrainerConfig(estimator="grpo"), fresh).train(1, rollout(fresh), [0.7] * 2 * N)
+    step(TrainerConfig(estimator="grpo"), fresh).train(1, grouped(rollout(fresh), [0.7] * 2 * N))
     assert torch.equal(before, weights(fresh))  # zero advantages: zero gradient
 
 
@@ -166,7 +173,7 @@ def test_the_kl_controller_and_reward_moments_are_state_that_round_trips(policy,
     with torch.no_grad():  # move the policy off the reference: a KL above the target
         for p in policy.module.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    metrics = the_step.train(1, policy_samples, scores())
+    metrics = the_step.train(1, grouped(policy_samples, scores()))
     assert metrics["kl"] > 1e-6 and metrics["kl_coef"] == 0.1
     assert the_step.kl_coef > 0.1  # raised towards the target
     saved = the_step.state()
@@ -188,12 +195,16 @@ def test_shaping_truncated_and_overlong_responses():
 
 def test_keep_is_every_group_or_dapos_filter_on_inexact_floats():
     the_step = RLStep(TrainerConfig(), None, group_size=2, pad_id=0, policy=None)
-    assert the_step.keep([0.1, 0.2, 0.1, 0.1]) == [0, 1]
+    samples = [Sample([1], [2]) for _ in range(6)]
+    groups = grouped(samples, [0.1, 0.2, 0.1, 0.1, 1.0, 1.0], n=2)
+    assert the_step.keep(groups[:2]) == groups[:2]
     dapo = RLStep(
         TrainerConfig(), None, group_size=2, pad_id=0, policy=None, keep_group_mean=(0.1, 1.0)
     )
     # 0.1 + 0.2 is not 0.3 in floats; an all-0.1 group's mean is exactly the bound: dropped
-    assert dapo.keep([0.1, 0.2, 0.1, 0.1, 1.0, 1.0]) == [0]
+    assert dapo.keep(groups) == groups[:1]
+    with pytest.raises(ValueError, match="group 0 has 3 samples; the step's groups have 2"):
+        the_step.keep(grouped(samples[:3], [0.0] * 3, n=3))
 
 
 def test_rejection_sampling_trains_on_the_best_of_each_group(policy):
@@ -201,18 +212,21 @@ def test_rejection_sampling_trains_on_the_best_of_each_group(policy):
     the_step = step(TrainerConfig(), policy, algorithm="rejection_sampling", chosen_min_reward=0.5)
     rewards = [0.0, 1.0, 0.25, 0.5, 0.0, 0.1, 0.2, 0.3]  # the second group never reaches 0.5
     before = weights(policy)
-    metrics = the_step.train(1, rollout(policy), rewards, on_chosen=chosen.extend)
-    assert chosen == [1] and metrics["train/chosen"] == 1 and metrics["train/chosen_reward"] == 1.0
+    metrics = the_step.train(1, grouped(rollout(policy), rewards), on_chosen=chosen.extend)
+    assert [i for _, i in chosen] == [1] and chosen[0][0].scores == (0.0, 1.0, 0.25, 0.5)
+    assert metrics["train/chosen"] == 1 and metrics["train/chosen_reward"] == 1.0
     assert not torch.equal(before, weights(policy))
 
 
 def test_iterative_dpo_pairs_best_against_worst(policy, reference):
     the_step = step(TrainerConfig(), policy, reference, algorithm="iterative_dpo")
     rewards = [0.0, 1.0, 0.25, 0.5] + [0.3] * N  # an all-equal group gives no pair
-    metrics = the_step.train(1, rollout(policy), rewards)
+    metrics = the_step.train(1, grouped(rollout(policy), rewards))
     assert metrics["train/pairs"] == 1 and "train/loss" in metrics
     with pytest.raises(ValueError, match="needs a reference"):
-        step(TrainerConfig(), policy, algorithm="iterative_dpo").train(1, rollout(policy), rewards)
+        step(TrainerConfig(), policy, algorithm="iterative_dpo").train(
+            1, grouped(rollout(policy), rewards)
+        )
 
 
 def test_bad_arguments_name_themselves(policy):

@@ -23,6 +23,7 @@ from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.roles import Roles
 from ferrule_launcher.rollouts import Rollout, Rollouts
+from ferrule_trainer.groups import Group
 
 
 class Loop:
@@ -73,9 +74,8 @@ class Loop:
         [loop] algorithm's recipe); rejection sampling's chosen samples are written out."""
         return self.step.train(
             rollout.step,
-            rollout.samples,
-            rollout.scores,
-            on_chosen=lambda chosen: self._write_chosen(rollout, chosen),
+            rollout.groups,
+            on_chosen=lambda chosen: self._write_chosen(rollout.step, chosen),
         )
 
     # -- the hybrid engine: who holds the GPUs when ([trainer] offload_between_phases, [rollout]
@@ -120,20 +120,19 @@ class Loop:
             self.version_changed.notify_all()
         return time.perf_counter() - start
 
-    def _write_chosen(self, rollout: Rollout, chosen: list[int]) -> None:
+    def _write_chosen(self, step: int, chosen: list[tuple[Group, int]]) -> None:
         """The samples rejection sampling trains on, as SFT data (prompt, response, reward)."""
         import json
         from pathlib import Path
 
         folder = Path(self.config.output.dir) / "rejection_sampling"
         folder.mkdir(parents=True, exist_ok=True)
-        n = self.config.rollout.samples_per_prompt
-        with open(folder / f"step{rollout.step}.jsonl", "w") as f:
-            for i in chosen:
+        with open(folder / f"step{step}.jsonl", "w") as f:
+            for group, i in chosen:
                 row = {
-                    "prompt": rollout.problems[i // n].text,
-                    "response": rollout.samples[i].text,
-                    "reward": rollout.scores[i],
+                    "prompt": group.prompt.text,
+                    "response": group.samples[i].text,
+                    "reward": group.scores[i],
                 }
                 f.write(json.dumps(row) + "\n")
 

@@ -3,7 +3,7 @@ server's scores, the RL step's shaping and group filter, the batch's metrics; an
 evaluation, which plays and scores the same way.
 
     rollouts = Rollouts(config, engines, rewards, prompts, step)   # step: ferrule-trainer RLStep
-    batch = rollouts.batch(5)                # a Rollout: the kept groups' samples and scores
+    batch = rollouts.batch(5)                # a Rollout: the kept prompt groups
     report, shown = rollouts.evaluate(5)     # mean reward, pass@k, accuracy; sample rows
 """
 
@@ -17,14 +17,13 @@ from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.task import Problem, accuracy
+from ferrule_trainer.groups import Group, chunks
 
 
 @dataclass
 class Rollout:
     step: int
-    problems: list = field(default_factory=list)  # the kept prompt groups', in order
-    samples: list = field(default_factory=list)  # theirs, samples_per_prompt per problem
-    scores: list = field(default_factory=list)  # theirs, shaped (what the step trains on)
+    groups: list[Group] = field(default_factory=list)  # the kept ones; each `prompt` a Problem
     metrics: dict = field(default_factory=dict)  # over every sample drawn, the dropped included
     seconds_generate: float = 0.0
     seconds_score: float = 0.0
@@ -86,7 +85,7 @@ class Rollouts:
         rollout = Rollout(step)
         drawn, drawn_scores, drawn_sources, failed, penalties, draws = [], [], [], Counter(), [], 0
         drawn_episodes = []
-        while len(rollout.problems) < want and draws < c.loop.max_draws:
+        while len(rollout.groups) < want and draws < c.loop.max_draws:
             problems = self.prompts.draw(step, draws, want)
             if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
                 self.engines.reseed(f"{c.loop.seed}/{step}/{draws}")
@@ -103,15 +102,14 @@ class Rollouts:
             drawn_sources += [p.source for p in problems for _ in range(n)]
             failed.update(failures)
             penalties += penalty
-            keep = self.step.keep(scores)
+            groups = Group.split(samples, scores, n, problems)
             if episodes is not None:  # a failed episode is not trained on, nor is its group
-                keep = [
-                    g for g in keep if all(e.failure is None for e in episodes[g * n : (g + 1) * n])
+                groups = [
+                    group
+                    for group, played in zip(groups, chunks(episodes, n), strict=True)
+                    if all(e.failure is None for e in played)
                 ]
-            for g in keep[: want - len(rollout.problems)]:
-                rollout.problems.append(problems[g])
-                rollout.samples += samples[g * n : (g + 1) * n]
-                rollout.scores += scores[g * n : (g + 1) * n]
+            rollout.groups += self.step.keep(groups)[: want - len(rollout.groups)]
         rollout.metrics = {
             "reward": sum(drawn_scores) / len(drawn),
             "reward/failed": sum(failed.values()),
@@ -133,7 +131,7 @@ class Rollouts:
             rollout.metrics["rollout/mixed_version_samples"] = mixed / len(drawn)
         if bounds is not None:
             rollout.metrics["filter/draws"] = draws
-            rollout.metrics["filter/kept_groups"] = len(rollout.problems)
+            rollout.metrics["filter/kept_groups"] = len(rollout.groups)
         return rollout
 
     def score(
@@ -172,18 +170,19 @@ class Rollouts:
         """The reward server's scores of `samples` (n per prompt, in order). Each sample's
         metadata: the prompt's own, its `source`, the `step`, and a `sample_id` unique to it
         ("<launch>/<where>/<index>")."""
+        each = [prompt for prompt in prompts for _ in range(n)]  # the samples' own, in order
         return self.rewards.score(
-            [prompts[i // n].text for i in range(len(samples))],
+            [p.text for p in each],
             [s.text for s in samples],
-            [prompts[i // n].label for i in range(len(samples))],
+            [p.label for p in each],
             [
                 {
-                    **dict(prompts[i // n].metadata),
-                    "source": prompts[i // n].source,
+                    **dict(p.metadata),
+                    "source": p.source,
                     "step": str(step),
                     "sample_id": f"{self.launch_id}/{where}/{i}",
                 }
-                for i in range(len(samples))
+                for i, p in enumerate(each)
             ],
         )
 
@@ -198,21 +197,21 @@ class Rollouts:
         rewards, failed, _ = self.episode_scores(
             held_out, samples, episodes, n, step, f"eval{step}"
         )
-        groups = [rewards[i * n : (i + 1) * n] for i in range(len(prompts))]
+        groups = Group.split(samples, rewards, n, held_out)
         sources = [p.source for p in held_out]
-        report = evaluation.summarize(groups, sources, e.pass_k, e.threshold)
+        report = evaluation.summarize([g.scores for g in groups], sources, e.pass_k, e.threshold)
         report["reward_failed"] = sum(failed.values())
         if episodes is not None:
             report.update(_episode_metrics(episodes))
         shown = [
             {
-                "source": p.source,
-                "prompt": p.text,
-                "response": samples[i * n].text,
-                "label": p.label,
-                "reward": rewards[i * n],
+                "source": g.prompt.source,
+                "prompt": g.prompt.text,
+                "response": g.samples[0].text,
+                "label": g.prompt.label,
+                "reward": g.scores[0],
             }
-            for i, p in enumerate(held_out[: self.config.output.sample_rows])
+            for g in groups[: self.config.output.sample_rows]
         ]
         if episodes is not None:  # the greedy episodes' success: a score reaching the threshold
             greedy, greedy_episodes = self.play(held_out, 0.0, 1)

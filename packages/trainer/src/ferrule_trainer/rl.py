@@ -12,6 +12,7 @@ and `token_ids` (ferrule-rollout's `Sample`, or anything shaped like it). Import
 """
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +28,8 @@ from ferrule_trainer.reward_shaping import (
     token_rewards,
 )
 from ferrule_trainer.sequences import plan_micro_batches
+
+T = TypeVar("T")
 
 __all__ = [
     "RunningMoments",
@@ -161,7 +164,7 @@ def keep_groups(scores: torch.Tensor, group_size: int, low: float, high: float) 
     return torch.nonzero((means > low) & (means < high)).flatten().tolist()
 
 
-def trim_groups(groups: list[int], group_size: int, multiple: int) -> list[int]:
+def trim_groups(groups: Sequence[T], group_size: int, multiple: int) -> list[T]:
     """The first prompt groups whose samples make a multiple of `multiple` rows (every rank of
     every group takes an equal share of every mini-batch: `TrainerConfig.batch_multiple`)."""
     keep = list(groups)

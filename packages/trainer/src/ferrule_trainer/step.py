@@ -3,8 +3,8 @@ trained, metrics out.
 
     step = RLStep(trainer, critic, group_size=8, pad_id=0, policy=ranks, reference=ref_ranks)
     scores, penalties = step.shape(samples, rewards, max_tokens=256)   # each draw's rewards
-    groups = step.keep(scores)          # the prompt groups DAPO's filter keeps (all without it)
-    metrics = step.train(5, samples, scores)                           # PPO epochs, or a recipe
+    groups = step.keep(Group.split(samples, scores, 8))   # DAPO's filter's groups (all without)
+    metrics = step.train(5, groups)                                    # PPO epochs, or a recipe
     saved = step.state(); step.restore(saved)                          # across a resume
 
 It owns what a step decides: score shaping (truncated and overlong responses), which prompt
@@ -27,6 +27,7 @@ import torch
 from ferrule_trainer import rl
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
+from ferrule_trainer.groups import Group, flatten
 from ferrule_trainer.nonfinite import SkippedSteps
 
 Pending = Callable[[], object]
@@ -180,48 +181,52 @@ class RLStep:
                 scores[i] += penalties[i]
         return scores, penalties
 
-    def keep(self, scores: Sequence[float]) -> list[int]:
+    def keep(self, groups: Sequence[Group]) -> list[Group]:
         """The prompt groups to train on: with keep_group_mean = (low, high), those whose mean
         score lies strictly between (DAPO's dynamic sampling, `rl.keep_groups`); all without."""
-        groups = len(scores) // self.group_size
-        if self.keep_group_mean is None:
-            return list(range(groups))
-        return rl.keep_groups(torch.tensor(scores), self.group_size, *self.keep_group_mean)
+        self._check_sizes(groups)
+        if self.keep_group_mean is None or not groups:
+            return list(groups)
+        scores = torch.tensor([group.scores for group in groups])
+        kept = rl.keep_groups(scores.flatten(), self.group_size, *self.keep_group_mean)
+        return [groups[g] for g in kept]
+
+    def _check_sizes(self, groups: Sequence[Group]) -> None:
+        for index, group in enumerate(groups):
+            if group.size != self.group_size:
+                raise ValueError(
+                    f"group {index} has {group.size} samples; the step's groups have "
+                    f"{self.group_size} (samples_per_prompt)"
+                )
 
     # -- the step ----------------------------------------------------------------------------
 
     def train(
         self,
         step: int,
-        samples: Sequence,
-        scores: Sequence[float],
-        on_chosen: Callable[[list[int]], None] | None = None,
+        groups: Sequence[Group],
+        on_chosen: Callable[[list[tuple[Group, int]]], None] | None = None,
     ) -> dict:
-        """Train on a rollout batch for RL step `step` (its samples come from policy versions
-        up to step - 1). on_chosen: rejection sampling hands it the indices of the samples it
-        trains on."""
+        """Train on a rollout batch's prompt groups for RL step `step` (their samples come from
+        policy versions up to step - 1). on_chosen: rejection sampling hands it the samples it
+        trains on, each as (its group, its index in the group)."""
+        self._check_sizes(groups)
         if self.algorithm == "rejection_sampling":
-            return self._best_of_n(step, samples, scores, on_chosen)
+            return self._best_of_n(step, groups, on_chosen)
         if self.algorithm == "iterative_dpo":
-            return self._best_against_worst(step, samples, scores)
-        return self._ppo(step, samples, scores)
+            return self._best_against_worst(step, groups)
+        return self._ppo(step, groups)
 
-    def _ppo(self, step: int, samples: Sequence, scores: Sequence[float]) -> dict:
+    def _ppo(self, step: int, groups: Sequence[Group]) -> dict:
         """Reference / critic passes, advantages, PPO epochs of the policy and the critic."""
         t, n = self.trainer, self.group_size
-        staleness = [step - 1 - s.version for s in samples]
-        fresh = [
-            g
-            for g in range(len(samples) // n)
-            if max(staleness[g * n : (g + 1) * n]) <= self.max_staleness
-        ]
-        groups = rl.trim_groups(fresh, n, t.batch_multiple(self.critic))
-        dropped = len(samples) // n - len(groups)
-        if not groups:
+        fresh = [group for group in groups if group.staleness(step) <= self.max_staleness]
+        kept = rl.trim_groups(fresh, n, t.batch_multiple(self.critic))
+        dropped = len(groups) - len(kept)
+        if not kept:
             return {"dropped_stale_groups": dropped}
-        rows = [g * n + i for g in groups for i in range(n)]
-        samples = [samples[i] for i in rows]
-        shaped = torch.tensor([scores[i] for i in rows], dtype=torch.float32)
+        samples, scores = flatten(kept)
+        shaped = torch.tensor(scores, dtype=torch.float32)
         shaped, self.reward_moments = rl.shape_scores(
             shaped, self.reward_moments, norm=t.reward_norm, clip=t.reward_clip
         )
@@ -288,56 +293,54 @@ class RLStep:
                     result["kl"],
                     target=t.kl_target,
                     horizon=t.kl_horizon,
-                    samples=len(rows),
+                    samples=len(samples),
                 )
         result["dropped_stale_groups"] = dropped
-        result["staleness"] = sum(staleness[i] for i in rows) / len(rows)
+        result["staleness"] = sum(step - 1 - s.version for s in samples) / len(samples)
         result["time/forward"] = forward_seconds  # of time/train: reference, old logprobs, values
         return result
 
     # -- the recipes -------------------------------------------------------------------------
 
-    def _ranked(self, scores: Sequence[float]) -> list[tuple[int, int]]:
-        """(best, worst) sample index of each prompt group by score, for the groups whose best
-        reaches chosen_min_reward."""
-        n, floor, found = self.group_size, self.chosen_min_reward, []
-        for g in range(len(scores) // n):
-            group = range(g * n, (g + 1) * n)
-            best = max(group, key=lambda i: scores[i])
-            if floor is None or reaches(scores[best], floor):
-                found.append((best, min(group, key=lambda i: scores[i])))
-        return found
+    def _ranked(self, groups: Sequence[Group]) -> list[Group]:
+        """The groups whose best sample by score reaches chosen_min_reward (all without it)."""
+        floor = self.chosen_min_reward
+        return [g for g in groups if floor is None or reaches(g.scores[g.best()], floor)]
 
-    def _best_of_n(self, step: int, samples, scores, on_chosen) -> dict:
+    def _best_of_n(self, step: int, groups: Sequence[Group], on_chosen) -> dict:
         """Rejection sampling: SFT on the best sample of each prompt (by score), [trainer]
         epochs x mini_batches optimizer steps."""
-        best = [b for b, _ in self._ranked(scores)]
+        best = [(group, group.best()) for group in self._ranked(groups)]
         best = best[: len(best) - len(best) % self.policy.size]
         if not best:
             return {"train/chosen": 0}
         if on_chosen is not None:
             on_chosen(best)
-        batch = rl.build_batch([samples[i] for i in best], self.pad_id)
+        batch = rl.build_batch([group.samples[i] for group, i in best], self.pad_id)
         metrics = self.policy.likelihood_epochs(batch, **self.trainer.epoch_options())()
         self.skips["policy"].count(step, metrics)
         result = {f"train/{k}": v for k, v in metrics.items()}
         result["train/chosen"] = len(best)
-        result["train/chosen_reward"] = sum(scores[i] for i in best) / len(best)
+        result["train/chosen_reward"] = sum(group.scores[i] for group, i in best) / len(best)
         return result
 
-    def _best_against_worst(self, step: int, samples, scores) -> dict:
+    def _best_against_worst(self, step: int, groups: Sequence[Group]) -> dict:
         """Iterative DPO: each prompt's best and worst sample by score as a preference pair
         (prompts whose samples all scored the same give none), [trainer] epochs x
         mini_batches DPO optimizer steps against the reference (the starting model)."""
         if self.reference is None:
             raise ValueError("iterative DPO needs a reference")
-        pairs = [(b, w) for b, w in self._ranked(scores) if scores[b] > scores[w]]
+        pairs = [
+            (group.samples[group.best()], group.samples[group.worst()])
+            for group in self._ranked(groups)
+            if group.scores[group.best()] > group.scores[group.worst()]
+        ]
         ranks = math.lcm(self.policy.size, self.reference.size)
         pairs = pairs[: len(pairs) - len(pairs) % ranks]
         if not pairs:
             return {"train/pairs": 0}
-        rows = [i for pair in pairs for i in pair]  # chosen in even rows, rejected in odd ones
-        batch = rl.build_batch([samples[i] for i in rows], self.pad_id)
+        rows = [sample for pair in pairs for sample in pair]  # chosen even, rejected odd
+        batch = rl.build_batch(rows, self.pad_id)
         forward = self.trainer.forward_options()
         ref = self.reference.logprobs(batch, temperature=1.0, **forward)()
         batch = batch.replace(ref_logprobs=ref)

@@ -1,0 +1,76 @@
+"""The prompt group: one prompt's samples and their scores, the unit every group-relative
+decision is made on (GRPO's advantages, DAPO's filter, the staleness bound, trimming to the
+ranks' multiple, best / worst ranking).
+
+    groups = Group.split(samples, scores, 8, prompts)  # the engines' order: prompt, then sample
+    kept = [g for g in groups if g.staleness(step) <= 1]
+    samples, scores = flatten(kept)
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Group:
+    samples: tuple
+    scores: tuple[float, ...]  # shaped: what the step trains on
+    prompt: object = None
+    """Whatever the caller keeps with the group (the launcher's Problem); the trainer does not
+    look at it."""
+
+    def __post_init__(self):
+        if not self.samples or len(self.samples) != len(self.scores):
+            raise ValueError(
+                f"a group needs one score per sample, got {len(self.samples)} samples and "
+                f"{len(self.scores)} scores"
+            )
+
+    @classmethod
+    def split(
+        cls, samples: Sequence, scores: Sequence[float], n: int, prompts: Sequence | None = None
+    ) -> list["Group"]:
+        """Groups of `n` consecutive samples (and their scores), one per prompt of `prompts`
+        when given: the order the engines return, prompt then sample."""
+        if len(scores) != len(samples):
+            raise ValueError(f"{len(samples)} samples but {len(scores)} scores")
+        cut = chunks(samples, n)
+        prompts = [None] * len(cut) if prompts is None else prompts
+        if len(prompts) != len(cut):
+            raise ValueError(f"{len(cut)} groups of {n} samples, but {len(prompts)} prompts")
+        return [
+            cls(tuple(group), tuple(group_scores), prompt)
+            for group, group_scores, prompt in zip(cut, chunks(scores, n), prompts, strict=True)
+        ]
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+    def staleness(self, step: int) -> int:
+        """Policy versions between its oldest sample and the one step `step` trains (the
+        samples of step `step` come from versions up to step - 1)."""
+        return step - 1 - min(sample.version for sample in self.samples)
+
+    def best(self) -> int:
+        """The index of its highest-scored sample (the first of equals)."""
+        return max(range(self.size), key=self.scores.__getitem__)
+
+    def worst(self) -> int:
+        return min(range(self.size), key=self.scores.__getitem__)
+
+
+def chunks(items: Sequence, n: int) -> list[Sequence]:
+    """`items` cut into consecutive runs of `n` (a group's worth of anything the engines return
+    in prompt then sample order: samples, scores, episodes)."""
+    if n < 1 or len(items) % n:
+        raise ValueError(f"{len(items)} items do not make groups of {n}")
+    return [items[start : start + n] for start in range(0, len(items), n)]
+
+
+def flatten(groups: Sequence[Group]) -> tuple[list, list[float]]:
+    """Every group's samples and scores, in order."""
+    return (
+        [sample for group in groups for sample in group.samples],
+        [score for group in groups for score in group.scores],
+    )
