@@ -17,7 +17,7 @@ from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.task import Problem, accuracy
-from ferrule_trainer.groups import Group, chunks
+from ferrule_trainer.groups import Group, chunks, flatten
 
 
 @dataclass
@@ -83,8 +83,7 @@ class Rollouts:
         c, n = self.config, self.config.rollout.samples_per_prompt
         want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
         rollout = Rollout(step)
-        drawn, drawn_scores, drawn_sources, failed, penalties, draws = [], [], [], Counter(), [], 0
-        drawn_episodes = []
+        drawn, drawn_episodes, failed, penalties, draws = [], [], Counter(), [], 0
         while len(rollout.groups) < want and draws < c.loop.max_draws:
             problems = self.prompts.draw(step, draws, want)
             if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
@@ -96,13 +95,11 @@ class Rollouts:
             rollout.seconds_generate += generated - start
             rollout.seconds_score += time.perf_counter() - generated
             draws += 1
-            drawn += samples
+            groups = Group.split(samples, scores, n, problems)
+            drawn += groups
             drawn_episodes += episodes or []
-            drawn_scores += scores
-            drawn_sources += [p.source for p in problems for _ in range(n)]
             failed.update(failures)
             penalties += penalty
-            groups = Group.split(samples, scores, n, problems)
             if episodes is not None:  # a failed episode is not trained on, nor is its group
                 groups = [
                     group
@@ -110,25 +107,17 @@ class Rollouts:
                     if all(e.failure is None for e in played)
                 ]
             rollout.groups += self.step.keep(groups)[: want - len(rollout.groups)]
-        rollout.metrics = {
-            "reward": sum(drawn_scores) / len(drawn),
-            "reward/failed": sum(failed.values()),
-            **{f"reward/failed_{kind}": count for kind, count in failed.items()},
-            "response_length": sum(len(s.token_ids) for s in drawn) / len(drawn),
-            # the longest sets how long the draw decodes its tail at low occupancy
-            "response_length/max": max(len(s.token_ids) for s in drawn),
-            "tokens_per_s": sum(len(s.token_ids) for s in drawn)
-            / max(rollout.seconds_generate, 1e-9),
-            "reward/truncated": sum(s.finish_reason == "length" for s in drawn) / len(drawn),
-        }
-        rollout.metrics.update(_per_source(drawn_scores, drawn_sources))
+        rollout.metrics = _drawn_metrics(drawn, rollout.seconds_generate)
+        rollout.metrics["reward/failed"] = sum(failed.values())
+        rollout.metrics.update({f"reward/failed_{kind}": count for kind, count in failed.items()})
         if c.environment is not None:
             rollout.metrics.update(_episode_metrics(drawn_episodes))
         if c.trainer.overlong_buffer is not None:
-            rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(drawn)
+            rollout.metrics["reward/overlong_penalty"] = sum(penalties) / len(penalties)
         if c.loop.partial_rollout:
-            mixed = sum(len(s.versions) > 1 for s in drawn)
-            rollout.metrics["rollout/mixed_version_samples"] = mixed / len(drawn)
+            samples, _ = flatten(drawn)
+            mixed = sum(len(s.versions) > 1 for s in samples)
+            rollout.metrics["rollout/mixed_version_samples"] = mixed / len(samples)
         if bounds is not None:
             rollout.metrics["filter/draws"] = draws
             rollout.metrics["filter/kept_groups"] = len(rollout.groups)
@@ -240,6 +229,24 @@ def _episode_metrics(episodes: list) -> dict:
         "episodes/failed": sum(by_reason.values()),
         **{f"episodes/failed_{reason}": n for reason, n in by_reason.items()},
     }
+
+
+def _drawn_metrics(groups: list[Group], seconds_generate: float) -> dict:
+    """Figures over every group a step drew, the dropped included: mean shaped reward (and per
+    source where there are several), response lengths, tokens/s and the truncated share."""
+    samples, scores = flatten(groups)
+    tokens = [len(s.token_ids) for s in samples]
+    metrics = {
+        "reward": sum(scores) / len(scores),
+        "response_length": sum(tokens) / len(tokens),
+        # the longest sets how long the draw decodes its tail at low occupancy
+        "response_length/max": max(tokens),
+        "tokens_per_s": sum(tokens) / max(seconds_generate, 1e-9),
+        "reward/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+    sources = [g.prompt.source for g in groups for _ in g.samples]
+    metrics.update(_per_source(scores, sources))
+    return metrics
 
 
 def _per_source(scores: list[float], sources: list[str]) -> dict:
