@@ -72,3 +72,19 @@ def test_step_results_are_checked():
             check_step_result(bad)
     with pytest.raises(ValueError, match="max_turns must be an integer >= 1"):
         EpisodeBudget(max_turns=0)
+
+
+def test_the_current_directory_goes_last_once_the_module_is_imported(tmp_path, monkeypatch):
+    """A module name is looked up in the current directory first, as `python -m` would; it
+    stayed first on sys.path afterwards, so a `csv.py` beside the user's environment shadowed
+    the csv module whatever imported it later in the process."""
+    import sys
+
+    (tmp_path / "cwd_envs.py").write_text(ENV_FILE)
+    (tmp_path / "csv.py").write_text("raise RuntimeError('the shadowing csv.py ran')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "csv", raising=False)
+    assert load_environment("cwd_envs:Echo").__name__ == "Echo"
+    assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+    import csv  # noqa: F401  the standard library's, not the one in the current directory

@@ -171,14 +171,20 @@ def load_environment(spec: str) -> type[Environment]:
                 f"environment {spec!r}: importing {path} raised {type(err).__name__}: {err}"
             ) from err
     else:
-        if "" not in sys.path and str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))
+        cwd = str(Path.cwd())
+        added = "" not in sys.path and cwd not in sys.path
+        if added:  # first while the environment's module is imported, as `python -m` would
+            sys.path.insert(0, cwd)
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
             raise EnvironmentLoadError(
                 f"environment {spec!r}: cannot import {module_name!r}: {err}"
             ) from None
+        finally:
+            if added:  # then last: a `json.py` there does not shadow the json imported later
+                sys.path.remove(cwd)
+                sys.path.append(cwd)
     target = module
     for part in attribute.split("."):
         try:
