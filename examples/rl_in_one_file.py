@@ -27,6 +27,7 @@ from ferrule_rollout import SamplingSettings
 from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.config import TrainerConfig
+from ferrule_trainer.groups import Group
 from ferrule_trainer.step import LocalRanks, RLStep
 from ferrule_weightsync import create_sender
 
@@ -101,7 +102,7 @@ def main() -> None:
             samples.sort(key=lambda s: (s.prompt_index, s.sample_index))  # groups, in order
             rewards = [char_match(s.text, problems[s.prompt_index][1]) for s in samples]
             scores, _ = step.shape(samples, rewards, max_tokens=sampling.max_tokens)
-            metrics = step.train(number, samples, scores)
+            metrics = step.train(number, Group.split(samples, scores, SAMPLES, problems))
             sync(sender, policy, engine, version=number)
             print(
                 f"step {number}: reward {sum(rewards) / len(rewards):.3f}  "
