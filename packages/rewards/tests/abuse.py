@@ -12,15 +12,11 @@ records it.
 """
 
 import functools
-import os
 import random
 import socket
-import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -28,38 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.client import METHOD
+from ferrule_testkit.watch import Watch, answered, cpu_ticks, percentile, tree
 
 NORMAL_DEADLINE = 5.0  # a normal call must get its correct answer within this
 NORMAL = pb.ScoreRequest(samples=[{"response": "#### 4", "label": "4"}]).SerializeToString()
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        try:  # it may be gone meanwhile
-            for task in Path(f"/proc/{current}/task").glob("*/children"):
-                todo += [int(child) for child in task.read_text().split()]
-        except OSError:
-            continue
-    return pids
-
-
-def rss(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError):
-        return 0
-
-
-def cpu_ticks(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _channel(address: str) -> grpc.Channel:
@@ -76,81 +44,44 @@ def _auth(token: str | None) -> list:
     return [("authorization", f"Bearer {token}")] if token else []
 
 
-@dataclass
-class Watch:
-    server_pid: int
-    address: str
-    token: str
-    health_ms: list[float] = field(default_factory=list)
-    health_failures: list[str] = field(default_factory=list)
-    normal_s: list[float] = field(default_factory=list)
-    normal_failures: list[str] = field(default_factory=list)
-    peak_server_rss: int = 0
-    peak_tree_rss: int = 0
+def watch_server(server_pid: int, address: str, token: str | None) -> Watch:
+    """Health every 50 ms (1 s deadline, SERVING), a normal Score call every 100 ms (its right
+    answer within NORMAL_DEADLINE, retrying a busy refusal within it, as RewardClient does)."""
+    health_stub = health_pb2_grpc.HealthStub(_channel(address))
+    score = _channel(address).unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
 
-    def __post_init__(self):
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._health, daemon=True),
-            threading.Thread(target=self._normal, daemon=True),
-            threading.Thread(target=self._memory, daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def mark(self) -> tuple[int, int, int, int]:
-        """Where each record stands now, to read what happened during one attack."""
+    def check_health() -> str | None:
+        try:
+            reply = health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
         return (
-            len(self.health_ms),
-            len(self.health_failures),
-            len(self.normal_s),
-            len(self.normal_failures),
+            None
+            if reply.status == health_pb2.HealthCheckResponse.SERVING
+            else (f"status {reply.status}")
         )
 
-    def _health(self) -> None:
-        with _channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while not self._stop.wait(0.05):
-                started = time.perf_counter()
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                        self.health_failures.append(f"status {reply.status}")
-                except grpc.RpcError as error:
-                    self.health_failures.append(f"{error.code().name}: {error.details()}")
-                self.health_ms.append((time.perf_counter() - started) * 1000)
+    def normal_call() -> str | None:
+        started = time.perf_counter()
+        while True:
+            left = NORMAL_DEADLINE - (time.perf_counter() - started)
+            try:
+                result = score(NORMAL, timeout=max(left, 0.01), metadata=_auth(token)).results[0]
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and left > 0.1:
+                    time.sleep(0.05)  # busy: retry within the deadline
+                    continue
+                return f"{error.code().name}: {error.details()}"
+            return None if result.reward == 1.1 else f"wrong answer: {result}"
 
-    def _normal(self) -> None:
-        with _channel(self.address) as channel:
-            call = channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
-            while not self._stop.wait(0.1):
-                started = time.perf_counter()
-                outcome = None
-                while outcome is None:
-                    left = NORMAL_DEADLINE - (time.perf_counter() - started)
-                    try:
-                        reply = call(NORMAL, timeout=max(left, 0.01), metadata=_auth(self.token))
-                        result = reply.results[0]
-                        outcome = "" if result.reward == 1.1 else f"wrong answer: {result}"
-                    except grpc.RpcError as error:
-                        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and left > 0.1:
-                            time.sleep(0.05)  # busy: retry within the deadline
-                            continue
-                        outcome = f"{error.code().name}: {error.details()}"
-                if outcome:
-                    self.normal_failures.append(outcome)
-                else:
-                    self.normal_s.append(time.perf_counter() - started)
-
-    def _memory(self) -> None:
-        while not self._stop.wait(0.05):
-            self.peak_server_rss = max(self.peak_server_rss, rss(self.server_pid))
-            self.peak_tree_rss = max(self.peak_tree_rss, sum(map(rss, tree(self.server_pid))))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(NORMAL_DEADLINE + 2)
+    return Watch(
+        server_pid,
+        health=check_health,
+        normal=normal_call,
+        health_every=0.05,
+        normal_every=0.1,
+        longest_call=NORMAL_DEADLINE,
+    )
 
 
 def _calls(address, bodies, *, token, timeout, expect, workers=32) -> tuple[int, int]:
@@ -164,9 +95,7 @@ def _calls(address, bodies, *, token, timeout, expect, workers=32) -> tuple[int,
             except grpc.RpcError as error:
                 return expect(error)
 
-        with ThreadPoolExecutor(workers) as pool:
-            outcomes = list(pool.map(one, bodies))
-    return sum(outcomes), len(outcomes)
+        return answered(one, bodies, workers)
 
 
 def _statuses(*names):
@@ -559,18 +488,12 @@ def idle_within(server_pid: int, processes: int, seconds: float) -> str | None:
     return seen
 
 
-def _percentile(values: list[float], q: int) -> float:
-    if len(values) < 2:
-        return values[0] if values else 0.0
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[list, Watch]:
     """Every attack in turn, with a Watch throughout: a row of figures per attack, and the
     Watch (stopped) for the whole run's."""
     for attack in ATTACKS:
         getattr(attack, "prepare", lambda: None)()
-    watch = Watch(server_pid, address, token)
+    watch = watch_server(server_pid, address, token)
     _server_pid[0] = server_pid
     rows = []
     try:
@@ -591,8 +514,8 @@ def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[
                     "seconds": round(took, 2),
                     "idle_after": busy is None,
                     "busy_after": busy,
-                    "health_ms_p50": round(_percentile(health, 50), 1),
-                    "health_ms_p99": round(_percentile(health, 99), 1),
+                    "health_ms_p50": round(percentile(health, 50), 1),
+                    "health_ms_p99": round(percentile(health, 99), 1),
                     "health_ms_max": round(max(health, default=0), 1),
                     "health_failures": watch.health_failures[health_failed_at:],
                     "normal_calls": len(watch.normal_s) - normal_at,

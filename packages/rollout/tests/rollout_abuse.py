@@ -9,41 +9,19 @@ the server must be back to idle (nothing running or queued but the normal client
 sequence) within IDLE_WITHIN seconds. tests/test_abuse.py asserts on it.
 """
 
-import contextlib
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from rollout_helpers import free_port  # this folder is on sys.path, as for the tests
 
 from ferrule_grpc_auth import bearer
 from ferrule_rollout import rollout_pb2 as pb
+from ferrule_testkit.watch import Watch, answered
 
 SERVICE = "/ferrule.rollout.v1.RolloutService/"
 NORMAL_DEADLINE = 10.0
 IDLE_WITHIN = 3.0  # an attack left running (240 tokens x 512 sequences) takes ~7 s here
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    pids, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        pids.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo += [int(child) for child in task.read_text().split()]
-    return pids
-
-
-def rss(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096
-    except (OSError, IndexError):
-        return 0
 
 
 def _channel(address: str) -> grpc.Channel:
@@ -74,72 +52,36 @@ def request(n: int, max_tokens: int, text: str = "hi", prompts: int = 1) -> pb.G
     return pb.GenerateRequest(prompts=[pb.Prompt(text=text)] * prompts, sampling=sampling)
 
 
-@dataclass
-class Watch:
-    server_pid: int
-    address: str
-    token: str
-    health_ms: list[float] = field(default_factory=list)
-    health_failures: list[str] = field(default_factory=list)
-    normal_s: list[float] = field(default_factory=list)
-    normal_failures: list[str] = field(default_factory=list)
-    peak_rss: int = 0
-    seen: set[int] = field(default_factory=set)  # every process of the server's tree
+def watch_server(server_pid: int, address: str, token: str) -> Watch:
+    """Health every 100 ms (1 s deadline; PAUSED is an answer too, an attack pauses the engine
+    for a second; BROKEN is not), a normal Generate (n = 1, 4 tokens) every 250 ms."""
+    health = _health(_channel(address), token)
+    generate = _generate(_channel(address), token)
 
-    def __post_init__(self):
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=target, daemon=True)
-            for target in (self._check_health, self._normal, self._memory)
-        ]
-        for thread in self._threads:
-            thread.start()
+    def check_health() -> str | None:
+        try:
+            reply = health(1.0)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+        return f"status {reply.status}" if reply.status == pb.HealthResponse.BROKEN else None
 
-    def mark(self) -> tuple[int, int, int, int]:
-        return tuple(map(len, (self.health_ms, self.health_failures, self.normal_s,
-                               self.normal_failures)))  # fmt: skip
+    def normal_call() -> str | None:
+        try:
+            reply = generate(request(1, 4), timeout=NORMAL_DEADLINE, metadata=bearer(token))
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+        if len(reply.samples) != 1 or len(reply.samples[0].token_ids) != 4:
+            return f"wrong answer: {reply}"
+        return None
 
-    def _check_health(self) -> None:
-        with _channel(self.address) as channel:
-            health = _health(channel, self.token)
-            while not self._stop.wait(0.1):
-                started = time.perf_counter()
-                try:
-                    reply = health(1.0)
-                    # PAUSED is an answer too (an attack pauses the engine for a second);
-                    # BROKEN is not.
-                    if reply.status == pb.HealthResponse.BROKEN:
-                        self.health_failures.append(f"status {reply.status}")
-                except grpc.RpcError as error:
-                    self.health_failures.append(f"{error.code().name}: {error.details()}")
-                self.health_ms.append((time.perf_counter() - started) * 1000)
-
-    def _normal(self) -> None:
-        with _channel(self.address) as channel:
-            generate = _generate(channel, self.token)
-            while not self._stop.wait(0.25):
-                started = time.perf_counter()
-                try:
-                    reply = generate(
-                        request(1, 4), timeout=NORMAL_DEADLINE, metadata=bearer(self.token)
-                    )
-                    if len(reply.samples) != 1 or len(reply.samples[0].token_ids) != 4:
-                        self.normal_failures.append(f"wrong answer: {reply}")
-                    else:
-                        self.normal_s.append(time.perf_counter() - started)
-                except grpc.RpcError as error:
-                    self.normal_failures.append(f"{error.code().name}: {error.details()}")
-
-    def _memory(self) -> None:
-        while not self._stop.wait(0.1):
-            pids = tree(self.server_pid)
-            self.seen.update(pids)
-            self.peak_rss = max(self.peak_rss, sum(map(rss, pids)))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(NORMAL_DEADLINE + 2)
+    return Watch(
+        server_pid,
+        health=check_health,
+        normal=normal_call,
+        health_every=0.1,
+        normal_every=0.25,
+        longest_call=NORMAL_DEADLINE,
+    )
 
 
 def _calls(address, token, requests, *, timeout, expect) -> tuple[int, int]:
@@ -153,9 +95,7 @@ def _calls(address, token, requests, *, timeout, expect) -> tuple[int, int]:
             except grpc.RpcError as error:
                 return expect(error)
 
-        with ThreadPoolExecutor(len(requests)) as pool:
-            outcomes = list(pool.map(one, requests))
-    return sum(outcomes), len(outcomes)
+        return answered(one, requests, len(requests))
 
 
 def _code(*names):
@@ -315,7 +255,7 @@ def refused_as_it_may_be(attack, failure: str) -> bool:
 
 
 def run_all(server_pid: int, address: str, token: str) -> tuple[list, Watch]:
-    watch = Watch(server_pid, address, token)
+    watch = watch_server(server_pid, address, token)
     rows = []
     try:
         time.sleep(1.0)
@@ -342,7 +282,7 @@ def run_all(server_pid: int, address: str, token: str) -> tuple[list, Watch]:
                         for failure in watch.normal_failures[normal_failed_at:]
                         if not refused_as_it_may_be(attack, failure)
                     ],
-                    "tree_rss_mb": watch.peak_rss >> 20,
+                    "tree_rss_mb": watch.peak_tree_rss >> 20,
                 }
             )
     finally:

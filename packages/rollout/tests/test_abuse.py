@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ferrule_testkit import tiny_model
+from ferrule_testkit.watch import rss, tree
 
 sys.path.insert(0, str(Path(__file__).parent))
 import rollout_abuse as abuse
@@ -43,7 +44,7 @@ def test_no_request_freezes_starves_or_bloats_the_rollout_server(vllm_cpu_env, t
             pytest.fail("the server exited before serving")
         address = line.rsplit(" on ", 1)[1].strip()
         threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
-        ready_rss = sum(map(abuse.rss, abuse.tree(server.pid)))
+        ready_rss = sum(map(rss, tree(server.pid)))
         rows, watch = abuse.run_all(server.pid, address, TOKEN)
         failures = []
         for row in rows:
@@ -57,7 +58,7 @@ def test_no_request_freezes_starves_or_bloats_the_rollout_server(vllm_cpu_env, t
             failures += [f"{name}: normal call: {f}" for f in row["normal_failures"]]
         assert not failures, "\n".join(failures)
         assert watch.normal_s and watch.health_ms
-        growth = watch.peak_rss - ready_rss
+        growth = watch.peak_tree_rss - ready_rss
         print({"ready_rss_mb": ready_rss >> 20, "peak_growth_mb": growth >> 20})
         assert growth < RSS_GROWTH_BOUND, growth >> 20
         # SIGTERM with 512 sequences in flight (it took over 10 s with 291k admitted): the
