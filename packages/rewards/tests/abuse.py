@@ -316,30 +316,36 @@ def crash_after_finished(address, token):
     return answered, sent
 
 
+def closing_times(sockets: list[socket.socket], within: float) -> list[float]:
+    """Seconds until the server closed (or reset) each socket that it closed within `within`
+    seconds, without our sending a byte; then every socket is closed."""
+    started, closed_at = time.monotonic(), {}
+    for sock in sockets:
+        sock.setblocking(False)
+    while len(closed_at) < len(sockets) and time.monotonic() - started < within:
+        for index, sock in enumerate(sockets):
+            if index in closed_at:
+                continue
+            try:
+                if sock.recv(64) == b"":
+                    closed_at[index] = time.monotonic() - started
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_at[index] = time.monotonic() - started
+        time.sleep(0.05)
+    for sock in sockets:
+        sock.close()
+    return list(closed_at.values())
+
+
 def idle_connections(address, token):
     """300 connections that never send a byte (each holds a descriptor of the server's; 1020
     of them made a kill fail and lost a scoring process for good, issue 58): the server closes
     every one within its handshake timeout (5 s), and keeps answering meanwhile."""
     host, port = address.rsplit(":", 1)
     sockets = [socket.create_connection((host, int(port))) for _ in range(300)]
-    closed = set()
-    deadline = time.monotonic() + 8
-    while len(closed) < len(sockets) and time.monotonic() < deadline:
-        for index, sock in enumerate(sockets):
-            if index in closed:
-                continue
-            sock.setblocking(False)
-            try:
-                if sock.recv(64) == b"":
-                    closed.add(index)
-            except BlockingIOError:
-                pass
-            except OSError:
-                closed.add(index)
-        time.sleep(0.05)
-    for sock in sockets:
-        sock.close()
-    return len(closed), len(sockets)
+    return len(closing_times(sockets, 8)), len(sockets)
 
 
 def one_peer_flood(address, token):
@@ -354,27 +360,11 @@ def one_peer_flood(address, token):
         sock = socket.socket()
         sock.bind(("127.0.0.3", 0))
         sock.connect((host, int(port)))
-        sock.setblocking(False)
         sockets.append(sock)
-    started = time.monotonic()
-    closed_at: dict[int, float] = {}
-    while len(closed_at) < len(sockets) and time.monotonic() - started < 8:
-        for index, sock in enumerate(sockets):
-            if index in closed_at:
-                continue
-            try:
-                if sock.recv(64) == b"":
-                    closed_at[index] = time.monotonic() - started
-            except BlockingIOError:
-                pass
-            except OSError:
-                closed_at[index] = time.monotonic() - started
-        time.sleep(0.05)
-    for sock in sockets:
-        sock.close()
-    at_once = sum(seconds < 1.0 for seconds in closed_at.values())
+    closed = closing_times(sockets, 8)
+    at_once = sum(seconds < 1.0 for seconds in closed)
     # Answered as they should: each reset at once past the bound, each of the rest closed.
-    return min(at_once, len(sockets) - 128) + min(len(closed_at) - at_once, 128), len(sockets)
+    return min(at_once, len(sockets) - 128) + min(len(closed) - at_once, 128), len(sockets)
 
 
 def unread_answers(address, token):
