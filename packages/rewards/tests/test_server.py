@@ -593,6 +593,27 @@ def test_large_answers_cross_the_front_whole_and_in_order(serve):
     client.close()
 
 
+def test_the_front_relays_on_uvloop_as_on_asyncios_loop(serve, monkeypatch):
+    """Under Ray, a reward model's server runs on uvloop, which reads a new connection at once
+    whatever `pause_reading` said, and raises on a write to a closed transport: the relay lost
+    the bytes a client sent before gRPC's end was joined ("Socket closed": the e2e test of the
+    reward model's Ray role). Calls, refusals and health answer on uvloop too."""
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+    from ferrule_rewards.client import RewardError
+
+    monkeypatch.setattr(asyncio, "new_event_loop", uvloop.new_event_loop)
+    server = serve(token="t" * 32)
+    for _ in range(5):  # each a new connection: the race is at every connect
+        with RewardClient(server.address, token="t" * 32, retry_for=0) as client:
+            assert client.score([{"response": "abcd"}])[0].reward == 4.0
+        stranger = RewardClient(server.address, token="x" * 32, retry_for=0)
+        with stranger, pytest.raises(RewardError) as refused:
+            stranger.score([{"response": "abc"}])
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_the_descriptor_limit_is_raised_to_the_hard_one(serve):
     """A systemd service gets a soft limit of 1024 descriptors; the server now raises it to
     the hard limit when it starts, and the unit sets LimitNOFILE."""

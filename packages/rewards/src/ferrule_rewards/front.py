@@ -38,7 +38,8 @@ def peer_key(address: str) -> str:
 
 class _Side(asyncio.Protocol):
     """One end of a relayed connection: what it receives is written to the other end, and it
-    stops reading while the other end's writes are backed up."""
+    stops reading while the other end's writes are backed up. Calls on the other end check it
+    is still open: uvloop (Ray's actors run it) raises where asyncio's own loop ignores."""
 
     def __init__(self, other: "_Side | None" = None):
         self.transport: asyncio.Transport | None = None
@@ -48,21 +49,28 @@ class _Side(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=HIGH_WATER)
 
+    def _other_open(self) -> asyncio.Transport | None:
+        other = self.other.transport if self.other is not None else None
+        return other if other is not None and not other.is_closing() else None
+
     def data_received(self, data: bytes) -> None:
-        self.other.transport.write(data)
+        if other := self._other_open():
+            other.write(data)
 
     def eof_received(self) -> bool:
         return False  # close this end; connection_lost closes the other once it has flushed
 
     def pause_writing(self) -> None:
-        self.other.transport.pause_reading()
+        if other := self._other_open():
+            other.pause_reading()
 
     def resume_writing(self) -> None:
-        self.other.transport.resume_reading()
+        if other := self._other_open():
+            other.resume_reading()
 
     def connection_lost(self, exc) -> None:
-        if self.other is not None and self.other.transport is not None:
-            self.other.transport.close()
+        if other := self._other_open():
+            other.close()
 
 
 class Front:
@@ -152,16 +160,20 @@ class Front:
         """Stop accepting and reset every relayed connection."""
         self.stop_accepting()
         for client in list(self._sides):
-            client.transport.abort()
+            if not client.transport.is_closing():
+                client.transport.abort()
 
 
 class _Client(_Side):
-    """The public end: admitted or reset on arrival, then joined to a new gRPC connection."""
+    """The public end: admitted or reset on arrival, then joined to a new gRPC connection.
+    Bytes that arrive before the join (uvloop reads at once, whatever `pause_reading` said in
+    `connection_made`) wait here, at most HIGH_WATER of them."""
 
     def __init__(self, front: Front):
         super().__init__()
         self.front = front
         self.peer: str | None = None
+        self.early: list[bytes] = []
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -172,6 +184,14 @@ class _Client(_Side):
         self.peer = peer
         transport.pause_reading()  # until gRPC's end is there to take the bytes
         asyncio.get_running_loop().create_task(self._join())
+
+    def data_received(self, data: bytes) -> None:
+        if self.other is not None:
+            super().data_received(data)
+            return
+        self.early.append(data)
+        if sum(map(len, self.early)) > HIGH_WATER:
+            self.transport.abort()
 
     async def _join(self) -> None:
         try:
@@ -186,6 +206,9 @@ class _Client(_Side):
             backend.transport.close()
             return
         self.other = backend
+        for chunk in self.early:
+            backend.transport.write(chunk)
+        self.early = []
         self.transport.resume_reading()
 
     def connection_lost(self, exc) -> None:
