@@ -114,7 +114,7 @@ class Front:
 
     @property
     def connections(self) -> int:
-        return sum(self.open_by_peer.values())
+        return len(self._sides)  # the admitted ones still open
 
     def _accepted(self) -> _Side:
         return _Client(self)
