@@ -188,6 +188,12 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         response_len=[r["response_length"] for r in timed],
         response_len_max=[r.get("response_length/max") for r in timed],
         generate_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+        # every step's, the first and last included; with [loop] partial_rollout also the
+        # groups left generating, those dropped as too stale and the mean staleness trained on
+        tokens_per_s_by_step=[round(r["tokens_per_s"]) for r in records],
+        unfinished_groups=[r.get("rollout/unfinished_groups") for r in records],
+        dropped_stale_groups=[r.get("dropped_stale_groups", 0) for r in records],
+        staleness=[round(r.get("staleness", 0.0), 3) for r in records],
         used_gib=used,
         process_peak_gib=process_gib,
     ), config

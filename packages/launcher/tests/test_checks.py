@@ -49,7 +49,7 @@ CASES = [
         checks.check_partial_rollout,
         {"loop": {"partial_rollout": True}},
         "loop.partial_rollout",
-        "async",
+        'with mode = "sync" needs [rollout] backend = "transformers"',
     ),
     (
         checks.check_exact,

@@ -200,7 +200,17 @@ def test_exact_refuses_a_chosen_attention(write):
             "[trainer]\nlora_rank = 8\nlora_targets = []\n",
             "[trainer] lora_targets: needs at least one module name",
         ),
-        ("[loop]\npartial_rollout = true\n", '[loop] partial_rollout: needs mode = "async"'),
+        (
+            "[loop]\npartial_rollout = true\n",
+            '[loop] partial_rollout: with mode = "sync" needs [rollout] backend = "transformers", '
+            "got 'vllm'",
+        ),
+        (
+            "[loop]\npartial_rollout = true\n[rollout]\nbackend = 'transformers'\nexact = true\n",
+            "[loop] partial_rollout: needs exact = false",
+        ),
+        ("[loop]\npartial_cut = 0.5\n", "[loop] partial_cut: only applies with partial_rollout"),
+        ("[loop]\npartial_cut = 0\n", "[loop] partial_cut: Input should be greater than 0"),
         ("[rollout]\nexact = true\n", '[rollout] exact: exact needs backend = "transformers"'),
         (
             "[rollout]\nbackend = 'transformers'\ntop_p = 0.9\nexact = true\n",
@@ -212,7 +222,8 @@ def test_exact_refuses_a_chosen_attention(write):
         ),
         (
             "[loop]\npartial_rollout = true\nmode = 'async'\n[rollout]\nbackend = 'transformers'\n",
-            "[loop] partial_rollout: needs [rollout] backend = \"vllm\", got 'transformers'",
+            '[loop] partial_rollout: with mode = "async" needs [rollout] backend = "vllm", got '
+            "'transformers'",
         ),
         (
             "[loop]\nkeep_group_mean = [1.0, 0.0]\n",

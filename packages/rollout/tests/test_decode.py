@@ -42,8 +42,8 @@ def teacher_forced(model, prompt, tokens, temperature):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_tokens_and_logprobs_equal_a_teacher_forced_forward(model, temperature):
     results = run(Decoder(model, float_mask=False), temperature=temperature)
-    for prompt, (tokens, logprobs, length, stopped) in zip(PROMPTS, results, strict=True):
-        assert length == len(tokens) == 20 and not stopped
+    for prompt, (tokens, logprobs, length, finish) in zip(PROMPTS, results, strict=True):
+        assert length == len(tokens) == 20 and finish == "length"
         expected, logits = teacher_forced(model, prompt, tokens, temperature)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
         if temperature == 0:
@@ -73,15 +73,15 @@ def test_reads_every_k_steps_stop_where_reads_every_step_do(model):
     def expected(tokens, limit):  # one token at a time, on the host
         for i, token in enumerate(tokens[:limit]):
             if token in eos or stop_hit(tokens[: i + 1]):
-                return i + 1, True
-        return limit, False
+                return i + 1, "stop"
+        return limit, "length"
 
     for every in (1, 3, 16, 64):
         got = run(decoder, limits=limits, eos=eos, stop_hit=stop_hit, read_every=every)
-        for (tokens, logprobs, length, stopped), row, limit in zip(got, free, limits, strict=True):
-            assert (length, stopped) == expected(row, limit)
+        for (tokens, logprobs, length, finish), row, limit in zip(got, free, limits, strict=True):
+            assert (length, finish) == expected(row, limit)
             assert tokens == row[:length] and len(logprobs) == length
-    assert got[3][2:] == (3, True) and got[0][3]
+    assert got[3][2:] == (3, "stop") and got[0][3] == "stop"
 
 
 def test_the_slab_is_reused_across_shapes(model):
@@ -182,12 +182,12 @@ def test_continuous_batching_gives_each_prompt_what_one_batch_gives_it(model):
     eos = [free[0][4], free[2][30], free[5][8]]
     options = dict(limits=limits, eos=eos, stop_hit=lambda tokens: tokens[-2:] == free[8][5:7])
     full = run(decoder, prompts, **options)
-    assert len({n for _, _, n, _ in full}) > 4 and any(s for *_, s in full)
+    assert len({n for _, _, n, _ in full}) > 4 and any(s == "stop" for *_, s in full)
     for every in (1, 4, 16):
         for rows in (1, 2, 5):
             queued = run(decoder, prompts, max_rows=rows, read_every=every, **options)
-            for (tokens, logprobs, n, stopped), expected in zip(queued, full, strict=True):
-                assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])
+            for (tokens, logprobs, n, finish), expected in zip(queued, full, strict=True):
+                assert (tokens, n, finish) == (expected[0], expected[2], expected[3])
                 assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
 
 
@@ -247,7 +247,57 @@ def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
         )
         moved = run(decoder, prompts, read_every=every, **options)
         assert shapes == [48, 12], shapes  # it did move, once
-        assert max(n for _, _, n, _ in still) > 40 and any(s for *_, s in still)
+        assert max(n for _, _, n, _ in still) > 40 and any(s == "stop" for *_, s in still)
         for (tokens, logprobs, n, stopped), expected in zip(moved, still, strict=True):
             assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])
             assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
+
+
+def test_a_cut_call_and_its_continuation_give_each_sample_what_one_call_gives_it(model):
+    """Partial rollouts: with cut_below, the call ends once no prompt waits and few rows run;
+    those rows return a prefix of their sample ("abort"). Continued from prompt + prefix with
+    `carried`, each draws on where it stopped: tokens, length and finish are the uncut call's,
+    logprobs to float rounding (prefill against decode). A `final` row is never cut."""
+    import random
+
+    draw = random.Random(3)
+    prompts = [PROMPTS[k % 4] + [k + 1] for k in range(24)]
+    limits = [min(50, 2 + int(draw.expovariate(1 / 8))) for _ in prompts]
+    limits[3], limits[17], limits[20] = 50, 45, 40  # the tail
+    free = [r[0] for r in run(Decoder(model, float_mask=False), prompts, limits)]
+    options = dict(
+        limits=limits, eos=[free[3][30]], stop_hit=lambda tokens: tokens[-2:] == free[17][38:40]
+    )
+    full = run(Decoder(model, float_mask=False), prompts, **options)
+    for every in (1, 4):
+        cut = run(
+            Decoder(model, float_mask=False), prompts, read_every=every, cut_below=4, **options
+        )
+        aborted = [i for i, r in enumerate(cut) if r[3] == "abort"]
+        assert 1 <= len(aborted) <= 3, [r[2:] for r in cut]
+        for i, (tokens, logprobs, n, finish) in enumerate(cut):
+            if i not in aborted:
+                assert (tokens, n, finish) == (full[i][0], full[i][2], full[i][3])
+                continue
+            assert n < full[i][2] and tokens == full[i][0][:n]  # a prefix of its sample
+            more = run(
+                Decoder(model, float_mask=False),
+                [prompts[i] + tokens],
+                limits=[limits[i] - n],
+                keys=[i],
+                carried=[n],
+                eos=options["eos"],
+                stop_hit=options["stop_hit"],
+            )[0]
+            assert (tokens + more[0], n + more[2], more[3]) == (
+                full[i][0],
+                full[i][2],
+                full[i][3],
+            )
+            joined = torch.tensor(logprobs + more[1])
+            assert torch.allclose(joined, torch.tensor(full[i][1]), atol=1e-5)
+        final = [i in aborted for i in range(len(prompts))]
+        kept = run(
+            Decoder(model, float_mask=False), prompts, cut_below=4, final=final, **options
+        )
+        assert [r[3] for r in kept] == [r[3] for r in full]

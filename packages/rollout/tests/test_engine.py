@@ -8,6 +8,7 @@ transformers copy of whatever weights the engine holds, so each test can check a
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,14 @@ def test_pause_keep_freezes_running_requests(engine):
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(engine, prompts, match):
     with pytest.raises(BadRequestError, match=match):
         engine.generate(prompts, GREEDY)
+    assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
+
+
+def test_a_call_that_asks_to_be_cut_is_refused(engine):
+    """Cutting a call (partial rollouts in sync mode) is the transformers engine's; vLLM's
+    partial rollouts freeze running samples across an update instead."""
+    with pytest.raises(BadRequestError, match=r"cut_below .* is the transformers engine.s"):
+        engine.generate(PROMPTS[:1], replace(GREEDY, cut_below=4))
     assert len(engine.generate(PROMPTS[:1], GREEDY)) == 1
 
 

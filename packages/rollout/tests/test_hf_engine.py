@@ -535,3 +535,71 @@ def test_it_generates_where_vllm_cannot_be_imported():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("3")
+
+
+def test_a_cut_call_continued_gives_the_samples_of_one_uncut_call(engine):
+    """Partial rollouts: with cut_below the call ends once few rows still run, those samples
+    coming back as a prefix ("abort", with their draws' key). Continued (`Continuation`, one
+    sample each whatever n) under the same weights, each is the uncut call's sample token for
+    token, its logprobs kept; continued under a later version, its spans say which tokens each
+    version drew. A `final` continuation is never cut; bad continuations are refused."""
+    from ferrule_rollout import Continuation, VersionSpan
+
+    prompts = ["a b c", "d e"]
+    settings = SamplingSettings(n=16, max_tokens=150, seed=1, stop=("q",))
+    full = engine.generate(prompts, settings)
+    cut = engine.generate(prompts, replace(settings, cut_below=8))
+    aborted = [s for s in cut if s.finish_reason == "abort"]
+    assert 1 <= len(aborted) < 8, sorted(len(s.token_ids) for s in full)
+    by_place = {(s.prompt_index, s.sample_index): s for s in full}
+    for sample in cut:
+        whole = by_place[sample.prompt_index, sample.sample_index]
+        if sample.finish_reason != "abort":
+            assert (sample.token_ids, sample.text, sample.draw_key) == (
+                whole.token_ids,
+                whole.text,
+                None,
+            )
+            continue
+        assert whole.token_ids[: len(sample.token_ids)] == sample.token_ids
+        assert len(sample.token_ids) < len(whole.token_ids) and sample.draw_key is not None
+    more = engine.generate([Continuation(s) for s in aborted], settings)
+    assert len(more) == len(aborted)
+    for before, after in zip(aborted, more, strict=True):
+        whole = by_place[before.prompt_index, after.sample_index]
+        assert after.sample_index == before.sample_index
+        assert (after.token_ids, after.finish_reason, after.text) == (
+            whole.token_ids,
+            whole.finish_reason,
+            whole.text,
+        )
+        assert after.prompt_token_ids == whole.prompt_token_ids
+        assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(whole.logprobs), atol=1e-5)
+        assert after.versions == [VersionSpan(0, 0, len(whole.token_ids))] and after.version == 0
+    # under later weights (the version update_weights would set), each stretch keeps its own
+    engine._version = 3
+    try:
+        later = engine.generate([Continuation(aborted[0])], settings)[0]
+    finally:
+        engine._version = 0
+    n = len(aborted[0].token_ids)
+    assert later.version == 0 and later.versions == [
+        VersionSpan(0, 0, n),
+        VersionSpan(3, n, len(later.token_ids)),
+    ]
+    assert later.logprobs[:n] == aborted[0].logprobs
+    final = engine.generate(
+        [Continuation(s, final=True) for s in aborted], replace(settings, cut_below=64)
+    )
+    assert all(s.finish_reason != "abort" for s in final)
+    with pytest.raises(BadRequestError, match="prompt 0 continues a sample that was not cut"):
+        engine.generate([Continuation(full[0])], settings)
+    with pytest.raises(
+        BadRequestError, match=r"prompt 0 continues a sample of .* tokens; max_tokens"
+    ):
+        engine.generate(
+            [Continuation(aborted[0])], replace(settings, max_tokens=len(aborted[0].token_ids))
+        )
+    with pytest.raises(BadRequestError, match="cut_below must be >= 0"):
+        SamplingSettings(cut_below=-1)
+    assert engine.generate(["a b"], GREEDY)  # and it keeps serving

@@ -49,17 +49,28 @@ def check_batch(config: "Config") -> list[Problem]:
 
 
 def check_partial_rollout(config: "Config") -> list[Problem]:
-    """Partial rollouts continue samples across weight syncs: async, on vLLM."""
-    if not config.loop.partial_rollout:
+    """Partial rollouts continue samples across weight syncs: async on vLLM (its pause mode
+    "keep"), sync on the transformers engine (a cut call continued in the next step)."""
+    loop, backend = config.loop, config.rollout.backend
+    if not loop.partial_rollout:
+        if loop.partial_cut != type(loop)().partial_cut:
+            return [("loop.partial_cut", "only applies with partial_rollout = true")]
         return []
-    if config.loop.mode != "async":
-        return [("loop.partial_rollout", 'needs mode = "async"')]
-    if config.rollout.backend != "vllm":
+    wanted = "vllm" if loop.mode == "async" else "transformers"
+    if backend != wanted:
         return [
             (
                 "loop.partial_rollout",
-                f'needs [rollout] backend = "vllm", got {config.rollout.backend!r}',
+                f'with mode = "{loop.mode}" needs [rollout] backend = "{wanted}", got {backend!r}',
             )
+        ]
+    if loop.mode == "async":
+        return []
+    if config.rollout.exact:
+        return [("loop.partial_rollout", "needs exact = false (a resumed run cannot repeat it)")]
+    if loop.max_staleness < 1:
+        return [
+            ("loop.partial_rollout", "needs max_staleness >= 1 (a cut sample ends a step later)")
         ]
     return []
 
@@ -224,8 +235,12 @@ def check_staleness(config: "Config") -> list[Problem]:
     from ferrule_launcher.config import LoopConfig
 
     loop = config.loop
-    if loop.mode == "sync" and loop.max_staleness != LoopConfig().max_staleness:
-        return [("loop.max_staleness", 'only applies to mode = "async"')]
+    if (
+        loop.mode == "sync"
+        and not loop.partial_rollout
+        and loop.max_staleness != LoopConfig().max_staleness
+    ):
+        return [("loop.max_staleness", 'only applies to mode = "async" or partial_rollout')]
     return []
 
 

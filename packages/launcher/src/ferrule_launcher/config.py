@@ -234,7 +234,9 @@ class LoopConfig(Table):
     """"sync": generate, then train, then sync. "async": generation of step k+1 overlaps
     training of step k."""
     max_staleness: int = Field(1, ge=0)
-    """Async: the most policy versions a sample may lag the trainer; older samples are dropped."""
+    """Async, or sync with partial_rollout: the most policy versions a sample may lag the
+    trainer; older samples are dropped (sync with partial_rollout: a sample is continued at
+    most this many times, then it runs to its end)."""
     queue_size: int = Field(1, ge=1)
     """Async: rollout batches generated ahead and waiting for the trainer."""
     eval_every: int = Field(10, ge=0)
@@ -243,11 +245,19 @@ class LoopConfig(Table):
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
     partial_rollout: bool = False
-    """Async: a weight sync freezes the engines' running samples and they continue on the new
-    weights (the engine's pause mode "keep"), instead of waiting for them to finish on the old
-    ones first. Each sample records the version of every stretch of its tokens; its version is
-    the oldest, and the metric rollout/mixed_version_samples counts those with more than one.
-    Needs backend "vllm"."""
+    """Samples continue across weight syncs, each recording the version of every stretch of its
+    tokens (its version is the oldest; the metric rollout/mixed_version_samples counts those
+    with more than one). Async (backend "vllm"): a weight sync freezes the engines' running
+    samples and they continue on the new weights (pause mode "keep") instead of finishing on
+    the old ones first. Sync (backend "transformers"): a step's generation ends once no prompt
+    waits and fewer than partial_cut of the engine's rows still decode; those samples continue
+    in the next step's generation under the new weights, and a prompt group is scored and
+    trained once all its samples end (complete groups beyond prompts_per_step wait for the
+    next step). A long-tailed batch then does not decode its last rows almost alone. Groups
+    in flight are not checkpointed: a resumed run draws new ones."""
+    partial_cut: float = Field(0.125, gt=0, le=1)
+    """Sync with partial_rollout: the fraction of [rollout] max_batch_size below which a
+    step's generation is cut (at least one row)."""
     keep_group_mean: tuple[float, float] | None = None
     """DAPO's dynamic sampling: [low, high]; prompt groups whose mean score is not strictly
     between them are dropped (with 0/1 rewards, [0, 1] drops the all-wrong and all-right ones)

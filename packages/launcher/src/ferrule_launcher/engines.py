@@ -139,7 +139,8 @@ class Engines:
 
     def sync(self, version: int) -> None:
         """Send the policy's weights to every engine as `version`. Running samples wait to
-        finish on the old weights, or with [loop] partial_rollout continue on the new ones."""
+        finish on the old weights, or with async [loop] partial_rollout continue on the new
+        ones."""
         with self.lock:
             try:
                 self._load(version)
@@ -150,7 +151,8 @@ class Engines:
                 self._recover(dead, failed, version)
 
     def _load(self, version: int) -> None:
-        mode = "keep" if self.config.loop.partial_rollout else "wait"
+        loop = self.config.loop  # sync partial rollouts cut calls instead: nothing runs now
+        mode = "keep" if loop.partial_rollout and loop.mode == "async" else "wait"
         receiving = [
             (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
             for i, e in enumerate(self.roles.engines)

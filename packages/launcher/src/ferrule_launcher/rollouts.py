@@ -10,13 +10,14 @@ evaluation, which plays and scores the same way.
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ferrule_launcher import evaluation
 from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.task import Problem, accuracy
+from ferrule_rollout.samples import Continuation
 from ferrule_trainer.groups import Group, chunks, flatten
 
 
@@ -27,6 +28,15 @@ class Rollout:
     metrics: dict = field(default_factory=dict)  # over every sample drawn, the dropped included
     seconds_generate: float = 0.0
     seconds_score: float = 0.0
+    tokens_generated: int = 0  # partial rollouts: by this step's calls (continued ones included)
+
+
+@dataclass
+class Unfinished:
+    """A prompt group some of whose samples a cut call left unfinished (partial rollouts)."""
+
+    problem: Problem
+    samples: list  # its n samples in order; the unfinished have finish_reason "abort"
 
 
 class Rollouts:
@@ -36,10 +46,49 @@ class Rollouts:
         self.config, self.engines, self.rewards, self.step = config, engines, rewards, step
         self.prompts, self.held_out = prompts, prompts.held_out
         self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
+        self.cuts = config.loop.partial_rollout and config.loop.mode == "sync"
+        self.unfinished: list[Unfinished] = []  # partial rollouts: groups still generating
+        self.ready: list[Group] = []  # and complete groups beyond a step's prompts_per_step
+
+    def play_cut(self, problems: list[Problem], n: int) -> tuple[list[Problem], list, int]:
+        """Partial rollouts in sync mode: `n` samples of each problem and the unfinished samples
+        of earlier steps' groups in one call, cut once few rows still decode ([loop]
+        partial_cut). Returns the groups every sample of which has ended (the earlier ones
+        first) as their problems and samples, and the tokens the call generated; the rest wait
+        for the next call. A sample already continued [loop] max_staleness times runs to its
+        end."""
+        c = self.config
+        cut_below = max(1, int(c.loop.partial_cut * c.rollout.max_batch_size))
+        settings = replace(c.rollout.sampling(n, c.rollout.temperature), cut_below=cut_below)
+        earlier, self.unfinished = self.unfinished, []
+        continued = [
+            Continuation(s, final=self.engines.version - s.version >= c.loop.max_staleness)
+            for group in earlier
+            for s in group.samples
+            if s.finish_reason == "abort"
+        ]
+        got = self.generate_settings([p.text for p in problems] + continued, settings)
+        fresh, more = got[: len(problems) * n], iter(got[len(problems) * n :])
+        groups = [
+            Unfinished(
+                g.problem, [next(more) if s.finish_reason == "abort" else s for s in g.samples]
+            )
+            for g in earlier
+        ] + [Unfinished(p, list(s)) for p, s in zip(problems, chunks(fresh, n), strict=True)]
+        done = []
+        for group in groups:
+            cut = any(s.finish_reason == "abort" for s in group.samples)
+            (self.unfinished if cut else done).append(group)
+        before = sum(len(c.sample.token_ids) for c in continued)
+        tokens = sum(len(s.token_ids) for s in got) - before
+        return [g.problem for g in done], [s for g in done for s in g.samples], tokens
 
     def generate(self, prompts: list[str], temperature: float, n: int) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
-        return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
+        return self.generate_settings(prompts, self.config.rollout.sampling(n, temperature))
+
+    def generate_settings(self, prompts: list, settings) -> list:
+        return self.engines.generate(prompts, settings)
 
     def play(self, problems: list[Problem], temperature: float, n: int) -> tuple[list, list | None]:
         """`n` samples of each problem, in prompt then sample order: one generation each, or
@@ -83,14 +132,28 @@ class Rollouts:
         c, n = self.config, self.config.rollout.samples_per_prompt
         want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
         rollout = Rollout(step)
+        if self.cuts:  # complete groups of earlier calls first, within the staleness bound
+            ready = [g for g in self.ready if g.staleness(step) <= c.loop.max_staleness]
+            rollout.groups, self.ready = ready[:want], ready[want:]
         drawn, drawn_episodes, failed, penalties, draws = [], [], Counter(), [], 0
-        while len(rollout.groups) < want and draws < c.loop.max_draws:
+        # partial rollouts continue the unfinished groups in every step, or they grow stale
+        while (len(rollout.groups) < want or (self.unfinished and not draws)) and (
+            draws < c.loop.max_draws
+        ):
             problems = self.prompts.draw(step, draws, want)
             if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
                 self.engines.reseed(f"{c.loop.seed}/{step}/{draws}")
             start = time.perf_counter()
-            samples, episodes = self.play(problems, c.rollout.temperature, n)
+            if self.cuts:
+                problems, samples, tokens = self.play_cut(problems, n)
+                rollout.tokens_generated, episodes = rollout.tokens_generated + tokens, None
+            else:
+                samples, episodes = self.play(problems, c.rollout.temperature, n)
             generated = time.perf_counter()
+            if not samples:  # a cut call in which no group ended
+                rollout.seconds_generate += generated - start
+                draws += 1
+                continue
             scores, failures, penalty = self.score(step, draws, problems, samples, episodes)
             rollout.seconds_generate += generated - start
             rollout.seconds_score += time.perf_counter() - generated
@@ -106,7 +169,10 @@ class Rollouts:
                     for group, played in zip(groups, chunks(episodes, n), strict=True)
                     if all(e.failure is None for e in played)
                 ]
-            rollout.groups += self.step.keep(groups)[: want - len(rollout.groups)]
+            kept, room = self.step.keep(groups), want - len(rollout.groups)
+            rollout.groups += kept[:room]
+            if self.cuts:
+                self.ready += kept[room:]
         rollout.metrics = _drawn_metrics(drawn, rollout.seconds_generate)
         rollout.metrics["reward/failed"] = sum(failed.values())
         rollout.metrics.update({f"reward/failed_{kind}": count for kind, count in failed.items()})
@@ -117,7 +183,13 @@ class Rollouts:
         if c.loop.partial_rollout:
             samples, _ = flatten(drawn)
             mixed = sum(len(s.versions) > 1 for s in samples)
-            rollout.metrics["rollout/mixed_version_samples"] = mixed / len(samples)
+            rollout.metrics["rollout/mixed_version_samples"] = mixed / max(1, len(samples))
+        if self.cuts:
+            rollout.metrics["tokens_per_s"] = rollout.tokens_generated / max(
+                rollout.seconds_generate, 1e-9
+            )
+            rollout.metrics["rollout/unfinished_groups"] = len(self.unfinished)
+            rollout.metrics["rollout/ready_groups"] = len(self.ready)
         if bounds is not None:
             rollout.metrics["filter/draws"] = draws
             rollout.metrics["filter/kept_groups"] = len(rollout.groups)
@@ -235,6 +307,8 @@ def _drawn_metrics(groups: list[Group], seconds_generate: float) -> dict:
     """Figures over every group a step drew, the dropped included: mean shaped reward (and per
     source where there are several), response lengths, tokens/s and the truncated share."""
     samples, scores = flatten(groups)
+    if not samples:  # partial rollouts: no group ended in this step's calls
+        return {"tokens_per_s": 0.0}
     tokens = [len(s.token_ids) for s in samples]
     metrics = {
         "reward": sum(scores) / len(scores),

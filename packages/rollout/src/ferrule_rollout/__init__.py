@@ -13,6 +13,7 @@ from importlib.metadata import version as _version
 
 from ferrule_rollout.samples import (
     BadRequestError,
+    Continuation,
     Prompt,
     RolloutError,
     Sample,
@@ -40,6 +41,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BadRequestError",
+    "Continuation",
     "Prompt",
     "RolloutError",
     "Sample",

@@ -3,7 +3,7 @@ graphs, sampling, logprobs and EOS / length stops on the device, the host readin
 
     decoder = Decoder(model, float_mask=False)     # TransformersEngine makes one per weight layout
     results = decoder.generate(prompts, limits, pad=0, keys=keys, ..., max_rows=256)
-    tokens, logprobs, length, stopped = results[0]
+    tokens, logprobs, length, finish = results[0]    # finish: "stop", "length" or "abort"
 
 The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
 a cache object of ours (`SlabCache`), so any model whose attention layers call
@@ -277,12 +277,21 @@ class Decoder:
         stop_hit=None,
         read_every: int = READ_EVERY,
         max_rows: int | None = None,
+        carried: list[int] | None = None,
+        cut_below: int = 0,
+        final: list[bool] | None = None,
     ):
         """Sample up to limits[r] tokens after prompts[r]; returns per prompt (tokens, logprobs,
-        length, stopped). At most `max_rows` run at once: at each host read (every
-        `read_every` steps) finished rows leave and queued prompts take their rows. `eos`:
-        tokens that end a row (None: ignore EOS). `stop_hit(tokens)`: checked on the host after
-        each new token, at those reads."""
+        length, finish), finish "stop" (EOS or a stop string), "length" (its limit) or "abort"
+        (cut, below). At most `max_rows` run at once: at each host read (every `read_every`
+        steps) finished rows leave and queued prompts take their rows. `eos`: tokens that end a
+        row (None: ignore EOS). `stop_hit(tokens)`: checked on the host after each new token,
+        at those reads.
+        Partial rollouts: `carried[r]`, the last tokens of prompts[r] that an earlier call
+        generated (a cut sample continued): its draws go on from there and its stop strings see
+        them. `cut_below` > 0: at a read where no prompt waits, fewer than `cut_below` rows run
+        and none of them is `final`, the call ends and those rows return what they have,
+        "abort": a long-tailed batch's last rows would otherwise decode almost alone."""
         count, widest = len(prompts), max(map(len, prompts))
         running = min(count, max_rows or count)
         batch = bucket(running) if self.use_graphs else running
@@ -297,6 +306,8 @@ class Decoder:
                 )
             length = self.exact.key_slots
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
+        state.carried = carried or [0] * count
+        state.cut_below, state.final = cut_below, final or [False] * count
         with torch.inference_mode():
             state.step = self._step(batch, length)
             state.step.pad_ok.zero_()  # rows not taken see only themselves
@@ -329,6 +340,7 @@ class _Rows:
         self.decoder, self.prompts, self.limits, self.keys = decoder, prompts, limits, keys
         self.pad, self.running, self.length, self.stop_hit = pad, running, length, stop_hit
         self.step = None
+        self.carried, self.cut_below, self.final = [0] * len(prompts), 0, [False] * len(prompts)
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.holder = [-1] * batch  # the prompt each row holds (-1: none)
         self.start = [0] * batch  # the step of its first token
@@ -389,7 +401,9 @@ class _Rows:
         logits = self.prefill(group, ids, positions, pad_ok, at, lengths if exact else None)
         limits = [self.limits[i] for i in taken]
         self.grow(t + max(limits) + 1)
-        draws = uniforms([self.keys[i] for i in taken], max(limits)).to(dev)
+        draws = uniforms(
+            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken]
+        ).to(dev)
         self.u[at, t : t + max(limits)] = draws
         first, logprob = sample(logits, *sampling, draws[:, 0], kernel=self.decoder.kernels)
         self.tokens[at, t], self.logprobs[at, t], self.chosen[at] = first, logprob, first
@@ -401,7 +415,8 @@ class _Rows:
         self.step.slot[at] = lengths.to(dev) if exact else width
         self.step.moving[at] = 1
         for r, i in zip(rows, taken, strict=True):
-            self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, []
+            before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
+            self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, before
             self.stops.pop(r, None)
         self.horizon = max(self.horizon, t + max(limits))
 
@@ -436,30 +451,48 @@ class _Rows:
 
     def read(self, t: int, sampling) -> bool:
         """After step t: stop strings, finished rows out, queued prompts in; False once all
-        prompts are done."""
+        prompts are done (or the call is cut)."""
         ends = self.ends.tolist()
         held = [r for r, i in enumerate(self.holder) if i >= 0]
         if self.stop_hit is not None and held:
             self.walk(t, held, ends)
         done = [r for r in held if ends[r] <= t + 1]
-        if done:
-            at = torch.tensor(done, device=self.device)
-            tokens, logprobs = (
-                self.tokens[at, : t + 1].tolist(),
-                self.logprobs[at, : t + 1].tolist(),
-            )
-            for r, row, values in zip(done, tokens, logprobs, strict=True):
-                i, start, n = self.holder[r], self.start[r], ends[r] - self.start[r]
-                row, values = row[start : ends[r]], values[start : ends[r]]
-                stopped = n < self.limits[i] or self.stops.get(r) == n or row[-1] in self.eos_set
-                self.results[i] = (row, values, n, stopped)
-                self.holder[r] = -1
-            self.idle(at)
+        if self.cut_below and not self.queue:
+            running = [r for r in held if ends[r] > t + 1]
+            if 0 < len(running) < self.cut_below and not any(
+                self.final[self.holder[r]] for r in running
+            ):
+                for r in running:
+                    ends[r] = t + 1
+                self.leave(t, done, ends, cut=running)
+                return False
+        self.leave(t, done, ends)
         if self.queue:
             self.fill(t, sampling)
         elif self.decoder.compacts:
             self.compact()
         return any(i >= 0 for i in self.holder)
+
+    def leave(self, t: int, done: list[int], ends: list[int], cut: list[int] = ()) -> None:
+        """Rows `done` (ended by step t) and `cut` give their prompts' results and hold
+        nothing from now on."""
+        rows = [*done, *cut]
+        if not rows:
+            return
+        at = torch.tensor(rows, device=self.device)
+        tokens, logprobs = self.tokens[at, : t + 1].tolist(), self.logprobs[at, : t + 1].tolist()
+        for r, row, values in zip(rows, tokens, logprobs, strict=True):
+            i, start, n = self.holder[r], self.start[r], ends[r] - self.start[r]
+            row, values = row[start : ends[r]], values[start : ends[r]]
+            if r in cut:
+                finish = "abort"
+            elif n < self.limits[i] or self.stops.get(r) == n or row[-1] in self.eos_set:
+                finish = "stop"
+            else:
+                finish = "length"
+            self.results[i] = (row, values, n, finish)
+            self.holder[r] = -1
+        self.idle(at)
 
     def compact(self) -> None:
         """Once no prompt waits and the rows still running fit in 1 / `compacts` of the rows,

@@ -30,6 +30,7 @@ from ferrule_rollout.interface import EngineBase, WeightSyncGroup
 from ferrule_rollout.joining import JoinAbandoned, Joining
 from ferrule_rollout.samples import (
     BadRequestError,
+    Continuation,
     Prompt,
     RolloutError,
     Sample,
@@ -84,6 +85,35 @@ class ComputedStream:
         self._samples = iter(())
 
     close = cancel
+
+
+def extended(spans: list, version: int, start: int, count: int) -> list[VersionSpan]:
+    """`spans` with tokens [start, start + count) sampled by `version` (a run of one version
+    stays one span)."""
+    if spans and spans[-1].version == version:
+        return [*spans[:-1], VersionSpan(version, spans[-1].start, start + count)]
+    return [*spans, VersionSpan(version, start, start + count)]
+
+
+def _continued(prompts: Sequence, max_tokens: int) -> list[Continuation | None]:
+    """Each prompt's `Continuation`, else None; BadRequestError for one that cannot continue."""
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        return []  # prompt_token_ids names what is wrong
+    continued = []
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, Continuation):
+            continued.append(None)
+            continue
+        sample = prompt.sample
+        if not isinstance(sample, Sample) or sample.finish_reason != "abort":
+            raise BadRequestError(f"prompt {index} continues a sample that was not cut")
+        if len(sample.token_ids) >= max_tokens:
+            raise BadRequestError(
+                f"prompt {index} continues a sample of {len(sample.token_ids)} tokens; "
+                f"max_tokens is {max_tokens}"
+            )
+        continued.append(prompt)
+    return continued
 
 
 class TransformersEngine(EngineBase):
@@ -213,11 +243,24 @@ class TransformersEngine(EngineBase):
     def generate(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> list[Sample]:
-        """Generate `settings.n` samples per prompt; return them in prompt, then sample order.
-        While the engine is paused the call waits (nothing is lost)."""
+        """Generate `settings.n` samples per prompt (one per `Continuation`: it continues a cut
+        sample); return them in prompt, then sample order. While the engine is paused the call
+        waits (nothing is lost). With `settings.cut_below` the call may end before its longest
+        samples do: those return unfinished (finish_reason "abort")."""
         settings = settings or SamplingSettings()
+        continued = _continued(prompts, settings.max_tokens)
+        if any(continued):
+            prompts = [
+                p if c is None else c.sample.prompt_token_ids + c.sample.token_ids
+                for p, c in zip(prompts, continued, strict=True)
+            ]
         checked = prompt_token_ids(prompts, self.tokenizer, self.vocab_size, self.max_model_len)
-        rows = [(p, i) for p in range(len(checked)) for i in range(settings.n)]
+        continued = continued or [None] * len(checked)
+        rows = [
+            (p, i) if c is None else (p, c.sample.sample_index)
+            for p, c in enumerate(continued)
+            for i in range(settings.n if c is None else 1)
+        ]
         with self._cv:
             self._queued += len(rows)
             self._cv.wait_for(lambda: not self._paused or self._closed)
@@ -228,7 +271,7 @@ class TransformersEngine(EngineBase):
             self._running += len(rows)
         try:
             with self._model_lock:
-                return self._generate(checked, rows, settings)
+                return self._generate(checked, rows, settings, continued)
         finally:
             with self._cv:
                 self._running -= len(rows)
@@ -249,7 +292,7 @@ class TransformersEngine(EngineBase):
         first, then yields them (calls do not join a running one); `cancel()` drops the rest."""
         return ComputedStream(self.generate(prompts, settings))
 
-    def _generate(self, checked, rows, settings: SamplingSettings) -> list[Sample]:
+    def _generate(self, checked, rows, settings: SamplingSettings, continued) -> list[Sample]:
         import torch
 
         prompts = [checked[p] for p, _ in rows]
@@ -259,6 +302,12 @@ class TransformersEngine(EngineBase):
             keys = [settings.seed + i for _, i in rows]
         else:
             keys = torch.randint(2**62, (len(rows),), generator=self._rng).tolist()
+        earlier = [continued[p] for p, _ in rows]  # the cut samples continued, else None
+        carried = [0 if c is None else len(c.sample.token_ids) for c in earlier]
+        keys = [
+            key if c is None or c.sample.draw_key is None else c.sample.draw_key
+            for key, c in zip(keys, earlier, strict=True)
+        ]
         stops, window = settings.stop, 4 * max(map(len, settings.stop), default=0) + 8
 
         def stop_hit(tokens: list[int]) -> bool:  # decode only the tail: new in this token
@@ -277,7 +326,10 @@ class TransformersEngine(EngineBase):
             )
         results = self._decoder.generate(
             prompts,
-            [min(settings.max_tokens, self.max_model_len - len(p)) for p in prompts],
+            [
+                min(settings.max_tokens - done, self.max_model_len - len(p))
+                for p, done in zip(prompts, carried, strict=True)
+            ],
             pad=self._pad,
             keys=keys,
             temperature=settings.temperature,
@@ -286,22 +338,29 @@ class TransformersEngine(EngineBase):
             eos=None if settings.ignore_eos else sorted(self._eos),
             stop_hit=stop_hit if stops else None,
             max_rows=self.max_batch_size,
+            carried=carried,
+            cut_below=settings.cut_below,
+            final=[c is not None and c.final for c in earlier],
         )
         samples = []
-        for (p, i), prompt, (token_ids, logprobs, _, stopped) in zip(
-            rows, prompts, results, strict=True
+        for (p, i), prompt, key, c, (token_ids, logprobs, _, finish) in zip(
+            rows, prompts, keys, earlier, results, strict=True
         ):
+            before = Sample(p, i, prompt, [], [], "", self._version) if c is None else c.sample
+            spans = extended(before.versions, self._version, len(before.token_ids), len(token_ids))
+            token_ids = before.token_ids + token_ids
             samples.append(
                 Sample(
                     prompt_index=p,
                     sample_index=i,
-                    prompt_token_ids=prompt,
+                    prompt_token_ids=before.prompt_token_ids,
                     token_ids=token_ids,
-                    logprobs=logprobs,
-                    finish_reason="stop" if stopped else "length",
-                    version=self._version,
-                    text=self._text(token_ids, stopped, settings),
-                    versions=[VersionSpan(self._version, 0, len(token_ids))],
+                    logprobs=before.logprobs + logprobs,
+                    finish_reason=finish,
+                    version=min(before.version, self._version),
+                    text=self._text(token_ids, finish == "stop", settings),
+                    versions=spans,
+                    draw_key=key if finish == "abort" else None,
                 )
             )
         return samples

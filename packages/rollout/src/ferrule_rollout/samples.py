@@ -40,6 +40,10 @@ class SamplingSettings:
     """Per-request seed: sample i of a prompt uses seed + i, so the n samples differ."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks use this)."""
+    cut_below: int = 0
+    """Partial rollouts (the transformers engine only): > 0 ends the call once no prompt waits
+    and fewer than this many samples still run; those come back unfinished (finish_reason
+    "abort") for a later call to continue (`Continuation`). 0: every sample runs to its end."""
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -56,6 +60,8 @@ class SamplingSettings:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append(f"stop must be non-empty strings, got {list(self.stop)!r}")
+        if not isinstance(self.cut_below, int) or self.cut_below < 0:
+            problems.append(f"cut_below must be >= 0, got {self.cut_below!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             problems.append(f"seed must be an integer or None, got {self.seed!r}")
         if problems:
@@ -66,7 +72,8 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-# A prompt is text (tokenized once by the engine's tokenizer) or a list of token ids.
+# A prompt is text (tokenized once by the engine's tokenizer) or a list of token ids (or, for
+# the transformers engine, a `Continuation`, defined below).
 Prompt = str | list[int]
 
 
@@ -151,3 +158,18 @@ class Sample:
     turn_rewards: list[tuple[int, float]] | None = None
     """Multi-turn episodes only: the rewards the environment gave before the episode's last
     turn, each as (index of that turn's last token in `token_ids`, reward)."""
+    draw_key: int | None = None
+    """A cut sample's (finish_reason "abort", the transformers engine): the key of its random
+    draws, so that its continuation draws what one uninterrupted call would have."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A prompt that continues a cut sample (finish_reason "abort") under the engine's current
+    weights: its prompt and tokens so far are prefilled, at most `max_tokens` minus those
+    tokens follow, and the sample returned holds them all (tokens, logprobs, version spans; its
+    `version` stays the oldest). One sample, whatever the call's n. `final`: it is not cut
+    again in this call (the caller's staleness bound). The transformers engine only."""
+
+    sample: Sample
+    final: bool = False

@@ -251,6 +251,11 @@ class VLLMEngine(EngineBase):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        if settings.cut_below:
+            raise BadRequestError(
+                "cut_below (partial rollouts that cut a call) is the transformers engine's; "
+                "vLLM continues samples across weight updates with pause mode 'keep'"
+            )
         checked = prompt_token_ids(prompts, self.tokenizer, self.vocab_size, self.max_model_len)
         call, sink = next(self._ids), queue.Queue()
         requests = []
