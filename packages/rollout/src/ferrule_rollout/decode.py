@@ -29,6 +29,7 @@ SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct gr
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
+PREFILL_TOKENS = 16384  # a prefill forward's most (padded) tokens: rows x the longest prompt
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -375,13 +376,30 @@ class _Rows:
             )
 
     def fill(self, t: int, sampling) -> None:
-        """Free rows take queued prompts: their prefill, and their first token as step t."""
+        """Free rows take queued prompts: their prefill, and their first token as step t. The
+        prompts go in groups of similar length of at most PREFILL_TOKENS padded tokens (a
+        continued sample's prompt can be thousands of tokens long: padding 512 short prompts to
+        its length ran out of memory at 1.5B)."""
         free = [r for r, held in enumerate(self.holder) if held < 0]
         taking = min(len(free), len(self.queue), self.running - len(self.holder) + len(free))
         if taking <= 0:
             return
-        rows, taken = free[:taking], [self.queue.pop() for _ in range(taking)]
-        group = [self.prompts[i] for i in taken]
+        taken = [self.queue.pop() for _ in range(taking)]
+        if taking * max(len(self.prompts[i]) for i in taken) > PREFILL_TOKENS:
+            taken.sort(key=lambda i: len(self.prompts[i]))  # else one group, in queue order
+        first = 0
+        while first < taking:
+            last = first + 1  # sorted by length: the group's last prompt is its widest
+            while last < taking and (last - first + 1) * len(self.prompts[taken[last]]) <= (
+                PREFILL_TOKENS
+            ):
+                last += 1
+            self.take(t, free[first:last], taken[first:last], sampling)
+            first = last
+
+    def take(self, t: int, rows: list[int], taken: list[int], sampling) -> None:
+        """Rows `rows` take prompts `taken`: one prefill, and their first token as step t."""
+        taking, group = len(rows), [self.prompts[i] for i in taken]
         width, dev = max(map(len, group)), self.device
         ids = torch.full((taking, width), self.pad, dtype=torch.long)
         positions = torch.zeros((taking, width), dtype=torch.long)
