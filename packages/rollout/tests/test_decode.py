@@ -301,29 +301,32 @@ def test_a_cut_call_and_its_continuation_give_each_sample_what_one_call_gives_it
         assert [r[3] for r in kept] == [r[3] for r in full]
 
 
-def test_prompts_are_prefilled_in_groups_of_similar_length_within_a_token_budget(
-    model, monkeypatch
-):
+def test_prompts_are_prefilled_in_groups_and_windows_within_their_budgets(model, monkeypatch):
     """Continued samples make prompts thousands of tokens long among short ones: one prefill
-    padding every prompt to the longest ran out of memory at 1.5B. Each prefill now holds at
-    most PREFILL_TOKENS padded tokens (a longer prompt alone), and every sample is unchanged."""
+    padding every prompt to the longest, over the slab's every slot, ran out of memory at 1.5B.
+    Prefill groups hold at most PREFILL_TOKENS padded tokens (a longer prompt alone), go in
+    windows of columns of at most PREFILL_SCORES scores (rows x window x slots before its end),
+    and every sample is unchanged."""
     from ferrule_rollout import decode
 
     prompts = [PROMPTS[k % 4] + [k] for k in range(9)] + [list(range(100, 190))]
     limits = [12] * len(prompts)
     whole = run(Decoder(model, float_mask=False), prompts, limits=limits)
-    monkeypatch.setattr(decode, "PREFILL_TOKENS", 40)
-    decoder, shapes = Decoder(model, float_mask=False), []
-    prefill = decoder.forward  # decode steps call step_forward, bound before this patch
+    for scores, longest in ((1 << 24, (1, 90)), (600, (1, 6))):
+        monkeypatch.setattr(decode, "PREFILL_TOKENS", 40)
+        monkeypatch.setattr(decode, "PREFILL_SCORES", scores)
+        decoder, shapes = Decoder(model, float_mask=False), []
+        prefill = decoder.forward  # decode steps call step_forward, bound before this patch
 
-    def forward(ids, *args, **options):
-        shapes.append(tuple(ids.shape))
-        return prefill(ids, *args, **options)
+        def forward(ids, positions, pad_ok, *args, shapes=shapes, prefill=prefill, **options):
+            shapes.append((*ids.shape, pad_ok.shape[1]))
+            return prefill(ids, positions, pad_ok, *args, **options)
 
-    decoder.forward = forward
-    got = run(decoder, prompts, limits=limits)
-    assert len(shapes) > 2 and all(rows * width <= 40 or rows == 1 for rows, width in shapes)
-    assert (1, 90) in shapes  # the long prompt alone
-    for (tokens, logprobs, n, finish), expected in zip(got, whole, strict=True):
-        assert (tokens, n, finish) == (expected[0], expected[2], expected[3])
-        assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
+        decoder.forward = forward
+        got = run(decoder, prompts, limits=limits)
+        assert len(shapes) > 2 and all(r * w <= 40 or r == 1 for r, w, _ in shapes), shapes
+        assert all(r * w * seen <= scores or w == 1 for r, w, seen in shapes), shapes
+        assert longest in [(r, w) for r, w, _ in shapes]  # the long prompt alone, in windows
+        for (tokens, logprobs, n, finish), expected in zip(got, whole, strict=True):
+            assert (tokens, n, finish) == (expected[0], expected[2], expected[3])
+            assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)

@@ -17,7 +17,7 @@ from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.task import Problem, accuracy
-from ferrule_rollout.samples import Continuation
+from ferrule_rollout import Continuation
 from ferrule_trainer.groups import Group, chunks, flatten
 
 

@@ -29,7 +29,8 @@ SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct gr
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
-PREFILL_TOKENS = 16384  # a prefill forward's most (padded) tokens: rows x the longest prompt
+PREFILL_TOKENS = 16384  # a prefill group's most (padded) tokens: rows x the longest prompt
+PREFILL_SCORES = 1 << 24  # a prefill forward's most attention scores per head: rows x new x seen
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -70,6 +71,7 @@ class SlabCache:
         self.dtype, self.device = dtype, device
         self.buffers, self.keys, self.values = [], [], []
         self.rows = self.slots = None  # where `update` writes: set before each forward
+        self.seen = None  # prefill: the slots its tokens attend to (None: every slot)
 
     def reserve(self, rows: int, length: int) -> bool:
         """View the buffers as `rows` x `length` slots; True when they had to be reallocated.
@@ -105,7 +107,8 @@ class SlabCache:
         rows, slots = self.rows[:, None], self.slots[None, :]
         keys[rows, :, slots] = key.transpose(1, 2)
         values[rows, :, slots] = value.transpose(1, 2)
-        return keys[self.rows], values[self.rows]
+        seen = self.seen or keys.shape[2]
+        return keys[:, :, :seen][self.rows], values[:, :, :seen][self.rows]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never asked for positions: the caller passes position_ids
@@ -231,6 +234,8 @@ class Decoder:
             mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
             mask.masked_fill_(~keep[:, None], low)
         self.cache.rows, self.cache.slots = rows, slots
+        # prefill attends to the slots of pad_ok's width only (the slab's length in exact mode)
+        self.cache.seen = None if rows is None else pad_ok.shape[1]
         extra, pick = self.extra, None
         if rows is None and self.exact is None:  # slab_attention reads each row up to its slot
             extra = dict(extra, slab_slots=slots)
@@ -451,14 +456,22 @@ class _Rows:
             where.append(index[tuple(prompt)])
         dev, width = self.device, ids.shape[1]
         once = torch.tensor(firsts, device=dev)
-        logits = self.decoder.forward(
-            ids.to(dev)[once],
-            positions.to(dev)[once],
-            pad_ok[once],
-            torch.arange(width, device=dev),
-            rows=at[once],
-            last=None if lengths is None else (lengths[firsts] - 1).to(dev),
-        )
+        ids, positions, pad_ok = ids.to(dev)[once], positions.to(dev)[once], pad_ok[once]
+        if lengths is not None:  # exact mode: one forward over the slab's every slot
+            last = (lengths[firsts] - 1).to(dev)
+            slots = torch.arange(width, device=dev)
+            logits = self.decoder.forward(ids, positions, pad_ok, slots, rows=at[once], last=last)
+        else:  # in windows of columns, each attending to the slots before its end only
+            step = max(1, min(width, PREFILL_SCORES // (len(firsts) * width)))
+            for begin in range(0, width, step):
+                end = min(width, begin + step)
+                logits = self.decoder.forward(
+                    ids[:, begin:end],
+                    positions[:, begin:end],
+                    pad_ok[:, :end],
+                    torch.arange(begin, end, device=dev),
+                    rows=at[once],
+                )
         if len(firsts) == len(group):
             return logits
         where = torch.tensor(where, device=dev)
