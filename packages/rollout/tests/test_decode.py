@@ -330,3 +330,16 @@ def test_prompts_are_prefilled_in_groups_and_windows_within_their_budgets(model,
         for (tokens, logprobs, n, finish), expected in zip(got, whole, strict=True):
             assert (tokens, n, finish) == (expected[0], expected[2], expected[3])
             assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
+
+
+def test_the_slab_is_as_long_as_the_longest_sequence_not_the_widest_prompt_plus_the_most_tokens(
+    model,
+):
+    """A continued sample's prompt is long and its limit short, a new prompt the other way:
+    the slab needs the longest prompt + limit (94 slots here, 128 aligned), not the widest
+    prompt + the largest limit (149, 192 aligned): at 1.5B that asked 6.5k slots of a 4160-slot
+    engine and ran out of memory."""
+    decoder = Decoder(model, float_mask=False)
+    results = run(decoder, [list(range(100, 190)), [40, 41]], limits=[4, 60])
+    assert [n for _, _, n, _ in results] == [4, 60]
+    assert decoder.cache.keys[0].shape[2] == 128
