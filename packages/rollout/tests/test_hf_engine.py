@@ -545,7 +545,7 @@ def test_a_cut_call_continued_gives_the_samples_of_one_uncut_call(engine):
     version drew. A `final` continuation is never cut; bad continuations are refused."""
     from ferrule_rollout import Continuation, VersionSpan
 
-    prompts = ["a b c", "d e"]
+    prompts, v = ["a b c", "d e"], engine.version  # earlier tests may have loaded weights
     settings = SamplingSettings(n=16, max_tokens=150, seed=1, stop=("q",))
     full = engine.generate(prompts, settings)
     cut = engine.generate(prompts, replace(settings, cut_below=8))
@@ -575,17 +575,17 @@ def test_a_cut_call_continued_gives_the_samples_of_one_uncut_call(engine):
         )
         assert after.prompt_token_ids == whole.prompt_token_ids
         assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(whole.logprobs), atol=1e-5)
-        assert after.versions == [VersionSpan(0, 0, len(whole.token_ids))] and after.version == 0
+        assert after.versions == [VersionSpan(v, 0, len(whole.token_ids))] and after.version == v
     # under later weights (the version update_weights would set), each stretch keeps its own
-    engine._version = 3
+    engine._version = v + 3
     try:
         later = engine.generate([Continuation(aborted[0])], settings)[0]
     finally:
-        engine._version = 0
+        engine._version = v
     n = len(aborted[0].token_ids)
-    assert later.version == 0 and later.versions == [
-        VersionSpan(0, 0, n),
-        VersionSpan(3, n, len(later.token_ids)),
+    assert later.version == v and later.versions == [
+        VersionSpan(v, 0, n),
+        VersionSpan(v + 3, n, len(later.token_ids)),
     ]
     assert later.logprobs[:n] == aborted[0].logprobs
     final = engine.generate(

@@ -385,26 +385,32 @@ class _Rows:
             )
 
     def fill(self, t: int, sampling) -> None:
-        """Free rows take queued prompts: their prefill, and their first token as step t. The
-        prompts go in groups of similar length of at most PREFILL_TOKENS padded tokens (a
-        continued sample's prompt can be thousands of tokens long: padding 512 short prompts to
-        its length ran out of memory at 1.5B)."""
+        """Free rows take queued prompts: their prefill, and their first token as step t. A
+        group prefilled together is left-padded to its longest prompt, so each of its rows runs
+        from that width to its limit: the prompts go in groups of similar length that fit the
+        slab so, of at most PREFILL_TOKENS padded tokens (a continued sample's prompt can be
+        thousands of tokens long: padding 512 short prompts to its length ran out of memory at
+        1.5B)."""
         free = [r for r, held in enumerate(self.holder) if held < 0]
         taking = min(len(free), len(self.queue), self.running - len(self.holder) + len(free))
         if taking <= 0:
             return
         taken = [self.queue.pop() for _ in range(taking)]
-        if taking * max(len(self.prompts[i]) for i in taken) > PREFILL_TOKENS:
+        if not self.fits(taken):
             taken.sort(key=lambda i: len(self.prompts[i]))  # else one group, in queue order
         first = 0
         while first < taking:
-            last = first + 1  # sorted by length: the group's last prompt is its widest
-            while last < taking and (last - first + 1) * len(self.prompts[taken[last]]) <= (
-                PREFILL_TOKENS
-            ):
+            last = first + 1
+            while last < taking and self.fits(taken[first : last + 1]):
                 last += 1
             self.take(t, free[first:last], taken[first:last], sampling)
             first = last
+
+    def fits(self, group: list[int]) -> bool:
+        """Whether prompts `group` can be prefilled together (a single one always can)."""
+        width = max(len(self.prompts[i]) for i in group)
+        most = max(self.limits[i] for i in group)
+        return len(group) * width <= PREFILL_TOKENS and width + most - 1 <= self.length
 
     def take(self, t: int, rows: list[int], taken: list[int], sampling) -> None:
         """Rows `rows` take prompts `taken`: one prefill, and their first token as step t."""
