@@ -99,6 +99,7 @@ def test_a_server_given_by_address_is_never_restarted(tmp_path):
         started.stop()
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 def test_a_server_restarted_from_a_thread_outlives_that_thread(tmp_path):
     """The async loop's producer thread restarts a dead server, then ends; the parent-death
     signal is per thread, so a server it had started itself would die with it."""

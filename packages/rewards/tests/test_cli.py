@@ -133,6 +133,7 @@ def test_model_without_the_model_extra_names_the_extra():
     )
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 def test_score_against_no_server_fails_within_the_connect_timeout_naming_the_address():
     address = f"127.0.0.1:{free_port()}"
     command = [sys.executable, "-m", "ferrule_rewards", "score", address]

@@ -62,6 +62,7 @@ def test_workers_share_the_port_and_both_answer(spawn, fn_spec):
     assert server.stop() == 0
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 def test_sigterm_drains_every_worker(spawn, fn_spec, tmp_path):
     started = tmp_path / "started"  # a line per sample a worker started scoring
     server = spawn(

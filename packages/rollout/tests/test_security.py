@@ -90,6 +90,7 @@ def test_bad_security_options_are_named(tmp_path):
         assert message in done.stderr, done.stderr
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 def test_every_call_needs_the_token_and_a_refused_one_does_nothing(stop):
     process, address = start(
         "--bind", "0.0.0.0:0", env={"FERRULE_ROLLOUT_TOKEN": TOKEN}

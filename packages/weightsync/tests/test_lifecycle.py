@@ -108,6 +108,7 @@ print(" ".join(buffer.shm.name for buffer in sender._buffers), flush=True)
 DROP = "del sender; import gc; gc.collect(); print('dropped', flush=True); input()"
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 @pytest.mark.parametrize("end", ["pass", DROP], ids=["exit", "dropped"])
 def test_a_senders_segments_go_when_it_is_never_closed(end):
     # Without close() two /dev/shm/ferrule-ws-* segments (1 GiB each by default) stayed until
@@ -241,6 +242,7 @@ ENDS = {
 }
 
 
+@pytest.mark.e2e  # ~5-10 s of subprocesses (the fast tier stays under 10 minutes)
 @pytest.mark.parametrize(
     ("transport", "end", "versions"),
     [
