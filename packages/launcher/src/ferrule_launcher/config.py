@@ -255,8 +255,9 @@ class LoopConfig(Table):
     trained once all its samples end (complete groups beyond prompts_per_step wait for the
     next step). A long-tailed batch then does not decode its last rows almost alone: at 1.5B
     and a 4096-token cap, 23.9 s a step against 30.4 with max_staleness = 2; at 1 no faster,
-    as each continued sample must then end in its second call (benchmarks/RESULTS.md). Groups
-    in flight are not checkpointed: a resumed run draws new ones."""
+    as each continued sample must then end in its second call (benchmarks/RESULTS.md). A
+    checkpoint keeps the groups in flight and the complete ones waiting: a resumed run
+    continues them."""
     partial_cut: float = Field(0.125, gt=0, le=1)
     """Sync with partial_rollout: the fraction of [rollout] max_batch_size below which a
     step's generation is cut (at least one row)."""

@@ -61,11 +61,13 @@ class Loop:
         self.rollouts = Rollouts(config, self.engines, rewards, prompts, self.step)
 
     def state(self) -> dict:
-        """The step's state between steps (adaptive KL coefficient, reward moments)."""
-        return self.step.state()
+        """The state between steps: the step's (adaptive KL coefficient, reward moments) and,
+        with sync partial rollouts, the prompt groups still generating or waiting."""
+        return {**self.step.state(), "rollouts": self.rollouts.state()}
 
     def restore(self, state: dict) -> None:
         self.step.restore(state)
+        self.rollouts.restore(state.get("rollouts", {}))
 
     # -- the pieces of a step ---------------------------------------------------------------
 

@@ -10,14 +10,14 @@ evaluation, which plays and scores the same way.
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ferrule_launcher import evaluation
 from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.task import Problem, accuracy
-from ferrule_rollout import Continuation
+from ferrule_rollout import Continuation, Sample, VersionSpan
 from ferrule_trainer.groups import Group, chunks, flatten
 
 
@@ -49,6 +49,39 @@ class Rollouts:
         self.cuts = config.loop.partial_rollout and config.loop.mode == "sync"
         self.unfinished: list[Unfinished] = []  # partial rollouts: groups still generating
         self.ready: list[Group] = []  # and complete groups beyond a step's prompts_per_step
+
+    def state(self) -> dict:
+        """Sync partial rollouts: the groups in flight (their samples so far, cut ones
+        included) and the complete groups waiting, for a checkpoint: a resumed run continues
+        them as the uninterrupted one would have."""
+        if not self.cuts:
+            return {}
+        return {
+            "unfinished": [
+                {"problem": asdict(g.problem), "samples": [asdict(s) for s in g.samples]}
+                for g in self.unfinished
+            ],
+            "ready": [
+                {
+                    "problem": asdict(g.prompt),
+                    "samples": [asdict(s) for s in g.samples],
+                    "scores": list(g.scores),
+                }
+                for g in self.ready
+            ],
+        }
+
+    def restore(self, state: dict) -> None:
+        self.unfinished = [
+            Unfinished(_problem(g["problem"]), [_sample(s) for s in g["samples"]])
+            for g in state.get("unfinished", [])
+        ]
+        self.ready = [
+            Group(
+                tuple(_sample(s) for s in g["samples"]), tuple(g["scores"]), _problem(g["problem"])
+            )
+            for g in state.get("ready", [])
+        ]
 
     def play_cut(self, problems: list[Problem], n: int) -> tuple[list[Problem], list, int]:
         """Partial rollouts in sync mode: `n` samples of each problem and the unfinished samples
@@ -331,3 +364,15 @@ def _per_source(scores: list[float], sources: list[str]) -> dict:
     if len(by_source) < 2:
         return {}
     return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(by_source.items())}
+
+
+def _sample(saved: dict) -> Sample:
+    """A Sample from its checkpointed dict (`asdict`: version spans and turn rewards as lists)."""
+    versions = [VersionSpan(**span) for span in saved.get("versions", [])]
+    turns = saved.get("turn_rewards")
+    turns = None if turns is None else [tuple(turn) for turn in turns]
+    return Sample(**{**saved, "versions": versions, "turn_rewards": turns})
+
+
+def _problem(saved: dict) -> Problem:
+    return Problem(**{**saved, "metadata": tuple(tuple(pair) for pair in saved["metadata"])})
