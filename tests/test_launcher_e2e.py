@@ -568,11 +568,12 @@ def test_a_step_with_too_many_failed_rewards_stops_the_run_naming_the_function(t
     assert not (out / "metrics.jsonl").exists() or not metrics(out)
 
 
-def test_sync_partial_rollouts_continue_cut_samples_across_steps(tmp_path):
+def test_sync_partial_rollouts_continue_cut_samples_across_steps_and_a_resume(tmp_path):
     """Sync mode, transformers engine, [loop] partial_rollout: the kit's random model with 24
     end-of-sequence tokens gives long-tailed lengths (mean ~20, cap 80), so calls are cut; the
     cut samples go through Ray to the engine again and come back whole, with tokens from two
-    or three policy versions, within the staleness bound."""
+    or three policy versions, within the staleness bound. The checkpoint keeps the groups in
+    flight, and a run resumed from it continues them."""
     import shutil
 
     from ferrule_testkit import tiny_model
@@ -583,8 +584,7 @@ def test_sync_partial_rollouts_continue_cut_samples_across_steps(tmp_path):
     generation["eos_token_id"] = list(range(100, 124))
     (model / "generation_config.json").write_text(json.dumps(generation))
     out = tmp_path / "partial"
-    launch(
-        out,
+    overrides = [
         f'model.path="{model}"',
         'rollout.backend="transformers"',
         "rollout.max_tokens=80",
@@ -593,8 +593,16 @@ def test_sync_partial_rollouts_continue_cut_samples_across_steps(tmp_path):
         "loop.max_staleness=2",
         "loop.steps=6",
         "task.eval_prompts=8",
-    )
+        "output.checkpoint_every=5",
+    ]
+    launch(out, *overrides)
     records = metrics(out)
+    saved = json.loads((out / "checkpoint" / "launcher.json").read_text())
+    in_flight = saved["loop"]["rollouts"]["unfinished"]
+    assert saved["step"] == 5 and len(in_flight) == records[4]["rollout/unfinished_groups"]
+    resumed = launch(out, *overrides, resume=True)
+    assert "resuming from step 5" in resumed.stdout
+    assert [r["step"] for r in metrics(out)][-1] == 6
     assert [r["step"] for r in records] == list(range(1, 7))
     assert any(r["rollout/unfinished_groups"] > 0 for r in records)  # calls were cut
     assert any(r["rollout/mixed_version_samples"] > 0 for r in records[1:])  # and continued
