@@ -1,4 +1,4 @@
-"""Partial rollouts in sync mode (Rollouts.play_cut) on a real transformers engine: a step's
+"""Partial rollouts in sync mode (partial.PartialRollouts) on a real transformers engine: a step's
 call is cut once few rows still decode; its unfinished prompt groups continue in the next
 call, ahead of the new prompts, and come out whole, in sample order, each sample's earlier
 tokens and logprobs kept and its version spans saying which weights drew what; a sample at the
@@ -6,12 +6,11 @@ staleness bound runs to its end."""
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
 from ferrule_launcher.config import load_config
-from ferrule_launcher.rollouts import Rollouts
+from ferrule_launcher.partial import PartialRollouts
 from ferrule_launcher.task import Problem
 from ferrule_testkit import tiny_model
 from ferrule_trainer.groups import Group
@@ -20,7 +19,7 @@ N = 8
 
 
 class OneEngine:
-    """What Rollouts uses of launcher.engines.Engines (a Ray actor per engine): generate, and
+    """What PartialRollouts uses of launcher.engines.Engines (a Ray actor per engine): generate, and
     the version of the weights the engines hold."""
 
     def __init__(self, engine):
@@ -59,10 +58,10 @@ def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path
     config = load_config(run)
     with TransformersEngine(model, dtype="float32", max_batch_size=32) as engine:
         engines = OneEngine(engine)
-        rollouts = Rollouts(config, engines, None, SimpleNamespace(held_out=[]), None)
+        rollouts = PartialRollouts(config, engines)
         first = [Problem(f"a b {k}") for k in range(4)]
         for _ in range(5):  # a call is cut unless its longest rows end together
-            done, samples, tokens = rollouts.play_cut(first, N)
+            done, samples, tokens = rollouts.play(first, N)
             if rollouts.unfinished and done:
                 break
             rollouts.unfinished = []
@@ -77,14 +76,14 @@ def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path
         # a checkpoint keeps the groups in flight and the complete ones waiting, through JSON
         rollouts.ready = [Group(tuple(samples[:N]), (0.5,) * N, done[0])]
         saved = json.loads(json.dumps(rollouts.state()))
-        resumed = Rollouts(config, engines, None, SimpleNamespace(held_out=[]), None)
+        resumed = PartialRollouts(config, engines)
         resumed.restore(saved)
         assert resumed.unfinished == rollouts.unfinished and resumed.ready == rollouts.ready
         rollouts.ready = []
 
         engines.load(1)  # the next step's weights
         second = [Problem(f"c d {k}") for k in range(4)]
-        done, samples, tokens = rollouts.play_cut(second, N)
+        done, samples, tokens = rollouts.play(second, N)
         # the earlier groups come first, whole, in sample order (at the bound: never cut again)
         assert [id(p) for p in done[: len(cut)]] == list(cut)
         assert all(id(g.problem) not in cut for g in rollouts.unfinished)

@@ -10,14 +10,14 @@ evaluation, which plays and scores the same way.
 import secrets
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ferrule_launcher import evaluation
 from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
+from ferrule_launcher.partial import PartialRollouts
 from ferrule_launcher.task import Problem, accuracy
-from ferrule_rollout import Continuation, Sample, VersionSpan
 from ferrule_trainer.groups import Group, chunks, flatten
 
 
@@ -31,14 +31,6 @@ class Rollout:
     tokens_generated: int = 0  # partial rollouts: by this step's calls (continued ones included)
 
 
-@dataclass
-class Unfinished:
-    """A prompt group some of whose samples a cut call left unfinished (partial rollouts)."""
-
-    problem: Problem
-    samples: list  # its n samples in order; the unfinished have finish_reason "abort"
-
-
 class Rollouts:
     def __init__(self, config: Config, engines: Engines, rewards, prompts, step):
         """rewards: the reward server's client (None: the environment scores); prompts:
@@ -46,82 +38,21 @@ class Rollouts:
         self.config, self.engines, self.rewards, self.step = config, engines, rewards, step
         self.prompts, self.held_out = prompts, prompts.held_out
         self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
-        self.cuts = config.loop.partial_rollout and config.loop.mode == "sync"
-        self.unfinished: list[Unfinished] = []  # partial rollouts: groups still generating
-        self.ready: list[Group] = []  # and complete groups beyond a step's prompts_per_step
+        # sync partial rollouts: the groups in flight and waiting, across steps
+        sync = config.loop.partial_rollout and config.loop.mode == "sync"
+        self.partial = PartialRollouts(config, engines) if sync else None
 
     def state(self) -> dict:
-        """Sync partial rollouts: the groups in flight (their samples so far, cut ones
-        included) and the complete groups waiting, for a checkpoint: a resumed run continues
-        them as the uninterrupted one would have."""
-        if not self.cuts:
-            return {}
-        return {
-            "unfinished": [
-                {"problem": asdict(g.problem), "samples": [asdict(s) for s in g.samples]}
-                for g in self.unfinished
-            ],
-            "ready": [
-                {
-                    "problem": asdict(g.prompt),
-                    "samples": [asdict(s) for s in g.samples],
-                    "scores": list(g.scores),
-                }
-                for g in self.ready
-            ],
-        }
+        """For a checkpoint: the partial rollouts' groups in flight and waiting."""
+        return self.partial.state() if self.partial else {}
 
     def restore(self, state: dict) -> None:
-        self.unfinished = [
-            Unfinished(_problem(g["problem"]), [_sample(s) for s in g["samples"]])
-            for g in state.get("unfinished", [])
-        ]
-        self.ready = [
-            Group(
-                tuple(_sample(s) for s in g["samples"]), tuple(g["scores"]), _problem(g["problem"])
-            )
-            for g in state.get("ready", [])
-        ]
-
-    def play_cut(self, problems: list[Problem], n: int) -> tuple[list[Problem], list, int]:
-        """Partial rollouts in sync mode: `n` samples of each problem and the unfinished samples
-        of earlier steps' groups in one call, cut once few rows still decode ([loop]
-        partial_cut). Returns the groups every sample of which has ended (the earlier ones
-        first) as their problems and samples, and the tokens the call generated; the rest wait
-        for the next call. A sample already continued [loop] max_staleness times runs to its
-        end."""
-        c = self.config
-        cut_below = max(1, int(c.loop.partial_cut * c.rollout.max_batch_size))
-        settings = replace(c.rollout.sampling(n, c.rollout.temperature), cut_below=cut_below)
-        earlier, self.unfinished = self.unfinished, []
-        continued = [
-            Continuation(s, final=self.engines.version - s.version >= c.loop.max_staleness)
-            for group in earlier
-            for s in group.samples
-            if s.finish_reason == "abort"
-        ]
-        got = self.generate_settings([p.text for p in problems] + continued, settings)
-        fresh, more = got[: len(problems) * n], iter(got[len(problems) * n :])
-        groups = [
-            Unfinished(
-                g.problem, [next(more) if s.finish_reason == "abort" else s for s in g.samples]
-            )
-            for g in earlier
-        ] + [Unfinished(p, list(s)) for p, s in zip(problems, chunks(fresh, n), strict=True)]
-        done = []
-        for group in groups:
-            cut = any(s.finish_reason == "abort" for s in group.samples)
-            (self.unfinished if cut else done).append(group)
-        before = sum(len(c.sample.token_ids) for c in continued)
-        tokens = sum(len(s.token_ids) for s in got) - before
-        return [g.problem for g in done], [s for g in done for s in g.samples], tokens
+        if self.partial:
+            self.partial.restore(state)
 
     def generate(self, prompts: list[str], temperature: float, n: int) -> list:
         """Samples for `prompts`, split evenly over the engines, in prompt then sample order."""
-        return self.generate_settings(prompts, self.config.rollout.sampling(n, temperature))
-
-    def generate_settings(self, prompts: list, settings) -> list:
-        return self.engines.generate(prompts, settings)
+        return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
 
     def play(self, problems: list[Problem], temperature: float, n: int) -> tuple[list, list | None]:
         """`n` samples of each problem, in prompt then sample order: one generation each, or
@@ -164,21 +95,22 @@ class Rollouts:
         [loop] max_draws draws in all (DAPO's dynamic sampling); the batch may then be short."""
         c, n = self.config, self.config.rollout.samples_per_prompt
         want, bounds = c.rollout.prompts_per_step, c.loop.keep_group_mean
-        rollout = Rollout(step)
-        if self.cuts:  # complete groups of earlier calls first, within the staleness bound
-            ready = [g for g in self.ready if g.staleness(step) <= c.loop.max_staleness]
-            rollout.groups, self.ready = ready[:want], ready[want:]
+        rollout, partial = Rollout(step), self.partial
+        if partial:  # complete groups of earlier calls first
+            rollout.groups = partial.take_ready(step, want)
         drawn, drawn_episodes, failed, penalties, draws = [], [], Counter(), [], 0
         # partial rollouts continue the unfinished groups in every step, or they grow stale
-        while (len(rollout.groups) < want or (self.unfinished and not draws)) and (
+        while (len(rollout.groups) < want or (partial and partial.unfinished and not draws)) and (
             draws < c.loop.max_draws
         ):
             problems = self.prompts.draw(step, draws, want)
+            if partial:
+                problems = problems[: partial.new_groups(want)]
             if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
                 self.engines.reseed(f"{c.loop.seed}/{step}/{draws}")
             start = time.perf_counter()
-            if self.cuts:
-                problems, samples, tokens = self.play_cut(problems, n)
+            if partial:
+                problems, samples, tokens = partial.play(problems, n)
                 rollout.tokens_generated, episodes = rollout.tokens_generated + tokens, None
             else:
                 samples, episodes = self.play(problems, c.rollout.temperature, n)
@@ -204,8 +136,8 @@ class Rollouts:
                 ]
             kept, room = self.step.keep(groups), want - len(rollout.groups)
             rollout.groups += kept[:room]
-            if self.cuts:
-                self.ready += kept[room:]
+            if partial:
+                partial.ready += kept[room:]
         rollout.metrics = _drawn_metrics(drawn, rollout.seconds_generate)
         rollout.metrics["reward/failed"] = sum(failed.values())
         rollout.metrics.update({f"reward/failed_{kind}": count for kind, count in failed.items()})
@@ -217,12 +149,10 @@ class Rollouts:
             samples, _ = flatten(drawn)
             mixed = sum(len(s.versions) > 1 for s in samples)
             rollout.metrics["rollout/mixed_version_samples"] = mixed / max(1, len(samples))
-        if self.cuts:
-            rollout.metrics["tokens_per_s"] = rollout.tokens_generated / max(
-                rollout.seconds_generate, 1e-9
-            )
-            rollout.metrics["rollout/unfinished_groups"] = len(self.unfinished)
-            rollout.metrics["rollout/ready_groups"] = len(self.ready)
+        if partial:
+            seconds = max(rollout.seconds_generate, 1e-9)
+            rollout.metrics["tokens_per_s"] = rollout.tokens_generated / seconds
+            rollout.metrics.update(partial.metrics())
         if bounds is not None:
             rollout.metrics["filter/draws"] = draws
             rollout.metrics["filter/kept_groups"] = len(rollout.groups)
@@ -364,15 +294,3 @@ def _per_source(scores: list[float], sources: list[str]) -> dict:
     if len(by_source) < 2:
         return {}
     return {f"reward/{name}": sum(v) / len(v) for name, v in sorted(by_source.items())}
-
-
-def _sample(saved: dict) -> Sample:
-    """A Sample from its checkpointed dict (`asdict`: version spans and turn rewards as lists)."""
-    versions = [VersionSpan(**span) for span in saved.get("versions", [])]
-    turns = saved.get("turn_rewards")
-    turns = None if turns is None else [tuple(turn) for turn in turns]
-    return Sample(**{**saved, "versions": versions, "turn_rewards": turns})
-
-
-def _problem(saved: dict) -> Problem:
-    return Problem(**{**saved, "metadata": tuple(tuple(pair) for pair in saved["metadata"])})
