@@ -316,8 +316,7 @@ class Decoder:
                 )
             length = self.exact.key_slots
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
-        state.carried = carried or [0] * count
-        state.cut_below, state.final = cut_below, final or [False] * count
+        state.partial(carried, cut_below, final)
         with torch.inference_mode():
             state.step = self._step(batch, length)
             state.step.pad_ok.zero_()  # rows not taken see only themselves
@@ -350,7 +349,7 @@ class _Rows:
         self.decoder, self.prompts, self.limits, self.keys = decoder, prompts, limits, keys
         self.pad, self.running, self.length, self.stop_hit = pad, running, length, stop_hit
         self.step = None
-        self.carried, self.cut_below, self.final = [0] * len(prompts), 0, [False] * len(prompts)
+        self.partial()
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.holder = [-1] * batch  # the prompt each row holds (-1: none)
         self.start = [0] * batch  # the step of its first token
@@ -366,6 +365,11 @@ class _Rows:
         self.tokens = torch.zeros((batch, 0), dtype=torch.long, device=dev)
         self.logprobs = torch.zeros((batch, 0), dtype=torch.float32, device=dev)
         self.u = torch.zeros((batch, 0), dtype=torch.float64, device=dev)
+
+    def partial(self, carried=None, cut_below: int = 0, final=None) -> None:
+        """Partial rollouts (Decoder.generate's `carried`, `cut_below`, `final`); none by default."""
+        self.carried = carried or [0] * len(self.prompts)
+        self.cut_below, self.final = cut_below, final or [False] * len(self.prompts)
 
     def grow(self, steps: int) -> None:
         """Room for `steps` steps in the by-step tables (doubling)."""
