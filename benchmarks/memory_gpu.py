@@ -75,6 +75,7 @@ def measure(name: str, path: str) -> dict:
     import torch
 
     from ferrule_trainer.actor import Actor
+    from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss
 
     stage, checkpointing, rows, prompt, response, train = CASES[name]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -96,11 +97,10 @@ def measure(name: str, path: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         if train:
-            actor.train_epochs(
-                batch, epochs=1, mini_batches=1, micro_batch_size=rows, micro_batch_tokens=tokens
-            )
+            plan = EpochPlan(micro_batch_size=rows, micro_batch_tokens=tokens)
+            actor.train_epochs(batch, plan, PolicyLoss())
         else:
-            actor.logprobs(batch, rows, micro_batch_tokens=tokens)
+            actor.logprobs(batch, ForwardPlan(rows, tokens))
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return dict(

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from ferrule_trainer.actor import Actor  # noqa: E402
 from ferrule_trainer.batch import Batch  # noqa: E402
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss  # noqa: E402
 
 
 def rl_batch(rows: int, seed: int = 0) -> Batch:
@@ -83,14 +84,14 @@ def main() -> None:
     real = batch.attention_mask[:, -batch.response_len :].bool()
     tokens = int(batch.attention_mask.sum())
     ways = {
-        "rows": dict(micro_batch_size=args.micro),
-        "tokens": dict(micro_batch_size=args.rows, micro_batch_tokens=args.tokens),
-        "packed": dict(micro_batch_size=args.rows, micro_batch_tokens=args.tokens, packed=True),
+        "rows": ForwardPlan(micro_batch_size=args.micro),
+        "tokens": ForwardPlan(micro_batch_size=args.rows, micro_batch_tokens=args.tokens),
+        "packed": ForwardPlan(args.rows, args.tokens, packed=True),
     }
     result = {"device": torch.cuda.get_device_name(), "rows": args.rows, "real_tokens": tokens}
     logprobs = {}
     for name, way in ways.items():
-        seconds, out, peak = timed(lambda way=way: actor.logprobs(batch, **way), args.steps)
+        seconds, out, peak = timed(lambda way=way: actor.logprobs(batch, way), args.steps)
         logprobs[name] = out
         result[f"logprobs_s/{name}"], result[f"logprobs_peak_gib/{name}"] = seconds, peak
     batch = batch.replace(old_logprobs=logprobs["rows"])
@@ -99,13 +100,13 @@ def main() -> None:
         result[f"logprobs_max_abs_diff/{name}"] = float(diff.max())
         result[f"logprobs_mean_abs_diff/{name}"] = float(diff.mean())
     for name, way in ways.items():
-        options = dict(
-            micro_batch_size=way["micro_batch_size"],
-            micro_batch_tokens=way.get("micro_batch_tokens"),
-            pack_sequences=way.get("packed", False),
+        plan = EpochPlan(
+            micro_batch_size=way.micro_batch_size,
+            micro_batch_tokens=way.micro_batch_tokens,
+            pack_sequences=way.packed,
         )
         seconds, metrics, peak = timed(
-            lambda o=options: actor.train_epochs(batch, epochs=1, mini_batches=1, **o), args.steps
+            lambda p=plan: actor.train_epochs(batch, p, PolicyLoss()), args.steps
         )
         result[f"train_s/{name}"], result[f"train_peak_gib/{name}"] = seconds, peak
         result[f"loss/{name}"] = metrics["loss"]

@@ -55,6 +55,7 @@ def batch_of(rows: int, response: int, vocab: int = 151_000):
 
 def run_ours(args, stage: int) -> list[float]:
     from ferrule_trainer.actor import Actor
+    from ferrule_trainer.settings import EpochPlan, PolicyLoss
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29518")
@@ -68,14 +69,9 @@ def run_ours(args, stage: int) -> list[float]:
         compile_layers=args.compile,
     )
     batch = batch_of(args.rows, args.response)
-    options = dict(
-        epochs=1,
-        mini_batches=1,
-        micro_batch_size=64,
-        micro_batch_tokens=args.tokens,
-        kl_coef=0.001,
-    )
-    return time_steps(lambda: actor.train_epochs(batch, **options), args, "ours")
+    plan = EpochPlan(micro_batch_size=64, micro_batch_tokens=args.tokens)
+    loss = PolicyLoss(kl_coef=0.001)
+    return time_steps(lambda: actor.train_epochs(batch, plan, loss), args, "ours")
 
 
 def run_baseline(args) -> list[float]:

@@ -14,6 +14,7 @@ from ferrule_rollout.hf_engine import TransformersEngine
 from ferrule_testkit import tiny_model
 from ferrule_trainer import rl
 from ferrule_trainer.actor import Actor
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss
 
 MAX_MODEL_LEN = 128
 TEMPERATURE = 0.7
@@ -56,14 +57,14 @@ def test_the_trainer_scores_exact_samples_as_the_engine_did(rollout):
     mask = batch.response_mask.bool()
 
     for micro_batch_size in (1, 5, None):
-        old = exact.logprobs(batch, micro_batch_size=micro_batch_size)
+        old = exact.logprobs(batch, ForwardPlan(micro_batch_size))
         assert torch.equal(old[mask], engine_logprobs[mask])
     assert not torch.equal(default.logprobs(batch)[mask], engine_logprobs[mask])
 
-    options = dict(epochs=1, mini_batches=1, micro_batch_size=4)
+    plan = EpochPlan(micro_batch_size=4)
     step = batch.replace(rollout_logprobs=engine_logprobs)
-    exact_metrics = exact.train_epochs(step, **options)
-    default_metrics = default.train_epochs(step, **options)
+    exact_metrics = exact.train_epochs(step, plan, PolicyLoss())
+    default_metrics = default.train_epochs(step, plan, PolicyLoss())
     assert exact_metrics["vllm_kl"] == 0.0
     assert 0 < default_metrics["vllm_kl"] < 1e-9
     assert exact_metrics["loss"] == pytest.approx(default_metrics["loss"], rel=1e-4, abs=1e-6)

@@ -19,6 +19,7 @@ from rank_exit import leave_and_exit
 from ferrule_trainer import export
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.batch import Batch
+from ferrule_trainer.settings import PolicyLoss
 
 model_path, out_dir, zero_stage, lora_rank = (
     sys.argv[1],
@@ -46,7 +47,7 @@ micro_batches = mine.split(2)
 # an export before the step: the actor's export layout is worked out here, and the one after the
 # step below must still read the updated partitions
 dict(actor.export_weights(bucket_bytes=64 * 1024))
-metrics = actor.train_step(micro_batches, clip_low=0.2, clip_high=0.28)
+metrics = actor.train_step(micro_batches, PolicyLoss(clip_low=0.2, clip_high=0.28))
 
 gathers = 0  # collectives of the export: a bucket's (coalesced) all-gathers, GatheredParameters
 original_all_gather, original_context = export._all_gather, deepspeed.zero.GatheredParameters

@@ -56,24 +56,27 @@ def test_config_errors_name_file_and_key(tmp_path, text, message):
         load_config(_write(tmp_path, text), SFTConfig)
 
 
-def test_trainer_table_gives_each_call_its_keywords():
+def test_trainer_table_builds_each_verbs_settings():
     from ferrule_trainer.config import TrainerConfig
+    from ferrule_trainer.settings import Correction, EpochPlan, ForwardPlan, PolicyLoss
 
     table = TrainerConfig(
         estimator="gae", kl_coef=0.05, kl_in="reward", kl_kind="k1", epochs=2, gamma=0.9
     )
-    assert table.loss_options()["kl_coef"] == 0.0  # the KL is in the reward, not the loss
-    assert table.estimate_options() == dict(
-        kl_coef=0.05, kl_kind="k1", kl_in="reward", kl_max=10.0, gamma=0.9, lam=0.95
+    assert table.policy_loss().kl_coef == 0.0  # the KL is in the reward, not the loss
+    assert table.policy_loss(0.2).kl_coef == 0.0
+    assert table.epoch_plan() == EpochPlan(
+        epochs=2, mini_batches=1, micro_batch_size=64, micro_batch_tokens=8192
     )
-    assert table.epoch_options() == dict(
-        epochs=2,
-        mini_batches=1,
-        micro_batch_size=64,
-        micro_batch_tokens=8192,
-        pack_sequences=False,
+    assert table.forward_plan() == ForwardPlan(64, 8192, packed=False)
+    assert table.correction() == Correction()
+    in_loss = TrainerConfig(kl_coef=0.05, clip_high=0.3, entropy_coef=0.01, dual_clip=None)
+    assert in_loss.policy_loss() == PolicyLoss(
+        clip_high=0.3, kl_coef=0.05, entropy_coef=0.01, dual_clip=None
     )
-    assert TrainerConfig(kl_coef=0.05).loss_options()["kl_coef"] == 0.05
+    assert in_loss.policy_loss(0.01).kl_coef == 0.01  # the adaptive controller's coefficient
+    tis = TrainerConfig(rollout_correction="tis", tis_floor=0.1, sequence_mask=(0.5, 2.0))
+    assert tis.correction() == Correction("tis", tis_floor=0.1, sequence_mask=(0.5, 2.0))
 
 
 @pytest.mark.parametrize(("old", "new"), [("fp32", "float32"), ("bf16", "bfloat16")])

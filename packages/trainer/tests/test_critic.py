@@ -6,6 +6,7 @@ import torch
 
 from ferrule_testkit import tiny_model
 from ferrule_trainer.batch import Batch
+from ferrule_trainer.settings import ForwardPlan, ValueLoss
 
 
 def _batch(B=4, T=16, R=6):
@@ -28,7 +29,7 @@ def test_critic_fits_returns_and_round_trips(tmp_path):
     losses = []
     for _ in range(6):
         batch = batch.replace(old_values=critic.values(batch))
-        losses.append(critic.train_step([batch], clip=None)["loss"])
+        losses.append(critic.train_step([batch], ValueLoss(clip=None))["loss"])
     assert losses[-1] < 0.5 * losses[0], losses
 
     critic.save_hf(tmp_path / "critic")
@@ -44,7 +45,7 @@ def test_grad_norm_is_reported_the_same_at_zero_0_and_zero_2():
         critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype="float32", learning_rate=2e-3)
         batch = _batch().replace(returns=torch.ones(4, 6))
         batch = batch.replace(old_values=critic.values(batch))
-        norms[stage] = critic.train_step([batch], clip=None)["grad_norm"]
+        norms[stage] = critic.train_step([batch], ValueLoss(clip=None))["grad_norm"]
     assert norms[2] > 0
     assert norms[0] == pytest.approx(norms[2], rel=1e-5)
 
@@ -58,10 +59,12 @@ def test_a_non_finite_gradient_skips_the_critics_update(stage, dtype):
     critic = Critic(tiny_model("qwen2"), zero_stage=stage, dtype=dtype, learning_rate=2e-3)
     batch = _batch().replace(returns=torch.ones(4, 6))
     batch = batch.replace(old_values=critic.values(batch))
-    assert critic.train_step([batch], clip=None)["skipped"] == 0.0  # a finite step goes through
+    assert (
+        critic.train_step([batch], ValueLoss(clip=None))["skipped"] == 0.0
+    )  # a finite step goes through
     values = critic.values(batch)
     batch.returns[1, 2] = float("nan")
-    result = critic.train_step([batch], clip=None)
+    result = critic.train_step([batch], ValueLoss(clip=None))
     assert result["skipped"] == 1.0
     assert result["nonfinite"] == "micro-batch 1 of 1: the loss itself is NaN"
     torch.testing.assert_close(critic.values(batch), values, rtol=0, atol=0)
@@ -79,7 +82,7 @@ def test_forward_passes_in_micro_batches_equal_the_whole_batch():
     whole = actor.logprobs(batch)
     assert whole.shape == (5, 6) and whole.device.type == "cpu"
     for size in (1, 2, 3):
-        torch.testing.assert_close(actor.logprobs(batch, micro_batch_size=size), whole)
+        torch.testing.assert_close(actor.logprobs(batch, ForwardPlan(size)), whole)
     critic = Critic(tiny_model("qwen2"), zero_stage=0, dtype="float32")
     values = critic.values(batch)
-    torch.testing.assert_close(critic.values(batch, micro_batch_size=2), values)
+    torch.testing.assert_close(critic.values(batch, ForwardPlan(2)), values)

@@ -9,6 +9,7 @@ from ferrule_testkit import tiny_model
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import TrainerConfig
 from ferrule_trainer.sequences import plan_micro_batches
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss, PreferenceLoss, ValueLoss
 
 B, T, R = 8, 24, 10
 
@@ -96,7 +97,7 @@ def test_logprobs_by_tokens_equal_the_whole_batch_in_row_order(actor, tokens, ro
     the reference's log-probabilities come back in the batch's order, 0 on padding."""
     batch = _batch()
     whole = actor.logprobs(batch)
-    by_tokens = actor.logprobs(batch, rows, micro_batch_tokens=tokens, packed=packed)
+    by_tokens = actor.logprobs(batch, ForwardPlan(rows, micro_batch_tokens=tokens, packed=packed))
     real = batch.attention_mask[:, -R:].bool()
     torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
     assert (by_tokens[~real] == 0).all()
@@ -108,8 +109,8 @@ def test_packed_rows_do_not_attend_to_each_other(actor):
     batch = _batch()
     other = batch.replace(input_ids=batch.input_ids.clone())
     other.input_ids[0] = (other.input_ids[0] + 7) % 500
-    packed = dict(micro_batch_tokens=10_000, packed=True)
-    one, two = actor.logprobs(batch, **packed), actor.logprobs(other, **packed)
+    packed = ForwardPlan(micro_batch_tokens=10_000, packed=True)
+    one, two = actor.logprobs(batch, packed), actor.logprobs(other, packed)
     torch.testing.assert_close(one[1:], two[1:], rtol=0, atol=0)
     assert not torch.equal(one[0], two[0])
 
@@ -122,7 +123,7 @@ def test_critic_values_by_tokens_equal_the_whole_batch():
     whole = critic.values(batch)
     real = batch.attention_mask[:, -R:].bool()
     for tokens, packed in [(50, False), (1, False), (50, True)]:
-        by_tokens = critic.values(batch, 4, micro_batch_tokens=tokens, packed=packed)
+        by_tokens = critic.values(batch, ForwardPlan(4, micro_batch_tokens=tokens, packed=packed))
         torch.testing.assert_close(by_tokens[real], whole[real], rtol=1e-5, atol=1e-5)
 
 
@@ -185,13 +186,12 @@ def test_a_policy_step_by_tokens_equals_the_step_over_the_whole_batch(case, pack
     else:
         batch = batch.replace(rollout_logprobs=old)
     mini = case.pop("mini_batches", 1)
-    options = dict(epochs=1, mini_batches=mini, **case)
+    loss = PolicyLoss(**case)
     grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
 
-    reference = whole.train_epochs(batch, micro_batch_size=B, **options)
-    ours = by_tokens.train_epochs(
-        batch, micro_batch_size=3, micro_batch_tokens=50, pack_sequences=packed, **options
-    )
+    reference = whole.train_epochs(batch, EpochPlan(1, mini, micro_batch_size=B), loss)
+    plan = EpochPlan(1, mini, micro_batch_size=3, micro_batch_tokens=50, pack_sequences=packed)
+    ours = by_tokens.train_epochs(batch, plan, loss)
 
     _assert_same_steps(ours, reference, grads_tokens, grads_whole)
     assert len(grads_whole) == mini
@@ -217,10 +217,10 @@ def test_a_response_masked_whole_changes_no_seq_mean_step(agg_mode):
     batch = batch.replace(old_logprobs=old)
     masked = batch.replace(response_mask=batch.response_mask.clone())
     masked.response_mask[5] = 0
-    options = dict(epochs=1, mini_batches=1, agg_mode=agg_mode)
+    plan, loss = EpochPlan(micro_batch_size=3), PolicyLoss(agg_mode=agg_mode)
     grads_with, grads_without = _with_gradients(with_row), _with_gradients(without)
-    ours = with_row.train_epochs(masked, micro_batch_size=3, **options)
-    theirs = without.train_epochs(batch.take([0, 1, 2, 3, 4, 6, 7]), micro_batch_size=3, **options)
+    ours = with_row.train_epochs(masked, plan, loss)
+    theirs = without.train_epochs(batch.take([0, 1, 2, 3, 4, 6, 7]), plan, loss)
     _assert_same_steps(ours, theirs, grads_with, grads_without)
 
 
@@ -238,9 +238,9 @@ def test_the_step_metrics_are_token_means_however_the_rows_are_split():
     actors = Actor(model, **common), Actor(model, **common)
     old = actors[0].logprobs(batch) - 0.3 * torch.rand(B, R, generator=generator)
     batch = batch.replace(old_logprobs=old)
-    options = dict(epochs=1, mini_batches=1, clip_low=0.05, clip_high=0.05)
-    whole = actors[0].train_epochs(batch, micro_batch_size=B, **options)
-    by_rows = actors[1].train_epochs(batch, micro_batch_size=3, **options)
+    loss = PolicyLoss(clip_low=0.05, clip_high=0.05)
+    whole = actors[0].train_epochs(batch, EpochPlan(micro_batch_size=B), loss)
+    by_rows = actors[1].train_epochs(batch, EpochPlan(micro_batch_size=3), loss)
     assert 0 < whole["clip_fraction"] < 1
     for key in ("clip_fraction", "approx_kl"):
         assert by_rows[key] == pytest.approx(whole[key], rel=1e-4), key
@@ -248,8 +248,8 @@ def test_the_step_metrics_are_token_means_however_the_rows_are_split():
     old_values = critics[0].values(batch) + 0.3 * torch.randn(B, R, generator=generator)
     returns = old_values + torch.randn(B, R, generator=generator)
     values = batch.replace(old_values=old_values, returns=returns)  # some move past the 0.2 clip
-    whole = critics[0].train_epochs(values, micro_batch_size=B, epochs=1, mini_batches=1)
-    by_rows = critics[1].train_epochs(values, micro_batch_size=3, epochs=1, mini_batches=1)
+    whole = critics[0].train_epochs(values, EpochPlan(micro_batch_size=B), ValueLoss())
+    by_rows = critics[1].train_epochs(values, EpochPlan(micro_batch_size=3), ValueLoss())
     assert 0 < whole["value_clip_fraction"] < 1
     assert by_rows["value_clip_fraction"] == pytest.approx(whole["value_clip_fraction"], rel=1e-4)
 
@@ -265,18 +265,17 @@ def test_sft_and_dpo_steps_by_tokens_equal_the_whole_batch():
     batch = batch.replace(
         ref_logprobs=-torch.rand(B, R, generator=torch.Generator().manual_seed(2))
     )
-    for method, options, tokens, packed in [
-        ("likelihood_epochs", {}, 60, True),
-        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}, 60, True),
-        ("preference_epochs", {"beta": 0.1, "nll_coef": 0.5}, 80, False),  # 2, 2 and 4 rows
+    dpo = PreferenceLoss(beta=0.1, nll_coef=0.5)
+    for method, loss, tokens, packed in [
+        ("likelihood_epochs", (), 60, True),
+        ("preference_epochs", (dpo,), 60, True),
+        ("preference_epochs", (dpo,), 80, False),  # 2, 2 and 4 rows
     ]:
         whole, by_tokens = Actor(model, **common), Actor(model, **common)
         grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
-        steps = dict(epochs=1, mini_batches=1, **options)
-        reference = getattr(whole, method)(batch, micro_batch_size=B, **steps)
-        ours = getattr(by_tokens, method)(
-            batch, micro_batch_size=4, micro_batch_tokens=tokens, pack_sequences=packed, **steps
-        )
+        reference = getattr(whole, method)(batch, EpochPlan(micro_batch_size=B), *loss)
+        plan = EpochPlan(micro_batch_size=4, micro_batch_tokens=tokens, pack_sequences=packed)
+        ours = getattr(by_tokens, method)(batch, plan, *loss)
         _assert_same_steps(ours, reference, grads_tokens, grads_whole)
         for key in ("accuracy", "margin", "chosen_nll"):  # means over pairs, however split
             if key in reference:
@@ -295,18 +294,17 @@ def test_a_critic_step_by_tokens_equals_the_step_over_the_whole_batch(tokens, pa
     batch = batch.replace(old_values=whole.values(batch), returns=returns)
     grads_whole, grads_tokens = _with_gradients(whole), _with_gradients(by_tokens)
     for agg_mode in ("token-mean", "seq-mean-token-mean"):
-        options = dict(epochs=1, mini_batches=1, clip=0.2, agg_mode=agg_mode)
-        reference = whole.train_epochs(batch, micro_batch_size=B, **options)
-        ours = by_tokens.train_epochs(
-            batch, micro_batch_size=B, micro_batch_tokens=tokens, pack_sequences=packed, **options
-        )
+        loss = ValueLoss(clip=0.2, agg_mode=agg_mode)
+        reference = whole.train_epochs(batch, EpochPlan(micro_batch_size=B), loss)
+        plan = EpochPlan(micro_batch_size=B, micro_batch_tokens=tokens, pack_sequences=packed)
+        ours = by_tokens.train_epochs(batch, plan, loss)
         _assert_same_steps(ours, reference, grads_tokens[-1:], grads_whole[-1:])
 
 
 def test_the_trainer_table_sets_the_budgets_of_every_pass():
     t = TrainerConfig()
-    assert t.epoch_options()["micro_batch_tokens"] == 8192
-    assert t.forward_options() == dict(micro_batch_size=64, micro_batch_tokens=8192, packed=False)
+    assert t.epoch_plan().micro_batch_tokens == 8192
+    assert t.forward_plan() == ForwardPlan(micro_batch_size=64, micro_batch_tokens=8192)
     t = TrainerConfig(
         micro_batch_size=4,
         forward_batch_size=16,
@@ -314,12 +312,12 @@ def test_the_trainer_table_sets_the_budgets_of_every_pass():
         forward_batch_tokens=8192,
         pack_sequences=True,
     )
-    assert t.forward_options() == dict(micro_batch_size=16, micro_batch_tokens=8192, packed=True)
-    assert t.epoch_options() == dict(
+    assert t.forward_plan() == ForwardPlan(16, micro_batch_tokens=8192, packed=True)
+    assert t.epoch_plan() == EpochPlan(
         epochs=1, mini_batches=1, micro_batch_size=4, micro_batch_tokens=2048, pack_sequences=True
     )
     off = TrainerConfig(micro_batch_tokens=None)
-    assert off.forward_options()["micro_batch_tokens"] is None
+    assert off.forward_plan().micro_batch_tokens is None
 
 
 def _write_jsonl(path, rows):

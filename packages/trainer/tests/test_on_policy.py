@@ -9,6 +9,7 @@ from ferrule_testkit import tiny_model
 from ferrule_trainer import rl
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import TrainerConfig
+from ferrule_trainer.settings import EpochPlan, PolicyLoss
 
 
 def _batch():
@@ -35,11 +36,11 @@ def test_an_on_policy_step_equals_the_step_with_explicit_old_logprobs():
     rollout = old - 0.05 * torch.randn(old.shape, generator=generator)
     rollout[1, 2] = old[1, 2] - 30.0
     ref = old + 0.1 * torch.randn(old.shape, generator=generator)
-    options = dict(epochs=1, mini_batches=1, micro_batch_size=4, kl_coef=0.05)
+    plan, loss = EpochPlan(micro_batch_size=4), PolicyLoss(kl_coef=0.05)
 
-    with_old = explicit.train_epochs(batch.replace(old_logprobs=old, ref_logprobs=ref), **options)
+    with_old = explicit.train_epochs(batch.replace(old_logprobs=old, ref_logprobs=ref), plan, loss)
     without = on_policy.train_epochs(
-        batch.replace(ref_logprobs=ref, rollout_logprobs=rollout), **options
+        batch.replace(ref_logprobs=ref, rollout_logprobs=rollout), plan, loss
     )
 
     assert without["loss"] == pytest.approx(with_old["loss"], rel=1e-5, abs=1e-7)
@@ -54,7 +55,7 @@ def test_an_on_policy_step_equals_the_step_with_explicit_old_logprobs():
     assert without["approx_kl"] == 0.0 and without["clip_fraction"] == 0.0  # ratio exactly 1
 
     with pytest.raises(ValueError, match="one optimizer step; epochs x mini_batches = 2"):
-        on_policy.train_epochs(batch, **dict(options, epochs=2, kl_coef=0.0))
+        on_policy.train_epochs(batch, EpochPlan(epochs=2, micro_batch_size=4), PolicyLoss())
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 from ferrule_testkit import reversal_pairs, reversal_sft_rows, tiny_model
 from ferrule_trainer.cli import main
 from ferrule_trainer.preference import Pair, PreferenceDataConfig, load_pairs, pair_batch
+from ferrule_trainer.settings import EpochPlan, PreferenceLoss
 
 # the tiny example's policy: the testkit's tiny Qwen2 after a short SFT on word reversal
 WARM = Path(__file__).parents[3] / "examples" / "tiny" / "model"
@@ -214,19 +215,18 @@ def test_preference_and_likelihood_steps_on_the_rl_layout():
     reference = Actor(WARM, train=False, **common)
     batch = batch.replace(ref_logprobs=reference.logprobs(batch, temperature=1.0))
     policy = Actor(WARM, learning_rate=1e-3, **common)
-    first = policy.preference_epochs(
-        batch, epochs=1, mini_batches=1, micro_batch_size=6, beta=0.5
-    )  # micro-batches of 3 rows would split a pair: 6 rows, 3 pairs each
+    dpo = PreferenceLoss(beta=0.5)
+    # micro-batches of 3 rows would split a pair: 6 rows, 3 pairs each
+    first = policy.preference_epochs(batch, EpochPlan(micro_batch_size=6), dpo)
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)  # h = 0 for every pair
     assert first["margin"] == pytest.approx(0.0, abs=1e-5)
-    later = policy.preference_epochs(batch, epochs=3, mini_batches=2, micro_batch_size=8, beta=0.5)
+    later = policy.preference_epochs(batch, EpochPlan(3, 2, micro_batch_size=8), dpo)
     assert later["margin"] > 0 and later["loss"] < math.log(2)
 
     chosen = Batch(batch.input_ids[0::2], batch.attention_mask[0::2], batch.response_mask[0::2])
     sft = Actor(WARM, learning_rate=1e-3, **common)
     losses = [
-        sft.likelihood_epochs(chosen, epochs=1, mini_batches=1, micro_batch_size=8)["loss"]
-        for _ in range(4)
+        sft.likelihood_epochs(chosen, EpochPlan(micro_batch_size=8))["loss"] for _ in range(4)
     ]
     assert losses[-1] < losses[0]
 

@@ -19,6 +19,7 @@ from ferrule_trainer.rl import (
     ppo_epochs,
     trim_groups,
 )
+from ferrule_trainer.settings import Correction, EpochPlan
 
 
 def sample(prompt, response):
@@ -126,13 +127,16 @@ def test_ppo_epochs_steps_over_mini_batches_of_micro_batches_and_averages():
     batch = _numbered(8)
     seen = []
 
-    def train_step(micro_batches, *, scale):
+    def train_step(micro_batches, packed):
         seen.append([mb.input_ids[:, 0].tolist() for mb in micro_batches])
-        return {"loss": scale * len(seen)}
+        return {"loss": len(seen), "packed": packed}
 
-    metrics = ppo_epochs(train_step, batch, epochs=2, mini_batches=2, micro_batch_size=3, scale=1)
+    metrics = ppo_epochs(train_step, batch, EpochPlan(2, 2, micro_batch_size=3))
     assert seen == [[[0, 1, 2], [3]], [[4, 5, 6], [7]]] * 2  # 2 epochs x 2 optimizer steps
-    assert metrics == {"loss": (1 + 2 + 3 + 4) / 4}
+    assert metrics == {"loss": (1 + 2 + 3 + 4) / 4, "packed": 0.0}
+    seen.clear()  # without a micro-batch size: one micro-batch per mini-batch
+    ppo_epochs(train_step, batch, EpochPlan(mini_batches=2, pack_sequences=True))
+    assert seen == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
 
 
 def test_policy_and_critic_batches_carry_what_their_train_steps_read():
@@ -162,23 +166,25 @@ def test_rollout_correction_weights_and_the_vllm_kl_metric():
     engine = rl.rollout_logprobs(samples, batch)
     assert engine.tolist() == [[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]
     trainer = torch.tensor([[-1.0, -1.0 + math.log(3.0), -1.0], [-2.0 + math.log(0.1), 0.0, 0.0]])
-    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="none")
+    weights, metrics = rl.rollout_correction(trainer, engine, batch, Correction("none"))
     assert weights is None
     x = [0.0, -math.log(3.0), 0.0, -math.log(0.1)]  # log engine - log trainer, valid tokens
     assert metrics["vllm_kl"] == pytest.approx(sum(math.expm1(-v) + v for v in x) / 4)
-    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="tis", tis_floor=0.2)
+    weights, metrics = rl.rollout_correction(
+        trainer, engine, batch, Correction("tis", tis_floor=0.2)
+    )
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 1.0], [0.2, 0.0, 0.0]]))
     assert metrics["rollout_correction/truncated"] == pytest.approx(0.5)
-    weights, metrics = rl.rollout_correction(trainer, engine, batch, kind="icepop")
+    weights, metrics = rl.rollout_correction(trainer, engine, batch, Correction("icepop"))
     torch.testing.assert_close(weights, torch.tensor([[1.0, 3.0, 1.0], [0.0, 0.0, 0.0]]))
     assert metrics["rollout_correction/masked"] == pytest.approx(0.25)
     # the second response's geometric-mean ratio is 0.1: the whole response goes
     weights, metrics = rl.rollout_correction(
-        trainer, engine, batch, kind="tis", sequence_mask=(0.5, 2.0)
+        trainer, engine, batch, Correction("tis", sequence_mask=(0.5, 2.0))
     )
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, 1.0], [0.0, 0.0, 0.0]]))
     assert metrics["rollout_correction/masked_sequences"] == 0.5
-    weights, _ = rl.rollout_correction(trainer, engine, batch, sequence_mask=(0.5, 2.0))
+    weights, _ = rl.rollout_correction(trainer, engine, batch, Correction(sequence_mask=(0.5, 2.0)))
     torch.testing.assert_close(weights, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
 
 
@@ -196,10 +202,10 @@ def test_ppo_epochs_keeps_units_of_rows_together():
     batch = _numbered(10)  # 5 pairs
     seen = []
 
-    def step(micro_batches):
+    def step(micro_batches, packed):
         seen.append([mb.input_ids[:, 0].tolist() for mb in micro_batches])
         return {"loss": 1.0}
 
-    ppo_epochs(step, batch, epochs=1, mini_batches=2, micro_batch_size=3, unit=2)
+    ppo_epochs(step, batch, EpochPlan(mini_batches=2, micro_batch_size=3), unit=2)
     assert seen == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]  # 4-row steps of 2-row parts
     assert all(len(part) % 2 == 0 for step_parts in seen for part in step_parts)

@@ -11,6 +11,7 @@ import torch
 from ferrule_testkit import tiny_model
 from ferrule_trainer.config import CriticConfig, TrainerConfig
 from ferrule_trainer.groups import Group
+from ferrule_trainer.settings import ForwardPlan
 from ferrule_trainer.step import LocalRanks, RLStep, reaches
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -71,7 +72,7 @@ def rollout(model, groups: int = 2, version: int = 0, seed: int = 0) -> list[Sam
         response = torch.randint(5, 400, (2 + i % 4,), generator=g).tolist()
         samples.append(Sample(prompt, response, version=version))
     batch = build_batch(samples, 0)
-    own = model.logprobs(batch, 64)
+    own = model.logprobs(batch, ForwardPlan(64))
     for row, sample in enumerate(samples):
         sample.logprobs = own[row, : len(sample.token_ids)].tolist()
     return samples
@@ -243,6 +244,5 @@ def test_reaches_is_within_a_rounding_error():
 def test_gspo_brings_its_aggregation_and_token_ratios_keep_the_default():
     assert TrainerConfig(ratio_level="sequence").agg_mode == "seq-mean-token-mean"
     assert TrainerConfig().agg_mode == "token-mean"
-    assert TrainerConfig(ratio_level="sequence", clip_low=3e-4).loss_options()["agg_mode"] == (
-        "seq-mean-token-mean"
-    )
+    gspo = TrainerConfig(ratio_level="sequence", clip_low=3e-4).policy_loss()
+    assert gspo.agg_mode == "seq-mean-token-mean" and gspo.ratio_level == "sequence"

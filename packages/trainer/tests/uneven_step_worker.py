@@ -16,6 +16,7 @@ from rank_exit import leave_and_exit
 
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.batch import Batch
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss
 
 model_path, out_dir, zero_stage = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -30,9 +31,9 @@ attention[3:, -4:] = 0  # and 4-token responses
 batch = Batch(ids, attention, attention[:, -R:].clone())
 batch = batch.replace(advantages=torch.randn(B, R, generator=generator))
 mine = batch if world == 1 else batch.take([0, 1, 2] if rank == 0 else [3, 4, 5])
-tokens = dict(micro_batch_size=8, micro_batch_tokens=40)
-logprobs = actor.logprobs(mine, **tokens)
-metrics = actor.train_epochs(mine, epochs=1, mini_batches=1, **tokens)
+logprobs = actor.logprobs(mine, ForwardPlan(micro_batch_size=8, micro_batch_tokens=40))
+plan = EpochPlan(micro_batch_size=8, micro_batch_tokens=40)
+metrics = actor.train_epochs(mine, plan, PolicyLoss())
 torch.save(logprobs, out_dir / f"logprobs_rank{rank}.pt")
 if rank == 0:
     (out_dir / "metrics.json").write_text(json.dumps(metrics))

@@ -1,7 +1,7 @@
 """Calls into the run's Ray actors, with failures that name the role: RunError, get, RankGroup.
 
     group = RankGroup(workers, "policy")       # ferrule-trainer's step.Ranks, over Ray actors
-    metrics = group.train_epochs(batch, epochs=1)()       # a shard per rank; RunError names it
+    metrics = group.train_epochs(batch, plan, loss)()      # a shard per rank; RunError names it
     metrics = get(refs, "policy")                         # any call's refs, the role named
 
 A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
@@ -16,6 +16,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ferrule_trainer.batch import Batch
+    from ferrule_trainer.settings import (
+        EpochPlan,
+        ForwardPlan,
+        PolicyLoss,
+        PreferenceLoss,
+        ValueLoss,
+    )
 
 
 class RunError(RuntimeError):
@@ -137,51 +144,27 @@ class RankGroup:
 
         return wait
 
-    def logprobs(
-        self,
-        batch: "Batch",
-        micro_batch_size: int,
-        temperature: float | None = None,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
-    ):
-        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
+    def logprobs(self, batch: "Batch", plan: "ForwardPlan", temperature: float | None = None):
         return self._joined(
-            self._on_shards(
-                batch,
-                lambda w, shard: w.logprobs.remote(shard, micro_batch_size, temperature, **tokens),
-            )
+            self._on_shards(batch, lambda w, shard: w.logprobs.remote(shard, plan, temperature))
         )
 
-    def values(
-        self,
-        batch: "Batch",
-        micro_batch_size: int,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
-    ):
-        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
-        return self._joined(
-            self._on_shards(
-                batch, lambda w, shard: w.values.remote(shard, micro_batch_size, **tokens)
-            )
-        )
+    def values(self, batch: "Batch", plan: "ForwardPlan"):
+        return self._joined(self._on_shards(batch, lambda w, shard: w.values.remote(shard, plan)))
 
-    def train_epochs(self, batch: "Batch", **options):
+    def train_epochs(self, batch: "Batch", plan: "EpochPlan", loss: "PolicyLoss | ValueLoss"):
         return self._merged(
-            self._on_shards(batch, lambda w, shard: w.train_epochs.remote(shard, **options))
+            self._on_shards(batch, lambda w, shard: w.train_epochs.remote(shard, plan, loss))
         )
 
-    def likelihood_epochs(self, batch: "Batch", **options):
+    def likelihood_epochs(self, batch: "Batch", plan: "EpochPlan"):
         return self._merged(
-            self._on_shards(batch, lambda w, shard: w.likelihood_epochs.remote(shard, **options))
+            self._on_shards(batch, lambda w, shard: w.likelihood_epochs.remote(shard, plan))
         )
 
-    def preference_epochs(self, batch: "Batch", **options):
+    def preference_epochs(self, batch: "Batch", plan: "EpochPlan", loss: "PreferenceLoss"):
         return self._merged(
-            self._on_shards(batch, lambda w, shard: w.preference_epochs.remote(shard, **options))
+            self._on_shards(batch, lambda w, shard: w.preference_epochs.remote(shard, plan, loss))
         )
 
     # -- collectives: every rank takes part ------------------------------------------------

@@ -24,11 +24,14 @@ from ferrule_launcher.calls import RankGroup, get, get_each
 from ferrule_launcher.placement import Role
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ferrule_trainer.batch import Batch
+    from ferrule_trainer.settings import EpochPlan, ForwardPlan
 
 
-def _timed(train, batch: "Batch", **options) -> dict:
-    """`train`'s metrics and this rank's share of its cost: "seconds" it took and "compiles",
+def _timed(train: "Callable[[], dict]") -> dict:
+    """`train()`'s metrics and this rank's share of its cost: "seconds" it took and "compiles",
     the graphs torch.compile built meanwhile (a compiled layer meeting an input of a new form:
     seconds each at real sizes, and every other rank waits at the next collective)."""
     import time
@@ -36,7 +39,7 @@ def _timed(train, batch: "Batch", **options) -> dict:
     from torch._dynamo.utils import counters
 
     began, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
-    metrics = train(batch, **options)
+    metrics = train()
     metrics["seconds"] = time.perf_counter() - began
     metrics["compiles"] = counters["stats"]["unique_graphs"] - graphs
     return metrics
@@ -147,26 +150,20 @@ class RankWorker:
         # nothing here changes them before `send` returns
         return self.sender.send(weights, version=version, specs=specs, in_place=in_place)
 
-    def logprobs(
-        self,
-        batch: "Batch",
-        micro_batch_size: int | None = None,
-        temperature: float | None = None,
-        **tokens,  # micro_batch_tokens, packed: see Actor.logprobs
-    ):
-        return self.actor.logprobs(batch, micro_batch_size, temperature, **tokens)
+    def logprobs(self, batch: "Batch", plan: "ForwardPlan", temperature: float | None = None):
+        return self.actor.logprobs(batch, plan, temperature)
 
-    def values(self, batch: "Batch", micro_batch_size: int | None = None, **tokens):
-        return self.actor.values(batch, micro_batch_size, **tokens)
+    def values(self, batch: "Batch", plan: "ForwardPlan"):
+        return self.actor.values(batch, plan)
 
-    def train_epochs(self, batch: "Batch", **options) -> dict:
-        return _timed(self.actor.train_epochs, batch, **options)
+    def train_epochs(self, batch: "Batch", plan: "EpochPlan", loss) -> dict:
+        return _timed(lambda: self.actor.train_epochs(batch, plan, loss))
 
-    def likelihood_epochs(self, batch: "Batch", **options) -> dict:
-        return _timed(self.actor.likelihood_epochs, batch, **options)
+    def likelihood_epochs(self, batch: "Batch", plan: "EpochPlan") -> dict:
+        return _timed(lambda: self.actor.likelihood_epochs(batch, plan))
 
-    def preference_epochs(self, batch: "Batch", **options) -> dict:
-        return _timed(self.actor.preference_epochs, batch, **options)
+    def preference_epochs(self, batch: "Batch", plan: "EpochPlan", loss) -> dict:
+        return _timed(lambda: self.actor.preference_epochs(batch, plan, loss))
 
     def save(self, directory: str, step: int) -> dict[str, float]:
         """Saves this rank's resumable state; its seconds by part (checkpoint.SavedState)."""

@@ -3,12 +3,12 @@
     actor = Actor(model_path, zero_stage=2, dtype="bfloat16", learning_rate=1e-6, lora_rank=0)
     reference = Actor(model_path, train=False, zero_stage=3)
     batch = batch.replace(ref_logprobs=reference.logprobs(batch))   # a Batch (batch.py)
-    metrics = actor.train_step(micro_batches, clip_low=0.2, kl_coef=0.001)
-    metrics = actor.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8, clip_low=0.2)
-    metrics = actor.train_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=64,
-                                 micro_batch_tokens=8192, pack_sequences=True)  # by tokens
-    metrics = actor.likelihood_epochs(batch, epochs=1, mini_batches=1, micro_batch_size=8)  # SFT
-    metrics = actor.preference_epochs(pairs, epochs=1, mini_batches=1, micro_batch_size=8, beta=0.1)
+    metrics = actor.train_step(micro_batches, PolicyLoss(clip_low=0.2, kl_coef=0.001))
+    plan = EpochPlan(epochs=2, mini_batches=4, micro_batch_size=8)   # settings.py
+    metrics = actor.train_epochs(batch, plan, PolicyLoss())
+    by_tokens = EpochPlan(micro_batch_size=64, micro_batch_tokens=8192, pack_sequences=True)
+    metrics = actor.likelihood_epochs(batch, plan)                                    # SFT
+    metrics = actor.preference_epochs(pairs, plan, PreferenceLoss(beta=0.1))           # DPO
     sender.send(actor.export_weights(dtype=torch.bfloat16), specs=actor.weight_specs(torch.bfloat16))
     actor.save_hf("out/policy"); actor.save_state("out/state", step=10, data_position=640)
 
@@ -31,6 +31,7 @@ from ferrule_trainer.losses import entropy_bonus, policy_loss
 from ferrule_trainer.pairwise import dpo_loss
 from ferrule_trainer.rl import ppo_epochs
 from ferrule_trainer.sequences import forward_in_micro_batches, response_logprobs
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss, PreferenceLoss
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -121,16 +122,12 @@ class Actor(TrainedModel):
     def logprobs(
         self,
         batch: Batch,
-        micro_batch_size: int | None = None,
+        plan: ForwardPlan = ForwardPlan(),
         temperature: float | None = None,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
     ) -> torch.Tensor:
         """(B, R) log-probabilities of the response tokens (the reference's or the old policy's),
-        on the host; the forward passes take `micro_batch_size` rows at a time (None: all), and
-        with `micro_batch_tokens` rows sorted by length within that many tokens each (`packed`:
-        without padding; see sequences.forward_in_micro_batches), 0 on padding.
+        on the host, 0 on padding; the forward passes go as `plan` says (rows and tokens at a
+        time, packed or not; see sequences.forward_in_micro_batches).
         `temperature`: of the softmax (None: the rollout's, as the sampler drew the tokens;
         1.0: the model's own distribution, what DPO compares)."""
         was_training = self.engine.training
@@ -138,16 +135,16 @@ class Actor(TrainedModel):
         temperature = self.temperature if temperature is None else temperature
 
         def forward(micro_batch):
-            return response_logprobs(self.engine, micro_batch, temperature, packed=packed)[0]
+            return response_logprobs(self.engine, micro_batch, temperature, packed=plan.packed)[0]
 
         try:
             return forward_in_micro_batches(
                 forward,
                 batch,
-                micro_batch_size,
+                plan.micro_batch_size,
                 self.device,
-                micro_batch_tokens,
-                packed,
+                plan.micro_batch_tokens,
+                plan.packed,
                 lockstep=self.engine.zero_optimization_stage() == 3,
             )
         finally:
@@ -156,20 +153,12 @@ class Actor(TrainedModel):
     def train_step(
         self,
         micro_batches: Sequence[Batch],
-        *,
-        clip_low: float = 0.2,
-        clip_high: float = 0.28,
-        dual_clip: float | None = 3.0,
-        agg_mode: str = "token-mean",
-        kl_coef: float = 0.0,
-        kl_kind: str = "k3",
-        kl_max: float | None = 10.0,
-        ratio_level: str = "token",
-        entropy_coef: float = 0.0,
+        loss: PolicyLoss = PolicyLoss(),
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the PPO clipped loss over this rank's micro-batches (`packed`:
-        each forward packs its micro-batch's rows without padding, `sequences.packed_inputs`).
+        """One optimizer step of the PPO clipped loss (`loss`: its settings) over this rank's
+        micro-batches (`packed`: each forward packs its micro-batch's rows without padding,
+        `sequences.packed_inputs`).
 
         Each micro-batch (a Batch) holds old_logprobs and advantages, ref_logprobs when
         kl_coef > 0, and optionally is_weights (rollout / trainer importance weights). The loss
@@ -186,7 +175,7 @@ class Actor(TrainedModel):
             raise RuntimeError("train_step on a frozen Actor (train=False, e.g. the reference)")
         on_policy = micro_batches[0].old_logprobs is None
         required = ["advantages"] + ([] if on_policy else ["old_logprobs"])
-        required += ["ref_logprobs"] if kl_coef else []
+        required += ["ref_logprobs"] if loss.kl_coef else []
         for micro_batch in micro_batches:
             micro_batch.require(*required)
         micro_batches = [mb.to(self.device) for mb in micro_batches]
@@ -195,12 +184,17 @@ class Actor(TrainedModel):
         sequences = engine.global_sum(
             sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
         )
-        counts = dict(agg_mode=agg_mode, num_tokens=tokens, num_sequences=sequences)
+        counts = dict(agg_mode=loss.agg_mode, num_tokens=tokens, num_sequences=sequences)
+        settings = loss  # `loss` below is each micro-batch's
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro_batch.response_mask
             logprobs, entropy = response_logprobs(
-                self.engine, micro_batch, self.temperature, packed=packed, entropy=entropy_coef > 0
+                self.engine,
+                micro_batch,
+                self.temperature,
+                packed=packed,
+                entropy=settings.entropy_coef > 0,
             )
             old = logprobs.detach() if on_policy else micro_batch.old_logprobs
             pg = policy_loss(
@@ -208,11 +202,11 @@ class Actor(TrainedModel):
                 old,
                 micro_batch.advantages,
                 mask,
-                clip_low=clip_low,
-                clip_high=clip_high,
-                dual_clip=dual_clip,
+                clip_low=settings.clip_low,
+                clip_high=settings.clip_high,
+                dual_clip=settings.dual_clip,
                 is_weights=micro_batch.is_weights,
-                ratio_level=ratio_level,
+                ratio_level=settings.ratio_level,
                 **counts,
             )
             loss = pg.loss
@@ -230,14 +224,18 @@ class Actor(TrainedModel):
                 if micro_batch.ref_logprobs is not None:
                     k1 = kl_estimate(old, micro_batch.ref_logprobs, mask, kind="k1")
                     metrics["kl"] = masked_sum(k1, mask) * share
-            if kl_coef:
-                ref_logprobs = micro_batch.ref_logprobs
+            if settings.kl_coef:
                 kl = kl_loss(
-                    logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max, **counts
+                    logprobs,
+                    micro_batch.ref_logprobs,
+                    mask,
+                    kind=settings.kl_kind,
+                    max_abs_estimate=settings.kl_max,
+                    **counts,
                 )
-                loss = loss + kl_coef * kl
-            if entropy_coef:
-                loss = loss - entropy_coef * entropy_bonus(entropy, mask, **counts)
+                loss = loss + settings.kl_coef * kl
+            if settings.entropy_coef:
+                loss = loss - settings.entropy_coef * entropy_bonus(entropy, mask, **counts)
             return loss, metrics
 
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
@@ -247,14 +245,13 @@ class Actor(TrainedModel):
         metrics["tokens"] = float(tokens)
         return metrics
 
-    def likelihood_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
+    def likelihood_epochs(self, batch: Batch, plan: EpochPlan) -> dict[str, float]:
         """SFT on chosen samples (rejection sampling): `rl.ppo_epochs` of `likelihood_step` over
-        this rank's share of the batch; options: epochs, mini_batches,
-        micro_batch_size, micro_batch_tokens, pack_sequences."""
-        return ppo_epochs(self.likelihood_step, batch, **options)
+        this rank's share of the batch."""
+        return ppo_epochs(self.likelihood_step, batch, plan)
 
     def likelihood_step(
-        self, micro_batches: Sequence[Batch], *, packed: bool = False
+        self, micro_batches: Sequence[Batch], packed: bool = False
     ) -> dict[str, float]:
         """One optimizer step of the responses' negative log-likelihood, the mean over the valid
         response tokens of the step on all ranks."""
@@ -269,13 +266,7 @@ class Actor(TrainedModel):
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
     def preference_epochs(
-        self,
-        batch: Batch,
-        *,
-        epochs: int,
-        mini_batches: int,
-        micro_batch_size: int,
-        **loss_options: Any,
+        self, batch: Batch, plan: EpochPlan, loss: PreferenceLoss
     ) -> dict[str, float]:
         """DPO on preference pairs (iterative DPO): `rl.ppo_epochs` of `preference_step`, its
         mini- and micro-batches cut at whole pairs. `batch` (this rank's share) holds each pair's
@@ -284,30 +275,23 @@ class Actor(TrainedModel):
         rows = batch.rows
         if rows % 2:
             raise ValueError(f"preference pairs take two rows each, got {rows} rows")
-        return ppo_epochs(
-            self.preference_step,
-            batch,
-            epochs=epochs,
-            mini_batches=mini_batches,
-            micro_batch_size=micro_batch_size,
-            unit=2,
-            **loss_options,
-        )
+
+        def step(micro_batches: list[Batch], packed: bool) -> dict[str, float]:
+            return self.preference_step(micro_batches, loss, packed)
+
+        return ppo_epochs(step, batch, plan, unit=2)
 
     def preference_step(
         self,
         micro_batches: Sequence[Batch],
-        *,
-        beta: float,
-        kind: str = "sigmoid",
-        label_smoothing: float = 0.0,
-        nll_coef: float = 0.0,
+        loss: PreferenceLoss,
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of DPO (pairwise.dpo_loss) over the pairs of `micro_batches` (see
-        preference_epochs), the mean over the step's pairs on all ranks; nll_coef > 0 adds the
-        chosen responses' mean NLL per token (RPO), which keeps DPO from lowering the chosen
-        responses' own likelihood."""
+        """One optimizer step of DPO (pairwise.dpo_loss; `loss`: its settings) over the pairs of
+        `micro_batches` (see preference_epochs), the mean over the step's pairs on all ranks;
+        loss.nll_coef > 0 adds the chosen responses' mean NLL per token (RPO), which keeps DPO
+        from lowering the chosen responses' own likelihood."""
+        kind = loss.kind
         for micro_batch in micro_batches:
             micro_batch.require("ref_logprobs")
         micro_batches = self._on_device(micro_batches)
@@ -325,7 +309,7 @@ class Actor(TrainedModel):
                 sums, ref = sums / lengths, ref / lengths
             out = dpo_loss(
                 sums[0::2], sums[1::2], ref[0::2], ref[1::2],
-                beta=beta, kind=kind, label_smoothing=label_smoothing,
+                beta=loss.beta, kind=kind, label_smoothing=loss.label_smoothing,
             )  # fmt: skip
             # means over the rank's pairs: optimizer_step averages over micro-batches
             share = len(micro_batches) / own_pairs
@@ -334,7 +318,7 @@ class Actor(TrainedModel):
                 "margin": (out.chosen_reward - out.rejected_reward).sum() * share,
                 "chosen_nll": chosen_nll.detach().sum() * share,
             }
-            return (out.loss + nll_coef * chosen_nll).sum() / pairs, metrics
+            return (out.loss + loss.nll_coef * chosen_nll).sum() / pairs, metrics
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
@@ -343,18 +327,20 @@ class Actor(TrainedModel):
             raise RuntimeError("a train step on a frozen Actor (train=False, e.g. the reference)")
         return [mb.to(self.device) for mb in micro_batches]
 
-    def train_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
-        """PPO epochs of `train_step` over this rank's share of one rollout batch; options: see
-        `rl.ppo_epochs` (epochs, mini_batches, micro_batch_size, micro_batch_tokens,
-        pack_sequences, then train_step's keywords).
-        A batch without old_logprobs must take exactly one optimizer step (see train_step)."""
-        steps = options.get("epochs", 1) * options.get("mini_batches", 1)
-        if batch.old_logprobs is None and steps != 1:
+    def train_epochs(self, batch: Batch, plan: EpochPlan, loss: PolicyLoss) -> dict[str, float]:
+        """PPO epochs (`rl.ppo_epochs`, as `plan` says) of `train_step` with `loss` over this
+        rank's share of one rollout batch. A batch without old_logprobs must take exactly one
+        optimizer step (see train_step)."""
+        if batch.old_logprobs is None and plan.updates != 1:
             raise ValueError(
                 f"a batch without old_logprobs is trained on-policy, in one optimizer step; "
-                f"epochs x mini_batches = {steps}"
+                f"epochs x mini_batches = {plan.updates}"
             )
-        return ppo_epochs(self.train_step, batch, **options)
+
+        def step(micro_batches: list[Batch], packed: bool) -> dict[str, float]:
+            return self.train_step(micro_batches, loss, packed)
+
+        return ppo_epochs(step, batch, plan)
 
     def weight_specs(self, dtype: torch.dtype | None = None):
         """The names, shapes and dtypes `export_weights` will yield, without gathering anything."""

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_validator
 
 from ferrule_config import InputPath, Problems, Table, renamed_dtype
+from ferrule_trainer.settings import Correction, EpochPlan, ForwardPlan, PolicyLoss
 
 TrainDType = Annotated[Literal["float32", "bfloat16"], BeforeValidator(renamed_dtype)]
 """The dtype vocabulary of every Ferrule table (torch's names); training takes these two."""
@@ -372,57 +373,51 @@ class TrainerConfig(Table):
             or (self.kl_in == "reward" and self.kl_coef > 0)
         )
 
-    def estimate_options(self) -> dict:
-        """The keyword arguments of `rl.estimate` that this table sets."""
-        return self.model_dump(include={"kl_coef", "kl_kind", "kl_in", "kl_max", "gamma", "lam"})
-
-    def correction_options(self) -> dict:
-        """The keyword arguments of `rl.rollout_correction` that this table sets."""
-        options = self.model_dump(
-            include={"tis_cap", "tis_floor", "icepop_low", "icepop_high", "sequence_mask"}
-        )
-        return dict(options, kind=self.rollout_correction)
-
-    def epoch_options(self) -> dict:
-        """The keyword arguments of `rl.ppo_epochs` (policy and critic) that this table sets."""
-        return self.model_dump(
-            include={
-                "epochs",
-                "mini_batches",
-                "micro_batch_size",
-                "micro_batch_tokens",
-                "pack_sequences",
-            }
+    def correction(self) -> Correction:
+        """What `rl.rollout_correction` does with the engine's and the trainer's logprobs."""
+        return Correction(
+            kind=self.rollout_correction,
+            tis_cap=self.tis_cap,
+            tis_floor=self.tis_floor,
+            icepop_low=self.icepop_low,
+            icepop_high=self.icepop_high,
+            sequence_mask=self.sequence_mask,
         )
 
-    def forward_options(self) -> dict:
-        """The keyword arguments of `Actor.logprobs` / `Critic.values` (old policy, reference,
-        critic) that this table sets."""
-        tokens = self.forward_batch_tokens or self.micro_batch_tokens
-        return {
-            "micro_batch_size": self.forward_batch_size or self.micro_batch_size,
-            "micro_batch_tokens": tokens,
-            "packed": self.pack_sequences,
-        }
-
-    def loss_options(self) -> dict:
-        """The keyword arguments of `Actor.train_step` that this table sets (the KL term only
-        when the loss carries it)."""
-        options = self.model_dump(
-            include={
-                "clip_low",
-                "clip_high",
-                "dual_clip",
-                "agg_mode",
-                "kl_coef",
-                "kl_kind",
-                "kl_max",
-                "ratio_level",
-            }
+    def epoch_plan(self) -> EpochPlan:
+        """How the policy and the critic train on each batch (`rl.ppo_epochs`)."""
+        return EpochPlan(
+            epochs=self.epochs,
+            mini_batches=self.mini_batches,
+            micro_batch_size=self.micro_batch_size,
+            micro_batch_tokens=self.micro_batch_tokens,
+            pack_sequences=self.pack_sequences,
         )
-        options["kl_coef"] = self.kl_coef if self.kl_in == "loss" else 0.0
-        options["entropy_coef"] = self.entropy_coef
-        return options
+
+    def forward_plan(self) -> ForwardPlan:
+        """How the old policy's, the reference's and the critic's scoring passes take a batch
+        (forward_batch_size / _tokens, else the training micro-batch's)."""
+        return ForwardPlan(
+            micro_batch_size=self.forward_batch_size or self.micro_batch_size,
+            micro_batch_tokens=self.forward_batch_tokens or self.micro_batch_tokens,
+            packed=self.pack_sequences,
+        )
+
+    def policy_loss(self, kl_coef: float | None = None) -> PolicyLoss:
+        """The policy loss's settings; its KL term only when the loss carries it (kl_in =
+        "loss"), at `kl_coef` (the adaptive controller's, None: this table's)."""
+        in_loss = self.kl_in == "loss"
+        return PolicyLoss(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            agg_mode=self.agg_mode,
+            kl_coef=(self.kl_coef if kl_coef is None else kl_coef) if in_loss else 0.0,
+            kl_kind=self.kl_kind,
+            kl_max=self.kl_max,
+            ratio_level=self.ratio_level,
+            entropy_coef=self.entropy_coef,
+        )
 
 
 class CriticConfig(Table):

@@ -2,8 +2,8 @@
 
     critic = Critic(model_path, zero_stage=2, dtype="bfloat16", learning_rate=5e-6)
     batch = batch.replace(old_values=critic.values(batch))          # a Batch (batch.py)
-    metrics = critic.train_step(micro_batches, clip=0.2)              # needs returns too
-    metrics = critic.train_epochs(batch, epochs=2, mini_batches=4, micro_batch_size=8)
+    metrics = critic.train_step(micro_batches, ValueLoss(clip=0.2))    # needs returns too
+    metrics = critic.train_epochs(batch, EpochPlan(epochs=2, mini_batches=4), ValueLoss())
 
 The critic is the policy's architecture with a linear value head on the last hidden state
 (`AutoModelForTokenClassification`, one label): started from a causal LM checkpoint the head is
@@ -25,6 +25,7 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import value_loss
 from ferrule_trainer.rl import ppo_epochs
 from ferrule_trainer.sequences import forward_in_micro_batches, response_values
+from ferrule_trainer.settings import EpochPlan, ForwardPlan, ValueLoss
 from ferrule_trainer.trained import TrainedModel
 
 
@@ -87,23 +88,19 @@ class Critic(TrainedModel):
     def values(
         self,
         batch: Batch,
-        micro_batch_size: int | None = None,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
+        plan: ForwardPlan = ForwardPlan(),
     ) -> torch.Tensor:
         """(B, R) values of the states before each response token, on the host; the forward
-        passes take `micro_batch_size` rows at a time (None: all), and with
-        `micro_batch_tokens` as `Actor.logprobs` does."""
+        passes go as `plan` says, as `Actor.logprobs`'s do."""
         self.engine.eval()
         try:
             return forward_in_micro_batches(
-                lambda mb: response_values(self.engine, mb, packed),
+                lambda mb: response_values(self.engine, mb, plan.packed),
                 batch,
-                micro_batch_size,
+                plan.micro_batch_size,
                 engine.device(),
-                micro_batch_tokens,
-                packed,
+                plan.micro_batch_tokens,
+                plan.packed,
                 lockstep=self.engine.zero_optimization_stage() == 3,
             )
         finally:
@@ -112,13 +109,11 @@ class Critic(TrainedModel):
     def train_step(
         self,
         micro_batches: Sequence[Batch],
-        *,
-        clip: float | None = 0.2,
-        agg_mode: str = "token-mean",
+        loss: ValueLoss = ValueLoss(),
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss; the micro-batches carry old_values and
-        returns (`packed`: as `Actor.train_step`)."""
+        """One optimizer step of the clipped value loss (`loss`: its settings); the micro-batches
+        carry old_values and returns (`packed`: as `Actor.train_step`)."""
         for micro_batch in micro_batches:
             micro_batch.require("old_values", "returns")
         micro_batches = [mb.to(engine.device()) for mb in micro_batches]
@@ -135,8 +130,8 @@ class Critic(TrainedModel):
                 micro_batch.old_values,
                 micro_batch.returns,
                 micro_batch.response_mask,
-                clip=clip,
-                agg_mode=agg_mode,
+                clip=loss.clip,
+                agg_mode=loss.agg_mode,
                 num_tokens=tokens,
                 num_sequences=sequences,
             )
@@ -146,6 +141,11 @@ class Critic(TrainedModel):
 
         return engine.optimizer_step(self.engine, micro_batches, loss_fn)
 
-    def train_epochs(self, batch: Batch, **options: Any) -> dict[str, float]:
-        """PPO epochs of `train_step` over one rollout batch; options: see `rl.ppo_epochs`."""
-        return ppo_epochs(self.train_step, batch, **options)
+    def train_epochs(self, batch: Batch, plan: EpochPlan, loss: ValueLoss) -> dict[str, float]:
+        """PPO epochs (`rl.ppo_epochs`, as `plan` says) of `train_step` with `loss` over this
+        rank's share of one rollout batch."""
+
+        def step(micro_batches: list[Batch], packed: bool) -> dict[str, float]:
+            return self.train_step(micro_batches, loss, packed)
+
+        return ppo_epochs(step, batch, plan)

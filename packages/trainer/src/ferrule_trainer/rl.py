@@ -1,10 +1,10 @@
 """One RL step's data and math: rollout samples to a batch, advantages by estimator, PPO epochs.
 
     batch = build_batch(samples, pad_id)              # a Batch (batch.py)
-    weights, metrics = rollout_correction(old, rollout_logprobs(samples, batch), batch, ...)
+    weights, metrics = rollout_correction(old, rollout_logprobs(samples, batch), batch, correction)
     advantages, returns = estimate("grpo", scores, batch, group_size=8, old_logprobs=old)
-    actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), epochs=1, ...)
-    critic.train_epochs(critic_batch(batch, values, returns), epochs=1, ...)   # "gae" only
+    actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), EpochPlan(), PolicyLoss())
+    critic.train_epochs(critic_batch(batch, values, returns), EpochPlan(), ValueLoss())  # "gae"
 
 Whoever drives the loop (ferrule-launcher) moves these batches between processes; what is in them
 and what is done with them is decided here. Samples are plain objects with `prompt_token_ids`
@@ -28,6 +28,7 @@ from ferrule_trainer.reward_shaping import (
     token_rewards,
 )
 from ferrule_trainer.sequences import plan_micro_batches
+from ferrule_trainer.settings import Correction, EpochPlan
 
 T = TypeVar("T")
 
@@ -110,19 +111,14 @@ def rollout_correction(
     old_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
     batch: Batch,
-    *,
-    kind: str = "none",
-    tis_cap: float = 2.0,
-    tis_floor: float | None = None,
-    icepop_low: float = 0.5,
-    icepop_high: float = 5.0,
-    sequence_mask: tuple[float, float] | None = None,
+    correction: Correction = Correction(),
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Per-token weights for the policy loss that correct for the engine's and the trainer's
     probabilities of the same tokens differing ("tis", "icepop": `importance`), times a
-    sequence mask when `sequence_mask` = (low, high); None when neither is on. Metrics, every
-    step: "vllm_kl", the k3 estimate of KL(engine || trainer) per token (the samples come from
-    the engine), and what the correction changed."""
+    sequence mask when `correction.sequence_mask` = (low, high); None when neither is on.
+    Metrics, every step: "vllm_kl", the k3 estimate of KL(engine || trainer) per token (the
+    samples come from the engine), and what the correction changed."""
+    c, kind = correction, correction.kind
     mask = batch.response_mask
     metrics = {
         "vllm_kl": float(
@@ -132,20 +128,19 @@ def rollout_correction(
     weights = None
     if kind == "tis":
         tis = importance.truncated_is_weights(
-            old_logprobs, rollout_logprobs, mask, cap=tis_cap, floor=tis_floor
+            old_logprobs, rollout_logprobs, mask, cap=c.tis_cap, floor=c.tis_floor
         )
         weights, metrics["rollout_correction/truncated"] = tis.weights, float(tis.fraction)
     elif kind == "icepop":
         icepop = importance.icepop_weights(
-            old_logprobs, rollout_logprobs, mask, low=icepop_low, high=icepop_high
+            old_logprobs, rollout_logprobs, mask, low=c.icepop_low, high=c.icepop_high
         )
         weights, metrics["rollout_correction/masked"] = icepop.weights, float(icepop.fraction)
     elif kind != "none":
         raise ValueError(f"unknown rollout correction {kind!r}")
-    if sequence_mask is not None:
-        keep = importance.sequence_mask(
-            old_logprobs, rollout_logprobs, mask, low=sequence_mask[0], high=sequence_mask[1]
-        )
+    if c.sequence_mask is not None:
+        low, high = c.sequence_mask
+        keep = importance.sequence_mask(old_logprobs, rollout_logprobs, mask, low=low, high=high)
         base = weights if weights is not None else mask.float()
         weights = base * keep[:, None]
         metrics["rollout_correction/masked_sequences"] = float((~keep).float().mean())
@@ -255,44 +250,38 @@ def critic_batch(batch: Batch, values: torch.Tensor, returns: torch.Tensor) -> B
 
 
 def ppo_epochs(
-    train_step: Callable[..., dict[str, float]],
+    train_step: Callable[[list[Batch], bool], dict[str, float]],
     batch: Batch,
-    *,
-    epochs: int,
-    mini_batches: int,
-    micro_batch_size: int,
-    micro_batch_tokens: int | None = None,
-    pack_sequences: bool = False,
+    plan: EpochPlan,
     unit: int = 1,
-    **loss_options,
 ) -> dict[str, float]:
-    """`epochs` passes over `batch`, `mini_batches` optimizer steps each, every step in
-    micro-batches of `micro_batch_size` rows; returns each metric's mean over the steps ("skipped":
-    how many updates were skipped for non-finite gradients; "nonfinite": where, when any). With
-    `micro_batch_tokens`, each mini-batch's rows are sorted by length into micro-batches of at
-    most that many tokens (and `micro_batch_size` rows): `sequences.plan_micro_batches`.
-    `pack_sequences`: each micro-batch is one row without padding (the step gets packed=True).
-    The step's loss is aggregated over the whole mini-batch's counts, so the split does not
-    change it. `unit`: rows that stay together in every mini- and micro-batch (2: preference pairs)."""
-    size = max(batch.rows // unit // mini_batches, 1) * unit
-    micro = max(micro_batch_size // unit, 1) * unit
-    if pack_sequences:
-        loss_options = dict(loss_options, packed=True)
+    """`plan.epochs` passes over `batch`, `plan.mini_batches` optimizer steps each, every step
+    `train_step(micro_batches, packed)` over the mini-batch in micro-batches of at most
+    `plan.micro_batch_size` rows (None: one); returns each metric's mean over the steps
+    ("skipped": how many updates were skipped for non-finite gradients; "nonfinite": where, when
+    any). With `plan.micro_batch_tokens`, each mini-batch's rows are sorted by length into
+    micro-batches of at most that many tokens: `sequences.plan_micro_batches`.
+    `plan.pack_sequences`: each micro-batch is one row without padding (packed=True). The step's
+    loss is aggregated over the whole mini-batch's counts, so the split does not change it.
+    `unit`: rows that stay together in every mini- and micro-batch (2: preference pairs)."""
+    size = max(batch.rows // unit // plan.mini_batches, 1) * unit
+    micro = max((plan.micro_batch_size or size) // unit, 1) * unit
+    packed = plan.pack_sequences
 
     def micro_batches(mini: Batch) -> list[Batch]:
-        if micro_batch_tokens is None:
+        if plan.micro_batch_tokens is None:
             return mini.split(micro)
-        plan = plan_micro_batches(
-            mini, max_rows=micro, max_tokens=micro_batch_tokens, packed=pack_sequences, unit=unit
+        rows = plan_micro_batches(
+            mini, max_rows=micro, max_tokens=plan.micro_batch_tokens, packed=packed, unit=unit
         )
-        return [mini.take(rows) for rows in plan]
+        return [mini.take(taken) for taken in rows]
 
     totals: dict[str, float] = {}
     where: list[str] = []  # each skipped update's non-finite gradients, located
     steps = 0
-    for _ in range(epochs):
+    for _ in range(plan.epochs):
         for mini in batch.split(size):
-            metrics = train_step(micro_batches(mini), **loss_options)
+            metrics = train_step(micro_batches(mini), packed)
             if "nonfinite" in metrics:
                 where.append(f"update {steps + 1}: {metrics.pop('nonfinite') or 'not located'}")
             for key, value in metrics.items():

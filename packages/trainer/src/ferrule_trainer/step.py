@@ -29,6 +29,13 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
 from ferrule_trainer.groups import Group, flatten
 from ferrule_trainer.nonfinite import SkippedSteps
+from ferrule_trainer.settings import (
+    EpochPlan,
+    ForwardPlan,
+    PolicyLoss,
+    PreferenceLoss,
+    ValueLoss,
+)
 
 Pending = Callable[[], object]
 """A call in flight: calling it waits for the result (and raises the callee's error)."""
@@ -49,29 +56,18 @@ class Ranks(Protocol):
     size: int
 
     def logprobs(
-        self,
-        batch: Batch,
-        micro_batch_size: int,
-        temperature: float | None = None,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
+        self, batch: Batch, plan: ForwardPlan, temperature: float | None = None
     ) -> Pending: ...
 
-    def values(
-        self,
-        batch: Batch,
-        micro_batch_size: int,
-        *,
-        micro_batch_tokens: int | None = None,
-        packed: bool = False,
+    def values(self, batch: Batch, plan: ForwardPlan) -> Pending: ...
+
+    def train_epochs(
+        self, batch: Batch, plan: EpochPlan, loss: PolicyLoss | ValueLoss
     ) -> Pending: ...
 
-    def train_epochs(self, batch: Batch, **options) -> Pending: ...
+    def likelihood_epochs(self, batch: Batch, plan: EpochPlan) -> Pending: ...
 
-    def likelihood_epochs(self, batch: Batch, **options) -> Pending: ...
-
-    def preference_epochs(self, batch: Batch, **options) -> Pending: ...
+    def preference_epochs(self, batch: Batch, plan: EpochPlan, loss: PreferenceLoss) -> Pending: ...
 
 
 class LocalRanks:
@@ -82,24 +78,20 @@ class LocalRanks:
     def __init__(self, model):
         self.model = model
 
-    def logprobs(
-        self, batch, micro_batch_size, temperature=None, *, micro_batch_tokens=None, packed=False
-    ) -> Pending:
-        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
-        return _done(self.model.logprobs(batch, micro_batch_size, temperature, **tokens))
+    def logprobs(self, batch, plan, temperature=None) -> Pending:
+        return _done(self.model.logprobs(batch, plan, temperature))
 
-    def values(self, batch, micro_batch_size, *, micro_batch_tokens=None, packed=False) -> Pending:
-        tokens = dict(micro_batch_tokens=micro_batch_tokens, packed=packed)
-        return _done(self.model.values(batch, micro_batch_size, **tokens))
+    def values(self, batch, plan) -> Pending:
+        return _done(self.model.values(batch, plan))
 
-    def train_epochs(self, batch, **options) -> Pending:
-        return _done(self.model.train_epochs(batch, **options))
+    def train_epochs(self, batch, plan, loss) -> Pending:
+        return _done(self.model.train_epochs(batch, plan, loss))
 
-    def likelihood_epochs(self, batch, **options) -> Pending:
-        return _done(self.model.likelihood_epochs(batch, **options))
+    def likelihood_epochs(self, batch, plan) -> Pending:
+        return _done(self.model.likelihood_epochs(batch, plan))
 
-    def preference_epochs(self, batch, **options) -> Pending:
-        return _done(self.model.preference_epochs(batch, **options))
+    def preference_epochs(self, batch, plan, loss) -> Pending:
+        return _done(self.model.preference_epochs(batch, plan, loss))
 
 
 def _done(result) -> Pending:
@@ -231,14 +223,14 @@ class RLStep:
             shaped, self.reward_moments, norm=t.reward_norm, clip=t.reward_clip
         )
         batch = rl.build_batch(samples, self.pad_id)
-        forward = t.forward_options()  # rows and tokens per pass
+        forward = t.forward_plan()  # rows and tokens per pass
         began, pending = time.perf_counter(), {}
         if t.needs_old_logprobs():  # else the training forward gives them (Actor.train_step)
-            pending["old"] = self.policy.logprobs(batch, **forward)
+            pending["old"] = self.policy.logprobs(batch, forward)
         if self.reference is not None:
-            pending["ref"] = self.reference.logprobs(batch, **forward)
+            pending["ref"] = self.reference.logprobs(batch, forward)
         if self.critic_ranks is not None:
-            pending["values"] = self.critic_ranks.values(batch, **forward)
+            pending["values"] = self.critic_ranks.values(batch, forward)
         done = {name: wait() for name, wait in pending.items()}
         forward_seconds = time.perf_counter() - began  # scoring passes, before the epochs
         old, ref, values = done.get("old"), done.get("ref"), done.get("values")
@@ -251,26 +243,28 @@ class RLStep:
             ref_logprobs=ref,
             values=values,
             turn_rewards=rl.turn_rewards(samples, batch),
-            **dict(t.estimate_options(), kl_coef=self.kl_coef),
+            kl_coef=self.kl_coef,
+            kl_kind=t.kl_kind,
+            kl_in=t.kl_in,
+            kl_max=t.kl_max,
+            gamma=t.gamma,
+            lam=t.lam,
         )
         rollout_lp = rl.rollout_logprobs(samples, batch)
-        loss = t.loss_options()
-        loss["kl_coef"] = self.kl_coef if loss["kl_coef"] else 0.0  # 0: the KL is in the reward
+        loss = t.policy_loss(self.kl_coef)  # the adaptive coefficient of this step
         if old is None:  # on-policy: train_step reports vllm_kl and kl from its own forward
             result = {}
-            policy = rl.policy_batch(batch, None, advantages, ref, loss["kl_coef"])
+            policy = rl.policy_batch(batch, None, advantages, ref, loss.kl_coef)
             policy = policy.replace(rollout_logprobs=rollout_lp)
         else:
-            weights, result = rl.rollout_correction(
-                old, rollout_lp, batch, **t.correction_options()
-            )
-            policy = rl.policy_batch(batch, old, advantages, ref, loss["kl_coef"], weights)
-        policy_done = self.policy.train_epochs(policy, **t.epoch_options(), **loss)
+            weights, result = rl.rollout_correction(old, rollout_lp, batch, t.correction())
+            policy = rl.policy_batch(batch, old, advantages, ref, loss.kl_coef, weights)
+        policy_done = self.policy.train_epochs(policy, t.epoch_plan(), loss)
         if self.critic_ranks is not None:
             critic_done = self.critic_ranks.train_epochs(
                 rl.critic_batch(batch, values, returns),
-                **t.epoch_options(),
-                clip=self.critic.value_clip,
+                t.epoch_plan(),
+                ValueLoss(clip=self.critic.value_clip),
             )
             critic_metrics = critic_done()
             self.skips["critic"].count(step, critic_metrics)
@@ -317,7 +311,7 @@ class RLStep:
         if on_chosen is not None:
             on_chosen(best)
         batch = rl.build_batch([group.samples[i] for group, i in best], self.pad_id)
-        metrics = self.policy.likelihood_epochs(batch, **self.trainer.epoch_options())()
+        metrics = self.policy.likelihood_epochs(batch, self.trainer.epoch_plan())()
         self.skips["policy"].count(step, metrics)
         result = {f"train/{k}": v for k, v in metrics.items()}
         result["train/chosen"] = len(best)
@@ -341,12 +335,10 @@ class RLStep:
             return {"train/pairs": 0}
         rows = [sample for pair in pairs for sample in pair]  # chosen even, rejected odd
         batch = rl.build_batch(rows, self.pad_id)
-        forward = self.trainer.forward_options()
-        ref = self.reference.logprobs(batch, temperature=1.0, **forward)()
+        ref = self.reference.logprobs(batch, self.trainer.forward_plan(), temperature=1.0)()
         batch = batch.replace(ref_logprobs=ref)
-        metrics = self.policy.preference_epochs(
-            batch, **self.trainer.epoch_options(), beta=self.dpo_beta, nll_coef=self.dpo_nll_coef
-        )()
+        dpo = PreferenceLoss(beta=self.dpo_beta, nll_coef=self.dpo_nll_coef)
+        metrics = self.policy.preference_epochs(batch, self.trainer.epoch_plan(), dpo)()
         self.skips["policy"].count(step, metrics)
         result = {f"train/{k}": v for k, v in metrics.items()}
         result["train/pairs"] = len(pairs)
