@@ -46,21 +46,9 @@ def run(config: Config, resume: bool = False, prompts=None) -> dict:
 
 
 def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
+    """Start the processes, resume or evaluate first, run the steps, write the outputs; every
+    process started is stopped however this ends."""
     import ray
-
-    from ferrule_launcher.placement import (
-        bytecode_warning,
-        check_fits,
-        place_roles,
-        role_env,
-        start_ray,
-        threads_per_role,
-        wanted_roles,
-    )
-    from ferrule_launcher.reward_model_role import resources
-    from ferrule_launcher.rewards_service import RewardService
-    from ferrule_launcher.roles import start_roles, write_roles
-    from ferrule_launcher.warm_start import warm_start
 
     started = time.monotonic()
     startup = outputs.StartupTimeline()
@@ -69,61 +57,17 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
         outputs.clear_previous(out)
     if state:
         print(f"resuming from step {state['step']} ({out / 'checkpoint'})", flush=True)
-    threads = threads_per_role(config)
-    env = role_env(threads)
-    os.environ.update({k: v for k, v in env.items() if k not in os.environ})
-    slow_start = bytecode_warning()
-    if slow_start:
-        print(f"warning: {slow_start}", flush=True)
-    where = start_ray(config.ray, env)
-    startup.mark("ray")
-    on_cpu = f"; torch threads per role: {threads}" if "OMP_NUM_THREADS" in env else ""
-    print(f"ray: {where}; placement {config.ray.placement}{on_cpu}", flush=True)
-    print(f"prompts: {prompts.describe()}", flush=True)
-    rewards = log = roles = None
+    env = _start_ray(config, prompts, startup)
+    processes, log = _Processes(), None
     try:
-        if not config.ray.address:  # a joined cluster's nodes may still be joining
-            model_role = resources(config.rewards, config.ray) if config.rewards.model else (0, 0)
-            check_fits(config.ray, wanted_roles(config), ray.cluster_resources(), model_role)
-        if config.needs_reward_server():  # not for episodes scored by their environment
-            rewards = RewardService.start(config.rewards, config.ray, out)
-            startup.mark("reward server")
-        model_path = warm_start(config, out)
-        if config.sft.steps:
-            startup.mark("SFT warm start")
-        places, groups = place_roles(config.ray, wanted_roles(config))
-        setup = role_setup(config, model_path)
-        roles = start_roles(
-            setup, places, groups, env, ready=startup.roles_ready, phases=startup.role_phases
-        )
-        startup.mark("roles")
-        write_roles(out / "roles.json", roles, rewards)
-        loop = Loop(
-            config,
-            roles,
-            rewards,
-            prompts,
-            _pad_id(model_path),
-            on_engine_replaced=lambda: write_roles(out / "roles.json", roles, rewards),
-        )
-        first_step = 1
+        loop = _start_roles(config, out, prompts, env, startup, processes)
         if state:
-            first_step = state["step"] + 1
-            _load_checkpoint(out, roles, state["step"])
-            loop.restore(state.get("loop", {}))
-            loop.sync(state["step"])  # the engines started from the warm start's weights
-            loop.to_generate()
-            before = state["eval_before"]
+            first_step = _resume(out, processes.roles, loop, state)
+            before, shown_before = state["eval_before"], None
             startup.mark("checkpoint")
         else:
-            loop.to_generate()
-            before, shown_before = loop.rollouts.evaluate(0)
+            first_step, (before, shown_before) = 1, _evaluate_before(config, loop, prompts)
             startup.mark("evaluation")
-            print(
-                f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
-                f"{config.eval.samples} samples each)",
-                flush=True,
-            )
         print(startup.describe(), flush=True)
         o = config.output
         log = outputs.Outputs(
@@ -142,39 +86,139 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             return elapsed_before + time.monotonic() - started
 
         kept = state.get("kept", []) if state else []  # checkpoints on disk, oldest first
-        after_step = AfterEachStep(config, out, roles, loop, log, before, wall_seconds, kept)
+        after_step = AfterEachStep(
+            config, out, processes.roles, loop, log, before, wall_seconds, kept
+        )
         if config.loop.mode == "sync":
             loop.run_sync(first_step, after_step)
         else:
             loop.run_async(first_step, after_step)
-        digests = _check_weights(config, roles, config.loop.steps)
-        get(roles.policy.save_hf(str(out / "policy")), "policy")
-        summary = {
-            "eval_before": before,
-            **_eval_after(before, log.history),
-            "steps": config.loop.steps,
-            "wall_seconds": round(wall_seconds(), 1),
-            "resumed_from_step": state["step"] if state else 0,
-            "skipped_steps": outputs.skipped_steps(log.history),
-            "startup_seconds": startup.as_dict(),
-            "mode": config.loop.mode,
-            "estimator": config.trainer.estimator,
-            **prompts.summary(),
-            **outputs.reward_summary(log.history),
-            "weights_digest": digests,
-            "policy": str(out / "policy"),
-        }
+        summary = _summary(config, out, processes.roles, prompts, log.history, before, state)
+        summary.update(wall_seconds=round(wall_seconds(), 1), startup_seconds=startup.as_dict())
         log.finish(summary)
         log = None
         return summary
     finally:
         if log is not None:
             log.close()
-        if roles is not None:
-            roles.stop()
-        if rewards is not None:
-            rewards.stop()
+        processes.stop()
         ray.shutdown()
+
+
+class _Processes:
+    """What the run has started besides Ray, for `_run` to stop however it ends."""
+
+    def __init__(self):
+        self.rewards = None  # rewards_service.RewardService
+        self.roles: Roles | None = None
+
+    def stop(self) -> None:
+        if self.roles is not None:
+            self.roles.stop()
+        if self.rewards is not None:
+            self.rewards.stop()
+
+
+def _start_ray(config: Config, prompts, startup: outputs.StartupTimeline) -> dict:
+    """Ray started (or joined) with each role's thread settings; returns the roles' env."""
+    from ferrule_launcher.placement import bytecode_warning, role_env, start_ray, threads_per_role
+
+    threads = threads_per_role(config)
+    env = role_env(threads)
+    os.environ.update({k: v for k, v in env.items() if k not in os.environ})
+    slow_start = bytecode_warning()
+    if slow_start:
+        print(f"warning: {slow_start}", flush=True)
+    where = start_ray(config.ray, env)
+    startup.mark("ray")
+    on_cpu = f"; torch threads per role: {threads}" if "OMP_NUM_THREADS" in env else ""
+    print(f"ray: {where}; placement {config.ray.placement}{on_cpu}", flush=True)
+    print(f"prompts: {prompts.describe()}", flush=True)
+    return env
+
+
+def _start_roles(
+    config: Config, out: Path, prompts, env: dict, startup, processes: _Processes
+) -> Loop:
+    """The reward server, the SFT warm start, then the roles (into `processes` as each starts)
+    and the loop that drives them."""
+    import ray
+
+    from ferrule_launcher.placement import check_fits, place_roles, wanted_roles
+    from ferrule_launcher.reward_model_role import resources
+    from ferrule_launcher.rewards_service import RewardService
+    from ferrule_launcher.roles import start_roles, write_roles
+    from ferrule_launcher.warm_start import warm_start
+
+    if not config.ray.address:  # a joined cluster's nodes may still be joining
+        model_role = resources(config.rewards, config.ray) if config.rewards.model else (0, 0)
+        check_fits(config.ray, wanted_roles(config), ray.cluster_resources(), model_role)
+    if config.needs_reward_server():  # not for episodes scored by their environment
+        processes.rewards = RewardService.start(config.rewards, config.ray, out)
+        startup.mark("reward server")
+    model_path = warm_start(config, out)
+    if config.sft.steps:
+        startup.mark("SFT warm start")
+    places, groups = place_roles(config.ray, wanted_roles(config))
+    setup = role_setup(config, model_path)
+    processes.roles = start_roles(
+        setup, places, groups, env, ready=startup.roles_ready, phases=startup.role_phases
+    )
+    startup.mark("roles")
+    roles, rewards = processes.roles, processes.rewards
+    write_roles(out / "roles.json", roles, rewards)
+    return Loop(
+        config,
+        roles,
+        rewards,
+        prompts,
+        _pad_id(model_path),
+        on_engine_replaced=lambda: write_roles(out / "roles.json", roles, rewards),
+    )
+
+
+def _resume(out: Path, roles: Roles, loop: Loop, state: dict) -> int:
+    """The checkpoint's trained states, loop state and weights in place; the first step to run."""
+    _load_checkpoint(out, roles, state["step"])
+    loop.restore(state.get("loop", {}))
+    loop.sync(state["step"])  # the engines started from the warm start's weights
+    loop.to_generate()
+    return state["step"] + 1
+
+
+def _evaluate_before(config: Config, loop: Loop, prompts) -> tuple[dict, list[dict]]:
+    """The held-out evaluation before RL: its figures and the samples shown."""
+    loop.to_generate()
+    before, shown = loop.rollouts.evaluate(0)
+    print(
+        f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
+        f"{config.eval.samples} samples each)",
+        flush=True,
+    )
+    return before, shown
+
+
+def _summary(config: Config, out: Path, roles: Roles, prompts, history, before, state) -> dict:
+    """summary.json, its seconds (`wall_seconds`, `startup_seconds`) left for the caller to
+    fill in once this is done: the weights checked in every engine, the final policy saved,
+    the evaluations before and after."""
+    digests = _check_weights(config, roles, config.loop.steps)
+    get(roles.policy.save_hf(str(out / "policy")), "policy")
+    return {
+        "eval_before": before,
+        **_eval_after(before, history),
+        "steps": config.loop.steps,
+        "wall_seconds": None,
+        "resumed_from_step": state["step"] if state else 0,
+        "skipped_steps": outputs.skipped_steps(history),
+        "startup_seconds": None,
+        "mode": config.loop.mode,
+        "estimator": config.trainer.estimator,
+        **prompts.summary(),
+        **outputs.reward_summary(history),
+        "weights_digest": digests,
+        "policy": str(out / "policy"),
+    }
 
 
 class AfterEachStep:
