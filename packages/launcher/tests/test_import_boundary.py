@@ -14,6 +14,7 @@ PUBLIC = {
         "memory",
         "rl",
         "groups",
+        "settings",
         "step",
         "actor",
         "critic",
