@@ -25,10 +25,7 @@ from pathlib import Path
 from ferrule_rewards.builtin import char_match
 from ferrule_rollout import SamplingSettings
 from ferrule_rollout.hf_engine import TransformersEngine
-from ferrule_trainer.actor import Actor
-from ferrule_trainer.config import TrainerConfig
-from ferrule_trainer.groups import Group
-from ferrule_trainer.step import LocalRanks, RLStep
+from ferrule_trainer import Actor, Group, LocalRanks, RLStep, TrainerConfig
 from ferrule_weightsync import create_sender
 
 MODEL = Path(__file__).parent / "tiny" / "model"

@@ -9,6 +9,7 @@ import ferrule_launcher
 # The modules of each package that other packages may import (their READMEs say so).
 PUBLIC = {
     "ferrule_trainer": {
+        "",
         "config",
         "batch",
         "memory",

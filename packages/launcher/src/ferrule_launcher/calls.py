@@ -15,8 +15,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ferrule_trainer.batch import Batch
-    from ferrule_trainer.settings import (
+    from ferrule_trainer import (
+        Batch,
         EpochPlan,
         ForwardPlan,
         PolicyLoss,

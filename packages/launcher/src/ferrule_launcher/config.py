@@ -22,7 +22,7 @@ from ferrule_config import ConfigError, InputPath, Problems, Table, describe
 from ferrule_config import load_config as load_file
 from ferrule_launcher import checks
 from ferrule_rollout.config import EngineConfig
-from ferrule_trainer.config import CriticConfig, ModelConfig, TrainerConfig
+from ferrule_trainer import CriticConfig, ModelConfig, TrainerConfig
 
 __all__ = ["Config", "ConfigError", "describe", "load_config"]
 

@@ -23,7 +23,7 @@ from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.roles import Roles
 from ferrule_launcher.rollouts import Rollout, Rollouts
-from ferrule_trainer.groups import Group
+from ferrule_trainer import Group
 
 
 class Loop:
@@ -40,7 +40,7 @@ class Loop:
         self.engines = Engines(config, roles, on_engine_replaced)
         self.version = 0  # of the engines' weights, for the producer to wait on
         self.version_changed = threading.Condition()
-        from ferrule_trainer.step import RLStep
+        from ferrule_trainer import RLStep
 
         c = config
         self.step = RLStep(

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, replace
 from ferrule_launcher.config import Config
 from ferrule_launcher.task import Problem
 from ferrule_rollout import Continuation, Sample, VersionSpan
-from ferrule_trainer.groups import Group, chunks
+from ferrule_trainer import Group
+from ferrule_trainer.groups import chunks
 
 
 @dataclass

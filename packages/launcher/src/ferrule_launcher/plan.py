@@ -19,8 +19,8 @@ import subprocess
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ferrule_trainer import memory
-from ferrule_trainer.config import AUTO_KEYS, TrainerConfig
+from ferrule_trainer import TrainerConfig, memory
+from ferrule_trainer.config import AUTO_KEYS
 from ferrule_trainer.memory import GiB, ModelShape
 
 if TYPE_CHECKING:

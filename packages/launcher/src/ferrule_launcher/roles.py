@@ -26,8 +26,7 @@ from ferrule_launcher.placement import Role
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ferrule_trainer.batch import Batch
-    from ferrule_trainer.settings import EpochPlan, ForwardPlan
+    from ferrule_trainer import Batch, EpochPlan, ForwardPlan
 
 
 def _timed(train: "Callable[[], dict]") -> dict:
@@ -64,8 +63,7 @@ class RankWorker:
         import time
 
         began = time.perf_counter()
-        from ferrule_trainer.actor import Actor
-        from ferrule_trainer.critic import Critic
+        from ferrule_trainer import Actor, Critic
 
         imported = time.perf_counter() - began
         # Read by ferrule-trainer's init_distributed (torch.distributed's env:// rendezvous).

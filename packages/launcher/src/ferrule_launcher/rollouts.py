@@ -18,7 +18,8 @@ from ferrule_launcher.config import Config
 from ferrule_launcher.engines import Engines
 from ferrule_launcher.partial import PartialRollouts
 from ferrule_launcher.task import Problem, accuracy
-from ferrule_trainer.groups import Group, chunks, flatten
+from ferrule_trainer import Group
+from ferrule_trainer.groups import chunks, flatten
 
 
 @dataclass
