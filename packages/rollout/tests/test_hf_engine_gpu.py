@@ -253,7 +253,7 @@ def test_the_tails_rows_move_into_a_narrower_graph_mid_call(engine):
     """The tail's compaction under CUDA graphs: the narrower step is captured in the middle of
     the call (its capture writes only the slab's last slot, which no sample reaches) and every
     sample is the one the same call gives without moving."""
-    from ferrule_rollout.decode import Decoder
+    from ferrule_rollout.decode import SLOT_ALIGN, Decoder
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 200, (int(n),), generator=generator).tolist() for n in range(3, 67)]
@@ -266,7 +266,12 @@ def test_the_tails_rows_move_into_a_narrower_graph_mid_call(engine):
     moving = Decoder(model, float_mask=False, compact=4)
     still = Decoder(model, float_mask=False, compact=0)
     moved = moving.generate(prompts, limits, **settings)
-    assert sorted(moving.steps) == [(16, 192), (64, 192)]  # 64 rows, then the last 16 or fewer
+    # the slab: the longest prompt + its own limit, in whole SLOT_ALIGN slots (before 277f029
+    # the widest prompt + the largest limit: 192 slots here, where 128 hold every sequence)
+    longest = max(len(p) + limit for p, limit in zip(prompts, limits, strict=True))
+    slots = -(-(longest - 1) // SLOT_ALIGN) * SLOT_ALIGN
+    assert slots == 128
+    assert sorted(moving.steps) == [(16, slots), (64, slots)]  # 64 rows, then the last 16 or fewer
     assert all(step.graph is not None for step in moving.steps.values())
     expected = still.generate(prompts, limits, **settings)
     for (tokens, logprobs, n, _), (their_tokens, theirs, their_n, _) in zip(
