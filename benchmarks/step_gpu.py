@@ -105,10 +105,11 @@ def one_gpu_plan(args, model: Path):
     and checkpointing whatever --gpus is (ZeRO-2 over more ranks leaves room for larger ones)."""
     from ferrule_launcher.cli import parse_overrides
     from ferrule_launcher.config import load_config
+    from ferrule_launcher.resolve import resolve
 
     one = argparse.Namespace(**{**vars(args), "gpus": 1})
     items = overrides(one, model, Path(tempfile.gettempdir()) / "step_gpu-plan")
-    return load_config(EXAMPLE, parse_overrides(items)).trainer
+    return resolve(load_config(EXAMPLE, parse_overrides(items))).config.trainer
 
 
 class ProcessPeaks:
@@ -145,9 +146,10 @@ class ProcessPeaks:
 def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     from ferrule_launcher.cli import parse_overrides
     from ferrule_launcher.config import load_config
+    from ferrule_launcher.resolve import resolve
 
     items = overrides(args, model, out)
-    config = load_config(EXAMPLE, parse_overrides(items))
+    config = resolve(load_config(EXAMPLE, parse_overrides(items))).config
     plan = subprocess.run(
         [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE), "--plan"]
         + [x for item in items for x in ("--set", item)],

@@ -9,6 +9,7 @@ import pytest
 
 from ferrule_launcher.config import ConfigError, load_config
 from ferrule_launcher.plan import HEADROOM, make_plan
+from ferrule_launcher.resolve import Machine, resolve
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB
 from ferrule_trainer.config import AUTO_KEYS
 from ferrule_trainer.memory import GiB
@@ -46,14 +47,19 @@ def write(tmp_path):
     return write
 
 
+def resolved(path: str, overrides: dict | None = None):
+    """The config of `path` resolved for this machine (the plan's choices filled in)."""
+    return resolve(load_config(path, overrides)).config
+
+
 def error_of(path: str, **overrides) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
+        resolved(path, overrides)
     return str(info.value)
 
 
 def test_auto_keys_take_the_fastest_plan_that_fits(write):
-    config = load_config(write())
+    config = resolved(write())
     t = config.trainer
     assert t.auto == frozenset(AUTO_KEYS)
     plan = make_plan(config)
@@ -68,15 +74,15 @@ def test_auto_keys_take_the_fastest_plan_that_fits(write):
 
 
 def test_a_smaller_gpu_gets_a_plan_that_needs_less(write):
-    big = load_config(write(gpu_gb=80)).trainer
-    small = load_config(write(gpu_gb=32)).trainer
+    big = resolved(write(gpu_gb=80)).trainer
+    small = resolved(write(gpu_gb=32)).trainer
     assert small.micro_batch_tokens <= big.micro_batch_tokens
     assert small.gradient_checkpointing or small.zero_stage == 3 or small.offload_optimizer
-    assert make_plan(load_config(write(gpu_gb=32))).fits()
+    assert make_plan(resolved(write(gpu_gb=32))).fits()
 
 
 def test_the_users_own_keys_are_kept(write):
-    config = load_config(write("[trainer]\nzero_stage = 3\nmicro_batch_tokens = 2048\n"))
+    config = resolved(write("[trainer]\nzero_stage = 3\nmicro_batch_tokens = 2048\n"))
     assert (config.trainer.zero_stage, config.trainer.micro_batch_tokens) == (3, 2048)
     assert "zero_stage" not in config.trainer.auto
 
@@ -91,7 +97,9 @@ def test_a_plan_that_cannot_fit_is_refused_naming_keys_and_numbers(write):
         assert f"[trainer] {key}" in error
     assert "--plan" in error
     # the same plan starts anyway when the user says so
-    assert load_config(write(text), {"ray.check_memory": False})
+    assert resolved(write(text), {"ray.check_memory": False})
+    shown = resolve(load_config(write(text)), refuse=False)  # --plan: shown, not refused
+    assert not shown.plan.fits()
 
 
 def test_nothing_fits_a_gpu_too_small_even_with_every_key_auto(write):
@@ -100,8 +108,8 @@ def test_nothing_fits_a_gpu_too_small_even_with_every_key_auto(write):
 
 
 def test_the_engine_gives_its_memory_back_only_asleep(write):
-    awake = make_plan(load_config(write()))
-    asleep = make_plan(load_config(write(), {"rollout.sleep_between_phases": True}))
+    awake = make_plan(resolved(write()))
+    asleep = make_plan(resolved(write(), {"rollout.sleep_between_phases": True}))
     awake_engine, asleep_engine = (
         next(h for h in plan.gpus[0] if h.role == "engine") for plan in (awake, asleep)
     )
@@ -111,9 +119,9 @@ def test_the_engine_gives_its_memory_back_only_asleep(write):
 
 def test_the_roles_on_each_gpu_follow_the_placement(write):
     kl = {"trainer.kl_coef": 0.01}
-    one = make_plan(load_config(write(), kl))
+    one = make_plan(resolved(write(), kl))
     assert [[h.role for h in gpu] for gpu in one.gpus] == [["policy", "reference", "engine"]]
-    split = make_plan(load_config(write(), {**kl, "ray.placement": "colocate"}))
+    split = make_plan(resolved(write(), {**kl, "ray.placement": "colocate"}))
     assert [[h.role for h in gpu] for gpu in split.gpus] == [["policy", "reference"], ["engine"]]
 
 
@@ -123,12 +131,12 @@ def test_the_reference_gets_a_rank_beside_each_policy_rank_on_gpus(write):
     12.0 s); one where the reference has a GPU of its own, and on CPUs."""
     four = {"trainer.kl_coef": 0.01, "trainer.ranks": 4, "rollout.engines": 4}
     for placement, expected in (("colocate_all", 4), ("colocate", 4), ("separate", 1)):
-        config = load_config(write(), {**four, "ray.placement": placement})
+        config = resolved(write(), {**four, "ray.placement": placement})
         assert config.trainer.reference_ranks == expected, placement
-    assert load_config(write(), {**four, "ray.gpus_per_role": 0}).trainer.reference_ranks == 1
-    chosen = load_config(write(), {**four, "trainer.reference_ranks": 2})
+    assert resolved(write(), {**four, "ray.gpus_per_role": 0}).trainer.reference_ranks == 1
+    chosen = resolved(write(), {**four, "trainer.reference_ranks": 2})
     assert chosen.trainer.reference_ranks == 2  # the user's own number is kept
-    assert "reference_ranks = 4 (auto)" in make_plan(load_config(write(), four)).describe()
+    assert "reference_ranks = 4 (auto)" in make_plan(resolved(write(), four)).describe()
 
 
 def test_several_ranks_choose_as_one_gpu_where_the_same_keys_fit(write):
@@ -145,8 +153,8 @@ def test_several_ranks_choose_as_one_gpu_where_the_same_keys_fit(write):
     }
     for gpu_gb in (79.6, 139.8):
         one_gpu = {**HYBRID, "rollout.sleep_between_phases": False}
-        one = load_config(write(gpu_gb=gpu_gb), one_gpu).trainer
-        several = load_config(write(gpu_gb=gpu_gb), four).trainer
+        one = resolved(write(gpu_gb=gpu_gb), one_gpu).trainer
+        several = resolved(write(gpu_gb=gpu_gb), four).trainer
         assert not several.gradient_checkpointing, gpu_gb
         if not one.gradient_checkpointing:  # one GPU's choice fits four ranks too
             assert several.micro_batch_tokens == one.micro_batch_tokens, gpu_gb
@@ -161,11 +169,11 @@ def test_a_machine_without_gpus_must_be_told_their_size(write, monkeypatch):
         '[trainer]\nmicro_batch_tokens = 4096\nforward_batch_tokens = "none"\nzero_stage = 2\n'
         + "".join(f"{k} = false\n" for k in AUTO_KEYS if k.startswith(("offload", "gradient")))
     )
-    assert load_config(write(every_key, gpu_gb=None))  # nothing to choose: nothing to check
+    assert resolved(write(every_key, gpu_gb=None))  # nothing to choose: nothing to check
 
 
 def test_cpu_runs_are_not_planned(write):
-    config = load_config(write(), {"ray.gpus_per_role": 0})
+    config = resolved(write(), {"ray.gpus_per_role": 0})
     assert make_plan(config) is None
     assert (config.trainer.zero_stage, config.trainer.micro_batch_tokens) == (0, 8192)
 
@@ -209,7 +217,7 @@ def test_the_whole_step_benchmark_fits_an_h100_without_moving_states_between_pha
     """benchmarks/step_gpu.py's run: offloading between phases cost 4.2 s of a 26 s step; with
     the LM head on chunks of tokens the policy trains without checkpointing beside the reference
     and the sleeping engine."""
-    config = load_config(write(gpu_gb=79.6), HYBRID)
+    config = resolved(write(gpu_gb=79.6), HYBRID)
     trainer = config.trainer
     assert not (trainer.offload_between_phases or trainer.offload_optimizer)
     assert not trainer.gradient_checkpointing and trainer.micro_batch_tokens >= 8192
@@ -217,7 +225,7 @@ def test_the_whole_step_benchmark_fits_an_h100_without_moving_states_between_pha
     policy = make_plan(config).gpus[0][0]
     assert policy.generate < 0.75 * policy.train
     # where it does not fit otherwise, the states leave the GPU while the engine generates
-    smaller = load_config(write(gpu_gb=48), HYBRID).trainer
+    smaller = resolved(write(gpu_gb=48), HYBRID).trainer
     assert smaller.offload_between_phases or smaller.offload_optimizer or smaller.zero_stage == 3
 
 
@@ -230,9 +238,50 @@ def test_a_policy_whose_states_come_back_is_planned_larger(write):
 
     kept, moved = (
         make_plan(
-            load_config(write(), dict(SAME_PASSES, **{"trainer.offload_between_phases": on}))
+            resolved(write(), dict(SAME_PASSES, **{"trainer.offload_between_phases": on}))
         ).gpus[0][0]
         for on in (False, True)
     )
     assert moved.train > kept.train * (RELOADED - 0.05)
     assert moved.generate < 3 * GiB < kept.generate
+
+
+def test_loading_reads_only_the_file_and_resolving_fits_it_to_a_machine(write, monkeypatch):
+    """Issue 59, item 2: load_config is the file's contents, validated (no config.json, no
+    nvidia-smi: the same on any machine); resolve fills in the plan's choices for a machine."""
+    import ferrule_launcher.plan as plan_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("loading asked the machine")
+
+    path = write(gpu_gb=None)
+    monkeypatch.setattr(plan_module.subprocess, "run", no_probe)
+    monkeypatch.setattr(plan_module.ModelShape, "read", no_probe)
+    config = load_config(path, {"trainer.kl_coef": 0.01})
+    assert not config.resolved and config.trainer.auto == frozenset(AUTO_KEYS)
+    assert config.trainer.reference_ranks_auto
+    monkeypatch.undo()
+
+    big = resolve(config, Machine(80 * GiB))
+    small = resolve(config, Machine(32 * GiB))
+    assert big.config.resolved and big.plan.fits() and small.plan.fits()
+    assert big.plan.memory == 80 * GiB and small.plan.memory == 32 * GiB
+    assert big.config.trainer.micro_batch_tokens >= small.config.trainer.micro_batch_tokens
+    assert big.config.trainer.reference_ranks == 1  # one policy rank: one reference beside it
+    assert not config.resolved  # the loaded config is left as it was
+    # [ray] gpu_memory_gb wins over what the machine says
+    sized = resolve(load_config(write(gpu_gb=32)), Machine(80 * GiB))
+    assert sized.plan.memory == 32 * GiB
+    # a machine that shows no GPU: refused naming the key, or left "auto" in a dry run
+    with pytest.raises(ConfigError) as refused:
+        resolve(config, Machine(None))
+    assert f"{path}: [ray] gpu_memory_gb: this machine shows no GPU" in str(refused.value)
+    dry = resolve(config, Machine(None), dry_run=True)
+    assert dry.unplanned == frozenset(AUTO_KEYS) and dry.config.resolved
+
+
+def test_a_cpu_config_resolves_to_itself(write):
+    config = load_config(write(), {"ray.gpus_per_role": 0})
+    result = resolve(config, Machine(None))
+    assert result.plan is None and result.unplanned == frozenset()
+    assert result.config.model_dump() == config.model_dump() and result.config.resolved

@@ -9,6 +9,7 @@ from ferrule_config.tables import (
     Table,
     describe,
     format_errors,
+    format_problems,
     load_config,
     renamed_dtype,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "Table",
     "describe",
     "format_errors",
+    "format_problems",
     "load_config",
     "renamed_dtype",
 ]

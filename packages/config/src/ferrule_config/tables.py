@@ -144,6 +144,12 @@ def format_errors(path: Path, schema: type[BaseModel], err: ValidationError) -> 
     return "\n".join(lines)
 
 
+def format_problems(path: Path | str, problems: list[tuple[str, str]]) -> str:
+    """Problems found after loading (a check that reads more than the file), in the format of
+    format_errors: `file: [table] key: message`."""
+    return "\n".join(f"{path}: {_where(key.split('.'))}: {message}" for key, message in problems)
+
+
 def _where(loc: list[str]) -> str:
     if not loc:  # a check across the whole file that named no key
         return "the file as a whole"

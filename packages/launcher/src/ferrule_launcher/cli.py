@@ -72,19 +72,20 @@ def parse_overrides(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from ferrule_launcher.config import ConfigError, describe, load_config
     from ferrule_launcher.data import make_prompts
+    from ferrule_launcher.resolve import resolve
 
     args = parse_args(argv)
     try:
         overrides = parse_overrides(args.set)
         if args.plan:  # show a plan that does not fit too, rather than only refuse it
-            return print_plan(load_config(args.config, {**overrides, "ray.check_memory": False}))
-        config = load_config(args.config, overrides, dry_run=args.dry_run)
+            return print_plan(resolve(load_config(args.config, overrides), refuse=False).plan)
+        resolved = resolve(load_config(args.config, overrides), dry_run=args.dry_run)
+        config, unplanned = resolved.config, resolved.unplanned
         prompts = make_prompts(config)  # data files are read and checked here, before any process
     except (ConfigError, ValueError) as err:
         print(f"rlhf-launch: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        unplanned = config.unplanned
         print(f"# {args.config}: configuration is valid; resolved values:\n")
         print(describe(config, {"trainer": dict.fromkeys(unplanned, "auto")}))
         print(f"\n# prompts: {prompts.describe()}")
@@ -116,11 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_plan(config) -> int:
+def print_plan(plan) -> int:
     """--plan: what each GPU holds per phase; exit status 2 when it does not fit."""
-    from ferrule_launcher.plan import make_plan
-
-    plan = make_plan(config)
     if plan is None:
         print("no memory plan: a CPU run ([ray] gpus_per_role = 0)")
         return 0

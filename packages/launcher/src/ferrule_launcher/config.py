@@ -2,6 +2,7 @@
 
     config = load_config("examples/tiny.toml")      # raises ConfigError naming file, table, key
     print(config.rollout.samples_per_prompt)
+    config = resolve(config).config                 # resolve.py: fitted to this machine's GPUs
 
 The tables of the components are theirs: [model] [trainer] [critic] are ferrule-trainer's, the
 engine and sampling keys of [rollout] are ferrule-rollout's; this file adds the run's own tables
@@ -466,8 +467,9 @@ class Config(Table):
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     output: OutputConfig = OutputConfig()
-    # [trainer] keys a dry run on a machine without GPUs left "auto" (_memory_plan)
-    _unplanned: frozenset[str] = PrivateAttr(frozenset())
+    # the file it was loaded from (load_config), for the errors of resolve.py's checks
+    _source: str = PrivateAttr("the config")
+    _resolved: bool = PrivateAttr(False)  # resolve.py's result
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -480,64 +482,24 @@ class Config(Table):
             raise Problems(problems)
         return self
 
-    @model_validator(mode="after")
-    def _reference_beside_each_rank(self):
-        """reference_ranks "auto" on GPUs: a reference rank on each policy rank's bundle where
-        the placement shares them, so that no GPU waits for one reference to score every GPU's
-        samples (measured on four H100s: the train phase 19.7 s against 12.0 on one)."""
-        t = self.trainer
-        shared = self.ray.placement in ("colocate_all", "colocate")
-        if t.reference_ranks_auto and self.ray.gpus_per_role and shared:
-            placed = t.model_copy(update={"reference_ranks": t.ranks})
-            object.__setattr__(self, "trainer", placed)  # frozen: this is its validation
-        return self
-
-    @model_validator(mode="after")
-    def _memory_plan(self, info: ValidationInfo):
-        """GPU runs: the [trainer] keys left "auto" take the fastest plan that fits the GPUs;
-        a plan that cannot fit is refused here, before any process starts (plan.py). Loaded
-        for a dry run (context "dry_run") on a machine that shows no GPU, they stay "auto"."""
-        from ferrule_launcher.plan import make_plan, refusal
-
-        if not self.ray.gpus_per_role:
-            return self
-        try:
-            plan = make_plan(self)
-        except (OSError, ValueError) as err:  # config.json unreadable, or not a decoder LM's
-            raise Problems(
-                [("model.path", f"the memory plan cannot read the model: {err}")]
-            ) from None
-        if plan.memory is None:
-            if self.trainer.auto and (info.context or {}).get("dry_run"):
-                self._unplanned = self.trainer.auto
-            elif self.trainer.auto:
-                raise Problems(
-                    [
-                        (
-                            "ray.gpu_memory_gb",
-                            "this machine shows no GPU (nvidia-smi), so the memory plan cannot "
-                            f"choose [trainer] {', '.join(sorted(self.trainer.auto))}: set "
-                            "gpu_memory_gb to the GPUs' size (e.g. 80), or set those keys",
-                        )
-                    ]
-                )
-            return self
-        if self.ray.check_memory and not plan.fits():
-            raise Problems(refusal(plan))
-        object.__setattr__(self, "trainer", plan.trainer)  # frozen: this is its validation
-        return self
+    @property
+    def source(self) -> str:
+        """The file this config was loaded from."""
+        return self._source
 
     @property
-    def unplanned(self) -> frozenset[str]:
-        """The [trainer] keys still "auto": a dry run's on a machine that shows no GPU."""
-        return self._unplanned
+    def resolved(self) -> bool:
+        """Whether resolve.resolve made this config (fitted to a machine)."""
+        return self._resolved
 
     def needs_reward_server(self) -> bool:
         """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""
         return self.environment is None or self.environment.reward != "environment"
 
 
-def load_config(path: str | Path, overrides: dict | None = None, dry_run: bool = False) -> Config:
-    """Read and validate a run's TOML file; overrides {"loop.steps": 3} win over the file.
-    `dry_run`: on a machine that shows no GPU, the [trainer] memory keys may stay "auto"."""
-    return load_file(path, Config, overrides, {"dry_run": dry_run})
+def load_config(path: str | Path, overrides: dict | None = None) -> Config:
+    """Read and validate a run's TOML file; overrides {"loop.steps": 3} win over the file. Only
+    the file and what it names are read: resolve.resolve fits the result to a machine."""
+    config = load_file(path, Config, overrides)
+    config._source = str(path)
+    return config

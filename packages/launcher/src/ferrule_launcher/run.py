@@ -1,6 +1,6 @@
 """One run, start to end: Ray, reward server, SFT warm start, roles, the loop, outputs, shutdown.
 
-    summary = run(load_config("examples/tiny.toml"), resume=False)
+    summary = run(load_config("examples/tiny.toml"), resume=False)   # resolved for this machine
 
 Output directory layout ([output] dir):
     metrics.jsonl, tensorboard/, reward_curve.png, summary.json, rewards.log
@@ -27,14 +27,18 @@ from ferrule_launcher.calls import RunError, get, get_each
 from ferrule_launcher.config import Config
 from ferrule_launcher.data import make_prompts
 from ferrule_launcher.loop import Loop
+from ferrule_launcher.resolve import resolve
 from ferrule_launcher.roles import Roles, RoleSetup, WeightSync
 
 __all__ = ["RunError", "run"]
 
 
 def run(config: Config, resume: bool = False, prompts=None) -> dict:
-    """Run `config` (resuming from its last checkpoint); `prompts`: data.make_prompts(config),
-    which the CLI reads before anything starts."""
+    """Run `config` (resuming from its last checkpoint), resolved for this machine first unless
+    it was (resolve.py); `prompts`: data.make_prompts(config), which the CLI reads before
+    anything starts."""
+    if not config.resolved:
+        config = resolve(config).config
     prompts = prompts or make_prompts(config)
     # Read when ray is imported: under `uv run`, Ray would pack the working directory and start
     # every worker through uv again; the workers share this interpreter.
