@@ -185,7 +185,6 @@ class Actor(TrainedModel):
             sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
         )
         counts = dict(agg_mode=loss.agg_mode, num_tokens=tokens, num_sequences=sequences)
-        settings = loss  # `loss` below is each micro-batch's
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro_batch.response_mask
@@ -194,7 +193,7 @@ class Actor(TrainedModel):
                 micro_batch,
                 self.temperature,
                 packed=packed,
-                entropy=settings.entropy_coef > 0,
+                entropy=loss.entropy_coef > 0,
             )
             old = logprobs.detach() if on_policy else micro_batch.old_logprobs
             pg = policy_loss(
@@ -202,14 +201,14 @@ class Actor(TrainedModel):
                 old,
                 micro_batch.advantages,
                 mask,
-                clip_low=settings.clip_low,
-                clip_high=settings.clip_high,
-                dual_clip=settings.dual_clip,
+                clip_low=loss.clip_low,
+                clip_high=loss.clip_high,
+                dual_clip=loss.dual_clip,
                 is_weights=micro_batch.is_weights,
-                ratio_level=settings.ratio_level,
+                ratio_level=loss.ratio_level,
                 **counts,
             )
-            loss = pg.loss
+            total = pg.loss
             # token means over this rank's step: optimizer_step averages over micro-batches
             weight = mask.sum() * len(micro_batches) / max(own_tokens, 1)
             metrics = {
@@ -224,19 +223,19 @@ class Actor(TrainedModel):
                 if micro_batch.ref_logprobs is not None:
                     k1 = kl_estimate(old, micro_batch.ref_logprobs, mask, kind="k1")
                     metrics["kl"] = masked_sum(k1, mask) * share
-            if settings.kl_coef:
+            if loss.kl_coef:
                 kl = kl_loss(
                     logprobs,
                     micro_batch.ref_logprobs,
                     mask,
-                    kind=settings.kl_kind,
-                    max_abs_estimate=settings.kl_max,
+                    kind=loss.kl_kind,
+                    max_abs_estimate=loss.kl_max,
                     **counts,
                 )
-                loss = loss + settings.kl_coef * kl
-            if settings.entropy_coef:
-                loss = loss - settings.entropy_coef * entropy_bonus(entropy, mask, **counts)
-            return loss, metrics
+                total = total + loss.kl_coef * kl
+            if loss.entropy_coef:
+                total = total - loss.entropy_coef * entropy_bonus(entropy, mask, **counts)
+            return total, metrics
 
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
         for key in ("vllm_kl", "kl"):  # global means: every rank's sum over the global count
