@@ -97,8 +97,9 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             loop.run_sync(first_step, after_step)
         else:
             loop.run_async(first_step, after_step)
-        summary = _summary(config, out, processes.roles, prompts, log.history, before, state)
-        summary.update(wall_seconds=round(wall_seconds(), 1), startup_seconds=startup.as_dict())
+        summary = _summary(
+            config, out, processes.roles, prompts, log.history, before, state, wall_seconds, startup
+        )
         log.finish(summary)
         log = None
         return summary
@@ -202,20 +203,21 @@ def _evaluate_before(config: Config, loop: Loop, prompts) -> tuple[dict, list[di
     return before, shown
 
 
-def _summary(config: Config, out: Path, roles: Roles, prompts, history, before, state) -> dict:
-    """summary.json, its seconds (`wall_seconds`, `startup_seconds`) left for the caller to
-    fill in once this is done: the weights checked in every engine, the final policy saved,
-    the evaluations before and after."""
+def _summary(
+    config: Config, out: Path, roles: Roles, prompts, history, before, state, wall_seconds, startup
+) -> dict:
+    """summary.json: the weights checked in every engine and the final policy saved (both
+    inside the run's wall_seconds), the evaluations before and after, the start-up timeline."""
     digests = _check_weights(config, roles, config.loop.steps)
     get(roles.policy.save_hf(str(out / "policy")), "policy")
     return {
         "eval_before": before,
         **_eval_after(before, history),
         "steps": config.loop.steps,
-        "wall_seconds": None,
+        "wall_seconds": round(wall_seconds(), 1),
         "resumed_from_step": state["step"] if state else 0,
         "skipped_steps": outputs.skipped_steps(history),
-        "startup_seconds": None,
+        "startup_seconds": startup.as_dict(),
         "mode": config.loop.mode,
         "estimator": config.trainer.estimator,
         **prompts.summary(),
