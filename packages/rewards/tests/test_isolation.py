@@ -206,6 +206,25 @@ def test_orphans_a_reward_function_leaves_are_reaped(serve):
     assert wait_until(lambda: not zombies(), 2.0), len(zombies())
 
 
+def test_listing_a_tree_while_its_processes_exit_never_raises():
+    """A process can exit between being listed as a child and its /proc entry being read:
+    `descendants` raised FileNotFoundError or ProcessLookupError (~0.7% of calls on a tree that
+    forks and reaps in a loop; it failed CI in the orphans test above, and a kill at a deadline
+    would have raised with it). Now a process that is gone has no children."""
+    from ferrule_rewards.tree import descendants
+
+    churn = subprocess.Popen(["sh", "-c", "while :; do /bin/true & /bin/true & wait; done"])
+    try:
+        deadline, calls = time.monotonic() + 2.0, 0
+        while time.monotonic() < deadline:
+            assert all(isinstance(pid, int) for pid in descendants(churn.pid))
+            calls += 1
+        assert calls > 1000  # enough tries to meet the race (old code: ~7 errors a 1000)
+    finally:
+        churn.kill()
+        churn.wait()
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

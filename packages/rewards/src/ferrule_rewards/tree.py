@@ -32,15 +32,29 @@ def become_subreaper() -> None:
 
 
 def descendants(pid: int) -> list[int]:
-    """The processes below `pid`, from /proc/PID/task/*/children."""
+    """The processes below `pid`, from /proc/PID/task/*/children (those alive as it is read)."""
     found, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                children = [int(child) for child in task.read_text().split()]
-                found += children
-                todo += children
+        children = _children(todo.pop())
+        found += children
+        todo += children
     return found
+
+
+def _children(pid: int) -> list[int]:
+    """The children of each of `pid`'s threads; none once it has exited. A process can exit
+    between being listed and being read: /proc then answers ENOENT or, while it is a zombie,
+    ESRCH. Any other error (EMFILE) is raised: a kill must not miss a process silently."""
+    gone = (FileNotFoundError, ProcessLookupError)
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except gone:
+        return []
+    children = []
+    for thread in threads:
+        with contextlib.suppress(gone):
+            children += map(int, Path(f"/proc/{pid}/task/{thread}/children").read_text().split())
+    return children
 
 
 def kill_tree(pid: int, *, include_root: bool = True) -> int:

@@ -27,9 +27,10 @@ def tree(pid: int) -> list[int]:
     while todo:
         current = todo.pop()
         pids.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            with contextlib.suppress(OSError):  # it may be gone meanwhile
-                todo += [int(child) for child in task.read_text().split()]
+        with contextlib.suppress(OSError):  # it may be gone meanwhile (ENOENT or ESRCH)
+            for task in Path(f"/proc/{current}/task").glob("*/children"):
+                with contextlib.suppress(OSError):
+                    todo += [int(child) for child in task.read_text().split()]
     return pids
 
 
