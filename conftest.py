@@ -7,11 +7,17 @@ package's isolated run (`uv run --isolated --package ferrule-<name> pytest packa
 import ast
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# Read when ray is first imported. Under `uv run`, Ray starts each worker through `uv run` again
+# (13-74 s an actor on the 2-core CI machine, against ~1 s): the tests that call ray.init in
+# their own process share this interpreter instead, as rlhf-launch's run() does.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def pytest_collection_modifyitems(config, items):

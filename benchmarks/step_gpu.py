@@ -56,13 +56,17 @@ KL_COEF, LEARNING_RATE = 0.001, 1e-6
 BASELINE_MAX_TOKENS = 8192
 
 
-def model_path(lengths: str = "uniform") -> Path:
-    """The 1.5B shape; uniform: the real vocabulary, geometric: the kit's (see the docstring)."""
-    from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB, tiny_model
+def model_path(lengths: str = "uniform", size: str = "1.5b") -> Path:
+    """The 1.5B or 7B shape; uniform: the real vocabulary, geometric: the kit's (see the
+    docstring). 7B is saved in bf16 (15 GB, initialised on the GPU)."""
+    from ferrule_testkit import QWEN25_LARGE_VOCAB, QWEN25_SHAPES, QWEN25_VOCAB, tiny_model
 
+    shape = QWEN25_SHAPES[size]
+    kept = {} if size == "1.5b" else {"dtype": "bfloat16"}
     if lengths == "geometric":
-        return tiny_model("qwen2", **QWEN25_1_5B)
-    return tiny_model("qwen2", vocab_size=QWEN25_VOCAB, **QWEN25_1_5B)
+        return tiny_model("qwen2", **kept, **shape)
+    vocab = QWEN25_VOCAB if size == "1.5b" else QWEN25_LARGE_VOCAB
+    return tiny_model("qwen2", vocab_size=vocab, **kept, **shape)
 
 
 def overrides(args, model: Path, out: Path) -> list[str]:
@@ -354,6 +358,7 @@ def main() -> None:
     parser.add_argument(
         "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
     )
+    parser.add_argument("--model", choices=["1.5b", "7b"], default="1.5b", help="the Qwen2.5 shape")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--skip-ours",
@@ -379,9 +384,11 @@ def main() -> None:
 
     from ferrule_trainer.memory import ModelShape
 
-    model = model_path(args.lengths)
+    model = model_path(args.lengths, args.model)
     parameters = ModelShape.read(model).parameters
     name = "step_gpu_longtail" if args.lengths == "geometric" else "step_gpu"
+    if args.model != "1.5b":
+        name += f"_{args.model}"
     header = dict(name=name, device=_device(), gpus=args.gpus, parameters=parameters)
     header.update(lengths=args.lengths, max_tokens=args.tokens)
     if args.scaling:  # ours on one GPU, then on --gpus, one after the other on this machine

@@ -7,9 +7,15 @@ tokenizers and transformers load when a model is first built.
 from ferrule_testkit.corpus import synthetic_corpus
 from ferrule_testkit.models import (
     QWEN25_1_5B,
+    QWEN25_7B,
+    QWEN25_14B,
+    QWEN25_32B,
+    QWEN25_LARGE_VOCAB,
+    QWEN25_SHAPES,
     QWEN25_VOCAB,
     SPECS,
     cache_root,
+    shape_config,
     tiny_model,
     tiny_tokenizer,
 )
@@ -18,12 +24,18 @@ from ferrule_testkit.scoring import teacher_forced_logprobs
 
 __all__ = [
     "QWEN25_1_5B",
+    "QWEN25_7B",
+    "QWEN25_14B",
+    "QWEN25_32B",
+    "QWEN25_LARGE_VOCAB",
+    "QWEN25_SHAPES",
     "QWEN25_VOCAB",
     "SPECS",
     "cache_root",
     "policy_reversal_pairs",
     "reversal_pairs",
     "reversal_sft_rows",
+    "shape_config",
     "synthetic_corpus",
     "teacher_forced_logprobs",
     "tiny_model",

@@ -57,6 +57,40 @@ QWEN25_1_5B = dict(
     tie_word_embeddings=True,
 )
 QWEN25_VOCAB = 151_936
+# The larger Qwen2.5 shapes (their config.json's widths; untied heads and a 152,064-token
+# vocabulary): tiny_model("qwen2", vocab_size=QWEN25_LARGE_VOCAB, dtype="bfloat16", **QWEN25_7B).
+# 14B and 32B are for the memory plan's sizing (their config alone, `shape_config`).
+QWEN25_LARGE_VOCAB = 152_064
+_QWEN25_LARGE = dict(
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+QWEN25_7B = dict(
+    _QWEN25_LARGE,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+)
+QWEN25_14B = dict(
+    _QWEN25_LARGE,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+)
+QWEN25_32B = dict(
+    _QWEN25_LARGE,
+    hidden_size=5120,
+    intermediate_size=27648,
+    num_hidden_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 _KIT_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
 
@@ -124,7 +158,11 @@ def tiny_tokenizer(seed: int = 0, vocab_size: int = 512) -> Path:
 
 
 def tiny_model(
-    arch: str = "qwen2", seed: int = 0, vocab_size: int | None = None, **overrides
+    arch: str = "qwen2",
+    seed: int = 0,
+    vocab_size: int | None = None,
+    dtype: str = "float32",
+    **overrides,
 ) -> Path:
     """A directory with a randomly initialised tiny `arch` model, its config and tokenizer.
 
@@ -132,7 +170,11 @@ def tiny_model(
     cache key. `vocab_size` pads the embedding and head to a real vocabulary (151,936 for
     Qwen2.5) while the tokenizer stays small, so that benchmarks pay a real LM head; the tokens
     past the tokenizer's are never in a prompt, but the model can sample them.
+    `dtype` "bfloat16" saves half the bytes (a 7B model: 15 GB instead of 30) and initialises on
+    the GPU when there is one (a 7B model's random init takes minutes on a CPU).
     """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if arch not in SPECS:
         raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {sorted(SPECS)}")
     spec = dict(SPECS[arch], **overrides)
@@ -149,10 +191,12 @@ def tiny_model(
             bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            torch_dtype="float32",
+            torch_dtype=dtype,
         )
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        on = "cuda" if dtype == "bfloat16" and torch.cuda.is_available() else "cpu"
+        with torch.device(on):
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 
@@ -165,4 +209,24 @@ def tiny_model(
     key = {"seed": seed, "spec": spec, "tokenizer": tokenizer_dir.name}
     if vocab_size is not None:  # only then: the default models keep their cached builds
         key["vocab_size"] = vocab_size
+    if dtype != "float32":
+        key["dtype"] = dtype
     return _cached(f"{arch}", key, build)
+
+
+QWEN25_SHAPES = {"1.5b": QWEN25_1_5B, "7b": QWEN25_7B, "14b": QWEN25_14B, "32b": QWEN25_32B}
+
+
+def shape_config(name: str) -> Path:
+    """A folder holding only the config.json of a Qwen2.5 shape ("1.5b", "7b", "14b", "32b"):
+    what the memory plan reads (`rlhf-launch CONFIG --plan` sizes a run from it, weights
+    counted from the widths). No weights: it cannot be trained or served."""
+    if name not in QWEN25_SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose one of {sorted(QWEN25_SHAPES)}")
+    vocab = QWEN25_VOCAB if name == "1.5b" else QWEN25_LARGE_VOCAB
+    config = dict(QWEN25_SHAPES[name], model_type="qwen2", vocab_size=vocab, torch_dtype="bfloat16")
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    target = cache_root() / "testkit" / f"shape-{name}-{digest}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return target
