@@ -32,7 +32,7 @@ def test_rejection_sampling_trains_on_the_best_of_n_and_solves_more(tmp_path):
     summary = launch(
         out,
         'loop.algorithm="rejection_sampling"',
-        "loop.chosen_min_reward=1.0",  # exact answers only: char_match gives partial credit
+        "rejection_sampling.chosen_min_reward=1.0",  # exact answers: char_match gives partial credit
         "loop.steps=12",
         "rollout.temperature=0.4",  # the tiny model's samples are rarely exact at 0.6
         "trainer.learning_rate=2e-4",
@@ -55,9 +55,9 @@ def test_one_round_of_iterative_dpo_solves_more(tmp_path):
     summary = launch(
         out,
         'loop.algorithm="iterative_dpo"',
-        "loop.chosen_min_reward=1.0",
-        "loop.dpo_beta=0.1",
-        "loop.dpo_nll_coef=1.0",  # without it DPO lowers the exact answers' likelihood too
+        "iterative_dpo.chosen_min_reward=1.0",
+        "iterative_dpo.beta=0.1",
+        "iterative_dpo.nll_coef=1.0",  # without it DPO lowers the exact answers' likelihood too
         "trainer.kl_coef=0",
         "loop.steps=1",
         "rollout.prompts_per_step=64",

@@ -149,3 +149,27 @@ def test_files_are_checked_only_once_no_rule_is_broken(tmp_path):
     with pytest.raises(ConfigError) as missing:
         load_config(path)
     assert "missing.py" in str(missing.value)
+
+
+def test_a_recipes_table_is_read_only_under_its_algorithm_and_old_keys_name_their_new_place(
+    tmp_path,
+):
+    """[loop] dpo_beta, dpo_nll_coef and chosen_min_reward moved to the recipes' own tables: the
+    old keys are refused naming the new place; a recipe's table set under another algorithm is
+    refused (its defaults, as --dry-run prints them, are not)."""
+    example = Path(__file__).parents[3] / "examples" / "tiny.toml"
+    with pytest.raises(
+        ConfigError, match=r"dpo_beta.*moved: write beta = 0.2 in \[iterative_dpo\]"
+    ):
+        load_config(example, {"loop.dpo_beta": 0.2})
+    with pytest.raises(ConfigError, match=r"chosen_min_reward.*\[rejection_sampling\] or"):
+        load_config(example, {"loop.chosen_min_reward": 1.0})
+    with pytest.raises(
+        ConfigError,
+        match=r"\[iterative_dpo\] nll_coef: \[iterative_dpo\] is read "
+        r"only with \[loop\] algorithm = 'iterative_dpo', got 'rl'",
+    ):
+        load_config(example, {"iterative_dpo.nll_coef": 1.0})
+    assert load_config(example, {"iterative_dpo.beta": 0.1}).recipe() is None  # the default
+    dpo = load_config(example, {"loop.algorithm": "iterative_dpo", "iterative_dpo.beta": 0.3})
+    assert dpo.recipe().beta == 0.3

@@ -17,6 +17,7 @@ PUBLIC = {
         "groups",
         "settings",
         "step",
+        "recipes",
         "actor",
         "critic",
         "sft",

@@ -16,7 +16,8 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import CriticConfig, TrainerConfig
 from ferrule_trainer.groups import Group
 from ferrule_trainer.nonfinite import NonFiniteGradientError, SkippedSteps
-from ferrule_trainer.step import LocalRanks, RLStep
+from ferrule_trainer.ranks import LocalRanks
+from ferrule_trainer.step import RLStep
 
 POISONED = "layers.1.mlp"  # the module whose output gradient gets the value
 

@@ -9,10 +9,17 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
-from ferrule_trainer.config import CriticConfig, TrainerConfig
+from ferrule_trainer.config import (
+    CriticConfig,
+    IterativeDPOConfig,
+    RejectionSamplingConfig,
+    TrainerConfig,
+)
 from ferrule_trainer.groups import Group
+from ferrule_trainer.ranks import LocalRanks
+from ferrule_trainer.recipes import reaches
 from ferrule_trainer.settings import ForwardPlan
-from ferrule_trainer.step import LocalRanks, RLStep, reaches
+from ferrule_trainer.step import RLStep
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 CORRECTIONS = [
@@ -176,7 +183,7 @@ def test_the_kl_controller_and_reward_moments_are_state_that_round_trips(policy,
             p.add_(torch.randn_like(p) * 0.02)
     metrics = the_step.train(1, grouped(policy_samples, scores()))
     assert metrics["kl"] > 1e-6 and metrics["kl_coef"] == 0.1
-    assert the_step.kl_coef > 0.1  # raised towards the target
+    assert the_step.recipe.kl_coef > 0.1  # raised towards the target
     saved = the_step.state()
     assert saved["reward_moments"][0] == 2 * N  # every score counted
     again = step(trainer, policy, reference)
@@ -210,7 +217,8 @@ def test_keep_is_every_group_or_dapos_filter_on_inexact_floats():
 
 def test_rejection_sampling_trains_on_the_best_of_each_group(policy):
     chosen = []
-    the_step = step(TrainerConfig(), policy, algorithm="rejection_sampling", chosen_min_reward=0.5)
+    settings = RejectionSamplingConfig(chosen_min_reward=0.5)
+    the_step = step(TrainerConfig(), policy, recipe=settings)
     rewards = [0.0, 1.0, 0.25, 0.5, 0.0, 0.1, 0.2, 0.3]  # the second group never reaches 0.5
     before = weights(policy)
     metrics = the_step.train(1, grouped(rollout(policy), rewards), on_chosen=chosen.extend)
@@ -220,21 +228,39 @@ def test_rejection_sampling_trains_on_the_best_of_each_group(policy):
 
 
 def test_iterative_dpo_pairs_best_against_worst(policy, reference):
-    the_step = step(TrainerConfig(), policy, reference, algorithm="iterative_dpo")
+    the_step = step(TrainerConfig(), policy, reference, recipe=IterativeDPOConfig())
     rewards = [0.0, 1.0, 0.25, 0.5] + [0.3] * N  # an all-equal group gives no pair
     metrics = the_step.train(1, grouped(rollout(policy), rewards))
     assert metrics["train/pairs"] == 1 and "train/loss" in metrics
     with pytest.raises(ValueError, match="needs a reference"):
-        step(TrainerConfig(), policy, algorithm="iterative_dpo").train(
-            1, grouped(rollout(policy), rewards)
-        )
+        step(TrainerConfig(), policy, recipe=IterativeDPOConfig())
 
 
 def test_bad_arguments_name_themselves(policy):
-    with pytest.raises(ValueError, match="unknown algorithm 'ppo2'"):
-        step(TrainerConfig(), policy, algorithm="ppo2")
+    with pytest.raises(ValueError, match="unknown recipe settings 'ppo2'"):
+        step(TrainerConfig(), policy, recipe="ppo2")
     with pytest.raises(ValueError, match="a critic needs both"):
         RLStep(TrainerConfig(), CriticConfig(), group_size=N, pad_id=0, policy=LocalRanks(policy))
+
+
+def test_every_estimator_the_config_names_is_registered_and_an_unknown_one_is_named():
+    from ferrule_trainer import config, rl
+
+    assert set(rl.ESTIMATORS) == set(config.ESTIMATORS)
+    batch = rl.build_batch([Sample([1], [2, 3]) for _ in range(2)], pad_id=0)
+    with pytest.raises(ValueError, match="unknown estimator 'ppo2'; estimators are"):
+        rl.estimate("ppo2", torch.zeros(2), batch, group_size=2)
+
+
+def test_a_recipes_state_and_the_skip_counters_round_trip(policy, reference):
+    """The state a resume restores: the PPO family's KL coefficient and reward moments (its
+    own), the skip counters (the step's); a recipe without state keeps the counters."""
+    dpo = step(TrainerConfig(), policy, reference, recipe=IterativeDPOConfig())
+    dpo.skips["policy"].in_a_row = 2
+    assert dpo.state() == {"skipped_in_a_row": {"policy": 2, "critic": 0}}
+    again = step(TrainerConfig(), policy, reference, recipe=IterativeDPOConfig())
+    again.restore(dpo.state())
+    assert again.skips["policy"].in_a_row == 2
 
 
 def test_reaches_is_within_a_rounding_error():

@@ -137,15 +137,30 @@ def check_data(config: "Config") -> list[Problem]:
 
 
 def check_recipe(config: "Config") -> list[Problem]:
-    """The SFT / RM / DPO recipes ([loop] algorithm) run synchronously and train no critic."""
-    if config.loop.algorithm == "rl":
-        return []
-    recipe, problems = f"[loop] algorithm = {config.loop.algorithm!r}", []
+    """The SFT / RM / DPO recipes ([loop] algorithm) run synchronously and train no critic; a
+    recipe's table is only read under its algorithm."""
+    algorithm = config.loop.algorithm
+    problems = []
+    for table in ("rejection_sampling", "iterative_dpo"):
+        settings = getattr(config, table)
+        changed = [
+            k for k in type(settings).model_fields if getattr(settings, k) != _default(settings, k)
+        ]
+        if table != algorithm and changed:
+            message = f"[{table}] is read only with [loop] algorithm = {table!r}, got {algorithm!r}"
+            problems.append((f"{table}.{changed[0]}", message))
+    if algorithm == "rl":
+        return problems
+    recipe = f"[loop] algorithm = {algorithm!r}"
     if config.loop.mode != "sync":
         problems.append(("loop.mode", f'{recipe} runs in mode = "sync"'))
     if config.critic is not None:
         problems.append(("critic.learning_rate", f"{recipe} trains no critic"))
     return problems
+
+
+def _default(table, key: str):
+    return type(table).model_fields[key].get_default(call_default_factory=True)
 
 
 def check_reward_model_keys(config: "Config") -> list[Problem]:

@@ -23,7 +23,13 @@ from ferrule_config import ConfigError, InputPath, Problems, Table, describe
 from ferrule_config import load_config as load_file
 from ferrule_launcher import checks
 from ferrule_rollout.config import EngineConfig
-from ferrule_trainer import CriticConfig, ModelConfig, TrainerConfig
+from ferrule_trainer import (
+    CriticConfig,
+    IterativeDPOConfig,
+    ModelConfig,
+    RejectionSamplingConfig,
+    TrainerConfig,
+)
 
 __all__ = ["Config", "ConfigError", "describe", "load_config"]
 
@@ -215,22 +221,21 @@ def _importable(module: str) -> bool:
 class LoopConfig(Table):
     """[loop]: the RL loop: steps, what a step trains on, sync or async, evaluations."""
 
+    renamed: ClassVar[dict[str, str]] = {  # the form before 2026-11-30 (CHANGELOG 0.1.0)
+        "dpo_beta": "moved: write beta = {value} in [iterative_dpo]",
+        "dpo_nll_coef": "moved: write nll_coef = {value} in [iterative_dpo]",
+        "chosen_min_reward": "moved: write chosen_min_reward = {value} in the table of your "
+        "[loop] algorithm: [rejection_sampling] or [iterative_dpo]",
+    }
+
     steps: int = Field(40, ge=1)
     """RL steps (one rollout batch, its training and a weight sync each)."""
     algorithm: Literal["rl", "rejection_sampling", "iterative_dpo"] = "rl"
     """What a step trains on its samples: "rl" ([trainer] estimator's RL step),
     "rejection_sampling" (SFT on each prompt's best sample by reward, best-of-n), or
     "iterative_dpo" (DPO on each prompt's best and worst sample as a pair, against the
-    starting model as the reference)."""
-    dpo_beta: float = Field(0.1, gt=0)
-    """iterative_dpo: DPO's beta."""
-    dpo_nll_coef: float = Field(0.0, ge=0)
-    """iterative_dpo: weight of the chosen samples' mean NLL per token added to the loss (RPO;
-    0: plain DPO, which may lower the likelihood of the chosen samples too)."""
-    chosen_min_reward: float | None = None
-    """rejection_sampling / iterative_dpo: a prompt's best sample is trained on (SFT data, or
-    the chosen side of a pair) only when its reward reaches this; none: always. With a
-    partial-credit reward, best-of-n is often still wrong: training on it teaches the error."""
+    starting model as the reference). Each recipe's settings are its own table:
+    [rejection_sampling], [iterative_dpo]."""
     mode: Literal["sync", "async"] = "sync"
     """"sync": generate, then train, then sync. "async": generation of step k+1 overlaps
     training of step k."""
@@ -463,6 +468,8 @@ class Config(Table):
     trainer: TrainerConfig = TrainerConfig()
     critic: CriticConfig | None = None
     loop: LoopConfig = LoopConfig()
+    rejection_sampling: RejectionSamplingConfig = RejectionSamplingConfig()
+    iterative_dpo: IterativeDPOConfig = IterativeDPOConfig()
     environment: EnvironmentConfig | None = None
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
@@ -491,6 +498,10 @@ class Config(Table):
     def resolved(self) -> bool:
         """Whether resolve.resolve made this config (fitted to a machine)."""
         return self._resolved
+
+    def recipe(self) -> RejectionSamplingConfig | IterativeDPOConfig | None:
+        """The settings of the [loop] algorithm's recipe (None: "rl", the [trainer] table's)."""
+        return getattr(self, self.loop.algorithm, None)
 
     def needs_reward_server(self) -> bool:
         """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""

@@ -12,7 +12,7 @@ without replacement hold at least one success, 1 - C(n-c, k) / C(n, k); averaged
 
 from collections import defaultdict
 
-from ferrule_trainer.step import reaches as succeeded  # the recipes' floor means the same
+from ferrule_trainer.recipes import reaches as succeeded  # the recipes' floor means the same
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

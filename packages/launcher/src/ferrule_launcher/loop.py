@@ -51,12 +51,9 @@ class Loop:
             policy=roles.policy,
             reference=roles.reference,
             critic_ranks=roles.critic,
-            algorithm=c.loop.algorithm,
+            recipe=c.recipe(),
             max_staleness=c.loop.max_staleness,
             keep_group_mean=c.loop.keep_group_mean,
-            chosen_min_reward=c.loop.chosen_min_reward,
-            dpo_beta=c.loop.dpo_beta,
-            dpo_nll_coef=c.loop.dpo_nll_coef,
         )
         self.rollouts = Rollouts(config, self.engines, rewards, prompts, self.step)
 

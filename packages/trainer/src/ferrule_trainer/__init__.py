@@ -24,13 +24,18 @@ _HOMES = {
     "Actor": "actor",
     "Critic": "critic",
     "RLStep": "step",
-    "Ranks": "step",
-    "LocalRanks": "step",
+    "Ranks": "ranks",
+    "LocalRanks": "ranks",
+    "PolicyGradient": "recipes",
+    "RejectionSampling": "recipes",
+    "IterativeDPO": "recipes",
     "Group": "groups",
     "Batch": "batch",
     "ModelConfig": "config",
     "TrainerConfig": "config",
     "CriticConfig": "config",
+    "RejectionSamplingConfig": "config",
+    "IterativeDPOConfig": "config",
     "EpochPlan": "settings",
     "ForwardPlan": "settings",
     "PolicyLoss": "settings",
@@ -47,12 +52,17 @@ __all__ = [  # the keys of _HOMES (tests/test_public_api.py)
     "EpochPlan",
     "ForwardPlan",
     "Group",
+    "IterativeDPO",
+    "IterativeDPOConfig",
     "LocalRanks",
     "ModelConfig",
+    "PolicyGradient",
     "PolicyLoss",
     "PreferenceLoss",
     "RLStep",
     "Ranks",
+    "RejectionSampling",
+    "RejectionSamplingConfig",
     "TrainerConfig",
     "ValueLoss",
 ]
@@ -60,9 +70,17 @@ __all__ = [  # the keys of _HOMES (tests/test_public_api.py)
 if TYPE_CHECKING:
     from ferrule_trainer.actor import Actor
     from ferrule_trainer.batch import Batch
-    from ferrule_trainer.config import CriticConfig, ModelConfig, TrainerConfig
+    from ferrule_trainer.config import (
+        CriticConfig,
+        IterativeDPOConfig,
+        ModelConfig,
+        RejectionSamplingConfig,
+        TrainerConfig,
+    )
     from ferrule_trainer.critic import Critic
     from ferrule_trainer.groups import Group
+    from ferrule_trainer.ranks import LocalRanks, Ranks
+    from ferrule_trainer.recipes import IterativeDPO, PolicyGradient, RejectionSampling
     from ferrule_trainer.settings import (
         Correction,
         EpochPlan,
@@ -71,7 +89,7 @@ if TYPE_CHECKING:
         PreferenceLoss,
         ValueLoss,
     )
-    from ferrule_trainer.step import LocalRanks, Ranks, RLStep
+    from ferrule_trainer.step import RLStep
 
 
 def __getattr__(name: str):

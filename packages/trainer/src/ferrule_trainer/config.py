@@ -435,6 +435,30 @@ class CriticConfig(Table):
     the run scores with (its body and its scalar head: classic RLHF's critic)."""
 
 
+class RejectionSamplingConfig(Table):
+    """[rejection_sampling]: [loop] algorithm = "rejection_sampling" (SFT on each prompt's best
+    sample by reward, best-of-n)."""
+
+    chosen_min_reward: float | None = None
+    """A prompt's best sample is trained on only when its reward reaches this; none: always.
+    With a partial-credit reward, best-of-n is often still wrong: training on it teaches the
+    error."""
+
+
+class IterativeDPOConfig(Table):
+    """[iterative_dpo]: [loop] algorithm = "iterative_dpo" (DPO on each prompt's best and worst
+    sample as a pair, against the starting model as the reference)."""
+
+    beta: float = Field(0.1, gt=0)
+    """DPO's beta."""
+    nll_coef: float = Field(0.0, ge=0)
+    """Weight of the chosen samples' mean NLL per token added to the loss (RPO; 0: plain DPO,
+    which may lower the likelihood of the chosen samples too)."""
+    chosen_min_reward: float | None = None
+    """A prompt's best sample is the chosen side of a pair only when its reward reaches this;
+    none: always."""
+
+
 def rl_batch_problems(
     trainer: TrainerConfig, critic: CriticConfig | None, samples_per_prompt: int, batch: int
 ) -> list[tuple[str, str]]:

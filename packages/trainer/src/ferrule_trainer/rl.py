@@ -12,6 +12,7 @@ and `token_ids` (ferrule-rollout's `Sample`, or anything shaped like it). Import
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -33,6 +34,8 @@ from ferrule_trainer.settings import Correction, EpochPlan
 T = TypeVar("T")
 
 __all__ = [
+    "ESTIMATORS",
+    "EstimatorInputs",
     "RunningMoments",
     "adapt_kl_coef",
     "build_batch",
@@ -168,6 +171,57 @@ def trim_groups(groups: Sequence[T], group_size: int, multiple: int) -> list[T]:
     return keep
 
 
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator may use beyond the scores and the response mask."""
+
+    group_size: int
+    values: torch.Tensor | None  # the critic's ("gae")
+    kl: torch.Tensor | None  # per-token KL to the reference, with kl_in = "reward"
+    kl_coef: float
+    gamma: float
+    lam: float
+    turn_rewards: torch.Tensor | None
+
+
+def _gae(scores, mask, x: EstimatorInputs):
+    rewards = token_rewards(scores, mask, kl=x.kl, kl_coef=x.kl_coef, turn_rewards=x.turn_rewards)
+    advantages, returns = adv.gae(rewards, x.values, mask, gamma=x.gamma, lam=x.lam)
+    return adv.normalize_advantages(advantages, mask), returns
+
+
+def _reinforce_plus_plus(scores, mask, x: EstimatorInputs):
+    advantages = adv.reinforce_plus_plus(
+        scores, mask, gamma=x.gamma, kl=x.kl, kl_coef=x.kl_coef, turn_rewards=x.turn_rewards
+    )
+    return advantages, None
+
+
+def _reinforce_plus_plus_baseline(scores, mask, x: EstimatorInputs):
+    advantages = adv.reinforce_plus_plus_baseline(
+        scores, mask, group_size=x.group_size, gamma=x.gamma, kl=x.kl, kl_coef=x.kl_coef
+    )
+    return advantages, None
+
+
+def _group(estimator: Callable) -> Callable:
+    """A group-relative estimator: each sample's score against its prompt group's."""
+    return lambda scores, mask, x: (estimator(scores, mask, group_size=x.group_size), None)
+
+
+# [trainer] estimator -> (scores, response mask, inputs) -> (advantages, returns or None);
+# returns are the critic's targets ("gae" only). A new estimator is one entry here and its name
+# in config.ESTIMATORS.
+ESTIMATORS: dict[str, Callable] = {
+    "gae": _gae,
+    "grpo": _group(adv.grpo),
+    "dr_grpo": _group(adv.dr_grpo),
+    "rloo": _group(adv.rloo),
+    "reinforce_plus_plus": _reinforce_plus_plus,
+    "reinforce_plus_plus_baseline": _reinforce_plus_plus_baseline,
+}
+
+
 def estimate(
     estimator: str,
     scores: torch.Tensor,
@@ -185,38 +239,28 @@ def estimate(
     lam: float = 0.95,
     turn_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(advantages, returns) for `estimator`; returns is None except for "gae" (the critic's
-    target). With kl_in = "reward" the KL of the rollout policy to the reference is a per-token
-    reward penalty (PPO, REINFORCE++); otherwise the loss carries it. turn_rewards (multi-turn
-    episodes, `turn_rewards(samples, batch)`): the estimators with per-token rewards ("gae",
-    "reinforce_plus_plus") credit each turn's reward at its own turn; the group estimators
-    use the scores (each episode's total) alone."""
+    """(advantages, returns) for `estimator` (one of ESTIMATORS); returns is None except for
+    "gae" (the critic's target). With kl_in = "reward" the KL of the rollout policy to the
+    reference is a per-token reward penalty (PPO, REINFORCE++); otherwise the loss carries it.
+    turn_rewards (multi-turn episodes, `turn_rewards(samples, batch)`): the estimators with
+    per-token rewards ("gae", "reinforce_plus_plus") credit each turn's reward at its own turn;
+    the group estimators use the scores (each episode's total) alone."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; estimators are {sorted(ESTIMATORS)}")
     mask = batch.response_mask
     kl = None
     if kl_in == "reward" and kl_coef > 0:
         kl = kl_estimate(old_logprobs, ref_logprobs, mask, kind=kl_kind, max_abs_estimate=kl_max)
-    penalty = dict(kl=kl, kl_coef=kl_coef if kl is not None else 0.0)
-    if estimator == "gae":
-        rewards = token_rewards(scores, mask, **penalty, turn_rewards=turn_rewards)
-        advantages, returns = adv.gae(rewards, values, mask, gamma=gamma, lam=lam)
-        return adv.normalize_advantages(advantages, mask), returns
-    if estimator == "grpo":
-        return adv.grpo(scores, mask, group_size=group_size), None
-    if estimator == "dr_grpo":
-        return adv.dr_grpo(scores, mask, group_size=group_size), None
-    if estimator == "rloo":
-        return adv.rloo(scores, mask, group_size=group_size), None
-    if estimator == "reinforce_plus_plus":
-        advantages = adv.reinforce_plus_plus(
-            scores, mask, gamma=gamma, **penalty, turn_rewards=turn_rewards
-        )
-        return advantages, None
-    if estimator == "reinforce_plus_plus_baseline":
-        advantages = adv.reinforce_plus_plus_baseline(
-            scores, mask, group_size=group_size, gamma=gamma, **penalty
-        )
-        return advantages, None
-    raise ValueError(f"unknown estimator {estimator!r}")
+    inputs = EstimatorInputs(
+        group_size=group_size,
+        values=values,
+        kl=kl,
+        kl_coef=kl_coef if kl is not None else 0.0,
+        gamma=gamma,
+        lam=lam,
+        turn_rewards=turn_rewards,
+    )
+    return ESTIMATORS[estimator](scores, mask, inputs)
 
 
 def policy_batch(
