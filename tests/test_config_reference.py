@@ -30,3 +30,13 @@ def test_config_reference_has_every_key():
         )
         for key in model.model_fields:
             assert f"| `{key}` |" in text, f"[{name}] {key} is missing"
+
+
+def test_the_sizing_table_in_the_gpu_quickstart_is_what_the_plan_computes_today():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sizing_table.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr

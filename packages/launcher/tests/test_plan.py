@@ -285,3 +285,85 @@ def test_a_cpu_config_resolves_to_itself(write):
     result = resolve(config, Machine(None))
     assert result.plan is None and result.unplanned == frozenset()
     assert result.config.model_dump() == config.model_dump() and result.config.resolved
+
+
+def seven_b(tmp_path, host_gb: float | None, **more):
+    """GRPO at 7B (Qwen2.5-7B's widths, its config.json alone), hybrid on one 140 GiB GPU."""
+    from ferrule_testkit import shape_config
+
+    run = tmp_path / "7b.toml"
+    host = f"host_memory_gb = {host_gb}\n" if host_gb else ""
+    run.write_text(
+        GPU_RUN.replace('path = "model"', f'path = "{shape_config("7b")}"')
+        + "gpu_memory_gb = 140.4\ngpus_per_node = 1\n"
+        + host
+        + "[trainer]\nkl_coef = 0.001\n"
+    )
+    return load_config(run, {"rollout.max_batch_size": 512, **more})
+
+
+def test_offloaded_states_are_planned_in_host_memory_and_a_host_too_small_is_refused(tmp_path):
+    """7B on one 140 GiB GPU fits only with DeepSpeed's CPU Adam: 16 bytes a parameter (113.5
+    GiB) on the host. The H200 machines have 128 GiB (125.7 GiB seen): refused naming [ray]
+    host_memory_gb and the bytes; with 512 GiB the same plan runs; LoRA offloads nothing."""
+    small = resolve(seven_b(tmp_path, 125.7), refuse=False).plan
+    assert small.gpu_fits() and not small.host_fits() and not small.fits()
+    assert small.trainer.offload_optimizer
+    assert small.host.bytes == pytest.approx(7_615_487_488 * 16 + 3 * 3 * GiB, rel=1e-6)
+    assert "host memory per node: 122.5 GiB of 80% x 126 GiB" in small.describe()
+    assert "1 policy rank x 113.5 GiB offloaded, 3 processes x 3 GiB): does NOT fit" in (
+        small.describe()
+    )
+    with pytest.raises(ConfigError) as refused:
+        resolve(seven_b(tmp_path, 125.7))
+    assert "[ray] host_memory_gb: the memory plan does not fit the host" in str(refused.value)
+    assert "needs 122.5 GiB a node" in str(refused.value)
+    large = resolve(seven_b(tmp_path, 512)).plan
+    assert large.fits() and large.trainer.offload_optimizer
+    lora = resolve(seven_b(tmp_path, 125.7, **{"trainer.lora_rank": 64})).plan
+    assert lora.fits() and not lora.trainer.offload_optimizer
+    assert lora.host.bytes == 3 * 3 * GiB  # the processes alone
+
+
+def test_sizing_for_other_machines_never_reads_this_ones_host(tmp_path, monkeypatch):
+    """[ray] gpu_memory_gb describes GPUs elsewhere (a cluster sized before it is rented): this
+    machine's memory says nothing of theirs, so an unknown host is not checked, and
+    host_memory_gb / gpus_per_node are the nodes' when given."""
+    from ferrule_launcher import plan as plan_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the plan asked this machine")
+
+    monkeypatch.setattr(plan_module, "host_memory", no_probe)
+    monkeypatch.setattr(plan_module, "gpu_sizes", no_probe)
+    unknown = make_plan(seven_b(tmp_path, None))
+    assert unknown.host_memory is None and unknown.fits()
+    assert "(host memory unknown: set [ray] host_memory_gb)" in unknown.describe()
+    eight = {"trainer.ranks": 8, "rollout.engines": 8, "trainer.offload_optimizer": True}
+    one_node = resolve(seven_b(tmp_path, 2048, **{"ray.gpus_per_node": 8, **eight})).plan
+    assert one_node.host_memory == 2048 * GiB
+    # eight ranks on the node, each with an eighth of the states; 8 x 3 role processes
+    assert one_node.host.bytes == pytest.approx(7_615_487_488 * 16 + 24 * 3 * GiB, rel=1e-6)
+    two_nodes = resolve(seven_b(tmp_path, 2048, **{"ray.gpus_per_node": 4, **eight})).plan
+    assert two_nodes.host.bytes == pytest.approx(7_615_487_488 * 8 + 12 * 3 * GiB, rel=1e-6)
+
+
+def test_a_zero3_policys_scoring_pass_holds_its_shard_not_the_whole_model(tmp_path):
+    """The policy's old-log-prob pass was planned as a frozen model's, with every weight on
+    each rank: at 32B (65.5 GB of bf16 weights) over 8 ZeRO-3 ranks that alone made 61 GiB a
+    GPU, and every plan of 32B on 8 or 16 GPUs failed on the policy. Its states' shard and a
+    forward batch's activations are what it holds."""
+    from ferrule_testkit import shape_config
+
+    run = tmp_path / "32b.toml"
+    run.write_text(
+        GPU_RUN.replace('path = "model"', f'path = "{shape_config("32b")}"')
+        + 'gpu_memory_gb = 80\nplacement = "colocate"\n'
+        + "[trainer]\nranks = 8\nzero_stage = 3\noffload_optimizer = true\n"
+        + "micro_batch_tokens = 4096\nforward_batch_tokens = 4096\ngradient_checkpointing = true\n"
+    )
+    config = load_config(run, {"trainer.epochs": 2})  # off-policy: the old log-probs pass
+    assert config.trainer.needs_old_logprobs()
+    policy = resolve(config, refuse=False).plan.gpus[0][0]
+    # its states' shard ~26 GiB (fp32 gradients counted on the GPU) and ~5 GiB of activations
+    assert policy.role == "policy" and policy.train < 45 * GiB

@@ -364,6 +364,13 @@ class RayConfig(Table):
     gpu_memory_gb: float | None = Field(None, gt=0)
     """GiB of memory of each GPU, for the memory plan (None: nvidia-smi's figure on the machine
     that launches; set it where that machine has no GPU, e.g. a Ray head node)."""
+    host_memory_gb: float | None = Field(None, gt=0)
+    """GiB of host memory of each GPU node, for the memory plan's offloaded states (None: this
+    machine's, where it runs the GPUs itself; unknown, and not checked, where gpu_memory_gb or
+    address say the GPUs are elsewhere)."""
+    gpus_per_node: int | None = Field(None, ge=1)
+    """GPUs of each node, for the host memory a node's ranks share (None: this machine's where
+    it runs the GPUs itself, else 8)."""
     check_memory: bool = True
     """GPU runs: refuse a plan whose estimated peak does not fit the GPUs (`--plan` prints it).
     false: start anyway (the estimate assumes every token is a response token)."""

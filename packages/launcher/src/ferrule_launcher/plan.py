@@ -11,6 +11,12 @@ the worst micro-batch: every token a response token. A process keeps what its al
 reserved, so a policy rank holds its training peak in every phase unless offload_between_phases
 moves its states out or the engines sleep while it trains (the loop then has it give its cache
 back before they wake); an engine gives its memory back only with sleep_between_phases.
+
+Host memory is planned too, per node: what the trained models offload there (DeepSpeed's CPU
+Adam holds fp32 master weights, both Adam moments and fp32 gradients, 16 bytes a parameter
+over the ranks; offload_params adds the bf16 weights; offload_between_phases parks the GPU
+states there while the engines generate), and each process's own bytes. A plan whose node does
+not hold them does not fit, whatever its GPUs hold.
 """
 
 import itertools
@@ -35,6 +41,14 @@ ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activation
 # A policy whose states left the GPU and came back reserves more at its peak: measured 1.2x at
 # 1.5B (benchmarks/step_gpu.py, 2026-11-27: 70.1 GiB in use while training against 59.9 planned).
 RELOADED = 1.2
+
+# Host memory: each process's own bytes (torch, CUDA's host side, transformers, DeepSpeed; not
+# measured on a GPU machine: an allowance), and of a node's memory the plan may fill (the
+# page cache of the model files, the OS and Ray's object store live in the rest).
+PROCESS_HOST = 3 * GiB
+HOST_HEADROOM = 0.8
+OFFLOADED_OPTIMIZER = 16  # bytes a parameter: fp32 master, Adam's two moments, fp32 gradients
+DEFAULT_GPUS_PER_NODE = 8  # where neither [ray] gpus_per_node nor this machine says
 
 # Seconds, from benchmarks/train_phase_gpu.py's timings of a whole step at 1.5B on an H100
 # (2026-11-27: 8.73 s at 8k-token micro-batches, 8.14 s at 12k, no checkpointing): a trained token
@@ -90,10 +104,43 @@ class Holding:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What the plan needs to know of the machines: one GPU's memory, one node's host memory
+    (bytes) and GPUs; None: unknown. [ray] gpu_memory_gb, host_memory_gb and gpus_per_node win
+    over it."""
+
+    gpu_memory: int | None
+    host_memory: int | None = None
+    gpus_per_node: int | None = None
+
+    @classmethod
+    def this_one(cls) -> "Machine":
+        sizes = gpu_sizes()
+        return cls(min(sizes) if sizes else None, host_memory(), len(sizes) or None)
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """One node's host memory in the plan: bytes and what they are."""
+
+    bytes: int
+    how: str
+
+
+@dataclass(frozen=True)
 class Plan:
     trainer: TrainerConfig  # with the "auto" keys chosen
     gpus: list[list[Holding]]  # the processes of each distinct GPU (rank 0's bundles)
     memory: int | None  # bytes of one GPU (None: unknown)
+    host: HostNeed | None = None  # of the fullest node
+    host_memory: int | None = None  # bytes of one node's host memory (None: unknown)
+
+    def host_fits(self) -> bool:
+        return (
+            self.host is None
+            or self.host_memory is None
+            or (self.host.bytes <= HOST_HEADROOM * self.host_memory)
+        )
 
     def peak(self) -> tuple[int, str, int]:
         """(bytes, phase, GPU index) of the fullest GPU in its fullest phase."""
@@ -103,8 +150,11 @@ class Plan:
             for phase in ("generate", "train")
         )
 
-    def fits(self) -> bool:
+    def gpu_fits(self) -> bool:
         return self.memory is None or self.peak()[0] <= HEADROOM * self.memory
+
+    def fits(self) -> bool:
+        return self.gpu_fits() and self.host_fits()
 
     def describe(self) -> str:
         lines = []
@@ -130,13 +180,24 @@ class Plan:
                 total = sum(getattr(h, phase) for h in gpu)
                 lines.append(f"    {'total':<12} {phase} {total / GiB:.1f} GiB")
         peak, phase, index = self.peak()
-        verdict = "fits" if self.fits() else "does NOT fit"
+        verdict = "fits" if self.gpu_fits() else "does NOT fit"
         lines.append(f"peak: {peak / GiB:.1f} GiB on GPU {index}, {phase} phase: {verdict}")
+        if self.host is not None:
+            of = (
+                f"of {HOST_HEADROOM:.0%} x {self.host_memory / GiB:.0f} GiB"
+                if self.host_memory
+                else "(host memory unknown: set [ray] host_memory_gb)"
+            )
+            verdict = "fits" if self.host_fits() else "does NOT fit"
+            lines.append(
+                f"host memory per node: {self.host.bytes / GiB:.1f} GiB {of} ({self.host.how}): "
+                f"{verdict}"
+            )
         return "\n".join(lines)
 
 
-def gpu_memory() -> int | None:
-    """The smallest GPU's memory on this machine, from nvidia-smi (None: no NVIDIA GPU here)."""
+def gpu_sizes() -> list[int]:
+    """Each GPU's memory on this machine in bytes, from nvidia-smi (none: no NVIDIA GPU here)."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
@@ -145,10 +206,27 @@ def gpu_memory() -> int | None:
             timeout=20,
             check=True,
         ).stdout
-        sizes = [int(float(line)) for line in out.split() if line.strip()]
+        return [int(float(line)) * 2**20 for line in out.split() if line.strip()]
     except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return min(sizes) * 2**20 if sizes else None
+        return []
+
+
+def gpu_memory() -> int | None:
+    """The smallest GPU's memory on this machine (None: no NVIDIA GPU here)."""
+    sizes = gpu_sizes()
+    return min(sizes) if sizes else None
+
+
+def host_memory() -> int | None:
+    """This machine's memory in bytes, from /proc/meminfo (None: not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # -- what each process holds ---------------------------------------------------------------------
@@ -190,9 +268,14 @@ def holdings(
         tokens=train_tokens,
         response_share=1.0,  # the worst micro-batch: every token through the LM head
     )
+    # its scoring pass (old log-probs) holds its states and a forward batch's activations
+    state = memory.training_state(shape, lora=lora, **state_keys)
+    forward = memory.forward_activations(
+        shape, forward_tokens, 1.0, whole_logits=trainer.zero_stage == 3
+    )
     policy_peak = max(
         memory.policy_train_peak(shape, lora=lora, **trained),
-        memory.forward_peak(shape, dtype, forward_tokens, 1.0),
+        int(memory.FRAGMENTATION * (state[0] + forward)),
     )
     if trainer.offload_between_phases:
         policy_peak = int(RELOADED * policy_peak)
@@ -202,7 +285,6 @@ def holdings(
     # IPC with the policy resident).
     in_place = ray.placement == "colocate_all" and not trainer.offload_between_phases
     sync = 0 if in_place else 2 * max(GiB, shape.vocab * shape.hidden * 2)
-    state = memory.training_state(shape, lora=lora, **state_keys)
     held = _while_generating(trainer, r, policy_peak, state) + sync
     how = f"{train_tokens} tokens per micro-batch" + (", weight-sync buffers" if sync else "")
     policy = Holding("policy", held, policy_peak + sync, how)
@@ -228,6 +310,45 @@ def holdings(
     return gpus
 
 
+def host_need(
+    config: "Config", trainer: TrainerConfig, shape: ModelShape, gpus_per_node: int
+) -> HostNeed:
+    """The fullest node's host memory: the offloaded states of the trained ranks it holds (as
+    many as it has GPUs, at most), and each process's own bytes."""
+    dtype, lora = config.model.dtype, trainer.lora_rank > 0
+    per_parameter = 0 if lora else (OFFLOADED_OPTIMIZER if trainer.offload_optimizer else 0)
+    per_parameter += 0 if lora or not trainer.offload_params else memory.bytes_per(dtype)
+    trained = [("policy", shape, trainer.ranks)]
+    if config.critic is not None:
+        trained.append(("critic", replace(shape, vocab=0), config.critic.ranks))
+    total, parts = 0, []
+    for role, model, ranks in trained:
+        on_node = min(ranks, gpus_per_node)
+        offloaded = model.parameters * per_parameter // ranks
+        if trainer.offload_between_phases:  # its GPU states, while the engines generate
+            keys = dict(zero_stage=trainer.zero_stage, ranks=ranks, lora=lora)
+            offloaded += sum(memory.training_state(model, dtype=dtype, **keys))
+        if offloaded:
+            total += on_node * offloaded
+            ranks_on_node = f"{on_node} {role} rank" + ("s" if on_node > 1 else "")
+            parts.append(f"{ranks_on_node} x {offloaded / GiB:.1f} GiB offloaded")
+    processes = _processes_on_a_node(config, gpus_per_node)
+    total += processes * PROCESS_HOST
+    parts.append(f"{processes} processes x {PROCESS_HOST / GiB:.0f} GiB")
+    return HostNeed(total, ", ".join(parts))
+
+
+def _processes_on_a_node(config: "Config", gpus_per_node: int) -> int:
+    """The role processes on the fullest node: the run's, in proportion to the node's share of
+    the run's GPUs (each placement group's bundles, one GPU each)."""
+    from ferrule_launcher.placement import bundles, wanted_roles
+
+    roles = wanted_roles(config)
+    gpus = sum(len(group) for group in bundles(config.ray, roles).values())
+    gpus += config.rollout.engines * (config.rollout.tensor_parallel_size - 1)
+    return math.ceil(len(roles) * min(1.0, gpus_per_node / max(gpus, 1)))
+
+
 def _while_generating(trainer: TrainerConfig, rollout, peak: int, state: tuple[int, int]) -> int:
     """A trained model's bytes while the engines generate: its peak, which its allocator keeps;
     nothing where its states move out between phases; its states alone where the engines sleep
@@ -243,7 +364,19 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
     r = config.rollout
     if r.backend == "vllm":
         share = int(r.gpu_memory_utilization * (gpu_bytes or 0))
-        return share + CONTEXT, f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
+        how = f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
+        # its share must hold its slice of the weights and the KV cache of one whole sequence,
+        # or vLLM refuses to start: the plan counts what it would need then
+        tp = r.tensor_parallel_size
+        one_sequence = r.max_model_len * shape.layers * 2 * shape.kv_width * 2 // tp
+        least = int(memory.FRAGMENTATION * (shape.weights(config.model.dtype) // tp + one_sequence))
+        if share < least:
+            how += (
+                f" (too small: its weights need {least / GiB:.1f} GiB a GPU at "
+                f"tensor_parallel_size {tp})"
+            )
+            share = least
+        return share + CONTEXT, how
     slots = math.ceil(r.max_model_len / 64) * 64
     cache = r.max_batch_size * slots * shape.layers * 2 * shape.kv_width * 2  # bf16 keys, values
     logits = r.max_batch_size * shape.vocab * 8
@@ -282,16 +415,25 @@ def _rank(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> tuple[
     return bool(offloads), seconds(trainer, config, shape)
 
 
-def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
+def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
     """The plan of a GPU run (None on CPU): the fastest choice of the "auto" keys that fits
-    (`fits()` False when none does: then the one that needs least); `memory_bytes`: one GPU's
-    (default [ray] gpu_memory_gb, else nvidia-smi's)."""
+    its GPUs and its nodes' host memory (`fits()` False when none does: then the nearest miss);
+    `machine`: what [ray] gpu_memory_gb, host_memory_gb and gpus_per_node
+    leave unsaid (default: this machine, asked only for what they leave unsaid)."""
     if not config.ray.gpus_per_role:
         return None
-    if memory_bytes is None and config.ray.gpu_memory_gb:
-        memory_bytes = int(config.ray.gpu_memory_gb * GiB)
-    if memory_bytes is None:
-        memory_bytes = gpu_memory()
+    ray = config.ray
+    # a run described by [ray] gpu_memory_gb, or joining a cluster, is not this machine's
+    elsewhere = bool(ray.gpu_memory_gb or ray.address)
+    if machine is None:
+        machine = Machine(None) if elsewhere else Machine.this_one()
+    gpu_bytes = int(ray.gpu_memory_gb * GiB) if ray.gpu_memory_gb else machine.gpu_memory
+    host_bytes = int(ray.host_memory_gb * GiB) if ray.host_memory_gb else None
+    per_node = ray.gpus_per_node
+    if not elsewhere:
+        host_bytes = host_bytes or machine.host_memory
+        per_node = per_node or machine.gpus_per_node
+    per_node = per_node or DEFAULT_GPUS_PER_NODE
     shape = ModelShape.read(config.model.path)
     hybrid = config.ray.placement == "colocate_all" and config.loop.mode == "sync"
     options = _options(config.trainer, hybrid)
@@ -299,21 +441,40 @@ def make_plan(config: "Config", memory_bytes: int | None = None) -> Plan | None:
         config.trainer.model_copy(update=dict(zip(options, values, strict=True)))
         for values in itertools.product(*options.values())
     )
+
+    def plan_of(trainer: TrainerConfig) -> Plan:
+        gpus = holdings(config, trainer, shape, gpu_bytes)
+        host = host_need(config, trainer, shape, per_node)
+        return Plan(trainer, gpus, gpu_bytes, host, host_bytes)
+
     plans = []
     valid = (trainer for trainer in choices if not trainer.offload_problems())
     for trainer in sorted(valid, key=lambda t: _rank(t, config, shape)):
-        plan = Plan(trainer, holdings(config, trainer, shape, memory_bytes), memory_bytes)
+        plan = plan_of(trainer)
         if plan.fits():
             return plan
         plans.append(plan)
     if not plans:  # the user's own choices contradict each other: TrainerConfig says how
-        trainer = config.trainer
-        return Plan(trainer, holdings(config, trainer, shape, memory_bytes), memory_bytes)
+        return plan_of(config.trainer)
+    # the nearest miss: of the plans that fit the GPUs the one that needs least host memory,
+    # else the one that needs least GPU memory
+    on_gpu = [plan for plan in plans if plan.gpu_fits()]
+    if on_gpu:
+        return min(on_gpu, key=lambda p: p.host.bytes)
     return min(plans, key=lambda p: p.peak()[0])
 
 
 def refusal(plan: Plan) -> list[tuple[str, str]]:
     """(key, message) problems of a plan that does not fit, naming what the user could change."""
+    if plan.gpu_fits() and not plan.host_fits():
+        message = (
+            f"the memory plan does not fit the host: the plans that fit the GPUs offload to "
+            f"host memory, and the least of them needs {plan.host.bytes / GiB:.1f} GiB a node "
+            f"({plan.host.how}) of {HOST_HEADROOM:.0%} x {plan.host_memory / GiB:.0f} GiB (add "
+            "ranks to shard the states, train LoRA adapters ([trainer] lora_rank), or set [ray] "
+            "host_memory_gb if the nodes have more). `rlhf-launch CONFIG --plan` shows it."
+        )
+        return [("ray.host_memory_gb", message)]
     peak, phase, index = plan.peak()
     gpu = plan.gpus[index]
     parts = ", ".join(f"{h.role} {getattr(h, phase) / GiB:.1f}" for h in gpu)

@@ -1,6 +1,7 @@
 """A loaded config made concrete for the machine it will run on. `load_config` reads the file
-and nothing else; `resolve` then reads the model's config.json and the GPUs' size (nvidia-smi,
-or [ray] gpu_memory_gb) and fills in what was left to the machine:
+and nothing else; `resolve` then reads the model's config.json, the GPUs' size and the nodes'
+host memory (nvidia-smi and /proc/meminfo, or [ray] gpu_memory_gb, host_memory_gb,
+gpus_per_node: plan.Machine) and fills in what was left to the machine:
 
     config = load_config("run.toml")         # the file's contents, validated
     resolved = resolve(config)               # Resolved(config, plan, unplanned)
@@ -9,8 +10,8 @@ or [ray] gpu_memory_gb) and fills in what was left to the machine:
 - [trainer] reference_ranks "auto": a reference rank beside each policy rank where the
   placement shares their GPUs (measured on four H100s: the train phase 19.7 s with one
   reference scoring every GPU's samples, 12.0 s with one each);
-- the [trainer] keys left "auto" on a GPU run: the memory plan's fastest choice that fits
-  (plan.py); a plan that cannot fit is refused here, before any process starts, unless
+- the [trainer] keys left "auto" on a GPU run: the memory plan's fastest choice that fits the
+  GPUs and the host (plan.py); a plan that cannot fit is refused here, before any process starts, unless
   [ray] check_memory = false.
 A dry run on a machine that shows no GPU may leave the plan's keys "auto" (`unplanned`).
 """
@@ -19,19 +20,7 @@ from dataclasses import dataclass
 
 from ferrule_config import ConfigError, format_problems
 from ferrule_launcher.config import Config
-from ferrule_launcher.plan import Plan, gpu_memory, make_plan, refusal
-from ferrule_trainer.memory import GiB
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What the plan needs to know of the machine: one GPU's memory in bytes (None: no GPU)."""
-
-    gpu_memory: int | None
-
-    @classmethod
-    def this_one(cls) -> "Machine":
-        return cls(gpu_memory())
+from ferrule_launcher.plan import Machine, Plan, make_plan, refusal
 
 
 @dataclass(frozen=True)
@@ -51,12 +40,8 @@ def resolve(
     config = _reference_beside_each_rank(config)
     if not config.ray.gpus_per_role:
         return Resolved(_marked(config), None)
-    if config.ray.gpu_memory_gb:
-        memory = int(config.ray.gpu_memory_gb * GiB)
-    else:
-        memory = (machine or Machine.this_one()).gpu_memory
     try:
-        plan = make_plan(config, memory)
+        plan = make_plan(config, machine)
     except (OSError, ValueError) as err:  # config.json unreadable, or not a decoder LM's
         problem = ("model.path", f"the memory plan cannot read the model: {err}")
         raise _refused(config, [problem]) from None
