@@ -283,86 +283,97 @@ def start_roles(
     process to say where the group meets)."""
     import time
 
-    import ray
-
     began, arrivals = time.monotonic(), {}
+    launch = _Launcher(setup, places, env)
     roles = Roles(RankGroup([], "policy"), [], groups=groups, weight_sync=setup.weight_sync)
-    options = {"policy": setup.policy, "reference": setup.reference, "critic": setup.critic}
-    paths = {"critic": setup.critic_path or setup.model_path}
-
-    def actor(cls, role: Role, concurrency_groups=None, **extra):
-        remote = (
-            ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
-        )
-        return remote(cls).options(**places[role], runtime_env={"env_vars": env}, **extra)
-
-    def start_engine(index: int):
-        role = Role("rollout", index)
-        return actor(setup.engine_class, role, max_concurrency=4).remote(
-            setup.model_path, seed=setup.seed + index, **setup.engine
-        )
-
-    roles.start_engine = start_engine
-
+    roles.start_engine = launch.engine
     try:
-        started = []  # (kind, its ranks, their workers)
-        for kind in ("policy", "reference", "critic"):
-            ranks = sorted(role for role in places if role.kind == kind)
-            if not ranks:
-                continue
-            # "control": abort_weight_sync runs while send_weights blocks the default group
-            workers = [
-                actor(RankWorker, role, concurrency_groups={"control": 1}).remote()
-                for role in ranks
-            ]
-            group = RankGroup(workers, kind)
-            if kind == "policy":
-                roles.policy = group
-            elif kind == "reference":
-                roles.reference = group
-            else:
-                roles.critic = group
-            started.append((kind, ranks, workers))
+        started = {kind: launch.ranks(kind) for kind in ("policy", "reference", "critic")}
+        roles.policy = RankGroup(started["policy"][1], "policy")
+        for kind in ("reference", "critic"):
+            if started[kind][0]:
+                setattr(roles, kind, RankGroup(started[kind][1], kind))
         engines = sum(role.kind == "rollout" for role in places)
-        roles.engines = [start_engine(i) for i in range(engines)]
+        roles.engines = [launch.engine(i) for i in range(engines)]
         # Every process is starting now. A group's ranks set up once its rank 0 says where the
         # group meets; an engine answers once its constructor is done.
         starts = [
             (e.startup_seconds.remote(), Role("rollout", i).label)
             for i, e in enumerate(roles.engines)
         ]
-        for kind, ranks, workers in started:
-            master = get(workers[0].where.remote(), ranks[0].label)
-            starts += [
-                (
-                    w.setup.remote(
-                        kind,
-                        paths.get(kind, setup.model_path),
-                        i,
-                        len(workers),
-                        master["host"],
-                        master["port"],
-                        **options[kind],
-                    ),
-                    ranks[i].label,
-                )
-                for i, w in enumerate(workers)
-            ]
+        for kind, (ranks, workers) in started.items():
+            starts += launch.set_up(kind, ranks, workers)
         # Wait for every role to start, naming the one that could not.
         results = get_each(starts, arrivals=arrivals)
         timed = {role: seconds for (_, role), seconds in zip(starts, results, strict=True)}
-        for role, when in sorted(arrivals.items(), key=lambda item: item[1]):
-            took, seconds = when - began, timed[role]
-            if ready is not None:
-                ready[role] = round(took, 1)
-            if phases is not None:
-                rest = max(took - sum(seconds.values()), 0.0)
-                phases[role] = {k: round(v, 1) for k, v in {"process": rest, **seconds}.items()}
+        _record_start(timed, arrivals, began, ready, phases)
         open_weight_sync(setup.weight_sync, roles.policy.workers, roles.engines)
     except BaseException:
         roles.stop()
         raise
     return roles
+
+
+class _Launcher:
+    """Creates the run's actors on their places (Ray options and the roles' environment)."""
+
+    def __init__(self, setup: RoleSetup, places: dict[Role, dict], env: dict):
+        self.setup, self.places, self.env = setup, places, env
+
+    def actor(self, cls, role: Role, concurrency_groups=None, **extra):
+        import ray
+
+        remote = (
+            ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
+        )
+        options = dict(self.places[role], runtime_env={"env_vars": self.env}, **extra)
+        return remote(cls).options(**options)
+
+    def engine(self, index: int):
+        """Rollout engine `index` on its bundle (also how a dead engine is replaced)."""
+        s = self.setup
+        engine = self.actor(s.engine_class, Role("rollout", index), max_concurrency=4)
+        return engine.remote(s.model_path, seed=s.seed + index, **s.engine)
+
+    def ranks(self, kind: str) -> tuple[list[Role], list]:
+        """The ranks of `kind` and a new `RankWorker` for each (none set up yet)."""
+        ranks = sorted(role for role in self.places if role.kind == kind)
+        # "control": abort_weight_sync runs while send_weights blocks the default group
+        workers = [
+            self.actor(RankWorker, role, concurrency_groups={"control": 1}).remote()
+            for role in ranks
+        ]
+        return ranks, workers
+
+    def set_up(self, kind: str, ranks: list[Role], workers: list) -> list[tuple]:
+        """Each rank's set-up call in flight, with its label; they meet where rank 0 says."""
+        if not workers:
+            return []
+        s = self.setup
+        options = {"policy": s.policy, "reference": s.reference, "critic": s.critic}[kind]
+        path = (s.critic_path or s.model_path) if kind == "critic" else s.model_path
+        master = get(workers[0].where.remote(), ranks[0].label)
+        return [
+            (
+                worker.setup.remote(
+                    kind, path, i, len(workers), master["host"], master["port"], **options
+                ),
+                ranks[i].label,
+            )
+            for i, worker in enumerate(workers)
+        ]
+
+
+def _record_start(timed: dict, arrivals: dict, began: float, ready, phases) -> None:
+    """Each role's seconds from the start to ready (`ready`), and (`phases`) what it timed
+    itself, after "process": the rest of its wait."""
+    for role, when in sorted(arrivals.items(), key=lambda item: item[1]):
+        took, seconds = when - began, timed[role]
+        if ready is not None:
+            ready[role] = round(took, 1)
+        if phases is not None:
+            rest = max(took - sum(seconds.values()), 0.0)
+            phases[role] = {k: round(v, 1) for k, v in {"process": rest, **seconds}.items()}
 
 
 def open_weight_sync(sync: WeightSync, workers: list, engines: list) -> None:

@@ -116,6 +116,20 @@ def _continued(prompts: Sequence, max_tokens: int) -> list[Continuation | None]:
     return continued
 
 
+def _checked_arguments(model, dtype, max_batch_size, exact: bool, compile_decode: bool) -> Path:
+    """The model's folder, once every argument is one the engine takes."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
+    if dtype not in DTYPES:
+        raise RolloutError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
+    if exact and compile_decode:
+        raise RolloutError("exact and compile_decode exclude each other: inductor reorders math")
+    return path
+
+
 class TransformersEngine(EngineBase):
     """A transformers model with policy versions, pause / resume and weightsync weight updates."""
 
@@ -147,17 +161,40 @@ class TransformersEngine(EngineBase):
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
         rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact)."""
-        path = Path(model).expanduser()
-        if not path.is_dir():
-            raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
-        if dtype not in DTYPES:
-            raise RolloutError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise RolloutError(f"max_batch_size must be >= 1, got {max_batch_size!r}")
-        if exact and compile_decode:
-            raise RolloutError(
-                "exact and compile_decode exclude each other: inductor reorders math"
-            )
+        path = _checked_arguments(model, dtype, max_batch_size, exact, compile_decode)
+        super().__init__(str(path))
+        self._decoder = None  # made on first use, dropped whenever the parameters move
+        self._load_model(path, dtype, device, attn_implementation)
+        config = self._model.config.get_text_config()
+        self.max_model_len = self._fitting_length(config, max_model_len)
+        self.exact_numerics = None
+        if exact:  # after max_model_len: the slab's slots follow from it
+            self.exact_numerics = ExactNumerics(self.max_model_len)
+            self.exact_numerics.apply(self._model, slab=True)
+            self._float_mask = False
+        self.vocab_size = config.vocab_size
+        self.max_batch_size = max_batch_size
+        self._eos, self._pad = self._stop_and_pad_ids()
+        self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
+        import torch  # loaded by _load_model
+
+        self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
+        self._compile, self._compact = compile_decode, compact_rows
+        self._sent: list[str] = []  # names of the last update (what weights_digest covers)
+        self._model_lock = threading.Lock()  # one generate call or weight change at a time
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self._join_lock = threading.Lock()  # one weight-sync join at a time
+        self._running = self._queued = 0  # samples of calls admitted / waiting out a pause
+        self._dropped: dict[int, str] = {}  # parameters sleep(level=2) dropped, not yet reloaded
+        self._asleep = 0  # the sleep level, 0 when awake
+        self._shapes: dict = {}  # of the parameters sleep(level=2) dropped
+        self._can_sleep = self.device.type == "cuda"
+        self._receiver = None
+
+    def _load_model(
+        self, path: Path, dtype: str, device: str, attn_implementation: str | None
+    ) -> None:
+        """The device, the tokenizer and the model on the device, its start timed."""
         began = time.perf_counter()
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -172,8 +209,6 @@ class TransformersEngine(EngineBase):
             raise RolloutError(f"device {device!r} is not usable: {err}") from err
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
-        self.model = str(path)
-        self._decoder = None  # made on first use, dropped whenever the parameters move
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             # Our masks are 4D: additive floats for "eager", booleans for sdpa, which is what
@@ -195,48 +230,31 @@ class TransformersEngine(EngineBase):
                 f"could not load a transformers model from {self.model!r}: {err}"
             ) from err
         self._startup = {"imports": imported - began, "weights": time.perf_counter() - imported}
-        config = self._model.config.get_text_config()
+
+    def _fitting_length(self, config, max_model_len: int | None) -> int:
+        """max_model_len, within what the model's positions and attention allow."""
         if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             raise RolloutError(
                 f"{self.model} has sliding-window attention layers, which the transformers "
                 'engine\'s decode masks do not model; use backend "vllm"'
             )
         longest = getattr(config, "max_position_embeddings", None)
-        self.max_model_len = max_model_len or longest
-        if not self.max_model_len or (longest and self.max_model_len > longest):
+        length = max_model_len or longest
+        if not length or (longest and length > longest):
             raise RolloutError(
                 f"max_model_len {max_model_len} does not fit the model's length {longest} "
                 f"(max_position_embeddings in {self.model}/config.json)"
             )
-        self.exact_numerics = None
-        if exact:  # after max_model_len: the slab's slots follow from it
-            self.exact_numerics = ExactNumerics(self.max_model_len)
-            self.exact_numerics.apply(self._model, slab=True)
-            self._float_mask = False
-        self.vocab_size = config.vocab_size
-        self.max_batch_size = max_batch_size
-        generation = getattr(self._model, "generation_config", None)  # its list counts too
+        return length
+
+    def _stop_and_pad_ids(self) -> tuple[set[int], int]:
+        """The tokens that end a sample (the tokenizer's and the generation config's, a list
+        counting too) and the one that pads."""
+        generation = getattr(self._model, "generation_config", None)
         eos = [self.tokenizer.eos_token_id, getattr(generation, "eos_token_id", None)]
-        self._eos = {i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}
+        stops = {i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}
         pad = self.tokenizer.pad_token_id
-        self._pad = pad if pad is not None else min(self._eos, default=0)
-        self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
-        self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
-        self._compile, self._compact = compile_decode, compact_rows
-        self._version = 0
-        self._sent: list[str] = []  # names of the last update (what weights_digest covers)
-        self._cv = threading.Condition()
-        self._model_lock = threading.Lock()  # one generate call or weight change at a time
-        self._update_lock = threading.Lock()
-        self._join_lock = threading.Lock()
-        self._running = self._queued = 0  # samples of calls admitted / waiting out a pause
-        self._paused = self._closed = False
-        self._broken = ""  # why the engine cannot generate (partly loaded or dropped weights)
-        self._dropped: dict[int, str] = {}  # parameters sleep(level=2) dropped, not yet reloaded
-        self._asleep = 0  # the sleep level, 0 when awake
-        self._shapes: dict = {}  # of the parameters sleep(level=2) dropped
-        self._can_sleep = self.device.type == "cuda"
-        self._receiver = None
+        return stops, pad if pad is not None else min(stops, default=0)
 
     # -- generation ------------------------------------------------------------------------
 

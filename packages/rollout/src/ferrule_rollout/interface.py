@@ -94,19 +94,20 @@ class WeightSyncGroup:
 
 
 class EngineBase:
-    """What both engines write the same way. A subclass sets `model`, `_cv` (the condition
-    guarding its state), `_version`, `_paused`, `_broken` ("" while healthy), `_startup`, says
-    how many samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it
-    joins a weight-sync group (`_join`)."""
+    """What both engines write the same way, and the state it reads: a subclass calls
+    `super().__init__(model)` first, then guards that state with `_cv`, and says how many
+    samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it joins a
+    weight-sync group (`_join`)."""
 
-    model: str
-    _closed: bool
-    _cv: threading.Condition
-    _version: int
-    _paused: bool
-    _frozen: bool = False  # running samples do not advance either (vLLM's "keep" pause)
-    _broken: str
-    _startup: dict[str, float]  # seconds of the start by phase
+    def __init__(self, model: str):
+        self.model = model
+        self._cv = threading.Condition()  # guards the fields below
+        self._version = 0  # the policy version of the weights
+        self._paused = False  # no new call starts
+        self._frozen = False  # running samples do not advance either (vLLM's "keep" pause)
+        self._closed = False
+        self._broken = ""  # why the engine cannot generate ("" while healthy)
+        self._startup: dict[str, float] = {}  # seconds of the start by phase
 
     def startup_seconds(self) -> dict[str, float]:
         """Where this engine's start went, seconds by phase: "imports", then "weights" (the

@@ -159,7 +159,7 @@ class VLLMEngine(EngineBase):
         path = Path(model).expanduser()
         if not path.exists() and (path.is_absolute() or str(model).startswith((".", "~"))):
             raise RolloutError(f"model path {str(model)!r} does not exist")
-        self.model = str(path) if path.exists() else str(model)
+        super().__init__(str(path) if path.exists() else str(model))
         self._prefix_caching = enable_prefix_caching
         # Read by vLLM when the engine is created: set it for this engine, not the user's shell.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
@@ -206,20 +206,14 @@ class VLLMEngine(EngineBase):
         self.max_model_len = self._engine.model_config.max_model_len
         self.vocab_size = self._engine.model_config.get_vocab_size()
         self.sleep_mode = enable_sleep_mode
-        self._version = 0
         self._engine.set_weight_version("0")
         self._ids = itertools.count()
-        self._cv = threading.Condition()
         self._engine_lock = threading.Lock()  # held by whoever touches the vLLM engine
         self._update_lock = threading.Lock()  # one weight update at a time
         self._join_lock = threading.Lock()
         self._queue: deque[_Request] = deque()  # accepted, not yet given to vLLM
         self._running: dict[str, _Request] = {}
         self._to_abort: list[str] = []
-        self._paused = False  # no new requests start
-        self._frozen = False  # running requests do not advance either ("keep" mode)
-        self._closed = False
-        self._broken = ""  # why the engine cannot generate (a failed step or weight update)
         self._weight_sync = ""  # the group joined by init_weight_sync, for messages
         self._loop = threading.Thread(target=self._run, name="rollout-engine-loop", daemon=True)
         self._loop.start()
