@@ -247,13 +247,11 @@ def check_transport(config: "Config") -> list[Problem]:
 
 
 def check_staleness(config: "Config") -> list[Problem]:
-    from ferrule_launcher.config import LoopConfig
-
     loop = config.loop
     if (
         loop.mode == "sync"
         and not loop.partial_rollout
-        and loop.max_staleness != LoopConfig().max_staleness
+        and loop.max_staleness != _default(loop, "max_staleness")
     ):
         return [("loop.max_staleness", 'only applies to mode = "async" or partial_rollout')]
     return []

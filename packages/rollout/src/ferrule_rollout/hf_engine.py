@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ferrule_rollout.decode import NARROWER, Decoder, slab_attention
+from ferrule_rollout.engine_base import EngineBase
 from ferrule_rollout.exact import ExactNumerics
-from ferrule_rollout.interface import EngineBase, WeightSyncGroup
+from ferrule_rollout.interface import WeightSyncGroup
 from ferrule_rollout.joining import JoinAbandoned, Joining
 from ferrule_rollout.samples import (
     BadRequestError,

@@ -26,7 +26,8 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from pathlib import Path
 
-from ferrule_rollout.interface import EngineBase, WeightSyncGroup
+from ferrule_rollout.engine_base import EngineBase
+from ferrule_rollout.interface import WeightSyncGroup
 from ferrule_rollout.joining import POLL_SECONDS as JOIN_POLL_SECONDS
 from ferrule_rollout.joining import JoinAbandoned
 from ferrule_rollout.samples import (

@@ -6,8 +6,8 @@ its own settings (a table of config.py) and its own state across steps.
     RejectionSampling(step, RejectionSamplingConfig(chosen_min_reward=0.5))  # SFT on best-of-n
     IterativeDPO(step, IterativeDPOConfig(beta=0.1))     # DPO on each prompt's best vs worst
 
-`step` is the `RLStep` that owns them: its models (`policy`, `reference`, `critic_ranks`),
-[trainer] and [critic] tables, pad id and skipped-step counters. A recipe's `train(step_number,
+`step` is the `RLStep` that owns them (what they read of it: `Owner`): its models (`policy`,
+`reference`, `critic_ranks`), [trainer] and [critic] tables, pad id and skipped-step counters. A recipe's `train(step_number,
 groups, on_chosen)` returns the step's metrics; `state()` / `restore()` carry what it keeps
 between steps across a resume.
 """
@@ -15,17 +15,21 @@ between steps across a resume.
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ferrule_trainer import rl
-from ferrule_trainer.config import IterativeDPOConfig, RejectionSamplingConfig
+from ferrule_trainer.config import (
+    CriticConfig,
+    IterativeDPOConfig,
+    RejectionSamplingConfig,
+    TrainerConfig,
+)
 from ferrule_trainer.groups import Group, flatten
+from ferrule_trainer.nonfinite import SkippedSteps
+from ferrule_trainer.ranks import Ranks
 from ferrule_trainer.settings import PreferenceLoss, ValueLoss
-
-if TYPE_CHECKING:
-    from ferrule_trainer.step import RLStep
 
 REL_TOL, ABS_TOL = 1e-9, 1e-12
 
@@ -35,12 +39,26 @@ def reaches(reward: float, threshold: float) -> bool:
     return reward >= threshold or math.isclose(reward, threshold, rel_tol=REL_TOL, abs_tol=ABS_TOL)
 
 
+class Owner(Protocol):
+    """What a recipe reads of the step that owns it (step.RLStep)."""
+
+    trainer: TrainerConfig
+    critic: CriticConfig | None
+    policy: Ranks
+    reference: Ranks | None
+    critic_ranks: Ranks | None
+    group_size: int
+    pad_id: int
+    max_staleness: int
+    skips: dict[str, SkippedSteps]  # "policy", "critic": non-finite steps in a row
+
+
 class PolicyGradient:
     """The PPO family: reference / old-policy / critic passes, advantages by [trainer]
     estimator, rollout correction, PPO epochs of the policy and the critic. Keeps the adaptive
     KL coefficient and the running reward moments between steps."""
 
-    def __init__(self, step: "RLStep"):
+    def __init__(self, step: Owner):
         self.step = step
         self.kl_coef = step.trainer.kl_coef  # [trainer] kl_target adapts it
         self.reward_moments = rl.RunningMoments()  # [trainer] reward_norm = "running"
@@ -155,7 +173,7 @@ class RejectionSampling:
     """SFT on the best sample of each prompt (by score), [trainer] epochs x mini_batches
     optimizer steps; on_chosen gets the samples it trains on."""
 
-    def __init__(self, step: "RLStep", settings: RejectionSamplingConfig):
+    def __init__(self, step: Owner, settings: RejectionSamplingConfig):
         self.step, self.settings = step, settings
 
     def state(self) -> dict:
@@ -186,7 +204,7 @@ class IterativeDPO:
     all scored the same give none), [trainer] epochs x mini_batches DPO optimizer steps against
     the reference (the starting model)."""
 
-    def __init__(self, step: "RLStep", settings: IterativeDPOConfig):
+    def __init__(self, step: Owner, settings: IterativeDPOConfig):
         if step.reference is None:
             raise ValueError("iterative DPO needs a reference")
         self.step, self.settings = step, settings
