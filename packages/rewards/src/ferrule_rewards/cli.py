@@ -61,6 +61,15 @@ _SECONDS = _number(float, 0, low_included=False)
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`rlhf-rewards serve`'s options, in --help's groups."""
+    _what_to_serve(parser)
+    _listening(parser.add_argument_group("listening"))
+    add_server_options(parser, token_env=TOKEN_ENV)
+    _limits(parser.add_argument_group("scoring processes and limits (per worker)"))
+    _reward_model(parser.add_argument_group("a reward model (--model)"))
+
+
+def _what_to_serve(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--function",
@@ -73,14 +82,31 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="local Hugging Face sequence-classification reward model folder "
         "(needs ferrule-rewards[model])",
     )
-    add = parser.add_argument
+
+
+def _listening(group) -> None:
+    add = group.add_argument
     add(
         "--bind",
         default=DEFAULT_BIND,
         help="host:port to listen on; port 0 picks a free one. Anything but loopback needs a "
         "token or TLS (default: %(default)s)",
     )
-    add_server_options(parser, token_env=TOKEN_ENV)
+    add(
+        "--grace",
+        type=_number(float, 0),
+        default=30.0,
+        help="seconds calls in flight get to finish after SIGTERM (default: %(default)s)",
+    )
+    add(
+        "--address-file",
+        help="once the server accepts calls, write its host:port here (what a program that "
+        "started it with port 0 reads)",
+    )
+
+
+def _limits(group) -> None:
+    add = group.add_argument
     add(
         "--timeout",
         type=_SECONDS,
@@ -154,17 +180,10 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
         "more are reset on arrival. 0 to 4096; 0 leaves only the bound in all, 4096 "
         "(default: %(default)s)",
     )
-    add(
-        "--grace",
-        type=_number(float, 0),
-        default=30.0,
-        help="seconds calls in flight get to finish after SIGTERM (default: %(default)s)",
-    )
-    add(
-        "--address-file",
-        help="once the server accepts calls, write its host:port here (what a program that "
-        "started it with port 0 reads)",
-    )
+
+
+def _reward_model(group) -> None:
+    add = group.add_argument
     add("--device", default="auto", help="reward model device: auto, cpu, cuda, cuda:1...")
     add("--dtype", default="auto", help="reward model dtype: auto, float32, bfloat16, float16")
     add("--model-batch-size", type=_COUNT, default=32, help="samples per model forward pass")
