@@ -70,11 +70,37 @@ class ServerProcess:
     process: subprocess.Popen
     address: str = ""
     log: list[str] = field(default_factory=list)  # its stderr lines
+    reader: threading.Thread | None = None  # what appends them
+
+    def wait(self, timeout: float | None = 30) -> int:
+        """The exit status, once `log` holds every line the server wrote: the reader gets the
+        last ones after the process has exited (a busy machine read "stopped" lines late)."""
+        status = self.process.wait(timeout)
+        if self.reader is not None:
+            self.reader.join(5)  # the pipe ends once every process holding it has exited
+        return status
+
+    def refusal(self, within: float = 10):
+        """The gRPC code a new call gets once the server stops taking calls. After a signal,
+        the calls it takes before it has handled the signal are answered, as they should be
+        (a fixed sleep before the one call that must be refused lost that race on a busy
+        machine)."""
+        from ferrule_rewards.client import RewardClient, RewardError
+
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                with RewardClient(self.address, retry_for=0) as client:
+                    client.score([{"response": "0"}])
+            except RewardError as error:
+                return error.code
+            assert time.monotonic() < deadline, f"new calls still answered after {within} s"
+            time.sleep(0.05)
 
     def stop(self, sig=signal.SIGTERM, wait: float = 30) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(wait)
+        return self.wait(wait)
 
 
 @pytest.fixture
@@ -104,12 +130,12 @@ def spawn():
                     serving.set()
             serving.set()
 
-        threading.Thread(target=read, daemon=True).start()
+        server.reader = threading.Thread(target=read, daemon=True)
+        server.reader.start()
         if ready:
             assert serving.wait(timeout) and server.address, f"no address: {server.log}"
         else:
-            process.wait(timeout)
-            time.sleep(0.1)  # let the reader take the last lines
+            server.wait(timeout)
         return server
 
     yield start
