@@ -372,8 +372,8 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
         least = int(memory.FRAGMENTATION * (shape.weights(config.model.dtype) // tp + one_sequence))
         if share < least:
             how += (
-                f" (too small: its weights need {least / GiB:.1f} GiB a GPU at "
-                f"tensor_parallel_size {tp})"
+                f" (too small: its weights and one sequence's KV cache need {least / GiB:.1f} "
+                f"GiB a GPU at tensor_parallel_size {tp})"
             )
             share = least
         return share + CONTEXT, how
