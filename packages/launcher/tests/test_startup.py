@@ -30,6 +30,7 @@ class FakeRay(types.ModuleType):
     def __init__(self):
         super().__init__("ray")
         self.log: list[str] = []
+        self.refuse: set[str] = set()  # actors whose creation raises
         self.exceptions = types.SimpleNamespace(
             GetTimeoutError=TimeoutError, RayActorError=ChildProcessError, RayTaskError=OSError
         )
@@ -47,6 +48,8 @@ class FakeRay(types.ModuleType):
         return Options()
 
     def _actor(self, cls, name: str):
+        if name in self.refuse:
+            raise ValueError(f"cannot create {name}")
         self.log.append(f"create {name}")
         ray = self
 
@@ -69,7 +72,7 @@ class FakeRay(types.ModuleType):
         return refs[:num_returns], refs[num_returns:]
 
     def kill(self, actor, no_restart=True):
-        pass
+        self.log.append("kill")
 
 
 @pytest.fixture
@@ -132,3 +135,14 @@ def test_each_roles_phases_reach_the_start_up_lines_and_the_summary(ray):
     summary = timeline.as_dict()
     assert summary["role_phases"] == phases and summary["roles_ready"] == ready
     assert summary["total"] == pytest.approx(summary["ray"] + summary["roles"], abs=0.02)
+
+
+def test_actors_created_before_a_failed_creation_are_killed(ray):
+    """A reference rank that cannot be created stops the start: the policy ranks already
+    created are killed with the rest (the start once kept them out of what it stops)."""
+    ray.refuse.add("reference")
+    with pytest.raises(ValueError, match="cannot create reference"):
+        _start(ray)
+    created = [entry for entry in ray.log if entry.startswith("create ")]
+    assert created == ["create policy rank 0", "create policy rank 1"]
+    assert ray.log.count("kill") == 2

@@ -288,11 +288,11 @@ def start_roles(
     roles = Roles(RankGroup([], "policy"), [], groups=groups, weight_sync=setup.weight_sync)
     roles.start_engine = launch.engine
     try:
-        started = {kind: launch.ranks(kind) for kind in ("policy", "reference", "critic")}
-        roles.policy = RankGroup(started["policy"][1], "policy")
-        for kind in ("reference", "critic"):
-            if started[kind][0]:
-                setattr(roles, kind, RankGroup(started[kind][1], kind))
+        started = {}
+        for kind in ("policy", "reference", "critic"):
+            started[kind] = ranks, workers = launch.ranks(kind)
+            if ranks or kind == "policy":  # in `roles` at once: `roles.stop()` kills them
+                setattr(roles, kind, RankGroup(workers, kind))
         engines = sum(role.kind == "rollout" for role in places)
         roles.engines = [launch.engine(i) for i in range(engines)]
         # Every process is starting now. A group's ranks set up once its rank 0 says where the
