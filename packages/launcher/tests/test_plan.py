@@ -367,3 +367,21 @@ def test_a_zero3_policys_scoring_pass_holds_its_shard_not_the_whole_model(tmp_pa
     policy = resolve(config, refuse=False).plan.gpus[0][0]
     # its states' shard ~26 GiB (fp32 gradients counted on the GPU) and ~5 GiB of activations
     assert policy.role == "policy" and policy.train < 45 * GiB
+
+
+def test_this_machines_host_counts_only_where_it_runs_the_gpus(tmp_path):
+    """An H200 machine as `Machine` (140.4 GiB GPU, 125.7 GiB host, one GPU) plans 7B with its
+    own host and refuses it; a machine that shows no GPU says nothing of the host either."""
+    from ferrule_testkit import shape_config
+
+    run = tmp_path / "7b.toml"
+    run.write_text(
+        GPU_RUN.replace('path = "model"', f'path = "{shape_config("7b")}"')
+        + "[trainer]\nkl_coef = 0.001\n"
+    )
+    config = load_config(run, {"rollout.max_batch_size": 512})
+    h200 = Machine(int(140.4 * GiB), int(125.7 * GiB), 1)
+    with pytest.raises(ConfigError, match=r"\[ray\] host_memory_gb: the memory plan does not fit"):
+        resolve(config, h200)
+    laptop = resolve(config, Machine(None, 16 * GiB, None), dry_run=True).plan
+    assert laptop.host_memory is None

@@ -430,7 +430,7 @@ def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
     gpu_bytes = int(ray.gpu_memory_gb * GiB) if ray.gpu_memory_gb else machine.gpu_memory
     host_bytes = int(ray.host_memory_gb * GiB) if ray.host_memory_gb else None
     per_node = ray.gpus_per_node
-    if not elsewhere:
+    if not elsewhere and machine.gpu_memory is not None:  # this machine runs the GPUs
         host_bytes = host_bytes or machine.host_memory
         per_node = per_node or machine.gpus_per_node
     per_node = per_node or DEFAULT_GPUS_PER_NODE
