@@ -7,9 +7,10 @@ its own settings (a table of config.py) and its own state across steps.
     IterativeDPO(step, IterativeDPOConfig(beta=0.1))     # DPO on each prompt's best vs worst
 
 `step` is the `RLStep` that owns them (what they read of it: `Owner`): its models (`policy`,
-`reference`, `critic_ranks`), [trainer] and [critic] tables, pad id and skipped-step counters. A recipe's `train(step_number,
-groups, on_chosen)` returns the step's metrics; `state()` / `restore()` carry what it keeps
-between steps across a resume.
+`reference`, `critic_ranks`), [trainer] and [critic] tables, pad id and skipped-step counters.
+A recipe's `train(step_number, groups, on_chosen)` returns the step's metrics; `state()` and
+`restore()` carry what it keeps between steps across a resume. A new recipe is a class here,
+its settings table in config.py, an entry in RECIPES and a field of the launcher's Config.
 """
 
 import math
