@@ -211,12 +211,6 @@ def gpu_sizes() -> list[int]:
         return []
 
 
-def gpu_memory() -> int | None:
-    """The smallest GPU's memory on this machine (None: no NVIDIA GPU here)."""
-    sizes = gpu_sizes()
-    return min(sizes) if sizes else None
-
-
 def host_memory() -> int | None:
     """This machine's memory in bytes, from /proc/meminfo (None: not Linux)."""
     try:
@@ -311,10 +305,11 @@ def holdings(
 
 
 def host_need(
-    config: "Config", trainer: TrainerConfig, shape: ModelShape, gpus_per_node: int
+    config: "Config", trainer: TrainerConfig, shape: ModelShape, gpus_per_node: int, processes: int
 ) -> HostNeed:
     """The fullest node's host memory: the offloaded states of the trained ranks it holds (as
-    many as it has GPUs, at most), and each process's own bytes."""
+    many as it has GPUs, at most), and the own bytes of its `processes`
+    (`_processes_on_a_node`)."""
     dtype, lora = config.model.dtype, trainer.lora_rank > 0
     per_parameter = 0 if lora else (OFFLOADED_OPTIMIZER if trainer.offload_optimizer else 0)
     per_parameter += 0 if lora or not trainer.offload_params else memory.bytes_per(dtype)
@@ -332,7 +327,6 @@ def host_need(
             total += on_node * offloaded
             ranks_on_node = f"{on_node} {role} rank" + ("s" if on_node > 1 else "")
             parts.append(f"{ranks_on_node} x {offloaded / GiB:.1f} GiB offloaded")
-    processes = _processes_on_a_node(config, gpus_per_node)
     total += processes * PROCESS_HOST
     parts.append(f"{processes} processes x {PROCESS_HOST / GiB:.0f} GiB")
     return HostNeed(total, ", ".join(parts))
@@ -442,9 +436,11 @@ def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
         for values in itertools.product(*options.values())
     )
 
+    processes = _processes_on_a_node(config, per_node)  # the same for every choice
+
     def plan_of(trainer: TrainerConfig) -> Plan:
         gpus = holdings(config, trainer, shape, gpu_bytes)
-        host = host_need(config, trainer, shape, per_node)
+        host = host_need(config, trainer, shape, per_node, processes)
         return Plan(trainer, gpus, gpu_bytes, host, host_bytes)
 
     plans = []
