@@ -83,14 +83,7 @@ QWEN25_14B = dict(
     num_attention_heads=40,
     num_key_value_heads=8,
 )
-QWEN25_32B = dict(
-    _QWEN25_LARGE,
-    hidden_size=5120,
-    intermediate_size=27648,
-    num_hidden_layers=64,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-)
+QWEN25_32B = dict(QWEN25_14B, intermediate_size=27648, num_hidden_layers=64)  # 14B's widths
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
 _KIT_VERSION = 1  # bump when the build recipe changes, so stale caches are not reused
 
