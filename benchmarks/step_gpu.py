@@ -6,6 +6,7 @@ single-process loop a TRL GRPOTrainer user runs, on the same work.
     python benchmarks/step_gpu.py --gpus 4 --scaling --steps 4   # ours on four against one
     python benchmarks/step_gpu.py --set rollout.compile_decode=true   # ours with another key
     python benchmarks/step_gpu.py --lengths geometric --tokens 4096   # long-tailed lengths
+    python benchmarks/step_gpu.py --model 7b --lora 64   # LoRA adapters on both sides
 
 The work: a Qwen2.5-1.5B-shaped policy (real 151,936-token vocabulary, random init, bf16) and a
 frozen reference, 64 prompts x 8 samples of up to 512 new tokens (a random policy rarely stops,
@@ -27,6 +28,10 @@ samples/s / the baseline's (on one GPU the same work, so baseline s/step / ours 
 --prompts prompts a step, so that each GPU has the one-GPU work; the baseline stays the one-GPU
 loop on --prompts. --scaling (with --gpus N): no baseline; ours runs on one GPU and then on N
 in the same invocation, ratio = samples/s on N / on one (issue 42's goal at four GPUs: >= 3.2).
+--lora R: both sides train rank-R LoRA adapters on every linear layer of the decoder (ours:
+[trainer] lora_rank, the engine receiving merged weights; the loop: peft on the policy, which
+generates through its unmerged adapters, and the reference is that model with its adapters off,
+as TRL does under peft: one model on the GPU, not two). The JSON's "lora" says R.
 --lengths geometric (JSON name step_gpu_longtail): reasoning-like long-tailed lengths, as RL
 users meet them. The policy has the kit's 512-token vocabulary instead of the real one, so a
 random model ends a response with probability ~1/512 per token: lengths are geometric (mean
@@ -39,6 +44,7 @@ vocabulary's, generation's tail is not.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -87,6 +93,7 @@ def overrides(args, model: Path, out: Path) -> list[str]:
         "rollout.temperature=1.0",
         f"trainer.learning_rate={LEARNING_RATE}",
         f"trainer.kl_coef={KL_COEF}",
+        f"trainer.lora_rank={args.lora}",
         f"loop.steps={args.steps}",
         "loop.eval_every=0",
         "task.eval_prompts=8",
@@ -180,6 +187,8 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     phases = {}
     for key in ("generate", "score", "train", "forward", "sync", "switch"):  # forward: of train
         phases[key] = statistics.median(r.get(f"time/{key}", 0.0) for r in timed)
+    # the launcher compares the policy's weights with every engine's after the last sync
+    summary = json.loads((out / "summary.json").read_text())
     used = {  # every process on the GPU, right after generating / training (GB -> GiB)
         phase: max(r.get(f"gpu/used_gb_{phase}", 0.0) for r in records) * 1e9 / 2**30
         for phase in ("generate", "train")
@@ -202,6 +211,7 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         staleness=[round(r.get("staleness", 0.0), 3) for r in records],
         used_gib=used,
         process_peak_gib=process_gib,
+        weights_digest=summary["weights_digest"],
     ), config
 
 
@@ -237,9 +247,31 @@ def train_step(policy, optimizer, slices, ids, mask, advantages, ref, response_m
         kl = torch.exp(log_ratio) - log_ratio - 1  # k3
         loss = ((-advantages[s] * ratio + KL_COEF * kl) * response_mask[s]).sum() / count
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def with_lora(policy, rank: int):
+    """The policy under peft LoRA adapters of `rank` on the targets and alpha ours defaults to."""
+    from peft import LoraConfig, get_peft_model
+
+    from ferrule_trainer.config import LORA_TARGETS, TrainerConfig
+
+    alpha = TrainerConfig.model_fields["lora_alpha"].default
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS))
+    return get_peft_model(policy, config)
+
+
+@contextlib.contextmanager
+def adapters_off(policy, reference):
+    """What scores the reference's logprobs: the reference, or under LoRA the policy with its
+    adapters off."""
+    if reference is not None:
+        yield reference
+        return
+    with policy.disable_adapter():
+        yield policy
 
 
 def reversal_prompts(count: int, seed: int) -> list[tuple[str, str]]:
@@ -260,11 +292,15 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
-    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
-    reference.eval().requires_grad_(False)
     if checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.95))
+    if args.lora:
+        policy, reference = with_lora(policy, args.lora), None
+    else:
+        reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).to(device)
+        reference.eval().requires_grad_(False)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LEARNING_RATE, betas=(0.9, 0.95))
 
     def micro_batches(rows: int, length: int) -> list[slice]:
         per = max(1, tokens_per_micro // length)
@@ -307,9 +343,9 @@ def baseline(args, model: Path, tokens_per_micro: int, checkpointing: bool) -> d
         mask = torch.cat([enc["attention_mask"], response_mask], dim=1)
         rows, length, response_len = out.shape[0], out.shape[1], response.shape[1]
         slices = micro_batches(rows, length)
-        with torch.no_grad():
+        with torch.no_grad(), adapters_off(policy, reference) as scorer:
             ref = torch.cat(
-                [response_logprobs(reference, out[s], mask[s], response_len) for s in slices]
+                [response_logprobs(scorer, out[s], mask[s], response_len) for s in slices]
             )
         sync()
         referenced = time.perf_counter()
@@ -359,6 +395,9 @@ def main() -> None:
         "--gpus", type=int, default=1, help="ours: GPUs, each with --prompts prompts a step"
     )
     parser.add_argument("--model", choices=["1.5b", "7b"], default="1.5b", help="the Qwen2.5 shape")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="both sides train rank-R LoRA adapters"
+    )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument(
         "--skip-ours",
@@ -390,7 +429,7 @@ def main() -> None:
     if args.model != "1.5b":
         name += f"_{args.model}"
     header = dict(name=name, device=_device(), gpus=args.gpus, parameters=parameters)
-    header.update(lengths=args.lengths, max_tokens=args.tokens)
+    header.update(lengths=args.lengths, max_tokens=args.tokens, lora=args.lora)
     if args.scaling:  # ours on one GPU, then on --gpus, one after the other on this machine
         one, _ = measure(args, model, parameters, gpus=1)
         print(json.dumps({"one_gpu": one}), file=sys.stderr, flush=True)
@@ -418,7 +457,7 @@ def main() -> None:
         theirs["micro_batch_tokens"], theirs["checkpointing"] = tokens, checkpointing
         if train_tokens is None:  # --skip-ours: the baseline's own tokens
             train_tokens = rows * (12 + statistics.median(theirs["response_len"]))
-        theirs["train_mfu"] = step_flops(parameters, train_tokens) / (
+        theirs["train_mfu"] = step_flops(parameters, train_tokens, lora=bool(args.lora)) / (
             (theirs["phases"]["train"] + theirs["phases"]["reference"]) * H100_BF16
         )
         theirs["tokens_per_s"] = train_tokens / theirs["step_s"]
@@ -440,7 +479,8 @@ def measure(args, model: Path, parameters: int, gpus: int) -> tuple[dict, float]
     # a step's tokens on one GPU: prompts (~10 tokens) and responses, at most max_tokens each
     train_tokens = rows * (12 + statistics.median(mine["response_len"]))
     mine["gpus"] = gpus
-    mine["train_mfu"] = step_flops(parameters, train_tokens) / (mine["phases"]["train"] * H100_BF16)
+    flops = step_flops(parameters, train_tokens, lora=bool(t.lora_rank))
+    mine["train_mfu"] = flops / (mine["phases"]["train"] * H100_BF16)
     mine["tokens_per_s"] = gpus * train_tokens / mine["step_s"]
     mine["samples_per_s"] = gpus * rows / mine["step_s"]
     mine["plan"] = {k: getattr(t, k) for k in sorted(t.auto | {"micro_batch_tokens"})}
@@ -454,10 +494,10 @@ def measure(args, model: Path, parameters: int, gpus: int) -> tuple[dict, float]
     return mine, train_tokens
 
 
-def step_flops(parameters: int, train_tokens: float) -> float:
-    """One GPU's train-phase FLOPs a step: the policy's step (6 N a token) and the reference's
-    forward (2 N)."""
-    return (6 + 2) * parameters * train_tokens
+def step_flops(parameters: int, train_tokens: float, lora: bool = False) -> float:
+    """One GPU's train-phase FLOPs a step: the policy's step (6 N a token; 4 N under LoRA, whose
+    frozen weights get no gradient, only the activations do) and the reference's forward (2 N)."""
+    return ((4 if lora else 6) + 2) * parameters * train_tokens
 
 
 def _device() -> str:
