@@ -212,6 +212,10 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         used_gib=used,
         process_peak_gib=process_gib,
         weights_digest=summary["weights_digest"],
+        # the launcher's start-up (Ray, reward server, roles, the evaluation before RL) and the
+        # end of step 1, in seconds since it began
+        startup_s={k: v for k, v in summary["startup_seconds"].items() if k != "role_phases"},
+        step1_end_s=records[0]["wall_seconds"],
     ), config
 
 

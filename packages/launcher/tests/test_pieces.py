@@ -250,6 +250,39 @@ def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(mo
     assert "OMP_NUM_THREADS" not in role_env(5)
 
 
+def test_ranks_that_step_cpu_adam_get_the_nodes_cores_not_rays_one_thread(monkeypatch):
+    """Ray sets OMP_NUM_THREADS to the CPUs an actor asked for (1 at cpus_per_role = 0.5), and
+    DeepSpeed's CPU Adam runs its loop on that many; a rank that steps on the host gets the
+    node's cores shared by the ranks stepping with it, in its own environment only."""
+    from pathlib import Path
+
+    from ferrule_launcher.config import load_config
+    from ferrule_launcher.placement import Role, optimizer_threads, with_threads
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
+    monkeypatch.setattr("ferrule_launcher.placement.has_cuda", lambda: True)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+
+    def threads(**overrides):
+        keys = {"trainer.offload_optimizer": True, "ray.num_cpus": 2, **overrides}
+        return optimizer_threads(load_config(example, keys))
+
+    assert threads() == 16  # this machine's cores, not the 2 that Ray schedules by
+    assert threads(**{"trainer.ranks": 4}) == 4
+    assert threads(**{"trainer.ranks": 2, "critic.ranks": 2, "trainer.estimator": "gae"}) == 4
+    assert threads(**{"trainer.ranks": 32}) == 1
+    assert threads(**{"ray.threads_per_role": 3}) == 3  # the user's word wins
+    assert threads(**{"trainer.offload_optimizer": False}) is None  # nothing steps on the host
+    monkeypatch.setattr("ferrule_launcher.placement.has_cuda", lambda: False)
+    assert threads() is None  # CPU machines: threads_per_role's rule for every role
+
+    places = {Role(kind): {"num_cpus": 0.5} for kind in ("policy", "reference", "rollout")}
+    given = with_threads(places, ("policy", "critic"), {"PYTHONPATH": "x"}, 16)
+    env = {"PYTHONPATH": "x", "OMP_NUM_THREADS": "16"}
+    assert given[Role("policy")] == {"num_cpus": 0.5, "runtime_env": {"env_vars": env}}
+    assert given[Role("reference")] == given[Role("rollout")] == {"num_cpus": 0.5}
+
+
 def test_a_module_without_bytecode_is_warned_of_where_none_is_written(tmp_path, monkeypatch):
     """Every role would compile such a module from source at each start (torch on the GPU
     machines' image: ~8 s a role); the warning names it, its folder and the command that fixes it.

@@ -356,7 +356,9 @@ class RayConfig(Table):
     threads_per_role: int | None = Field(None, ge=1)
     """CPU machines: torch's threads in each role's process (OMP_NUM_THREADS). Default: the
     local cluster's CPUs shared among the roles that compute at the same moment (1 when joining
-    a cluster)."""
+    a cluster). GPU machines with [trainer] offload_optimizer: DeepSpeed CPU Adam's threads in
+    each policy and critic rank. Default: the node's cores shared among those ranks (Ray alone
+    would give each as many as it asked CPUs for)."""
     cpus_per_role: float = Field(0.5, gt=0)
     """CPUs each role asks Ray for (fractions let roles share a small machine)."""
     gpus_per_role: float = Field(0.0, ge=0)

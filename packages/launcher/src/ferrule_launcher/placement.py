@@ -96,6 +96,47 @@ def threads_per_role(config: Config) -> int:
     return max(1, cpus // busiest)
 
 
+def optimizer_threads(config: Config) -> int | None:
+    """OpenMP threads for each policy and critic rank whose optimizer steps on the host
+    (DeepSpeed's CPU Adam: [trainer] offload_optimizer, which the critic shares), on GPU
+    machines; None where nothing steps there. Ray sets OMP_NUM_THREADS to the CPUs an actor asked
+    for (1 at the default [ray] cpus_per_role = 0.5), and CPU Adam's loop runs on that many: one
+    core of a 16-core node for a 7B model's 91 GB of states. Instead, the node's cores shared by
+    its ranks that step at the same moment (all of them on a local cluster; at most one per GPU
+    on a joined one); [ray] threads_per_role overrides."""
+    if not config.trainer.offload_optimizer or not has_cuda():
+        return None
+    if config.ray.threads_per_role:
+        return config.ray.threads_per_role
+    stepping = config.trainer.ranks + (config.critic.ranks if config.critic else 0)
+    cpus, gpus = node_cores(config.ray)
+    return max(1, cpus // min(stepping, gpus or stepping))
+
+
+def node_cores(config: RayConfig) -> tuple[int, int | None]:
+    """(cores, GPUs) of the node the ranks run on: this machine's cores on a local cluster (not
+    [ray] num_cpus, which is what Ray schedules by), the joined cluster's GPU node with the fewest
+    CPUs a GPU otherwise (None GPUs: every rank on this node)."""
+    if not config.address:
+        return len(os.sched_getaffinity(0)), None
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
+    if not nodes:
+        return 1, None
+    smallest = min(nodes, key=lambda r: r.get("CPU", 0) / r["GPU"])
+    return int(smallest.get("CPU", 1)), int(smallest["GPU"])
+
+
+def with_threads(places: dict[Role, dict], kinds: tuple[str, ...], env: dict, threads: int):
+    """`places` with each role of `kinds` given its own environment: `env` and OMP_NUM_THREADS."""
+    mine = {"env_vars": dict(env, OMP_NUM_THREADS=str(threads))}
+    return {
+        role: dict(options, runtime_env=mine) if role.kind in kinds else options
+        for role, options in places.items()
+    }
+
+
 def start_ray(config: RayConfig, env: dict[str, str]) -> str:
     """ray.init: a local cluster (no dashboard) or the one at `config.address`."""
     import ray

@@ -326,7 +326,8 @@ class _Launcher:
         remote = (
             ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
         )
-        options = dict(self.places[role], runtime_env={"env_vars": self.env}, **extra)
+        # the role's own environment where placement gave it one (placement.with_threads)
+        options = {"runtime_env": {"env_vars": self.env}, **self.places[role], **extra}
         return remote(cls).options(**options)
 
     def engine(self, index: int):

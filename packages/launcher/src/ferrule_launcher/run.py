@@ -149,7 +149,13 @@ def _start_roles(
     and the loop that drives them."""
     import ray
 
-    from ferrule_launcher.placement import check_fits, place_roles, wanted_roles
+    from ferrule_launcher.placement import (
+        check_fits,
+        optimizer_threads,
+        place_roles,
+        wanted_roles,
+        with_threads,
+    )
     from ferrule_launcher.reward_model_role import resources
     from ferrule_launcher.rewards_service import RewardService
     from ferrule_launcher.roles import start_roles, write_roles
@@ -165,6 +171,10 @@ def _start_roles(
     if config.sft.steps:
         startup.mark("SFT warm start")
     places, groups = place_roles(config.ray, wanted_roles(config))
+    threads = optimizer_threads(config)
+    if threads:
+        places = with_threads(places, ("policy", "critic"), env, threads)
+        print(f"CPU Adam: {threads} threads in each policy and critic rank", flush=True)
     setup = role_setup(config, model_path)
     processes.roles = start_roles(
         setup, places, groups, env, ready=startup.roles_ready, phases=startup.role_phases

@@ -57,8 +57,10 @@ class EngineConfig(Table):
     1.5B on an H100, benchmarks/RESULTS.md). Needs top_p = 1 and no LoRA."""
     compile_decode: bool | Literal["auto"] = "auto"
     """transformers on CUDA: decode steps and their log-softmax through torch.compile before
-    they are captured as CUDA graphs (at 1.5B a 512-row step 8.2 -> 5.6 ms, once the one decode
-    shape, max_batch_size rows x max_model_len slots, has compiled: ~40 s at the first call).
+    they are captured as CUDA graphs (at 1.5B a 512-row step 8.2 -> 5.6 ms on an H100), once the
+    one decode shape, max_batch_size rows x max_model_len slots, has compiled at the first call:
+    region by region, one compile serving every layer (~7 s at 1.5B on an H200; ~38 s for the
+    whole forward, as before 2026-11-30).
     "auto": on unless exact (inductor reorders math) or
     sleep_between_phases (each wake makes new graphs: not measured compiled)."""
 

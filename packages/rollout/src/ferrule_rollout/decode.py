@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.kernels import decode_attention, triton_available, usable
+from ferrule_rollout.regions import CompiledRegions
 from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
 
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
@@ -196,9 +197,11 @@ class Decoder:
         self.steps: dict[tuple[int, int], Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # compile (CUDA only): decode steps through inductor, which fuses the norms, rotary and
-        # residual kernels between the GEMMs; each new shape compiles first (tens of seconds).
+        # activation kernels between the GEMMs, region by region (regions.py: one compile serves
+        # every layer; seconds for each new shape)
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
-        self.step_forward = torch.compile(self.forward, dynamic=False) if compiled else self.forward
+        self.regions = CompiledRegions(model) if compiled else None
+        self.step_forward = self._compiled_forward if compiled else self.forward
         # and so every call decodes at one shape, `most` (the engine's most rows, its longest
         # sequence): compiled once, by whichever call comes first (the held-out evaluation's
         # few rows share the training steps' compile); idle rows cost their weights' reads only
@@ -220,6 +223,11 @@ class Decoder:
         self.steps.clear()
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
         self.pool = self.step_forward = self.logprobs_of = None
+
+    def _compiled_forward(self, ids, positions, pad_ok, slots):
+        """A decode step's forward through the compiled regions (then captured as a graph)."""
+        with self.regions.active():
+            return self.forward(ids, positions, pad_ok, slots)
 
     def forward(self, ids, positions, pad_ok, slots, rows=None, last=None):
         """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
