@@ -421,6 +421,8 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="ours: another override"
     )
     args = parser.parse_args()
+    if args.steps < 3 and not args.skip_ours:
+        parser.error(f"--steps {args.steps}: ours times steps 2 .. N-1, so N must be 3 or more")
     if args.scaling and args.gpus < 2:
         parser.error(f"--scaling compares --gpus N >= 2 with one GPU, got --gpus {args.gpus}")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
