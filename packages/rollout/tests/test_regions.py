@@ -50,3 +50,10 @@ def test_a_forward_through_the_regions_gives_the_eager_logits_compiling_each_cod
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert not torch.equal(again, compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+
+
+def test_a_model_that_names_no_decoder_layers_has_no_regions(model, monkeypatch):
+    """Then the Decoder compiles its whole forward, as before regions (not an uncompiled step)."""
+    monkeypatch.setattr(model, "_no_split_modules", [])
+    regions = CompiledRegions(model)
+    assert len(regions) == 0 and not regions

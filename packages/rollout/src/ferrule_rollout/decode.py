@@ -202,6 +202,8 @@ class Decoder:
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.regions = CompiledRegions(model) if compiled else None
         self.step_forward = self._compiled_forward if compiled else self.forward
+        if compiled and not self.regions:  # no decoder layers named: the whole forward, slowly
+            self.step_forward = torch.compile(self.forward, dynamic=False)
         # and so every call decodes at one shape, `most` (the engine's most rows, its longest
         # sequence): compiled once, by whichever call comes first (the held-out evaluation's
         # few rows share the training steps' compile); idle rows cost their weights' reads only

@@ -12,7 +12,9 @@ MLP and the norms; the attention reads the KV slab by its layer's index, which w
 a layer) and the final norm, plus the rotary embedding's function of the attention's module. On
 an H200 at 1.5B, 512 rows x 256 tokens: the first call 6.5 s, a decode call 1.38 s against the
 whole forward's 1.36 s (benchmarks/RESULTS.md, 2026-11-30). The regions are swapped in only
-while `active`: prefill, whose shapes change with every call, runs them eagerly.
+while `active`: prefill, whose shapes change with every call, runs them eagerly. The layers are
+the classes the model lists in `_no_split_modules`; a model that lists none has no regions (the
+Decoder then compiles its whole forward, as before).
 """
 
 import sys
@@ -34,7 +36,7 @@ class CompiledRegions:
             if name != "self_attn"
         ]
         norm = getattr(getattr(model, "model", None), "norm", None)
-        if isinstance(norm, torch.nn.Module):
+        if layers and isinstance(norm, torch.nn.Module):
             self.modules.append(norm)
         self._compiled = [torch.compile(m.forward, dynamic=False) for m in self.modules]
         # the rotary function, in the namespace the attention looks it up in at each call
