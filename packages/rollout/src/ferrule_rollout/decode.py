@@ -224,7 +224,7 @@ class Decoder:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
         self.steps.clear()
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
-        self.pool = self.step_forward = self.logprobs_of = None
+        self.pool = self.step_forward = self.logprobs_of = self.regions = None
 
     def _compiled_forward(self, ids, positions, pad_ok, slots):
         """A decode step's forward through the compiled regions (then captured as a graph)."""
