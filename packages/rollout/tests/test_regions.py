@@ -32,6 +32,11 @@ def test_the_regions_are_each_layers_pieces_but_its_attention_and_go_back_after(
         raise RuntimeError("a failed capture")
     assert not any("forward" in m.__dict__ for m in regions.modules)
     assert getattr(qwen2, ROTARY) is eager
+    with regions.active():  # another Decoder made meanwhile restores the eager function too
+        other = CompiledRegions(model)
+    with other.active():
+        pass
+    assert getattr(qwen2, ROTARY) is eager
 
 
 def test_a_forward_through_the_regions_gives_the_eager_logits_compiling_each_code_once(model):

@@ -45,7 +45,8 @@ class CompiledRegions:
             attention = getattr(layer, "self_attn", None)
             home = sys.modules[type(attention).__module__].__dict__ if attention else {}
             if callable(home.get(ROTARY)) and id(home) not in self._rotary:
-                original = home[ROTARY]
+                # made while another Decoder's regions are active: the eager function under them
+                original = getattr(home[ROTARY], "_torchdynamo_orig_callable", home[ROTARY])
                 self._rotary[id(home)] = (home, original, torch.compile(original, dynamic=False))
         # dynamo may keep an entry for each module instance of one code: not an eager fallback
         # at the 9th layer
