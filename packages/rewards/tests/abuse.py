@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ferrule_rewards import rewards_pb2 as pb
 from ferrule_rewards.client import METHOD
-from ferrule_testkit.watch import Watch, answered, cpu_ticks, percentile, tree
+from ferrule_testkit.watch import Watch, answered, cpu_ticks, run_attacks, tree
 
 NORMAL_DEADLINE = 5.0  # a normal call must get its correct answer within this
 NORMAL = pb.ScoreRequest(samples=[{"response": "#### 4", "label": "4"}]).SerializeToString()
@@ -485,34 +485,11 @@ def run_all(server_pid: int, address: str, token: str, processes: int) -> tuple[
         getattr(attack, "prepare", lambda: None)()
     watch = watch_server(server_pid, address, token)
     _server_pid[0] = server_pid
-    rows = []
-    try:
-        time.sleep(0.5)
-        for attack in ATTACKS:
-            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
-            started = time.monotonic()
-            answered, sent = attack(address, token)
-            took = time.monotonic() - started
-            # Every call's deadline has passed: nothing may still be working 1.5 s on.
-            busy = idle_within(server_pid, processes, 1.5)
-            health = watch.health_ms[health_at:]
-            rows.append(
-                {
-                    "attack": attack.__name__,
-                    "answered": answered,
-                    "sent": sent,
-                    "seconds": round(took, 2),
-                    "idle_after": busy is None,
-                    "busy_after": busy,
-                    "health_ms_p50": round(percentile(health, 50), 1),
-                    "health_ms_p99": round(percentile(health, 99), 1),
-                    "health_ms_max": round(max(health, default=0), 1),
-                    "health_failures": watch.health_failures[health_failed_at:],
-                    "normal_calls": len(watch.normal_s) - normal_at,
-                    "normal_s_max": round(max(watch.normal_s[normal_at:], default=0), 3),
-                    "normal_failures": watch.normal_failures[normal_failed_at:],
-                }
-            )
-    finally:
-        watch.stop()
+
+    def idle_again(attack, row: dict) -> None:
+        # Every call's deadline has passed: nothing may still be working 1.5 s on.
+        busy = idle_within(server_pid, processes, 1.5)
+        row.update(idle_after=busy is None, busy_after=busy)
+
+    rows = run_attacks(watch, ATTACKS, address, token, after=idle_again, settle=0.5)
     return rows, watch

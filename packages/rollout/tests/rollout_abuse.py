@@ -17,7 +17,7 @@ from rollout_helpers import free_port  # this folder is on sys.path, as for the 
 
 from ferrule_grpc_auth import bearer
 from ferrule_rollout import rollout_pb2 as pb
-from ferrule_testkit.watch import Watch, answered
+from ferrule_testkit.watch import Watch, answered, run_attacks
 
 SERVICE = "/ferrule.rollout.v1.RolloutService/"
 NORMAL_DEADLINE = 10.0
@@ -256,35 +256,17 @@ def refused_as_it_may_be(attack, failure: str) -> bool:
 
 def run_all(server_pid: int, address: str, token: str) -> tuple[list, Watch]:
     watch = watch_server(server_pid, address, token)
-    rows = []
-    try:
-        time.sleep(1.0)
-        for attack in ATTACKS:
-            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
-            started = time.monotonic()
-            answered, sent = attack(address, token)
-            took = time.monotonic() - started
-            idle = idle_within(address, token, IDLE_WITHIN)
-            health = watch.health_ms[health_at:]
-            rows.append(
-                {
-                    "attack": attack.__name__,
-                    "answered": answered,
-                    "sent": sent,
-                    "seconds": round(took, 2),
-                    "idle_after_s": None if idle is None else round(idle, 2),
-                    "health_ms_max": round(max(health, default=0), 1),
-                    "health_failures": watch.health_failures[health_failed_at:],
-                    "normal_calls": len(watch.normal_s) - normal_at,
-                    "normal_s_max": round(max(watch.normal_s[normal_at:], default=0), 3),
-                    "normal_failures": [
-                        failure
-                        for failure in watch.normal_failures[normal_failed_at:]
-                        if not refused_as_it_may_be(attack, failure)
-                    ],
-                    "tree_rss_mb": watch.peak_tree_rss >> 20,
-                }
-            )
-    finally:
-        watch.stop()
+
+    def idle_again(attack, row: dict) -> None:
+        idle = idle_within(address, token, IDLE_WITHIN)
+        row.update(idle_after_s=None if idle is None else round(idle, 2))
+        row["tree_rss_mb"] = watch.peak_tree_rss >> 20
+
+    rows = run_attacks(watch, ATTACKS, address, token, after=idle_again, settle=1.0)
+    for row, attack in zip(rows, ATTACKS, strict=True):
+        row["normal_failures"] = [
+            failure
+            for failure in row["normal_failures"]
+            if not refused_as_it_may_be(attack, failure)
+        ]
     return rows, watch

@@ -2,8 +2,7 @@
 suites share (the reward server's `abuse.py`, the rollout server's `rollout_abuse.py`).
 
     watch = Watch(server_pid, health=check, normal=call, health_every=0.05, normal_every=0.1)
-    at = watch.mark(); attack(); watch.health_ms[at[0]:]    # what happened during one attack
-    watch.stop()
+    rows = run_attacks(watch, ATTACKS, address, token, after=server_is_idle_again)  # stops it
 
 `health` and `normal` are the suite's own calls (gRPC stubs of its service): each returns None
 when the server answered as it should, or a line saying what went wrong. Linux only (/proc).
@@ -132,3 +131,50 @@ class Watch:
         self._stop.set()
         for thread in self._threads:
             thread.join(self.longest_call + 2)
+
+
+Attack = Callable[[str, str | None], tuple[int, int]]  # (address, token) -> (answered, sent)
+
+
+def run_attacks(
+    watch: Watch,
+    attacks: Iterable[Attack],
+    address: str,
+    token: str | None,
+    after: Callable[[Attack, dict], None],
+    settle: float = 0.5,
+) -> list[dict]:
+    """Each attack in turn while `watch` runs (after `settle` seconds of it alone), then
+    `watch.stop()`: a row per attack of what it got answered and what the well-behaved client
+    saw meanwhile. `after(attack, row)` adds the suite's own figures to the row once the attack
+    has returned (is the server idle again?); the client's figures are read after it, so they
+    include its wait."""
+    rows = []
+    try:
+        time.sleep(settle)
+        for attack in attacks:
+            health_at, health_failed_at, normal_at, normal_failed_at = watch.mark()
+            started = time.monotonic()
+            answered_calls, sent = attack(address, token)
+            row = {
+                "attack": attack.__name__,
+                "answered": answered_calls,
+                "sent": sent,
+                "seconds": round(time.monotonic() - started, 2),
+            }
+            after(attack, row)
+            health = watch.health_ms[health_at:]
+            normal = watch.normal_s[normal_at:]
+            row.update(
+                health_ms_p50=round(percentile(health, 50), 1),
+                health_ms_p99=round(percentile(health, 99), 1),
+                health_ms_max=round(max(health, default=0), 1),
+                health_failures=watch.health_failures[health_failed_at:],
+                normal_calls=len(normal),
+                normal_s_max=round(max(normal, default=0), 3),
+                normal_failures=watch.normal_failures[normal_failed_at:],
+            )
+            rows.append(row)
+    finally:
+        watch.stop()
+    return rows
