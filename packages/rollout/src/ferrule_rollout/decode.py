@@ -201,8 +201,11 @@ class Decoder:
         # every layer; seconds for each new shape)
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.regions = CompiledRegions(model) if compiled else None
-        self.step_forward = self._compiled_forward if compiled else self.forward
-        if compiled and not self.regions:  # no decoder layers named: the whole forward, slowly
+        if not compiled:
+            self.step_forward = self.forward
+        elif self.regions:
+            self.step_forward = self._compiled_forward
+        else:  # the model names no decoder layers: its whole forward, slow to compile
             self.step_forward = torch.compile(self.forward, dynamic=False)
         # and so every call decodes at one shape, `most` (the engine's most rows, its longest
         # sequence): compiled once, by whichever call comes first (the held-out evaluation's

@@ -156,8 +156,9 @@ class TransformersEngine(EngineBase):
         device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
         `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
         graphs as without it; faster, once the first call has compiled its step's regions
-        (seconds: decode.py, regions.py). Every call then decodes at one shape, max_batch_size rows x max_model_len
-        slots, so its KV cache takes that much memory from the first call on (as vLLM's does).
+        (seconds: decode.py, regions.py). Every call then decodes at one shape, max_batch_size
+        rows x max_model_len slots, so its KV cache takes that much memory from the first call
+        on (as vLLM's does).
         `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
