@@ -142,7 +142,8 @@ def test_150_steps_with_an_engine_the_reward_server_and_the_launcher_killed(tmp_
         pid, sample = line.split()
         scorers[sample].append(int(pid))
     twice = {s: pids for s, pids in scorers.items() if len(pids) > 1}
-    assert all(len(p) == 2 and p[0] == killed_rewards for p in twice.values()), (where, twice)
+    wrong = {s: p for s, p in twice.items() if len(p) != 2 or p[0] != killed_rewards}
+    assert not wrong, (where, f"killed reward server {killed_rewards}", wrong)
     assert len(twice) <= 16 * 8, where  # one step's batch at most
     launches = {sample.split("/")[0] for sample in scorers}
     assert len(launches) == 2, launches
