@@ -64,6 +64,7 @@ def test_failed_episodes_are_counted_and_too_many_stop_the_run(tmp_path):
             "environment.max_failed_fraction=0.3",
             "loop.steps=2",
             "loop.eval_every=0",
+            'rollout.backend="transformers"',  # about the episodes, not the engine: starts sooner
             # per-token rewards: the first answer's partial credit at its own turn
             'trainer.estimator="reinforce_plus_plus"',
         ),
@@ -85,6 +86,7 @@ def test_failed_episodes_are_counted_and_too_many_stop_the_run(tmp_path):
             "environment.step_timeout=2",
             "environment.max_failed_fraction=0.01",
             "loop.steps=2",
+            'rollout.backend="transformers"',
         ),
         capture_output=True,
         text=True,

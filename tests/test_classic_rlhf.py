@@ -4,7 +4,9 @@ examples/tiny/model (itself a short SFT on the task). The reward model is a larg
 preference pairs over the policy's own samples; PPO in `rlhf-launch` scores with it through
 ferrule-rewards (normalised by its saved moments) and starts the critic from it. The task's
 exact-match accuracy is never shown to PPO: it rises only if the reward model learned the
-preference and PPO followed it without hacking it.
+preference and PPO followed it without hacking it. The reward model's own checks (held-out
+accuracy, the moments saved beside it, ferrule-rewards loading it as saved) are here too: the
+only test that trains one to convergence.
 
 Why the reward model is what it is (issue 20), measured as P(correct answer scores above the
 answer with one letter changed) per letter:
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from ferrule_launcher.task import eval_problems
+from ferrule_rewards.model import ModelScorer
 from ferrule_testkit import policy_reversal_pairs, reversal_sft_rows, tiny_model
 
 pytestmark = pytest.mark.soak
@@ -82,9 +85,20 @@ def classic_rlhf(tmp_path: Path, seed: int) -> dict:
     reward_model = tmp_path / "rm" / "model"
     saved = [line for line in trained.splitlines() if line.startswith("saved ")][-1]
     rm_eval = json.loads(saved.split(": ", 1)[1])  # "saved <dir>: {held-out figures}"
+    # saved with the held-out moments that [rewards] normalize reads, and served as saved:
+    # ferrule-rewards' model backend ranks held-out pairs as the trainer's evaluation did
+    stats = json.loads((reward_model / "reward_stats.json").read_text())
+    assert stats["pairs"] == 200 and stats["std"] > 0
+    pairs = [json.loads(line) for line in test.read_text().splitlines()][:40]
+    scorer = ModelScorer(reward_model, device="cpu", dtype="float32")
+    chosen = scorer.score([(r["prompt"], r["chosen"]) for r in pairs]).rewards
+    rejected = scorer.score([(r["prompt"], r["rejected"]) for r in pairs]).rewards
+    agree = sum(c > r for c, r in zip(chosen, rejected, strict=True))
+    assert agree >= 0.8 * len(pairs), agree
 
     out = tmp_path / "ppo"
     overrides = [
+        'rollout.backend="transformers"',  # the subject is the reward model: the faster engine
         'trainer.estimator="gae"',
         'critic.init="reward_model"',
         "critic.learning_rate=2e-4",

@@ -16,7 +16,14 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
 
 def launch(out: Path, *overrides: str) -> dict:
     command = [sys.executable, "-m", "ferrule_launcher.cli", str(EXAMPLE)]
-    for item in [*overrides, "output.progress=false", "loop.eval_every=0", f'output.dir="{out}"']:
+    # the transformers engine: these runs are about the training step (vLLM starts slower on CPU)
+    for item in [
+        'rollout.backend="transformers"',
+        *overrides,
+        "output.progress=false",
+        "loop.eval_every=0",
+        f'output.dir="{out}"',
+    ]:
         command += ["--set", item]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

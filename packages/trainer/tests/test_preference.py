@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrule_testkit import reversal_pairs, reversal_sft_rows, tiny_model
+from ferrule_testkit import reversal_pairs
 from ferrule_trainer.cli import main
 from ferrule_trainer.preference import Pair, PreferenceDataConfig, load_pairs, pair_batch
 from ferrule_trainer.settings import EpochPlan, PreferenceLoss
@@ -85,58 +85,6 @@ def config_file(
         f'[output]\ndir = "{tmp_path / kind}"\n' + extra
     )
     return path
-
-
-def sft_on_the_task(tmp_path: Path, model: Path, steps: int) -> Path:
-    """`rlhf-train sft` on the reversal task for `steps` steps of 32 examples."""
-    from ferrule_config import load_config
-    from ferrule_trainer.sft import SFTConfig, train
-
-    data = write(tmp_path / "sft.jsonl", reversal_sft_rows(steps * 32, seed=7))
-    path = tmp_path / "sft.toml"
-    path.write_text(
-        f'[model]\npath = "{model}"\ndtype = "float32"\nzero_stage = 0\n[data]\npath = "{data}"\n'
-        "[train]\nbatch_size = 32\nmicro_batch_size = 32\nlearning_rate = 1e-3\nwarmup_steps = 20\n"
-        f'[output]\ndir = "{tmp_path / "sft"}"\n'
-    )
-    train(load_config(path, SFTConfig), log=lambda line: None)
-    return tmp_path / "sft" / "model"
-
-
-@pytest.mark.soak  # a learning curve: 2 epochs of pairs
-def test_a_reward_model_learns_the_preference_and_serves_as_saved(tmp_path):
-    from ferrule_config import load_config
-    from ferrule_rewards.model import ModelScorer
-    from ferrule_trainer.rm import RMConfig, train
-
-    # The scorer is a 4-layer, 4-head tiny model SFT'd on the task: the 2-layer, 2-head policy
-    # levels off at 0.85-0.91 held-out accuracy here however long it trains; this one reaches
-    # 0.94 (400 held-out pairs).
-    body = tiny_model("qwen2", num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)
-    path = config_file(
-        tmp_path,
-        "rm",
-        "[train]\nepochs = 3\nbatch_size = 32\nmicro_batch_size = 16\nlearning_rate = 1e-3\n"
-        "warmup_steps = 10\n[eval]\nevery = 64\n",
-        pairs=4096,
-        held_out=400,
-        model=sft_on_the_task(tmp_path, body, steps=1200),
-    )
-    lines = []
-    final = train(load_config(path, RMConfig), log=lines.append)
-    print(f"rm: held-out {final}")
-    assert final["eval/accuracy"] >= 0.9, lines  # 0.5 is chance
-    assert final["eval/margin"] > 0
-    saved = tmp_path / "rm" / "model"
-    stats = json.loads((saved / "reward_stats.json").read_text())
-    assert stats["pairs"] == 400 and stats["std"] > 0
-    # ferrule-rewards' model backend loads it as saved and ranks held-out pairs the same way
-    scorer = ModelScorer(saved, device="cpu", dtype="float32")
-    held_out = reversal_pairs(100, seed=2)[:20]
-    chosen = scorer.score([(r["prompt"], r["chosen"]) for r in held_out]).rewards
-    rejected = scorer.score([(r["prompt"], r["rejected"]) for r in held_out]).rewards
-    agree = sum(c > r for c, r in zip(chosen, rejected, strict=True))
-    assert agree >= 15, agree
 
 
 def test_dpo_raises_the_margin_and_the_greedy_accuracy(tmp_path):

@@ -346,7 +346,8 @@ class RayConfig(Table):
     """[ray]: the cluster and how the roles are placed on it."""
 
     address: str = ""
-    """Ray cluster to join ("auto" or "host:port"); empty starts a local cluster."""
+    """Ray cluster to join ("auto" or "host:port"); empty starts a local cluster of the run's
+    own, even where RAY_ADDRESS is set or `ray start` ran on this machine."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local cluster (default: all)."""
     placement: Literal["colocate_all", "colocate", "separate"] = "colocate_all"

@@ -147,6 +147,10 @@ def start_ray(config: RayConfig, env: dict[str, str]) -> str:
         return "joined " + config.address
     num_cpus = config.num_cpus or os.cpu_count() or 1
     ray.init(
+        # "local": a cluster of this run's own. Without an address Ray joins the cluster that
+        # RAY_ADDRESS names or the last `ray start` on this machine began, and then refuses
+        # num_cpus; "auto" in [ray] address joins one on purpose.
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
