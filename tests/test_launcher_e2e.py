@@ -624,3 +624,20 @@ def test_sync_partial_rollouts_continue_cut_samples_across_steps_and_a_resume(tm
     assert any(r["rollout/mixed_version_samples"] > 0 for r in records[1:])  # and continued
     assert all(r["staleness"] <= 2 and r["dropped_stale_groups"] == 0 for r in records)
     assert all(r["tokens_per_s"] > 0 for r in records)
+
+
+def test_two_ranks_share_each_sequence_of_the_policy_and_the_reference(tmp_path):
+    """[trainer] sequence_parallel = 2: the two policy ranks (and the reference's two, "auto")
+    take the same rows, each running the model on half of every row's positions; the step counts
+    each response token once (packages/trainer/tests/test_sequence_parallel.py checks the
+    numbers against one rank)."""
+    out = tmp_path / "sequence-parallel"
+    launch(out, TRANSFORMERS, "trainer.ranks=2", "trainer.sequence_parallel=2", "loop.steps=3")
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    rows = 32 * 8
+    for r in records:
+        assert r["train/tokens"] == pytest.approx(r["response_length"] * rows)
+        assert r["train/skipped"] == 0 and "kl" in r
+    roles = json.loads((out / "roles.json").read_text())
+    assert {"policy-1", "reference-1"} <= set(roles)

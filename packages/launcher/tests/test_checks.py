@@ -8,6 +8,7 @@ import pytest
 
 from ferrule_launcher import checks
 from ferrule_launcher.config import ConfigError, EnvironmentConfig, load_config
+from ferrule_trainer.config import CriticConfig
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,12 @@ CASES = [
         "[environment]",
     ),
     (checks.check_files, {"sft": {"data": Path("/nonexistent/sft.jsonl")}}, "sft.data", "no file"),
+    (
+        checks.check_sequence_parallel,
+        {"trainer": {"sequence_parallel": 2, "ranks": 2}, "critic": CriticConfig()},
+        "trainer.sequence_parallel",
+        "critic",
+    ),
 ]
 
 

@@ -392,3 +392,24 @@ def test_a_training_call_reports_the_slowest_rank_and_every_rank_s_compiles(monk
     metrics = calls.RankGroup([None] * 3, "policy")._merged(["refs"])()
     assert metrics == {"loss": 0.5, "seconds": 16.4, "compiles": 28}
     assert ranks[0]["seconds"] == 6.6  # rank 0's own result is left as it was
+
+
+def test_a_sequence_groups_ranks_get_the_same_rows_and_its_results_count_once(monkeypatch):
+    """[trainer] sequence_parallel = 2 over 4 ranks: ranks 0-1 share rows 0-3, ranks 2-3 rows
+    4-7, and the log-probabilities put back hold each row once."""
+    import torch
+
+    from ferrule_trainer.batch import Batch
+
+    ids = torch.arange(8)[:, None].repeat(1, 3)
+    batch = Batch(ids, torch.ones_like(ids), torch.ones(8, 1, dtype=torch.long))
+    group = calls.RankGroup(["w0", "w1", "w2", "w3"], "policy", sequence_parallel=2)
+    shards = group._on_shards(batch, lambda worker, shard: (worker, shard.input_ids[:, 0].tolist()))
+    assert shards == [
+        ("w0", [0, 1, 2, 3]),
+        ("w1", [0, 1, 2, 3]),
+        ("w2", [4, 5, 6, 7]),
+        ("w3", [4, 5, 6, 7]),
+    ]
+    monkeypatch.setattr(calls, "get", lambda refs, role: [torch.tensor(r[1]) for r in refs])
+    assert group._joined(shards)().tolist() == list(range(8))

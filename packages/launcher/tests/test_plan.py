@@ -385,3 +385,25 @@ def test_this_machines_host_counts_only_where_it_runs_the_gpus(tmp_path):
         resolve(config, h200)
     laptop = resolve(config, Machine(None, 16 * GiB, None), dry_run=True).plan
     assert laptop.host_memory is None
+
+
+def test_a_sequence_group_plans_each_rank_for_its_share_of_the_positions(write):
+    """[trainer] sequence_parallel = N: a policy rank's activations are those of 1/N of each
+    micro-batch's tokens; the model's heads and the ranks must divide by N, named before
+    anything starts."""
+    keys = {"trainer.ranks": 2, "rollout.engines": 2, "trainer.micro_batch_tokens": 16384}
+    keys.update({"trainer.gradient_checkpointing": False, "trainer.zero_stage": 2})
+    keys.update({"trainer.offload_optimizer": False, "trainer.offload_params": False})
+    keys.update({"trainer.offload_between_phases": False})
+    one = resolve(load_config(write(), keys), refuse=False).plan
+    two = resolve(load_config(write(), {**keys, "trainer.sequence_parallel": 2})).plan
+    assert not one.fits() and two.fits()  # 16k-token micro-batches fit an 80 GB GPU only shared
+    policy = [next(h for h in plan.gpus[0] if h.role == "policy") for plan in (one, two)]
+    assert "8192 tokens per micro-batch (1/2 of each sequence)" in policy[1].how
+    assert policy[1].train < policy[0].train - 10 * GiB  # 8192 tokens' activations fewer
+    # the 1.5B's 12 heads do not split over 8 ranks; 3 ranks do not split into groups of 2
+    eight = {**keys, "trainer.ranks": 8, "rollout.engines": 8, "trainer.sequence_parallel": 8}
+    assert "[trainer] sequence_parallel" in error_of(write(), **eight)
+    assert "12 attention heads" in error_of(write(), **eight)
+    with pytest.raises(ConfigError, match="multiple of sequence_parallel = 2"):
+        load_config(write(), {**keys, "trainer.ranks": 3, "trainer.sequence_parallel": 2})

@@ -110,23 +110,26 @@ class RankGroup:
     rank, so the step runs the groups' passes at the same time. The collectives (checkpoints,
     exports, offloading) return each rank's ref, for the caller to wait on with its own name."""
 
-    def __init__(self, workers: list, role: str):
-        self.workers, self.role = workers, role
+    def __init__(self, workers: list, role: str, sequence_parallel: int = 1):
+        """`sequence_parallel`: consecutive ranks that share each sequence (the same shard)."""
+        self.workers, self.role, self.sequence_parallel = workers, role, sequence_parallel
 
     @property
     def size(self) -> int:
         return len(self.workers)
 
     def _on_shards(self, batch: "Batch", call) -> list:
-        """`call(worker, shard)` (a ref) on every rank, each with its share of `batch`."""
-        shards = batch.split(batch.rows // self.size)
-        return [call(w, shard) for w, shard in zip(self.workers, shards, strict=True)]
+        """`call(worker, shard)` (a ref) on every rank, each with its share of `batch`: one share
+        per sequence group, given to each of its ranks."""
+        copies = self.sequence_parallel
+        shards = batch.split(batch.rows * copies // self.size)
+        return [call(w, shards[i // copies]) for i, w in enumerate(self.workers)]
 
     def _joined(self, refs: list):
         def wait():
             import torch
 
-            return torch.cat(get(refs, self.role))
+            return torch.cat(get(refs, self.role)[:: self.sequence_parallel])  # one per group
 
         return wait
 

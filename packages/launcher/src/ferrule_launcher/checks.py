@@ -18,6 +18,19 @@ if TYPE_CHECKING:
 Problem = tuple[str, str]
 
 
+def check_sequence_parallel(config: "Config") -> list[Problem]:
+    """Sequences shared by ranks: the policy and the reference only, for now."""
+    if config.trainer.sequence_parallel > 1 and config.critic is not None:
+        return [
+            (
+                "trainer.sequence_parallel",
+                "does not run with a critic yet ([critic], PPO's GAE): the critic's values "
+                "would need every position on one rank",
+            )
+        ]
+    return []
+
+
 def check_reward_source(config: "Config") -> list[Problem]:
     """One of [rewards] function, model or address, unless the environment scores alone."""
     w = config.rewards
@@ -321,6 +334,7 @@ def check_files(config: "Config") -> list[Problem]:
 CROSS_TABLE = (
     check_reward_source,
     check_batch,
+    check_sequence_parallel,
     check_partial_rollout,
     check_exact,
     check_overlong_buffer,

@@ -248,6 +248,10 @@ def holdings(
     """What each process holds on each distinct GPU (`gpu_bytes`: one GPU's, for vLLM's share)."""
     r, ray, dtype = config.rollout, config.ray, config.model.dtype
     train_tokens, forward_tokens = _pass_tokens(trainer, r.max_model_len)
+    # a sequence group's ranks each hold the activations of 1/N of the positions (the all-to-alls
+    # swap like-sized pieces: the gathered heads of the whole sequence are 1/N of its width)
+    shared = trainer.sequence_parallel
+    train_tokens, forward_tokens = -(-train_tokens // shared), -(-forward_tokens // shared)
     lora = trainer.lora_rank > 0
     state_keys = dict(
         dtype=dtype,
@@ -280,7 +284,11 @@ def holdings(
     in_place = ray.placement == "colocate_all" and not trainer.offload_between_phases
     sync = 0 if in_place else 2 * max(GiB, shape.vocab * shape.hidden * 2)
     held = _while_generating(trainer, r, policy_peak, state) + sync
-    how = f"{train_tokens} tokens per micro-batch" + (", weight-sync buffers" if sync else "")
+    how = (
+        f"{train_tokens} tokens per micro-batch"
+        + (f" (1/{shared} of each sequence)" if shared > 1 else "")
+        + (", weight-sync buffers" if sync else "")
+    )
     policy = Holding("policy", held, policy_peak + sync, how)
     gpus = [[policy]]
     if trainer.kl_coef > 0:

@@ -7,6 +7,7 @@ gpus_per_node: plan.Machine) and fills in what was left to the machine:
     resolved = resolve(config)               # Resolved(config, plan, unplanned)
     run(resolved.config)                     # rlhf-launch, --dry-run and --plan all go this way
 
+- [trainer] sequence_parallel is checked against the model's attention heads;
 - [trainer] reference_ranks "auto": a reference rank beside each policy rank where the
   placement shares their GPUs (measured on four H100s: the train phase 19.7 s with one
   reference scoring every GPU's samples, 12.0 s with one each);
@@ -16,7 +17,9 @@ gpus_per_node: plan.Machine) and fills in what was left to the machine:
 A dry run on a machine that shows no GPU may leave the plan's keys "auto" (`unplanned`).
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ferrule_config import ConfigError, format_problems
 from ferrule_launcher.config import Config
@@ -37,6 +40,9 @@ def resolve(
     gpu_memory_gb is not set). Raises ConfigError naming the file and the keys when the plan
     cannot read the model, or cannot know the GPUs' size (but in a dry run), or cannot fit
     (unless `refuse` is False, as for `--plan`, or [ray] check_memory = false)."""
+    heads = _sequence_parallel_heads(config)
+    if heads:
+        raise _refused(config, heads)
     config = _reference_beside_each_rank(config)
     if not config.ray.gpus_per_role:
         return Resolved(_marked(config), None)
@@ -64,6 +70,25 @@ def resolve(
     if refuse and config.ray.check_memory and not plan.fits():
         raise _refused(config, refusal(plan))
     return Resolved(_marked(config, plan.trainer), plan)
+
+
+def _sequence_parallel_heads(config: Config) -> list[tuple[str, str]]:
+    """[trainer] sequence_parallel against the model's attention heads (a local model's
+    config.json): each rank of a group attends with 1/N of them."""
+    size = config.trainer.sequence_parallel
+    path = Path(config.model.path) / "config.json"
+    if size == 1 or not path.is_file():
+        return []
+    heads = json.loads(path.read_text()).get("num_attention_heads")
+    if not heads or heads % size == 0:
+        return []
+    return [
+        (
+            "trainer.sequence_parallel",
+            f"the model's {heads} attention heads ({path}) must be a multiple of it: each rank "
+            "of a group attends with heads / sequence_parallel of them",
+        )
+    ]
 
 
 def _reference_beside_each_rank(config: Config) -> Config:

@@ -292,7 +292,9 @@ def start_roles(
         for kind in ("policy", "reference", "critic"):
             started[kind] = ranks, workers = launch.ranks(kind)
             if ranks or kind == "policy":  # in `roles` at once: `roles.stop()` kills them
-                setattr(roles, kind, RankGroup(workers, kind))
+                options = getattr(setup, kind) or {}
+                shared = options.get("sequence_parallel", 1)
+                setattr(roles, kind, RankGroup(workers, kind, shared))
         engines = sum(role.kind == "rollout" for role in places)
         roles.engines = [launch.engine(i) for i in range(engines)]
         # Every process is starting now. A group's ranks set up once its rank 0 says where the

@@ -305,7 +305,9 @@ def role_setup(config: Config, model_path: str) -> RoleSetup:
     the critic's ranks and of the engines, and how the weight sync runs."""
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
-    model["compile_layers"] = m.compile_layers and not r.exact  # inductor reorders the math
+    # inductor reorders the math (exact); sequence parallelism's attention all-to-alls are
+    # not compiled
+    model["compile_layers"] = m.compile_layers and not r.exact and t.sequence_parallel == 1
     scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
     if r.exact:
         from ferrule_rollout.exact import ExactNumerics
@@ -324,12 +326,19 @@ def role_setup(config: Config, model_path: str) -> RoleSetup:
         model_path=model_path,
         policy=dict(
             temperature=r.temperature,
+            sequence_parallel=t.sequence_parallel,
             **t.optimizer_options(steps),
             **t.lora_options(),
             **model,
             **scoring,
         ),
-        reference=dict(zero_stage=t.zero_stage, temperature=r.temperature, **model, **scoring),
+        reference=dict(
+            zero_stage=t.zero_stage,
+            temperature=r.temperature,
+            sequence_parallel=t.sequence_parallel,
+            **model,
+            **scoring,
+        ),
         engine_class=r.engine_class(),
         engine=dict(dtype=m.dtype, **r.engine_options()),
         seed=seed,

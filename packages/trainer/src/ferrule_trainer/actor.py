@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine, export
+from ferrule_trainer import sequence_parallel as sp
 from ferrule_trainer.aggregation import aggregate_loss, masked_sum, sequences_with_tokens
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.config import LORA_TARGETS
@@ -42,7 +43,8 @@ class Actor(TrainedModel):
     a full copy per rank otherwise. temperature is the rollout's sampling temperature: log-probs
     are computed under softmax(logits / temperature), as the sampler drew the tokens.
     compile_layers: the decoder layers through torch.compile (CUDA, ZeRO 0-2; see
-    engine.compile_decoder_layers).
+    engine.compile_decoder_layers). sequence_parallel: ranks that share each sequence
+    (sequence_parallel.py; consecutive ranks form a group and are given the same rows).
     """
 
     def __init__(
@@ -69,8 +71,14 @@ class Actor(TrainedModel):
         compile_layers: bool = False,
         seed: int = 0,
         prepare_model: Callable[[torch.nn.Module], Any] | None = None,
+        sequence_parallel: int = 1,
     ):
+        if sequence_parallel > 1 and compile_layers:
+            raise ValueError("sequence_parallel > 1 does not run with compile_layers yet")
         engine.init_distributed()
+        self.sequence_group = (
+            sp.SequenceGroup.split(sequence_parallel) if sequence_parallel > 1 else None
+        )
         torch.manual_seed(seed)  # LoRA initialisation is random: the same on every rank
         self.model_path = str(model_path)
         self.temperature = temperature
@@ -96,6 +104,8 @@ class Actor(TrainedModel):
             compile_layers=compile_layers,
             prepare=prepare_model,
         )
+        if self.sequence_group is not None:
+            sp.check_model(model.config, sequence_parallel)
         self.engine = engine.build_engine(
             model,
             train=train,
@@ -135,7 +145,7 @@ class Actor(TrainedModel):
         temperature = self.temperature if temperature is None else temperature
 
         def forward(micro_batch):
-            return response_logprobs(self.engine, micro_batch, temperature, packed=plan.packed)[0]
+            return self._response_logprobs(micro_batch, temperature, packed=plan.packed)[0]
 
         try:
             return forward_in_micro_batches(
@@ -180,16 +190,15 @@ class Actor(TrainedModel):
             micro_batch.require(*required)
         micro_batches = [mb.to(self.device) for mb in micro_batches]
         own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
-        tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(
+        tokens = self._global_sum(own_tokens)
+        sequences = self._global_sum(
             sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
         )
         counts = dict(agg_mode=loss.agg_mode, num_tokens=tokens, num_sequences=sequences)
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
             mask = micro_batch.response_mask
-            logprobs, entropy = response_logprobs(
-                self.engine,
+            logprobs, entropy = self._response_logprobs(
                 micro_batch,
                 self.temperature,
                 packed=packed,
@@ -237,10 +246,10 @@ class Actor(TrainedModel):
                 total = total - loss.entropy_coef * entropy_bonus(entropy, mask, **counts)
             return total, metrics
 
-        metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn, self._copies)
         for key in ("vllm_kl", "kl"):  # global means: every rank's sum over the global count
             if key in metrics:
-                metrics[key] = float(engine.global_sum(metrics[key]))
+                metrics[key] = float(self._global_sum(metrics[key]))
         metrics["tokens"] = float(tokens)
         return metrics
 
@@ -255,14 +264,14 @@ class Actor(TrainedModel):
         """One optimizer step of the responses' negative log-likelihood, the mean over the valid
         response tokens of the step on all ranks."""
         micro_batches = self._on_device(micro_batches)
-        tokens = engine.global_sum(sum(int(mb.response_mask.sum()) for mb in micro_batches))
+        tokens = self._global_sum(sum(int(mb.response_mask.sum()) for mb in micro_batches))
 
         def loss_fn(micro_batch):
-            logprobs, _ = response_logprobs(self.engine, micro_batch, packed=packed)
+            logprobs, _ = self._response_logprobs(micro_batch, packed=packed)
             nll = aggregate_loss(-logprobs, micro_batch.response_mask, num_tokens=tokens)
             return nll, {}
 
-        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn, self._copies)
 
     def preference_epochs(
         self, batch: Batch, plan: EpochPlan, loss: PreferenceLoss
@@ -295,11 +304,11 @@ class Actor(TrainedModel):
             micro_batch.require("ref_logprobs")
         micro_batches = self._on_device(micro_batches)
         own_pairs = sum(mb.rows // 2 for mb in micro_batches)
-        pairs = engine.global_sum(own_pairs)
+        pairs = self._global_sum(own_pairs)
 
         def loss_fn(micro_batch):
             mask = micro_batch.response_mask.float()
-            logprobs, _ = response_logprobs(self.engine, micro_batch, packed=packed)
+            logprobs, _ = self._response_logprobs(micro_batch, packed=packed)
             lengths = mask.sum(-1).clamp(min=1)
             sums = (logprobs * mask).sum(-1)
             ref = (micro_batch.ref_logprobs.float() * mask).sum(-1)
@@ -319,7 +328,29 @@ class Actor(TrainedModel):
             }
             return (out.loss + loss.nll_coef * chosen_nll).sum() / pairs, metrics
 
-        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn, self._copies)
+
+    def _response_logprobs(
+        self, micro_batch: Batch, temperature: float = 1.0, packed: bool = False, entropy=False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """sequences.response_logprobs of the engine, or its sequence-parallel form."""
+        if self.sequence_group is None:
+            return response_logprobs(
+                self.engine, micro_batch, temperature, packed=packed, entropy=entropy
+            )
+        return sp.response_logprobs(
+            self.engine, micro_batch, temperature, self.sequence_group, packed=packed,
+            entropy=entropy,
+        )  # fmt: skip
+
+    @property
+    def _copies(self) -> int:
+        """How many ranks hold each of this rank's rows: its sequence group's."""
+        return 1 if self.sequence_group is None else self.sequence_group.size
+
+    def _global_sum(self, value) -> torch.Tensor:
+        """engine.global_sum over all ranks, each row counted once."""
+        return engine.global_sum(value) / self._copies
 
     def _on_device(self, micro_batches: Sequence[Batch]) -> list[Batch]:
         if not self.train:

@@ -92,6 +92,13 @@ class TrainerConfig(Table):
     sharded over them, so a large reference needs no single device's memory. "auto": on GPUs
     where the reference shares the policy's bundles (placement "colocate_all" or "colocate"),
     one beside each policy rank, so that each GPU scores its own samples; otherwise 1."""
+    sequence_parallel: int = Field(1, ge=1, le=64)
+    """Ranks that share each sequence (DeepSpeed-Ulysses style: ferrule_trainer's
+    sequence_parallel.py). The policy's ranks, and the reference's, form groups of this many
+    consecutive ranks; a group's ranks take the same rows, each running the model on 1/N of
+    every row's positions, so a sequence's activations are split N ways. ranks and
+    reference_ranks must be multiples of it, and so must the model's attention heads. Its layers
+    run uncompiled ([model] compile_layers is not applied); not with a critic yet."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -236,7 +243,8 @@ class TrainerConfig(Table):
 
     @property
     def reference_ranks_auto(self) -> bool:
-        """Whether reference_ranks was left "auto" (now 1; ferrule-launcher places GPU runs)."""
+        """Whether reference_ranks was left "auto" (now one sequence group: sequence_parallel
+        ranks; ferrule-launcher places GPU runs)."""
         return self._reference_ranks_auto
 
     @model_validator(mode="after")
@@ -258,8 +266,8 @@ class TrainerConfig(Table):
             object.__setattr__(self, key, defaults[key])  # frozen: this is its validation
         self._auto = auto
         self._reference_ranks_auto = self.reference_ranks == "auto"
-        if self._reference_ranks_auto:
-            object.__setattr__(self, "reference_ranks", 1)
+        if self._reference_ranks_auto:  # one sequence group
+            object.__setattr__(self, "reference_ranks", self.sequence_parallel)
         return self
 
     @model_validator(mode="before")
@@ -291,6 +299,15 @@ class TrainerConfig(Table):
         if not self.betas[0] < 1 or not self.betas[1] < 1 or min(self.betas) < 0:
             problems.append(("betas", f"must both be in [0, 1), got {list(self.betas)}"))
         problems += self.offload_problems()
+        for key in ("ranks", "reference_ranks"):
+            if getattr(self, key) % self.sequence_parallel:
+                problems.append(
+                    (
+                        key,
+                        f"must be a multiple of sequence_parallel = {self.sequence_parallel} "
+                        f"(groups of ranks share each sequence), got {getattr(self, key)}",
+                    )
+                )
         if self.lora_rank and not self.lora_targets:
             problems.append(("lora_targets", "needs at least one module name"))
         if self.kl_target is not None and self.kl_coef == 0:

@@ -385,6 +385,7 @@ def optimizer_step(
     engine,
     micro_batches: Sequence[Any],
     loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, float]]],
+    copies: int = 1,
 ) -> dict[str, float]:
     """One optimizer step over any number of micro-batches.
 
@@ -404,6 +405,9 @@ def optimizer_step(
     An update whose gradients hold a NaN or an inf is skipped on every rank, nothing changed
     (`_update_unless_nonfinite`): the result says "skipped" 1.0 (else 0.0) and "nonfinite",
     where `nonfinite.locate` found the values to arise.
+
+    `copies`: how many ranks hold each rank's loss (a sequence group's ranks all compute their
+    group's, sequence_parallel.py): the reported loss counts it once.
     """
     if not micro_batches:
         raise ValueError("optimizer_step needs at least one micro-batch")
@@ -434,7 +438,7 @@ def optimizer_step(
     own_norm = _grad_norm(engine.module) if plain_fp32 else None
     applied = _update_unless_nonfinite(engine, own_norm)
     result = {key: float(value) / len(micro_batches) for key, value in sums.items()}
-    result["loss"] = float(global_sum(total))
+    result["loss"] = float(global_sum(total)) / copies
     grad_norm = engine.get_global_grad_norm() if own_norm is None else own_norm
     result["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     if applied and grad_norm is not None and not nonfinite.is_finite(grad_norm):

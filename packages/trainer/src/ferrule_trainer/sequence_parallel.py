@@ -1,0 +1,243 @@
+"""Sequence parallelism: the N ranks of a sequence group share every sequence of their batch,
+each running the model on 1/N of its positions (the DeepSpeed-Ulysses layout).
+
+    group = SequenceGroup.split(2)       # every rank calls it; ranks 0-1, 2-3, ... form groups
+    logprobs, _ = response_logprobs(model, batch, temperature=1.0, group=group)
+
+Every rank of a group holds the same batch. Embeddings, norms, MLPs and the LM head work per
+position, so each rank runs them on its own contiguous slice of the columns (its positions keep
+their global position ids). Attention needs every position: in each layer an all-to-all turns
+(all heads, the rank's 1/N of the positions) into (1/N of the heads, all positions), the rank
+attends over the whole sequence with its heads, and a second all-to-all turns the result back.
+Activations per rank, the largest memory of a long sequence, are 1/N of one rank's; each layer
+sends 4 activations' worth of 1/N of the sequence to the other ranks.
+
+Why this layout rather than ring attention: it uses any attention kernel unchanged (sdpa here,
+with the whole sequence's mask), needs no per-block softmax rescaling, and its communication is
+two all-to-alls a layer instead of N - 1 ring steps; the cost is that the heads (after repeating
+the key/value heads) must divide by N.
+
+The response log-probabilities each rank computes for its positions are gathered so that every
+rank of the group holds all of them, and every rank computes the same loss from them. The
+gather's backward keeps only the rank's own slice of the gradient: the ranks together
+backpropagate one copy of the loss, so the sum over a group's ranks of their parameter gradients
+is the gradient of its batch, as one rank would have it. DeepSpeed then averages over all ranks,
+groups included, so callers count each group's tokens once (`engine.global_sum` / N) and leave
+the loss's world-size factor as it is.
+"""
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+
+from ferrule_trainer.batch import Batch
+
+ATTENTION = "ferrule_sequence_parallel"
+"""The attention implementation name registered with transformers while a sharded forward runs."""
+_state = threading.local()  # the group of the sharded forward in progress (`_sharded`)
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """The ranks that share each sequence: `size` of them, this one `rank` among them."""
+
+    size: int
+    rank: int
+    group: object  # a torch.distributed process group
+
+    @classmethod
+    def split(cls, size: int) -> "SequenceGroup":
+        """Groups of `size` consecutive ranks over the whole world; this rank's. Every rank must
+        call it (creating a process group is collective)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if size < 1 or world % size:
+            raise ValueError(f"sequence_parallel = {size} does not divide the {world} ranks")
+        mine = None
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine = group
+        return cls(size, rank % size, mine)
+
+
+def check_model(config, size: int) -> None:
+    """Refuses a model whose attention heads cannot be split over `size` ranks."""
+    heads = config.num_attention_heads
+    if heads % size:
+        raise ValueError(
+            f"sequence_parallel = {size}: the model's {heads} attention heads must divide by it "
+            "(each rank attends with heads / sequence_parallel of them over the whole sequence)"
+        )
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sequence_parallel does not support sliding-window attention")
+
+
+def response_logprobs(
+    model,
+    batch: Batch,
+    temperature: float,
+    group: SequenceGroup,
+    *,
+    packed: bool = False,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What `sequences.response_logprobs` returns, (B, R) and the same on every rank of `group`,
+    each rank running the model on 1/N of the positions (padded rows or, with `packed`, the
+    rows packed into one)."""
+    from ferrule_trainer.sequences import _bypassed, _head_logprobs, packed_inputs, position_ids
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if packed:
+        ids, positions, index = packed_inputs(batch)
+    else:
+        ids, positions = batch.input_ids, position_ids(batch.attention_mask)
+        start = (
+            ids.shape[1] - batch.response_len - 1
+        )  # the position before the first response token
+        index = start + torch.arange(batch.response_len, device=ids.device).expand(batch.rows, -1)
+    ids, positions, mask = _padded_to(group.size, ids, positions, batch, packed)
+    if not packed and batch.attention_mask.all():
+        # no padding: the causal mask alone, which sdpa applies without a (T, T) tensor and
+        # with its flash kernels (the columns added on the right are seen by no real position)
+        mask = None
+    width = ids.shape[1] // group.size
+    mine = slice(group.rank * width, (group.rank + 1) * width)
+    # index is into positions of one row (packed: the packed row); needed marks the positions
+    # whose output predicts a response token, the only ones the LM head runs on
+    rows = 1 if packed else batch.rows
+    needed = torch.zeros(rows, ids.shape[1], dtype=torch.bool, device=ids.device)
+    needed.view(-1).scatter_(
+        0, (index + (0 if packed else _row_offsets(batch, ids))).flatten(), True
+    )
+    targets = ids.roll(-1, dims=1)  # position p predicts token p + 1
+    head = model.get_output_embeddings()
+    with _bypassed(head), _sharded(model, group):
+        hidden = model(
+            input_ids=ids[:, mine],
+            position_ids=positions[:, mine],
+            attention_mask=mask,
+            use_cache=False,
+        ).logits  # (rows, width, hidden): the head bypassed
+    local = needed[:, mine]
+    values, entropies = _head_logprobs(
+        head, hidden[local], targets[:, mine][local], temperature, entropy
+    )
+    real = batch.attention_mask[:, -batch.response_len :].bool()
+
+    def gathered(per_position: torch.Tensor) -> torch.Tensor:
+        placed = hidden.new_zeros(local.shape, dtype=torch.float32).masked_scatter(
+            local, per_position
+        )
+        whole = _GatherColumns.apply(placed, group)  # (rows, T)
+        picked = whole.flatten()[(index + (0 if packed else _row_offsets(batch, ids))).flatten()]
+        return torch.where(real, picked.view(real.shape), 0.0)
+
+    return gathered(values), gathered(entropies) if entropy else None
+
+
+def _row_offsets(batch: Batch, ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1) offsets of each padded row's positions in the flattened (B, T) columns."""
+    return (torch.arange(batch.rows, device=ids.device) * ids.shape[1])[:, None]
+
+
+def _padded_to(size: int, ids, positions, batch: Batch, packed: bool):
+    """ids and positions with columns added on the right to a multiple of `size`, and the
+    (rows, 1, T, T) boolean mask of the whole sequence: causal within each row (packed: within
+    each packed document, a new one wherever the positions restart), real keys only, and each
+    query's own key (as sequences._sdpa_mask: no attention row is empty)."""
+    extra = -ids.shape[1] % size
+    length = ids.shape[1] + extra
+    ids = F.pad(ids, (0, extra))
+    causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+    own = torch.eye(length, dtype=torch.bool, device=ids.device)
+    if packed:  # the added columns are a document of their own, as sequences.ALIGN's are
+        positions = torch.cat([positions, torch.arange(extra, device=ids.device)[None]], 1)
+        document = (positions == 0).cumsum(-1)
+        same = document[:, :, None] == document[:, None, :]
+        return ids, positions, ((causal & same) | own)[:, None]
+    keys = F.pad(batch.attention_mask, (0, extra)).bool()
+    last = positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)
+    positions = torch.cat([positions, last], 1)
+    return ids, positions, ((causal & keys[:, None, :]) | own)[:, None]
+
+
+class _GatherColumns(torch.autograd.Function):
+    """(rows, T / N) on each rank -> (rows, T), the ranks' slices side by side. Backward keeps
+    this rank's slice of the gradient: every rank computes the same loss from the gathered
+    tensor, and the group backpropagates it once (see the module's docstring)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+        ctx.rank, ctx.width = group.rank, local.shape[1]
+        parts = [torch.empty_like(local) for _ in range(group.size)]
+        dist.all_gather(parts, local.contiguous(), group=group.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start = ctx.rank * ctx.width
+        return grad[:, start : start + ctx.width].contiguous(), None
+
+
+@contextmanager
+def _sharded(model, group: SequenceGroup):
+    """While inside, `model`'s attention is `_attention` over `group` (the config's attention
+    implementation is switched, and put back after)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _attention)
+    config = getattr(model, "module", model).config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    _state.group = group
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+        _state.group = None
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function signature: query (B, H, T / N, D), key and value
+    (B, KV, T / N, D) of this rank's positions; attention_mask the whole sequence's
+    (B, 1, T, T), or None: causal. Returns (B, T / N, H, D) and no weights."""
+    group: SequenceGroup = _state.group
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:  # the key/value heads repeated to the query heads, so that all split by N
+        key, value = (x.repeat_interleave(repeats, dim=1) for x in (key, value))
+    query, key, value = (_heads_to_positions(x, group) for x in (query, key, value))
+    output = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout if module.training else 0.0,
+        is_causal=attention_mask is None,
+        scale=scaling,
+    )
+    return _positions_to_heads(output, group).transpose(1, 2).contiguous(), None
+
+
+def _heads_to_positions(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """(B, H, T / N, D), all heads of this rank's positions -> (B, H / N, T, D), this rank's
+    heads of all positions."""
+    b, h, width, d = x.shape
+    n = group.size
+    pieces = x.reshape(b, n, h // n, width, d).transpose(0, 1).contiguous()  # piece j: to rank j
+    received = dist_fn.all_to_all_single(torch.empty_like(pieces), pieces, group=group.group)
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * width, d)  # rank j's positions
+
+
+def _positions_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    """The inverse of `_heads_to_positions`."""
+    b, h, length, d = x.shape
+    n = group.size
+    pieces = x.reshape(b, h, n, length // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = dist_fn.all_to_all_single(torch.empty_like(pieces), pieces, group=group.group)
+    return received.transpose(0, 1).reshape(b, n * h, length // n, d)  # rank j's heads

@@ -1,0 +1,103 @@
+"""One rank of test_sequence_parallel.py.
+
+argv: model_path, out_dir, sequence_parallel, zero_stage. Every rank holds the same batch (T = 21
+columns: not a multiple of 2 or 4, so the sharding pads).
+
+1. The plain model (no DeepSpeed): sequence-parallel response log-probabilities and entropies of
+   the padded batch and of its packed form, and the gradients of a fixed function of them,
+   summed over the group's ranks. Rank 0 writes them (first.pt).
+2. An Actor with `sequence_parallel` ranks takes the log-probabilities of the batch and one PPO
+   step of two micro-batches (KL to a reference and an entropy bonus on). Rank 0 writes the
+   metrics and the weights after the step (actor.pt). With sequence_parallel = 1 and one
+   process this is the reference run.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rank_exit import leave_and_exit
+
+from ferrule_trainer.actor import Actor
+from ferrule_trainer.batch import Batch
+from ferrule_trainer.settings import PolicyLoss
+
+
+def batch() -> Batch:
+    generator = torch.Generator().manual_seed(0)
+    rows, length, response = 4, 21, 8
+    ids = torch.randint(0, 500, (rows, length), generator=generator)
+    attention = torch.ones(rows, length, dtype=torch.long)
+    attention[0, :5] = 0  # left padding of a short prompt
+    attention[3, -3:] = 0  # right padding of a short response
+    made = Batch(ids, attention, attention[:, -response:].clone())
+    return made.replace(
+        old_logprobs=-2.0 + 0.1 * torch.randn(rows, response, generator=generator),
+        ref_logprobs=-2.0 + 0.1 * torch.randn(rows, response, generator=generator),
+        advantages=torch.randn(rows, response, generator=generator),
+    )
+
+
+def weights(rows: int, response: int) -> torch.Tensor:
+    """Fixed, uneven weights: a loss of them tells every position's gradient apart."""
+    return torch.linspace(-1.0, 2.0, rows * response).view(rows, response)
+
+
+def plain_model_pass(model_path: str, size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_trainer import sequence_parallel as sp
+
+    group = sp.SequenceGroup.split(size)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    data, out = batch(), {}
+    for packed in (False, True):
+        model.zero_grad()
+        logprobs, entropy = sp.response_logprobs(
+            model, data, 0.7, group, packed=packed, entropy=True
+        )
+        w = weights(*logprobs.shape)
+        ((logprobs * w).sum() + (entropy * w.flip(0)).sum()).backward()
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad.clone()
+            dist.all_reduce(grad, group=group.group)  # the group's ranks' shares, summed
+            grads[name] = grad
+        out["packed" if packed else "padded"] = dict(
+            logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads
+        )
+    return out
+
+
+def actor_step(model_path: str, size: int, zero_stage: int) -> dict:
+    actor = Actor(
+        model_path,
+        zero_stage=zero_stage,
+        dtype="float32",
+        learning_rate=1e-2,
+        temperature=0.7,
+        sequence_parallel=size,
+    )
+    data = batch()
+    logprobs = actor.logprobs(data)
+    loss = PolicyLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+    metrics = actor.train_step(data.split(2), loss)
+    return dict(
+        logprobs=logprobs,
+        metrics=metrics,
+        weights={name: t.clone() for name, t in actor.export_weights()},  # gathered (ZeRO-3)
+    )
+
+
+if __name__ == "__main__":
+    model_path, out_dir = sys.argv[1], Path(sys.argv[2])
+    size, zero_stage = int(sys.argv[3]), int(sys.argv[4])
+    actor = actor_step(model_path, size, zero_stage)  # initialises torch.distributed
+    first = plain_model_pass(model_path, size) if size > 1 else None
+    if int(os.environ["RANK"]) == 0:
+        torch.save(actor, out_dir / "actor.pt")
+        if first is not None:
+            torch.save(first, out_dir / "first.pt")
+    leave_and_exit()

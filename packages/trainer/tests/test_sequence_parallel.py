@@ -1,0 +1,137 @@
+"""Sequence parallelism (sequence_parallel.py) on 2 and 4 CPU processes (gloo) against one
+process: log-probabilities, entropies and every gradient of the plain model, padded and packed;
+an Actor's log-probabilities, PPO step (KL and entropy on) and weights after it, under ZeRO-2
+and ZeRO-3 (the reference run: one process, ZeRO-2)."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrule_testkit import tiny_model
+
+pytestmark = pytest.mark.e2e  # DeepSpeed groups of 2-4 processes
+
+WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from sequence_parallel_worker import batch, weights  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model, out: Path, world: int, zero_stage: int = 2) -> dict:
+    out.mkdir()
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    args = [sys.executable, str(WORKER), str(model), str(out), str(world), str(zero_stage)]
+    procs = [
+        subprocess.Popen(
+            args,
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, output[-4000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return {p.stem: torch.load(p) for p in out.glob("*.pt")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    # 4 query heads over 2 key/value heads: every head count splits over 4 ranks after the
+    # key/value heads are repeated
+    return tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model, tmp_path_factory):
+    return run(model, tmp_path_factory.mktemp("one") / "run", world=1)["actor"]
+
+
+def plain_reference(model_path) -> dict:
+    """What one process computes for plain_model_pass's sums."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrule_trainer.sequences import response_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    data, out = batch(), {}
+    for packed in (False, True):
+        model.zero_grad()
+        logprobs, entropy = response_logprobs(model, data, 0.7, packed=packed, entropy=True)
+        w = weights(*logprobs.shape)
+        ((logprobs * w).sum() + (entropy * w.flip(0)).sum()).backward()
+        grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        out["packed" if packed else "padded"] = dict(
+            logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads
+        )
+    return out
+
+
+@pytest.mark.parametrize("world, zero_stage", [(2, 2), (4, 2), (2, 3)])
+def test_sequence_parallel_ranks_equal_one_rank(model, one_rank, world, zero_stage, tmp_path):
+    result = run(model, tmp_path / "run", world, zero_stage)
+    expected = plain_reference(model)
+    for layout in ("padded", "packed"):
+        got, want = result["first"][layout], expected[layout]
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["entropy"], want["entropy"], rtol=1e-5, atol=1e-5)
+        assert got["grads"].keys() == want["grads"].keys()
+        for name, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert (want["logprobs"] != 0).sum() > 20  # real tokens were compared
+
+    actor = result["actor"]
+    torch.testing.assert_close(actor["logprobs"], one_rank["logprobs"], rtol=1e-5, atol=1e-5)
+    for key in ("loss", "tokens", "grad_norm", "kl_loss", "clip_fraction"):
+        if key in one_rank["metrics"]:
+            assert actor["metrics"][key] == pytest.approx(one_rank["metrics"][key], rel=1e-4), key
+    assert actor["metrics"]["tokens"] == one_rank["metrics"]["tokens"]  # counted once
+    start = start_weights(model)
+    assert actor["weights"].keys() == one_rank["weights"].keys()
+    for name, weight in one_rank["weights"].items():
+        update_one, update_sp = weight - start[name], actor["weights"][name] - start[name]
+        assert update_one.abs().max() > 1e-3, f"{name} did not change"
+        # Adam's first step is about lr * sign(g): where |g| is near its eps, float rounding
+        # moves single elements by a few % of lr (as test_actor_distributed's ZeRO-3 ranks)
+        torch.testing.assert_close(update_sp, update_one, rtol=0, atol=3e-4, msg=name)
+        assert (update_sp - update_one).abs().mean() < 1e-6, name
+
+
+def start_weights(model_path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return {name: t.detach() for name, t in loaded.state_dict().items()}
+
+
+def test_a_head_count_that_does_not_divide_is_refused():
+    from transformers import AutoConfig
+
+    from ferrule_trainer.sequence_parallel import check_model
+
+    config = AutoConfig.from_pretrained(tiny_model("qwen2"))  # 2 heads
+    with pytest.raises(ValueError, match="2 attention heads must divide by it"):
+        check_model(config, 4)
