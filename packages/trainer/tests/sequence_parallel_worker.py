@@ -4,8 +4,9 @@ argv: model_path, out_dir, sequence_parallel, zero_stage. Every rank holds the s
 columns: not a multiple of 2 or 4, so the sharding pads).
 
 1. The plain model (no DeepSpeed): sequence-parallel response log-probabilities and entropies of
-   the padded batch and of its packed form, and the gradients of a fixed function of them,
-   summed over the group's ranks. Rank 0 writes them (first.pt).
+   the padded batch, its packed form and the batch without padding (`layouts`), and the
+   gradients of a fixed function of them, summed over the group's ranks. Rank 0 writes them
+   (first.pt).
 2. An Actor with `sequence_parallel` ranks takes the log-probabilities of the batch and one PPO
    step of two micro-batches (KL to a reference and an entropy bonus on). Rank 0 writes the
    metrics and the weights after the step (actor.pt). With sequence_parallel = 1 and one
@@ -52,8 +53,8 @@ def plain_model_pass(model_path: str, size: int) -> dict:
 
     group = sp.SequenceGroup.split(size)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    data, out = batch(), {}
-    for packed in (False, True):
+    out = {}
+    for layout, (data, packed) in layouts().items():
         model.zero_grad()
         logprobs, entropy = sp.response_logprobs(
             model, data, 0.7, group, packed=packed, entropy=True
@@ -65,10 +66,19 @@ def plain_model_pass(model_path: str, size: int) -> dict:
             grad = param.grad.clone()
             dist.all_reduce(grad, group=group.group)  # the group's ranks' shares, summed
             grads[name] = grad
-        out["packed" if packed else "padded"] = dict(
-            logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads
-        )
+        out[layout] = dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads)
     return out
+
+
+def layouts() -> dict[str, tuple[Batch, bool]]:
+    """The batch padded, packed, and without padding (the causal mask alone: the columns the
+    sharding adds on the right must be seen by no real position)."""
+    data = batch()
+    full = data.replace(
+        attention_mask=torch.ones_like(data.attention_mask),
+        response_mask=torch.ones_like(data.response_mask),
+    )
+    return {"padded": (data, False), "packed": (data, True), "unpadded": (full, False)}
 
 
 def actor_step(model_path: str, size: int, zero_stage: int) -> dict:

@@ -1,5 +1,6 @@
 """Sequence parallelism (sequence_parallel.py) on 2 and 4 CPU processes (gloo) against one
-process: log-probabilities, entropies and every gradient of the plain model, padded and packed;
+process: log-probabilities, entropies and every gradient of the plain model, padded, packed and
+without padding;
 an Actor's log-probabilities, PPO step (KL and entropy on) and weights after it, under ZeRO-2
 and ZeRO-3 (the reference run: one process, ZeRO-2)."""
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.e2e  # DeepSpeed groups of 2-4 processes
 
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
 sys.path.insert(0, str(WORKER.parent))
-from sequence_parallel_worker import batch, weights  # noqa: E402
+from sequence_parallel_worker import layouts, weights  # noqa: E402
 
 
 def _free_port() -> int:
@@ -77,16 +78,14 @@ def plain_reference(model_path) -> dict:
     from ferrule_trainer.sequences import response_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    data, out = batch(), {}
-    for packed in (False, True):
+    out = {}
+    for layout, (data, packed) in layouts().items():
         model.zero_grad()
         logprobs, entropy = response_logprobs(model, data, 0.7, packed=packed, entropy=True)
         w = weights(*logprobs.shape)
         ((logprobs * w).sum() + (entropy * w.flip(0)).sum()).backward()
         grads = {name: param.grad.clone() for name, param in model.named_parameters()}
-        out["packed" if packed else "padded"] = dict(
-            logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads
-        )
+        out[layout] = dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads)
     return out
 
 
@@ -94,7 +93,7 @@ def plain_reference(model_path) -> dict:
 def test_sequence_parallel_ranks_equal_one_rank(model, one_rank, world, zero_stage, tmp_path):
     result = run(model, tmp_path / "run", world, zero_stage)
     expected = plain_reference(model)
-    for layout in ("padded", "packed"):
+    for layout in ("padded", "packed", "unpadded"):
         got, want = result["first"][layout], expected[layout]
         torch.testing.assert_close(got["logprobs"], want["logprobs"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got["entropy"], want["entropy"], rtol=1e-5, atol=1e-5)
