@@ -626,18 +626,29 @@ def test_sync_partial_rollouts_continue_cut_samples_across_steps_and_a_resume(tm
     assert all(r["tokens_per_s"] > 0 for r in records)
 
 
-def test_two_ranks_share_each_sequence_of_the_policy_and_the_reference(tmp_path):
-    """[trainer] sequence_parallel = 2: the two policy ranks (and the reference's two, "auto")
-    take the same rows, each running the model on half of every row's positions; the step counts
-    each response token once (packages/trainer/tests/test_sequence_parallel.py checks the
-    numbers against one rank)."""
+def test_two_ranks_share_each_sequence_of_the_policy_the_reference_and_the_critic(tmp_path):
+    """[trainer] sequence_parallel = 2, PPO: the two ranks of the policy, of the reference
+    ("auto") and of the critic each take the same rows, each running its model on half of
+    every row's positions; the step counts each response token once
+    (packages/trainer/tests/test_sequence_parallel.py checks the numbers against one rank)."""
     out = tmp_path / "sequence-parallel"
-    launch(out, TRANSFORMERS, "trainer.ranks=2", "trainer.sequence_parallel=2", "loop.steps=3")
+    launch(
+        out,
+        TRANSFORMERS,
+        "trainer.ranks=2",
+        "trainer.sequence_parallel=2",
+        'trainer.estimator="gae"',
+        "critic.ranks=2",
+        "critic.learning_rate=1e-4",
+        'ray.placement="colocate"',
+        "ray.cpus_per_role=0.3",
+        "loop.steps=3",
+    )
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     rows = 32 * 8
     for r in records:
         assert r["train/tokens"] == pytest.approx(r["response_length"] * rows)
-        assert r["train/skipped"] == 0 and "kl" in r
+        assert r["train/skipped"] == 0 and "kl" in r and "critic/loss" in r
     roles = json.loads((out / "roles.json").read_text())
-    assert {"policy-1", "reference-1"} <= set(roles)
+    assert {"policy-1", "reference-1", "critic-1"} <= set(roles)

@@ -111,8 +111,8 @@ CASES = [
     (
         checks.check_sequence_parallel,
         {"trainer": {"sequence_parallel": 2, "ranks": 2}, "critic": CriticConfig()},
-        "trainer.sequence_parallel",
-        "critic",
+        "critic.ranks",
+        "multiple of [trainer] sequence_parallel = 2",
     ),
 ]
 

@@ -9,8 +9,9 @@ columns: not a multiple of 2 or 4, so the sharding pads).
    (first.pt).
 2. An Actor with `sequence_parallel` ranks takes the log-probabilities of the batch and one PPO
    step of two micro-batches (KL to a reference and an entropy bonus on). Rank 0 writes the
-   metrics and the weights after the step (actor.pt). With sequence_parallel = 1 and one
-   process this is the reference run.
+   metrics and the weights after the step (actor.pt).
+3. A Critic likewise: its values of the batch and one value-loss step (critic.pt).
+With sequence_parallel = 1 and one process this is the reference run.
 """
 
 import os
@@ -23,7 +24,8 @@ from rank_exit import leave_and_exit
 
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.batch import Batch
-from ferrule_trainer.settings import PolicyLoss
+from ferrule_trainer.critic import Critic
+from ferrule_trainer.settings import PolicyLoss, ValueLoss
 
 
 def batch() -> Batch:
@@ -101,13 +103,37 @@ def actor_step(model_path: str, size: int, zero_stage: int) -> dict:
     )
 
 
+def critic_step(model_path: str, size: int, zero_stage: int) -> dict:
+    critic = Critic(
+        model_path,
+        zero_stage=zero_stage,
+        dtype="float32",
+        learning_rate=1e-2,
+        sequence_parallel=size,
+    )
+    data = batch()
+    values = critic.values(data)
+    generator = torch.Generator().manual_seed(1)
+    data = data.replace(
+        old_values=values + 0.1 * torch.randn(values.shape, generator=generator),
+        returns=torch.randn(values.shape, generator=generator),
+    )
+    metrics = critic.train_step(data.split(2), ValueLoss(clip=0.2))
+    weights = None
+    if zero_stage < 3:  # partitioned under ZeRO-3: its loss and gradient norm are compared
+        weights = {n: p.detach().clone() for n, p in critic.engine.module.named_parameters()}
+    return dict(values=values, metrics=metrics, weights=weights)
+
+
 if __name__ == "__main__":
     model_path, out_dir = sys.argv[1], Path(sys.argv[2])
     size, zero_stage = int(sys.argv[3]), int(sys.argv[4])
     actor = actor_step(model_path, size, zero_stage)  # initialises torch.distributed
+    critic = critic_step(model_path, size, zero_stage)
     first = plain_model_pass(model_path, size) if size > 1 else None
     if int(os.environ["RANK"]) == 0:
         torch.save(actor, out_dir / "actor.pt")
+        torch.save(critic, out_dir / "critic.pt")
         if first is not None:
             torch.save(first, out_dir / "first.pt")
     leave_and_exit()

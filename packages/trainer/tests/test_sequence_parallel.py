@@ -1,8 +1,8 @@
 """Sequence parallelism (sequence_parallel.py) on 2 and 4 CPU processes (gloo) against one
 process: log-probabilities, entropies and every gradient of the plain model, padded, packed and
 without padding;
-an Actor's log-probabilities, PPO step (KL and entropy on) and weights after it, under ZeRO-2
-and ZeRO-3 (the reference run: one process, ZeRO-2)."""
+an Actor's log-probabilities, PPO step (KL and entropy on) and weights after it, and a Critic's
+values and value-loss step, under ZeRO-2 and ZeRO-3 (the reference run: one process, ZeRO-2)."""
 
 import os
 import socket
@@ -68,7 +68,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def one_rank(model, tmp_path_factory):
-    return run(model, tmp_path_factory.mktemp("one") / "run", world=1)["actor"]
+    return run(model, tmp_path_factory.mktemp("one") / "run", world=1)
 
 
 def plain_reference(model_path) -> dict:
@@ -102,7 +102,11 @@ def test_sequence_parallel_ranks_equal_one_rank(model, one_rank, world, zero_sta
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
         assert (want["logprobs"] != 0).sum() > 20  # real tokens were compared
 
-    actor = result["actor"]
+    actor, one_rank, critic = (
+        result["actor"],
+        one_rank["actor"],
+        (result["critic"], one_rank["critic"]),
+    )
     torch.testing.assert_close(actor["logprobs"], one_rank["logprobs"], rtol=1e-5, atol=1e-5)
     for key in ("loss", "tokens", "grad_norm", "kl_loss", "clip_fraction"):
         if key in one_rank["metrics"]:
@@ -117,6 +121,26 @@ def test_sequence_parallel_ranks_equal_one_rank(model, one_rank, world, zero_sta
         # moves single elements by a few % of lr (as test_actor_distributed's ZeRO-3 ranks)
         torch.testing.assert_close(update_sp, update_one, rtol=0, atol=3e-4, msg=name)
         assert (update_sp - update_one).abs().mean() < 1e-6, name
+    check_critic(*critic)
+
+
+def check_critic(shared: dict, one: dict) -> None:
+    """The critic's values (0 at padding under sequence parallelism: compared where real), its
+    value-loss step and, but under ZeRO-3, its weights after the step."""
+    real = batch_mask()
+    torch.testing.assert_close(shared["values"][real], one["values"][real], rtol=1e-5, atol=1e-5)
+    for key in ("loss", "grad_norm", "value_clip_fraction"):
+        assert shared["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-4), key
+    if shared["weights"] is None:
+        return
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(shared["weights"][name], weight, rtol=0, atol=3e-4, msg=name)
+        assert (shared["weights"][name] - weight).abs().mean() < 1e-6, name
+
+
+def batch_mask() -> torch.Tensor:
+    data, _ = layouts()["padded"]
+    return data.attention_mask[:, -data.response_len :].bool()
 
 
 def start_weights(model_path) -> dict[str, torch.Tensor]:

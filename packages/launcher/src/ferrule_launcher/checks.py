@@ -19,13 +19,14 @@ Problem = tuple[str, str]
 
 
 def check_sequence_parallel(config: "Config") -> list[Problem]:
-    """Sequences shared by ranks: the policy and the reference only, for now."""
-    if config.trainer.sequence_parallel > 1 and config.critic is not None:
+    """The critic's ranks share sequences as the policy's do: in groups of the same size."""
+    size, critic = config.trainer.sequence_parallel, config.critic
+    if critic is not None and critic.ranks % size:
         return [
             (
-                "trainer.sequence_parallel",
-                "does not run with a critic yet ([critic], PPO's GAE): the critic's values "
-                "would need every position on one rank",
+                "critic.ranks",
+                f"must be a multiple of [trainer] sequence_parallel = {size} (groups of ranks "
+                f"share each sequence), got {critic.ranks}",
             )
         ]
     return []

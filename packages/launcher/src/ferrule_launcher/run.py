@@ -316,7 +316,11 @@ def role_setup(config: Config, model_path: str) -> RoleSetup:
     steps = config.loop.steps
     critic, critic_path = None, None
     if config.critic is not None:
-        critic = dict(**t.optimizer_options(steps, config.critic.learning_rate), **model)
+        critic = dict(
+            sequence_parallel=t.sequence_parallel,
+            **t.optimizer_options(steps, config.critic.learning_rate),
+            **model,
+        )
         if config.critic.init == "reward_model":  # the config check ensured [rewards] model
             critic_path = str(config.rewards.model)
     transport = r.transport

@@ -73,12 +73,8 @@ class Actor(TrainedModel):
         prepare_model: Callable[[torch.nn.Module], Any] | None = None,
         sequence_parallel: int = 1,
     ):
-        if sequence_parallel > 1 and compile_layers:
-            raise ValueError("sequence_parallel > 1 does not run with compile_layers yet")
         engine.init_distributed()
-        self.sequence_group = (
-            sp.SequenceGroup.split(sequence_parallel) if sequence_parallel > 1 else None
-        )
+        self._join_sequence_group(sequence_parallel, compile_layers)
         torch.manual_seed(seed)  # LoRA initialisation is random: the same on every rank
         self.model_path = str(model_path)
         self.temperature = temperature
@@ -342,15 +338,6 @@ class Actor(TrainedModel):
             self.engine, micro_batch, temperature, self.sequence_group, packed=packed,
             entropy=entropy,
         )  # fmt: skip
-
-    @property
-    def _copies(self) -> int:
-        """How many ranks hold each of this rank's rows: its sequence group's."""
-        return 1 if self.sequence_group is None else self.sequence_group.size
-
-    def _global_sum(self, value) -> torch.Tensor:
-        """engine.global_sum over all ranks, each row counted once."""
-        return engine.global_sum(value) / self._copies
 
     def _on_device(self, micro_batches: Sequence[Batch]) -> list[Batch]:
         if not self.train:

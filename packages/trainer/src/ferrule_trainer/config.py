@@ -96,9 +96,9 @@ class TrainerConfig(Table):
     """Ranks that share each sequence (DeepSpeed-Ulysses style: ferrule_trainer's
     sequence_parallel.py). The policy's ranks, and the reference's, form groups of this many
     consecutive ranks; a group's ranks take the same rows, each running the model on 1/N of
-    every row's positions, so a sequence's activations are split N ways. ranks and
-    reference_ranks must be multiples of it, and so must the model's attention heads. Its layers
-    run uncompiled ([model] compile_layers is not applied); not with a critic yet."""
+    every row's positions, so a sequence's activations are split N ways; the critic's ranks the
+    same. ranks, reference_ranks and [critic] ranks must be multiples of it, and so must the
+    model's attention heads. Its layers run uncompiled ([model] compile_layers is not applied)."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)

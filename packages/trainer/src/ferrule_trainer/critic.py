@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ferrule_trainer import engine
+from ferrule_trainer import sequence_parallel as sp
 from ferrule_trainer.aggregation import sequences_with_tokens
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import value_loss
@@ -52,8 +53,10 @@ class Critic(TrainedModel):
         attn_implementation: str | None = None,
         compile_layers: bool = False,
         seed: int = 0,
+        sequence_parallel: int = 1,
     ):
         engine.init_distributed()
+        self._join_sequence_group(sequence_parallel, compile_layers)
         torch.manual_seed(seed)  # the new value head starts the same on every rank
         self.model_path = str(model_path)
         ds_config = engine.deepspeed_config(
@@ -74,6 +77,8 @@ class Critic(TrainedModel):
             attn_implementation=attn_implementation,
             compile_layers=compile_layers,
         )
+        if self.sequence_group is not None:
+            sp.check_model(model.config, sequence_parallel)
         self.engine = engine.build_engine(
             model,
             learning_rate=learning_rate,
@@ -95,7 +100,7 @@ class Critic(TrainedModel):
         self.engine.eval()
         try:
             return forward_in_micro_batches(
-                lambda mb: response_values(self.engine, mb, plan.packed),
+                lambda mb: self._values(mb, plan.packed),
                 batch,
                 plan.micro_batch_size,
                 engine.device(),
@@ -118,13 +123,13 @@ class Critic(TrainedModel):
             micro_batch.require("old_values", "returns")
         micro_batches = [mb.to(engine.device()) for mb in micro_batches]
         own_tokens = sum(int(mb.response_mask.sum()) for mb in micro_batches)
-        tokens = engine.global_sum(own_tokens)
-        sequences = engine.global_sum(
+        tokens = self._global_sum(own_tokens)
+        sequences = self._global_sum(
             sum(sequences_with_tokens(mb.response_mask) for mb in micro_batches)
         )
 
         def loss_fn(micro_batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
-            values = response_values(self.engine, micro_batch, packed)
+            values = self._values(micro_batch, packed)
             result = value_loss(
                 values,
                 micro_batch.old_values,
@@ -139,7 +144,13 @@ class Critic(TrainedModel):
             weight = micro_batch.response_mask.sum() * len(micro_batches) / max(own_tokens, 1)
             return result.loss, {"value_clip_fraction": result.clip_fraction * weight}
 
-        return engine.optimizer_step(self.engine, micro_batches, loss_fn)
+        return engine.optimizer_step(self.engine, micro_batches, loss_fn, self._copies)
+
+    def _values(self, micro_batch: Batch, packed: bool) -> torch.Tensor:
+        """sequences.response_values of the engine, or its sequence-parallel form."""
+        if self.sequence_group is None:
+            return response_values(self.engine, micro_batch, packed)
+        return sp.response_values(self.engine, micro_batch, self.sequence_group, packed=packed)
 
     def train_epochs(self, batch: Batch, plan: EpochPlan, loss: ValueLoss) -> dict[str, float]:
         """PPO epochs (`rl.ppo_epochs`, as `plan` says) of `train_step` with `loss` over this

@@ -89,61 +89,80 @@ def response_logprobs(
     """What `sequences.response_logprobs` returns, (B, R) and the same on every rank of `group`,
     each rank running the model on 1/N of the positions (padded rows or, with `packed`, the
     rows packed into one)."""
-    from ferrule_trainer.sequences import _bypassed, _head_logprobs, packed_inputs, position_ids
+    from ferrule_trainer.sequences import _bypassed, _head_logprobs
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if packed:
-        ids, positions, index = packed_inputs(batch)
-    else:
-        ids, positions = batch.input_ids, position_ids(batch.attention_mask)
-        start = (
-            ids.shape[1] - batch.response_len - 1
-        )  # the position before the first response token
-        index = start + torch.arange(batch.response_len, device=ids.device).expand(batch.rows, -1)
-    ids, positions, mask = _padded_to(group.size, ids, positions, batch, packed)
-    if not packed and batch.attention_mask.all():
-        # no padding: the causal mask alone, which sdpa applies without a (T, T) tensor and
-        # with its flash kernels (the columns added on the right are seen by no real position)
-        mask = None
-    width = ids.shape[1] // group.size
-    mine = slice(group.rank * width, (group.rank + 1) * width)
-    # index is into positions of one row (packed: the packed row); needed marks the positions
-    # whose output predicts a response token, the only ones the LM head runs on
-    rows = 1 if packed else batch.rows
-    needed = torch.zeros(rows, ids.shape[1], dtype=torch.bool, device=ids.device)
-    needed.view(-1).scatter_(
-        0, (index + (0 if packed else _row_offsets(batch, ids))).flatten(), True
-    )
-    targets = ids.roll(-1, dims=1)  # position p predicts token p + 1
+    shards = _Shards(batch, group, packed)
     head = model.get_output_embeddings()
-    with _bypassed(head), _sharded(model, group):
-        hidden = model(
-            input_ids=ids[:, mine],
-            position_ids=positions[:, mine],
-            attention_mask=mask,
-            use_cache=False,
-        ).logits  # (rows, width, hidden): the head bypassed
-    local = needed[:, mine]
+    with _bypassed(head):
+        hidden = shards.forward(model)  # the head's inputs
+    local = shards.needed_here
     values, entropies = _head_logprobs(
-        head, hidden[local], targets[:, mine][local], temperature, entropy
+        head, hidden[local], shards.targets_here[local], temperature, entropy
     )
-    real = batch.attention_mask[:, -batch.response_len :].bool()
-
-    def gathered(per_position: torch.Tensor) -> torch.Tensor:
-        placed = hidden.new_zeros(local.shape, dtype=torch.float32).masked_scatter(
-            local, per_position
-        )
-        whole = _GatherColumns.apply(placed, group)  # (rows, T)
-        picked = whole.flatten()[(index + (0 if packed else _row_offsets(batch, ids))).flatten()]
-        return torch.where(real, picked.view(real.shape), 0.0)
-
-    return gathered(values), gathered(entropies) if entropy else None
+    return shards.gathered(values), shards.gathered(entropies) if entropy else None
 
 
-def _row_offsets(batch: Batch, ids: torch.Tensor) -> torch.Tensor:
-    """(B, 1) offsets of each padded row's positions in the flattened (B, T) columns."""
-    return (torch.arange(batch.rows, device=ids.device) * ids.shape[1])[:, None]
+def response_values(model, batch: Batch, group: SequenceGroup, *, packed: bool = False):
+    """What `sequences.response_values` returns (a critic's), 0 at padding, (B, R) and the same
+    on every rank of `group`."""
+    shards = _Shards(batch, group, packed)
+    values = shards.forward(model)[..., 0]  # the value head's one label
+    return shards.gathered(values[shards.needed_here].float())
+
+
+class _Shards:
+    """A batch laid out for a sequence group: the whole sequence's ids, positions and mask, the
+    positions whose output is read for each response token (`index`, into the flattened rows),
+    and this rank's slice of the columns."""
+
+    def __init__(self, batch: Batch, group: SequenceGroup, packed: bool):
+        from ferrule_trainer.sequences import packed_inputs, position_ids
+
+        if packed:
+            ids, positions, index = packed_inputs(batch)
+        else:
+            ids, positions = batch.input_ids, position_ids(batch.attention_mask)
+            before_first = (
+                ids.shape[1] - batch.response_len - 1
+            )  # predicts the first response token
+            columns = torch.arange(batch.response_len, device=ids.device)
+            index = (before_first + columns).expand(batch.rows, -1)
+        self.ids, self.positions, self.mask = _padded_to(group.size, ids, positions, batch, packed)
+        if not packed and batch.attention_mask.all():
+            # no padding: the causal mask alone, which sdpa applies without a (T, T) tensor and
+            # with its flash kernels (the columns added on the right are seen by no real position)
+            self.mask = None
+        length = self.ids.shape[1]
+        if not packed:  # into the rows flattened
+            index = index + (torch.arange(batch.rows, device=ids.device) * length)[:, None]
+        self.index, self.group = index, group
+        width = length // group.size
+        self.mine = slice(group.rank * width, (group.rank + 1) * width)
+        needed = torch.zeros(self.ids.numel(), dtype=torch.bool, device=ids.device)
+        needed = needed.scatter_(0, index.flatten(), True).view(self.ids.shape)
+        self.needed_here = needed[:, self.mine]  # the only positions a head's output is read at
+        self.targets_here = self.ids.roll(-1, dims=1)[:, self.mine]  # p predicts token p + 1
+        self.real = batch.attention_mask[:, -batch.response_len :].bool()
+
+    def forward(self, model) -> torch.Tensor:
+        """The model's output at this rank's positions, (rows, width, ...)."""
+        with _sharded(model, self.group):
+            return model(
+                input_ids=self.ids[:, self.mine],
+                position_ids=self.positions[:, self.mine],
+                attention_mask=self.mask,
+                use_cache=False,
+            ).logits
+
+    def gathered(self, needed_values: torch.Tensor) -> torch.Tensor:
+        """(B, R) from the values at this rank's needed positions: every rank's, 0 at padding."""
+        placed = needed_values.new_zeros(self.needed_here.shape, dtype=torch.float32)
+        placed = placed.masked_scatter(self.needed_here, needed_values.float())
+        whole = _GatherColumns.apply(placed, self.group)  # (rows, T)
+        picked = whole.flatten()[self.index.flatten()].view(self.real.shape)
+        return torch.where(self.real, picked, 0.0)
 
 
 def _padded_to(size: int, ids, positions, batch: Batch, packed: bool):

@@ -1,11 +1,13 @@
-"""What the actor and the critic share once built: checkpoints and the hybrid engine's offload."""
+"""What the actor and the critic share once built: checkpoints, the hybrid engine's offload and
+the sequence group they may share each sequence with."""
 
 import os
 from typing import Any
 
 import torch
 
-from ferrule_trainer import checkpoint
+from ferrule_trainer import checkpoint, engine
+from ferrule_trainer import sequence_parallel as sp
 from ferrule_trainer.engine import startup_seconds as process_startup
 from ferrule_trainer.offload import offload_states, reload_states
 
@@ -16,6 +18,23 @@ class TrainedModel:
 
     engine: Any
     model_path: str
+    sequence_group: sp.SequenceGroup | None = None
+
+    def _join_sequence_group(self, size: int, compile_layers: bool) -> None:
+        """With `size` > 1: this rank's group of `size` consecutive ranks, which share each
+        sequence (sequence_parallel.py); every rank calls it, before the model is built."""
+        if size > 1 and compile_layers:
+            raise ValueError("sequence_parallel > 1 does not run with compile_layers yet")
+        self.sequence_group = sp.SequenceGroup.split(size) if size > 1 else None
+
+    @property
+    def _copies(self) -> int:
+        """How many ranks hold each of this rank's rows: its sequence group's."""
+        return 1 if self.sequence_group is None else self.sequence_group.size
+
+    def _global_sum(self, value) -> torch.Tensor:
+        """engine.global_sum over all ranks, each row counted once."""
+        return engine.global_sum(value) / self._copies
 
     def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
         """The model as a Hugging Face directory (LoRA merged), with the tokenizer; with LoRA,
