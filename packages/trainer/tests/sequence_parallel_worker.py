@@ -1,7 +1,8 @@
 """One rank of test_sequence_parallel.py.
 
-argv: model_path, out_dir, sequence_parallel, zero_stage. Every rank holds the same batch (T = 21
-columns: not a multiple of 2 or 4, so the sharding pads).
+argv: model_path, out_dir, sequence_parallel, zero_stage, "plain" or "composed" (the Actor with
+gradient checkpointing and LoRA, its passes packed and cut by tokens; step 2 only). Every rank
+holds the same batch (T = 21 columns: not a multiple of 2 or 4, so the sharding pads).
 
 1. The plain model (no DeepSpeed): sequence-parallel response log-probabilities and entropies of
    the padded batch, its packed form and the batch without padding (`layouts`), and the
@@ -25,7 +26,7 @@ from rank_exit import leave_and_exit
 from ferrule_trainer.actor import Actor
 from ferrule_trainer.batch import Batch
 from ferrule_trainer.critic import Critic
-from ferrule_trainer.settings import PolicyLoss, ValueLoss
+from ferrule_trainer.settings import ForwardPlan, PolicyLoss, ValueLoss
 
 
 def batch() -> Batch:
@@ -55,6 +56,7 @@ def plain_model_pass(model_path: str, size: int) -> dict:
 
     group = sp.SequenceGroup.split(size)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    sp.install(model, group)
     out = {}
     for layout, (data, packed) in layouts().items():
         model.zero_grad()
@@ -83,7 +85,8 @@ def layouts() -> dict[str, tuple[Batch, bool]]:
     return {"padded": (data, False), "packed": (data, True), "unpadded": (full, False)}
 
 
-def actor_step(model_path: str, size: int, zero_stage: int) -> dict:
+def actor_step(model_path: str, size: int, zero_stage: int, composed: bool) -> dict:
+    """`composed`: with gradient checkpointing and LoRA, the passes packed and cut by tokens."""
     actor = Actor(
         model_path,
         zero_stage=zero_stage,
@@ -91,11 +94,14 @@ def actor_step(model_path: str, size: int, zero_stage: int) -> dict:
         learning_rate=1e-2,
         temperature=0.7,
         sequence_parallel=size,
+        gradient_checkpointing=composed,
+        lora_rank=4 if composed else 0,
     )
     data = batch()
-    logprobs = actor.logprobs(data)
+    plan = ForwardPlan(micro_batch_size=4, micro_batch_tokens=48, packed=True) if composed else None
+    logprobs = actor.logprobs(data, plan) if composed else actor.logprobs(data)
     loss = PolicyLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
-    metrics = actor.train_step(data.split(2), loss)
+    metrics = actor.train_step(data.split(2), loss, packed=composed)
     return dict(
         logprobs=logprobs,
         metrics=metrics,
@@ -127,13 +133,14 @@ def critic_step(model_path: str, size: int, zero_stage: int) -> dict:
 
 if __name__ == "__main__":
     model_path, out_dir = sys.argv[1], Path(sys.argv[2])
-    size, zero_stage = int(sys.argv[3]), int(sys.argv[4])
-    actor = actor_step(model_path, size, zero_stage)  # initialises torch.distributed
-    critic = critic_step(model_path, size, zero_stage)
-    first = plain_model_pass(model_path, size) if size > 1 else None
+    size, zero_stage, composed = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "composed"
+    actor = actor_step(model_path, size, zero_stage, composed)  # initialises torch.distributed
+    critic = None if composed else critic_step(model_path, size, zero_stage)
+    first = plain_model_pass(model_path, size) if size > 1 and not composed else None
     if int(os.environ["RANK"]) == 0:
         torch.save(actor, out_dir / "actor.pt")
-        torch.save(critic, out_dir / "critic.pt")
+        if critic is not None:
+            torch.save(critic, out_dir / "critic.pt")
         if first is not None:
             torch.save(first, out_dir / "first.pt")
     leave_and_exit()

@@ -101,7 +101,7 @@ class Actor(TrainedModel):
             prepare=prepare_model,
         )
         if self.sequence_group is not None:
-            sp.check_model(model.config, sequence_parallel)
+            sp.install(model, self.sequence_group)
         self.engine = engine.build_engine(
             model,
             train=train,

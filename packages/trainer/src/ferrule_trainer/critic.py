@@ -78,7 +78,7 @@ class Critic(TrainedModel):
             compile_layers=compile_layers,
         )
         if self.sequence_group is not None:
-            sp.check_model(model.config, sequence_parallel)
+            sp.install(model, self.sequence_group)
         self.engine = engine.build_engine(
             model,
             learning_rate=learning_rate,

@@ -2,6 +2,7 @@
 each running the model on 1/N of its positions (the DeepSpeed-Ulysses layout).
 
     group = SequenceGroup.split(2)       # every rank calls it; ranks 0-1, 2-3, ... form groups
+    install(model, group)                # its attention now spans the group
     logprobs, _ = response_logprobs(model, batch, temperature=1.0, group=group)
 
 Every rank of a group holds the same batch. Embeddings, norms, MLPs and the LM head work per
@@ -26,8 +27,6 @@ groups included, so callers count each group's tokens once (`engine.global_sum` 
 the loss's world-size factor as it is.
 """
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +37,9 @@ import torch.nn.functional as F
 from ferrule_trainer.batch import Batch
 
 ATTENTION = "ferrule_sequence_parallel"
-"""The attention implementation name registered with transformers while a sharded forward runs."""
-_state = threading.local()  # the group of the sharded forward in progress (`_sharded`)
+"""The attention implementation name registered with transformers for a model that `install`
+shares sequences of."""
+_GROUPS: dict[int, "SequenceGroup"] = {}  # id(a model's config) -> its group (`install`)
 
 
 @dataclass(frozen=True)
@@ -147,14 +147,14 @@ class _Shards:
         self.real = batch.attention_mask[:, -batch.response_len :].bool()
 
     def forward(self, model) -> torch.Tensor:
-        """The model's output at this rank's positions, (rows, width, ...)."""
-        with _sharded(model, self.group):
-            return model(
-                input_ids=self.ids[:, self.mine],
-                position_ids=self.positions[:, self.mine],
-                attention_mask=self.mask,
-                use_cache=False,
-            ).logits
+        """The output at this rank's positions, (rows, width, ...), of a model whose attention
+        `install` made this group's."""
+        return model(
+            input_ids=self.ids[:, self.mine],
+            position_ids=self.positions[:, self.mine],
+            attention_mask=self.mask,
+            use_cache=False,
+        ).logits
 
     def gathered(self, needed_values: torch.Tensor) -> torch.Tensor:
         """(B, R) from the values at this rank's needed positions: every rank's, 0 at padding."""
@@ -204,29 +204,29 @@ class _GatherColumns(torch.autograd.Function):
         return grad[:, start : start + ctx.width].contiguous(), None
 
 
-@contextmanager
-def _sharded(model, group: SequenceGroup):
-    """While inside, `model`'s attention is `_attention` over `group` (the config's attention
-    implementation is switched, and put back after)."""
-    from transformers import AttentionInterface
+def install(model, group: SequenceGroup) -> None:
+    """Every attention of `model` becomes `_attention` over `group`, for good: a checkpointed
+    layer runs its forward again in backward, after any `with` block around the forward would
+    have ended. Refuses a model whose heads do not split over the group (`check_model`)."""
+    from transformers import AttentionInterface, PretrainedConfig
 
     AttentionInterface.register(ATTENTION, _attention)
-    config = getattr(model, "module", model).config
-    before = config._attn_implementation
-    config._attn_implementation = ATTENTION
-    _state.group = group
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
-        _state.group = None
+    configs = {}  # the model's and any sub-model's (a peft wrapper's is the base model's)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            configs[id(config)] = config
+    for key, config in configs.items():
+        check_model(config, group.size)
+        config._attn_implementation = ATTENTION
+        _GROUPS[key] = group
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function signature: query (B, H, T / N, D), key and value
     (B, KV, T / N, D) of this rank's positions; attention_mask the whole sequence's
     (B, 1, T, T), or None: causal. Returns (B, T / N, H, D) and no weights."""
-    group: SequenceGroup = _state.group
+    group = _GROUPS[id(module.config)]
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:  # the key/value heads repeated to the query heads, so that all split by N
         key, value = (x.repeat_interleave(repeats, dim=1) for x in (key, value))
