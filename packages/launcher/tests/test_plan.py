@@ -167,6 +167,7 @@ def test_a_machine_without_gpus_must_be_told_their_size(write, monkeypatch):
     assert "micro_batch_tokens" in error
     every_key = (
         '[trainer]\nmicro_batch_tokens = 4096\nforward_batch_tokens = "none"\nzero_stage = 2\n'
+        + "sequence_parallel = 1\n"
         + "".join(f"{k} = false\n" for k in AUTO_KEYS if k.startswith(("offload", "gradient")))
     )
     assert resolved(write(every_key, gpu_gb=None))  # nothing to choose: nothing to check
@@ -303,21 +304,22 @@ def seven_b(tmp_path, host_gb: float | None, **more):
 
 
 def test_offloaded_states_are_planned_in_host_memory_and_a_host_too_small_is_refused(tmp_path):
-    """7B on one 140 GiB GPU fits only with DeepSpeed's CPU Adam: 16 bytes a parameter (113.5
-    GiB) on the host. The H200 machines have 128 GiB (125.7 GiB seen): refused naming [ray]
-    host_memory_gb and the bytes; with 512 GiB the same plan runs; LoRA offloads nothing."""
+    """7B on one 140 GiB GPU fits only with DeepSpeed's CPU Adam and the weights offloaded: 16
+    bytes a parameter for the optimizer, 2 for the weights (127.7 GiB) on the host. The H200
+    machines have 128 GiB (125.7 GiB seen): refused naming [ray] host_memory_gb and the bytes;
+    with 512 GiB the same plan runs; LoRA offloads nothing."""
     small = resolve(seven_b(tmp_path, 125.7), refuse=False).plan
     assert small.gpu_fits() and not small.host_fits() and not small.fits()
-    assert small.trainer.offload_optimizer
-    assert small.host.bytes == pytest.approx(7_615_487_488 * 16 + 3 * 3 * GiB, rel=1e-6)
-    assert "host memory per node: 122.5 GiB of 80% x 126 GiB" in small.describe()
-    assert "1 policy rank x 113.5 GiB offloaded, 3 processes x 3 GiB): does NOT fit" in (
+    assert small.trainer.offload_optimizer and small.trainer.offload_params
+    assert small.host.bytes == pytest.approx(7_615_487_488 * 18 + 3 * 3 * GiB, rel=1e-6)
+    assert "host memory per node: 136.7 GiB of 80% x 126 GiB" in small.describe()
+    assert "1 policy rank x 127.7 GiB offloaded, 3 processes x 3 GiB): does NOT fit" in (
         small.describe()
     )
     with pytest.raises(ConfigError) as refused:
         resolve(seven_b(tmp_path, 125.7))
     assert "[ray] host_memory_gb: the memory plan does not fit the host" in str(refused.value)
-    assert "needs 122.5 GiB a node" in str(refused.value)
+    assert "needs 136.7 GiB a node" in str(refused.value)
     large = resolve(seven_b(tmp_path, 512)).plan
     assert large.fits() and large.trainer.offload_optimizer
     lora = resolve(seven_b(tmp_path, 125.7, **{"trainer.lora_rank": 64})).plan
@@ -395,7 +397,7 @@ def test_a_sequence_group_plans_each_rank_for_its_share_of_the_positions(write):
     keys.update({"trainer.gradient_checkpointing": False, "trainer.zero_stage": 2})
     keys.update({"trainer.offload_optimizer": False, "trainer.offload_params": False})
     keys.update({"trainer.offload_between_phases": False})
-    one = resolve(load_config(write(), keys), refuse=False).plan
+    one = resolve(load_config(write(), {**keys, "trainer.sequence_parallel": 1}), refuse=False).plan
     two = resolve(load_config(write(), {**keys, "trainer.sequence_parallel": 2})).plan
     assert not one.fits() and two.fits()  # 16k-token micro-batches fit an 80 GB GPU only shared
     policy = [next(h for h in plan.gpus[0] if h.role == "policy") for plan in (one, two)]
@@ -407,3 +409,32 @@ def test_a_sequence_group_plans_each_rank_for_its_share_of_the_positions(write):
     assert "12 attention heads" in error_of(write(), **eight)
     with pytest.raises(ConfigError, match="multiple of sequence_parallel = 2"):
         load_config(write(), {**keys, "trainer.ranks": 3, "trainer.sequence_parallel": 2})
+
+
+def test_the_plan_shares_sequences_only_where_whole_ones_do_not_fit(tmp_path):
+    """sequence_parallel "auto": 7B GRPO at 128k-token sequences on 4 + 4 x 80 GB GPUs (policy
+    ranks, vLLM engines; computed on a machine without GPUs): no plan of whole sequences per rank
+    fits (at 32k, checkpointing and CPU Adam still do), so the plan takes the smallest group
+    that does; at 4k-token sequences it keeps them whole."""
+    from ferrule_testkit import shape_config
+
+    run = tmp_path / "7b-long.toml"
+    run.write_text(
+        GPU_RUN.replace('path = "model"', f'path = "{shape_config("7b")}"')
+        .replace("max_tokens = 512", "max_tokens = 126976")
+        .replace("max_model_len = 1024", "max_model_len = 131072")
+        + "gpu_memory_gb = 80\nhost_memory_gb = 2048\ngpus_per_node = 8\n"
+        + 'placement = "colocate"\n[trainer]\nranks = 4\n'
+    )
+    engines = {"rollout.engines": 4, "rollout.backend": "vllm"}
+    long = resolve(load_config(run, engines)).plan
+    assert long.fits() and long.trainer.sequence_parallel > 1
+    assert "sequence_parallel = " in long.describe() and "(auto)" in long.describe()
+    whole = resolve(
+        load_config(run, {**engines, "trainer.sequence_parallel": 1}), refuse=False
+    ).plan
+    assert not whole.fits()
+    short = resolve(
+        load_config(run, {**engines, "rollout.max_tokens": 3072, "rollout.max_model_len": 4096})
+    ).plan
+    assert short.fits() and short.trainer.sequence_parallel == 1

@@ -228,11 +228,12 @@ def host_memory() -> int | None:
 
 def _pass_tokens(trainer: TrainerConfig, max_model_len: int) -> tuple[int, int]:
     """The tokens of the largest training micro-batch and of the largest scoring pass: each
-    token budget, or its rows of max_model_len where that is less (or no budget is set)."""
+    token budget, or its rows of max_model_len where that is less (or no budget is set), and
+    never less than one row of max_model_len: a row longer than the budget goes alone."""
 
     def tokens(limit: int | None, rows: int) -> int:
         most = rows * max_model_len
-        return most if limit is None else min(limit, most)
+        return most if limit is None else max(min(limit, most), max_model_len)
 
     train = tokens(trainer.micro_batch_tokens, trainer.micro_batch_size)
     forward = tokens(
@@ -391,8 +392,11 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
 # -- choosing the "auto" keys --------------------------------------------------------------------
 
 
-def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
-    """The values each key may take: its own when set, else what the plan may choose."""
+def _options(
+    trainer: TrainerConfig, hybrid: bool, groups: tuple[int, ...] = (1,)
+) -> dict[str, tuple]:
+    """The values each key may take: its own when set, else what the plan may choose
+    (`groups`: the sequence group sizes the ranks and the model's heads allow)."""
     auto = trainer.auto
     options = {key: (getattr(trainer, key),) for key in AUTO_KEYS}
     if "micro_batch_tokens" in auto:
@@ -406,15 +410,32 @@ def _options(trainer: TrainerConfig, hybrid: bool) -> dict[str, tuple]:
             options[key] = (False, True)
     if "offload_between_phases" in auto and hybrid:
         options["offload_between_phases"] = (False, True)
+    if "sequence_parallel" in auto:
+        options["sequence_parallel"] = groups
     return options
 
 
-def _rank(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> tuple[bool, float]:
-    """Plans that keep everything on the GPU first, however much smaller their micro-batches
-    (measured at 1.5B: offloading between phases cost more than halving the reference's passes
-    saved), then by estimated seconds."""
+def _group_sizes(config: "Config", heads: int) -> tuple[int, ...]:
+    """Sequence group sizes that divide the policy's ranks, the reference's (where there is
+    one: resolved, so "auto" is a rank beside each policy rank or one group), the critic's and
+    the model's attention heads."""
+    t = config.trainer
+    counts = [t.ranks, heads]
+    if t.kl_coef > 0:
+        counts.append(t.reference_ranks)
+    if config.critic is not None:
+        counts.append(config.critic.ranks)
+    return tuple(n for n in range(1, t.ranks + 1) if all(c % n == 0 for c in counts))
+
+
+def _rank(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> tuple:
+    """Plans whose ranks each hold whole sequences first (sequence groups only where nothing
+    else fits: their all-to-alls are not in the estimate of seconds), then those that keep
+    everything on the GPU, however much smaller their micro-batches (measured at 1.5B:
+    offloading between phases cost more than halving the reference's passes saved), then by
+    estimated seconds."""
     offloads = trainer.offload_between_phases or trainer.offload_optimizer or trainer.offload_params
-    return bool(offloads), seconds(trainer, config, shape)
+    return trainer.sequence_parallel, bool(offloads), seconds(trainer, config, shape)
 
 
 def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
@@ -438,7 +459,7 @@ def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
     per_node = per_node or DEFAULT_GPUS_PER_NODE
     shape = ModelShape.read(config.model.path)
     hybrid = config.ray.placement == "colocate_all" and config.loop.mode == "sync"
-    options = _options(config.trainer, hybrid)
+    options = _options(config.trainer, hybrid, _group_sizes(config, shape.heads))
     choices = (
         config.trainer.model_copy(update=dict(zip(options, values, strict=True)))
         for values in itertools.product(*options.values())

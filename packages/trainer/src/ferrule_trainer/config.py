@@ -73,6 +73,7 @@ AUTO_KEYS = (
     "offload_optimizer",
     "offload_params",
     "offload_between_phases",
+    "sequence_parallel",
 )
 """[trainer] keys that default to "auto": the memory plan's choice."""
 
@@ -92,13 +93,15 @@ class TrainerConfig(Table):
     sharded over them, so a large reference needs no single device's memory. "auto": on GPUs
     where the reference shares the policy's bundles (placement "colocate_all" or "colocate"),
     one beside each policy rank, so that each GPU scores its own samples; otherwise 1."""
-    sequence_parallel: int = Field(1, ge=1, le=64)
+    sequence_parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Ranks that share each sequence (DeepSpeed-Ulysses style: ferrule_trainer's
     sequence_parallel.py). The policy's ranks, and the reference's, form groups of this many
     consecutive ranks; a group's ranks take the same rows, each running the model on 1/N of
     every row's positions, so a sequence's activations are split N ways; the critic's ranks the
     same. ranks, reference_ranks and [critic] ranks must be multiples of it, and so must the
-    model's attention heads. Its layers run uncompiled ([model] compile_layers is not applied)."""
+    model's attention heads. Its layers run uncompiled ([model] compile_layers is not applied).
+    "auto": 1 on CPU; on GPUs the memory plan's choice, more than 1 only where no plan of one
+    rank a sequence fits."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -260,6 +263,7 @@ class TrainerConfig(Table):
             "offload_optimizer": False,
             "offload_params": False,
             "offload_between_phases": False,
+            "sequence_parallel": 1,
         }
         auto = frozenset(key for key in AUTO_KEYS if getattr(self, key) == "auto")
         for key in auto:

@@ -56,6 +56,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     kv_width: int  # key / value heads x head dim: a token's keys (or values) in one layer
+    heads: int = 1  # attention (query) heads
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelShape":
@@ -73,7 +74,7 @@ class ModelShape:
         heads = config.get("num_attention_heads", 1)
         head_dim = config.get("head_dim") or hidden // heads
         kv_width = config.get("num_key_value_heads", heads) * head_dim
-        shape = cls(0, layers, hidden, intermediate, vocab, kv_width)
+        shape = cls(0, layers, hidden, intermediate, vocab, kv_width, heads)
         tied = config.get("tie_word_embeddings", True)
         parameters = _counted(path) or shape.counted(heads * head_dim, tied)
         return replace(shape, parameters=parameters)
