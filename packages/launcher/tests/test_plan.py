@@ -438,3 +438,12 @@ def test_the_plan_shares_sequences_only_where_whole_ones_do_not_fit(tmp_path):
         load_config(run, {**engines, "rollout.max_tokens": 3072, "rollout.max_model_len": 4096})
     ).plan
     assert short.fits() and short.trainer.sequence_parallel == 1
+
+
+def test_a_micro_batch_is_planned_at_no_less_than_one_whole_row(write):
+    """A row longer than the token budget goes alone (sequences.group_by_length): under a
+    512-token budget, rows of up to max_model_len = 1024 make 1024-token micro-batches."""
+    keys = {"trainer.micro_batch_tokens": 512, "trainer.forward_batch_tokens": 512}
+    plan = make_plan(resolved(write(), keys))
+    policy = next(h for h in plan.gpus[0] if h.role == "policy")
+    assert policy.how.startswith("1024 tokens per micro-batch"), policy.how
