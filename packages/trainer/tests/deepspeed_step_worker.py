@@ -1,10 +1,11 @@
 """One rank of the DeepSpeed smoke test: ZeRO-3 on CPU over gloo, three steps on a kit model.
 
 Run by test_deepspeed_smoke.py with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set;
-writes the losses and a checksum of the gathered full weights to the JSON path in argv[2].
+writes the losses and a checksum of the gathered full weights to <argv[2]>/<rank>.json.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from ferrule_trainer.engine import init_distributed
 
-model_path, out_path = sys.argv[1], sys.argv[2]
+model_path, out_dir = sys.argv[1], Path(sys.argv[2])
 init_distributed()  # gloo, without DeepSpeed's JIT-compiled shared-memory op
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
@@ -48,5 +49,5 @@ result = {
     "full_numel": full_numel,
     "shard_numel": sum(shard_sizes),
 }
-Path(out_path).write_text(json.dumps(result))
+(out_dir / f"{os.environ['RANK']}.json").write_text(json.dumps(result))
 leave_and_exit()

@@ -1,9 +1,6 @@
 """The actor under ZeRO-3 on two processes (gloo) matches one process, and exports its weights."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +8,7 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
+from ferrule_testkit.gloo import run_ranks
 from ferrule_trainer.config import LORA_TARGETS
 
 # DeepSpeed groups of 2-3 processes, 11-19 s each on 2 cores: the e2e tier.
@@ -21,45 +19,10 @@ EXPORT_WORKER = Path(__file__).with_name("export_worker.py")
 UNEVEN_WORKER = Path(__file__).with_name("uneven_step_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(args: list[str], world: int, timeout: float = 300) -> None:
-    """Runs `args` as ranks 0..world-1 of one torch.distributed group (gloo) and waits."""
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
-    procs = [
-        subprocess.Popen(
-            args,
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, output[-4000:]
-    finally:  # a rank that failed or hung leaves the others waiting on it
-        for proc in procs:
-            proc.kill()
-
-
 def _run(model, out: Path, world: int, zero_stage: int, lora_rank: int = 0) -> dict:
     out.mkdir()
     args = [sys.executable, str(WORKER), str(model), str(out), str(zero_stage), str(lora_rank)]
-    _start(args, world)
+    run_ranks(args, world)
     result = json.loads((out / "result.json").read_text())
     result["exported"] = torch.load(out / "exported.pt")
     result["reference"] = torch.load(out / "reference.pt")
@@ -128,7 +91,7 @@ def test_zero3_export_over_three_ranks_cuts_the_padding_and_fills_the_senders_la
     gather bit for bit (the worker asserts), one all-gather per bucket, and every bucket lies
     in one buffer exactly as a weightsync sender of that bucket size lays it out, so that it is
     sent without packing."""
-    _start([sys.executable, str(EXPORT_WORKER), str(tiny_model("qwen2")), str(tmp_path)], 3)
+    run_ranks([sys.executable, str(EXPORT_WORKER), str(tiny_model("qwen2")), str(tmp_path)], 3)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["padded"] > result["tensors"] // 2
     for key, (in_place, buckets) in result["in_place"].items():
@@ -147,7 +110,9 @@ def test_ranks_with_different_micro_batch_counts_step_as_one_process(tmp_path, z
     for name, world, stage in (("one", 1, 2), ("two", 2, zero_stage)):
         out = tmp_path / name
         out.mkdir()
-        _start([sys.executable, str(UNEVEN_WORKER), str(model), str(out), str(stage)], world, 150)
+        run_ranks(
+            [sys.executable, str(UNEVEN_WORKER), str(model), str(out), str(stage)], world, 150
+        )
         runs[name] = dict(
             metrics=json.loads((out / "metrics.json").read_text()),
             logprobs=[torch.load(out / f"logprobs_rank{r}.pt") for r in range(world)],

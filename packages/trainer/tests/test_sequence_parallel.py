@@ -4,9 +4,6 @@ without padding;
 an Actor's log-probabilities, PPO step (KL and entropy on) and weights after it, and a Critic's
 values and value-loss step, under ZeRO-2 and ZeRO-3 (the reference run: one process, ZeRO-2)."""
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import pytest
 import torch
 
 from ferrule_testkit import tiny_model
+from ferrule_testkit.gloo import run_ranks
 
 pytestmark = pytest.mark.e2e  # DeepSpeed groups of 2-4 processes
 
@@ -22,41 +20,11 @@ sys.path.insert(0, str(WORKER.parent))
 from sequence_parallel_worker import layouts, weights  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model, out: Path, world: int, zero_stage: int = 2, composed: bool = False) -> dict:
     out.mkdir()
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
     variant = "composed" if composed else "plain"
     args = [sys.executable, str(WORKER), str(model), str(out), str(world), str(zero_stage), variant]
-    procs = [
-        subprocess.Popen(
-            args,
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, output[-4000:]
-    finally:
-        for proc in procs:
-            proc.kill()
+    run_ranks(args, world)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 
