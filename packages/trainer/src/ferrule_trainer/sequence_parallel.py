@@ -13,10 +13,13 @@ attends over the whole sequence with its heads, and a second all-to-all turns th
 Activations per rank, the largest memory of a long sequence, are 1/N of one rank's; each layer
 sends 4 activations' worth of 1/N of the sequence to the other ranks.
 
-Why this layout rather than ring attention: it uses any attention kernel unchanged (sdpa here,
-with the whole sequence's mask), needs no per-block softmax rescaling, and its communication is
-two all-to-alls a layer instead of N - 1 ring steps; the cost is that the heads (after repeating
-the key/value heads) must divide by N.
+Why this layout rather than ring attention: it uses any attention kernel unchanged (sdpa here),
+needs no per-block softmax rescaling, and its communication is two all-to-alls a layer instead
+of N - 1 ring steps; the cost is that the heads (after repeating the key/value heads) must
+divide by N. Rows without padding (a micro-batch of one row, as token budgets below a row's
+length give) take sdpa's causal kernels; padded or packed rows take the whole sequence's mask,
+T x T booleans and sdpa's memory-efficient kernel, which at tens of thousands of tokens costs
+memory the plan does not count.
 
 The response log-probabilities each rank computes for its positions are gathered so that every
 rank of the group holds all of them, and every rank computes the same loss from them. The
@@ -124,16 +127,12 @@ class _Shards:
             ids, positions, index = packed_inputs(batch)
         else:
             ids, positions = batch.input_ids, position_ids(batch.attention_mask)
-            before_first = (
-                ids.shape[1] - batch.response_len - 1
-            )  # predicts the first response token
-            columns = torch.arange(batch.response_len, device=ids.device)
-            index = (before_first + columns).expand(batch.rows, -1)
+            # the output at the position before each response token predicts it
+            first = ids.shape[1] - batch.response_len - 1
+            index = (first + torch.arange(batch.response_len, device=ids.device)).expand(
+                batch.rows, -1
+            )
         self.ids, self.positions, self.mask = _padded_to(group.size, ids, positions, batch, packed)
-        if not packed and batch.attention_mask.all():
-            # no padding: the causal mask alone, which sdpa applies without a (T, T) tensor and
-            # with its flash kernels (the columns added on the right are seen by no real position)
-            self.mask = None
         length = self.ids.shape[1]
         if not packed:  # into the rows flattened
             index = index + (torch.arange(batch.rows, device=ids.device) * length)[:, None]
@@ -169,21 +168,26 @@ def _padded_to(size: int, ids, positions, batch: Batch, packed: bool):
     """ids and positions with columns added on the right to a multiple of `size`, and the
     (rows, 1, T, T) boolean mask of the whole sequence: causal within each row (packed: within
     each packed document, a new one wherever the positions restart), real keys only, and each
-    query's own key (as sequences._sdpa_mask: no attention row is empty)."""
+    query's own key (as sequences._sdpa_mask: no attention row is empty). Rows without padding
+    get None, the causal mask that sdpa applies without a tensor (the columns added on the
+    right are seen by no real position)."""
     extra = -ids.shape[1] % size
-    length = ids.shape[1] + extra
-    ids = F.pad(ids, (0, extra))
+    ids, added = F.pad(ids, (0, extra)), torch.arange(extra, device=ids.device)
+    if packed:  # the added columns are a document of their own, as sequences.ALIGN's are
+        positions = torch.cat([positions, added[None]], 1)
+    else:
+        positions = torch.cat([positions, positions[:, -1:] + 1 + added], 1)
+    if not packed and batch.attention_mask.all():
+        return ids, positions, None
+    length = ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
     own = torch.eye(length, dtype=torch.bool, device=ids.device)
-    if packed:  # the added columns are a document of their own, as sequences.ALIGN's are
-        positions = torch.cat([positions, torch.arange(extra, device=ids.device)[None]], 1)
+    if packed:
         document = (positions == 0).cumsum(-1)
-        same = document[:, :, None] == document[:, None, :]
-        return ids, positions, ((causal & same) | own)[:, None]
-    keys = F.pad(batch.attention_mask, (0, extra)).bool()
-    last = positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)
-    positions = torch.cat([positions, last], 1)
-    return ids, positions, ((causal & keys[:, None, :]) | own)[:, None]
+        allowed = document[:, :, None] == document[:, None, :]
+    else:
+        allowed = F.pad(batch.attention_mask, (0, extra)).bool()[:, None, :]  # real keys
+    return ids, positions, ((causal & allowed) | own)[:, None]
 
 
 class _GatherColumns(torch.autograd.Function):
