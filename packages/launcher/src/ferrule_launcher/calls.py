@@ -106,7 +106,8 @@ def _first_line(err) -> str:
 class RankGroup:
     """The data-parallel ranks of the policy, the reference or the critic (one Ray actor each,
     `roles.RankWorker`), driven as one: ferrule-trainer's `step.Ranks`. A batch is split into
-    equal contiguous shards, one per rank; each call returns a `Pending` that waits for every
+    equal contiguous shards, one per rank (one per sequence group, given to each of its ranks,
+    with [trainer] sequence_parallel); each call returns a `Pending` that waits for every
     rank, so the step runs the groups' passes at the same time. The collectives (checkpoints,
     exports, offloading) return each rank's ref, for the caller to wait on with its own name."""
 

@@ -31,7 +31,8 @@ from ferrule_trainer.trained import TrainedModel
 
 
 class Critic(TrainedModel):
-    """Values per response token and clipped value-loss train steps (see losses.value_loss)."""
+    """Values per response token and clipped value-loss train steps (see losses.value_loss).
+    sequence_parallel: ranks that share each sequence, as Actor's."""
 
     def __init__(
         self,
