@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 
 from ferrule_trainer.batch import Batch
@@ -253,7 +252,7 @@ def _heads_to_positions(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     b, h, width, d = x.shape
     n = group.size
     pieces = x.reshape(b, n, h // n, width, d).transpose(0, 1).contiguous()  # piece j: to rank j
-    received = dist_fn.all_to_all_single(torch.empty_like(pieces), pieces, group=group.group)
+    received = _AllToAll.apply(pieces, group)
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * width, d)  # rank j's positions
 
 
@@ -262,5 +261,26 @@ def _positions_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     b, h, length, d = x.shape
     n = group.size
     pieces = x.reshape(b, h, n, length // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    received = dist_fn.all_to_all_single(torch.empty_like(pieces), pieces, group=group.group)
+    received = _AllToAll.apply(pieces, group)
     return received.transpose(0, 1).reshape(b, n * h, length // n, d)  # rank j's heads
+
+
+class _AllToAll(torch.autograd.Function):
+    """Piece j of dim 0 to rank j of the group, piece i of the result from rank i. Its backward
+    is the same exchange of the gradients (torch's differentiable one is deprecated in 2.13)."""
+
+    @staticmethod
+    def forward(ctx, pieces: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+        ctx.group = group
+        return _exchanged(pieces, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchanged(grad, ctx.group), None
+
+
+def _exchanged(pieces: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
+    pieces = pieces.contiguous()  # a gradient may come strided: the exchange reads memory
+    received = torch.empty_like(pieces)
+    dist.all_to_all_single(received, pieces, group=group.group)
+    return received
