@@ -48,8 +48,8 @@ def test_a_call_past_its_deadline_answers_in_time_and_is_not_retried(serve, tmp_
     log = tmp_path / "calls"
     monkeypatch.setenv("REWARDS_TEST_LOG", str(log))
     server = serve("pid")
-    # 1 s: the server answers min(0.1 s, a tenth) ahead of it; at 0.5 s, 50 ms was too little
-    # for the answer to cross the front's relay on a loaded two-core machine
+    # 1 s: the server answers 0.25 s ahead of it (server.ANSWER_AHEAD); 50 ms (at 0.5 s) and
+    # 100 ms were too little for the answer to cross the front's relay on a loaded 2-core machine
     with RewardClient(server.address, timeout=1.0) as client:
         started = time.monotonic()
         [result] = client.score([{"response": "2.0"}])
