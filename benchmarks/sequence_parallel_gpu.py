@@ -2,9 +2,11 @@
 (sequence_parallel = 1, data parallel) against both GPUs sharing each sequence (= 2).
 
     python benchmarks/sequence_parallel_gpu.py [--lengths 8192,16384,32768,65536] [--steps 3]
+    python benchmarks/sequence_parallel_gpu.py --no-checkpointing --lengths 16384,32768,65536
     python benchmarks/sequence_parallel_gpu.py --model tiny --lengths 64,128   # on CPU (gloo)
 
 A Qwen2.5-1.5B-shaped policy (real vocabulary, random init, bf16, ZeRO-2, gradient checkpointing)
+(--no-checkpointing: every layer's activations kept, where a rank's memory runs out ~10x sooner)
 takes --steps on-policy GRPO steps, k3 KL to given reference log-probabilities, on rows of
 --lengths tokens (12 prompt, the rest response, no padding: the causal kernels). With
 sequence_parallel = 1 each of the 2 ranks trains its own row; with 2 they share one row. Each
@@ -54,7 +56,7 @@ def worker(args) -> None:
             zero_stage=2,
             dtype="bfloat16" if cuda else "float32",
             learning_rate=1e-6,
-            gradient_checkpointing=True,
+            gradient_checkpointing=args.checkpointing,
             sequence_parallel=args.shared,
         )
         vocab = actor.module.config.vocab_size
@@ -101,7 +103,7 @@ def run_case(args, length: int, shared: int, folder: Path) -> dict:
     command = [
         sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir),
         "--out", str(folder), "--length", str(length), "--shared", str(shared),
-        "--steps", str(args.steps),
+        "--steps", str(args.steps), *([] if args.checkpointing else ["--no-checkpointing"]),
     ]  # fmt: skip
     procs = [
         subprocess.Popen(command, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
@@ -130,6 +132,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192,16384,32768,65536")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--no-checkpointing", dest="checkpointing", action="store_false",
+        help="keep every layer's activations (no gradient checkpointing)",
+    )  # fmt: skip
     parser.add_argument("--out", default="/tmp/sequence_parallel_gpu")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -154,6 +160,7 @@ def main() -> None:
             {
                 "name": "sequence_parallel_gpu",
                 "model": args.model,
+                "checkpointing": args.checkpointing,
                 "longest_whole": longest[1],
                 "longest_shared": longest[2],
                 "ratio": round(longest[2] / longest[1], 2) if longest[1] else None,

@@ -50,7 +50,7 @@ def test_sequence_parallel_gpu_runs_its_cases_on_cpu_with_the_tiny_model(tmp_pat
     a GPU session spends its time on the measurement."""
     done = run_script(
         "sequence_parallel_gpu.py", "--model", "tiny", "--lengths", "64", "--steps", "2",
-        "--out", str(tmp_path),
+        "--no-checkpointing", "--out", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -59,6 +59,7 @@ def test_sequence_parallel_gpu_runs_its_cases_on_cpu_with_the_tiny_model(tmp_pat
     assert lines[-1] == {
         "name": "sequence_parallel_gpu",
         "model": "tiny",
+        "checkpointing": False,
         "longest_whole": 64,
         "longest_shared": 64,
         "ratio": 1.0,
