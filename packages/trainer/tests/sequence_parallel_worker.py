@@ -53,7 +53,15 @@ def plain_model_pass(model_path: str, size: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ferrule_trainer import sequence_parallel as sp
+    from ferrule_trainer import sequences
 
+    # the LM head on at most 3 of a rank's positions at a time, as on 1,024 of a long sequence's
+    # (a shard's whole logits were 37 GiB at 64k positions of a 152k vocabulary)
+    widest, head_call = [], sequences._head_logprobs
+    sequences.HEAD_CHUNK = 3
+    sequences._head_logprobs = lambda head, rows, *rest: (
+        widest.append(len(rows)) or head_call(head, rows, *rest)
+    )
     group = sp.SequenceGroup.split(size)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     sp.install(model, group)
@@ -71,6 +79,8 @@ def plain_model_pass(model_path: str, size: int) -> dict:
             dist.all_reduce(grad, group=group.group)  # the group's ranks' shares, summed
             grads[name] = grad
         out[layout] = dict(logprobs=logprobs.detach(), entropy=entropy.detach(), grads=grads)
+    sequences._head_logprobs = head_call
+    out["widest_head_call"] = max(widest)
     return out
 
 

@@ -70,6 +70,7 @@ def test_sequence_parallel_ranks_equal_one_rank(model, one_rank, world, zero_sta
         for name, grad in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
         assert (want["logprobs"] != 0).sum() > 20  # real tokens were compared
+    assert result["first"]["widest_head_call"] == 3  # the head ran on chunks of the shard
 
     check_actor(result["actor"], one_rank["actor"], start_weights(model))
     check_critic(result["critic"], one_rank["critic"])
@@ -136,3 +137,6 @@ def test_a_head_count_that_does_not_divide_is_refused():
     config = AutoConfig.from_pretrained(tiny_model("qwen2"))  # 2 heads
     with pytest.raises(ValueError, match="2 attention heads must divide by it"):
         check_model(config, 4)
+    config.final_logit_softcapping = 30.0  # the head runs alone on each rank: no softcap
+    with pytest.raises(ValueError, match="logits final_logit_softcapping changes"):
+        check_model(config, 1)

@@ -77,6 +77,13 @@ def check_model(config, size: int) -> None:
         )
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sequence_parallel does not support sliding-window attention")
+    from ferrule_trainer.sequences import _LOGIT_TRANSFORMS
+
+    changed = [key for key in _LOGIT_TRANSFORMS if getattr(config, key, None)]
+    if changed:  # the head runs apart from the model on each rank's positions, as a plain linear
+        raise ValueError(
+            f"sequence_parallel does not support a model whose logits {changed[0]} changes"
+        )
 
 
 def response_logprobs(
@@ -91,7 +98,7 @@ def response_logprobs(
     """What `sequences.response_logprobs` returns, (B, R) and the same on every rank of `group`,
     each rank running the model on 1/N of the positions (padded rows or, with `packed`, the
     rows packed into one)."""
-    from ferrule_trainer.sequences import _bypassed, _head_logprobs
+    from ferrule_trainer.sequences import _bypassed, chunked_head_logprobs
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -100,8 +107,8 @@ def response_logprobs(
     with _bypassed(head):
         hidden = shards.forward(model)  # the head's inputs
     local = shards.needed_here
-    values, entropies = _head_logprobs(
-        head, hidden[local], shards.targets_here[local], temperature, entropy
+    values, entropies = chunked_head_logprobs(
+        model, hidden[local], shards.targets_here[local], temperature, entropy
     )
     return shards.gathered(values), shards.gathered(entropies) if entropy else None
 

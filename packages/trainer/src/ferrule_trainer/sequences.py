@@ -270,10 +270,25 @@ def response_logprobs(
     with _bypassed(head):
         hidden = response_logits(model, batch, packed)  # (B, R, hidden): the head's inputs
     real = batch.attention_mask[:, -batch.response_len :].bool()
-    tokens = batch.response_tokens[real]
+    values, entropies = chunked_head_logprobs(
+        model, hidden[real], batch.response_tokens[real], temperature, entropy
+    )
+    logprobs = hidden.new_zeros(real.shape, dtype=torch.float32).masked_scatter(real, values)
+    if not entropy:
+        return logprobs, None
+    return logprobs, logprobs.new_zeros(real.shape).masked_scatter(real, entropies)
+
+
+def chunked_head_logprobs(model, hidden, tokens, temperature: float, entropy: bool):
+    """log p(tokens) (and the entropies, else an empty tensor) of the LM head's softmax at the
+    head's inputs `hidden` (N, hidden), HEAD_CHUNK rows at a time, each chunk checkpointed
+    while gradients are on. Where `_chunkable` says no, in one call and kept for backward."""
+    head = model.get_output_embeddings()
+    if not _chunkable(model, head):
+        return _head_logprobs(head, hidden, tokens, temperature, entropy)
     chunks = []
     head_logprobs = _compiled_head_logprobs() if compiled_head(model) else _head_logprobs
-    for rows, targets in zip(hidden[real].split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
+    for rows, targets in zip(hidden.split(HEAD_CHUNK), tokens.split(HEAD_CHUNK), strict=True):
         args = (head, rows, targets, temperature, entropy)
         # a last chunk of one token would recompile the head for that size (see ALIGN)
         logprobs_of = head_logprobs if len(rows) > 1 else _head_logprobs
@@ -281,14 +296,7 @@ def response_logprobs(
             chunks.append(checkpoint(logprobs_of, *args, use_reentrant=False))
         else:
             chunks.append(logprobs_of(*args))
-    logprobs = hidden.new_zeros(real.shape, dtype=torch.float32)
-    logprobs = logprobs.masked_scatter(real, torch.cat([c[0] for c in chunks]))
-    if not entropy:
-        return logprobs, None
-    entropies = logprobs.new_zeros(real.shape).masked_scatter(
-        real, torch.cat([c[1] for c in chunks])
-    )
-    return logprobs, entropies
+    return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
 
 
 def _chunkable(model, head) -> bool:
