@@ -61,7 +61,8 @@ class ModelConfig(Table):
     compile_layers: bool = True
     """torch.compile each decoder layer of the policy, the reference and the critic: ~18% faster
     training at 1.5B on an H100, after a first step that compiles. On CUDA below ZeRO-3 only
-    (elsewhere, and with [rollout] exact, the layers run eagerly)."""
+    (elsewhere, with [rollout] exact and with [trainer] sequence_parallel above 1, the layers run
+    eagerly)."""
 
 
 GSPO_AGG_MODE = "seq-mean-token-mean"
