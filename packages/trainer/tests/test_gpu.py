@@ -129,6 +129,26 @@ def test_compiled_decoder_layers_train_like_eager_ones(model_dir, tmp_path):
     assert (drift / update).sqrt() < 0.1, (drift / update).sqrt()
 
 
+def test_a_warmed_up_actor_compiles_nothing_in_its_steps(model_dir, tmp_path):
+    """Actor.warm_up (the launcher runs it beside the evaluation before RL): every graph of the
+    scoring pass and of the training step with its backward is compiled there, none in the
+    steps after, whose losses are a cold Actor's."""
+    runs = {}
+    for warm in ("cold", "warm"):
+        out = tmp_path / f"{warm}.json"
+        env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0")
+        env.pop("RANK", None)
+        worker = WORKER.with_name("warm_up_worker.py")
+        command = [sys.executable, str(worker), str(model_dir), warm, str(out)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[warm] = json.loads(out.read_text())
+    print(runs)
+    assert runs["cold"]["compiles"][0] > 0
+    assert runs["warm"]["warm_up_compiles"] > 0 and runs["warm"]["compiles"] == [0, 0, 0]
+    assert runs["warm"]["losses"] == pytest.approx(runs["cold"]["losses"], rel=1e-2, abs=1e-3)
+
+
 def test_left_padding_gives_finite_gradients_at_every_length(tmp_path):
     """Issue 56: at lengths 64 mod 128, sdpa's cuDNN backward (an H200, torch 2.11) put NaN into
     the gradients of query rows that see no key, the left padding of every RL batch, under a

@@ -173,6 +173,9 @@ class RankGroup:
 
     # -- collectives: every rank takes part ------------------------------------------------
 
+    def warm_up(self, packed: bool, entropy: bool) -> list:
+        return [w.warm_up.remote(packed, entropy) for w in self.workers]
+
     def send_weights(self, version: int) -> list:
         return [w.send_weights.remote(version) for w in self.workers]
 

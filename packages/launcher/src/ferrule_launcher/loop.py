@@ -77,6 +77,23 @@ class Loop:
             on_chosen=lambda chosen: self._write_chosen(rollout.step, chosen),
         )
 
+    def warm_up_trainer(self) -> list:
+        """The policy's and the reference's passes on a made-up batch, in flight (roles.RankWorker
+        .warm_up: their compiled layers compile), for the caller to wait on after what it runs
+        meanwhile on the engines (the evaluation before RL). (ref, label) pairs for get_each;
+        none where the trainer's states leave the GPUs while the engines generate: the plan
+        does not have both on them at once."""
+        t = self.config.trainer
+        if t.offload_between_phases:
+            return []
+        groups = [g for g in (self.roles.policy, self.roles.reference) if g is not None]
+        entropy = t.entropy_coef > 0
+        return [
+            (ref, f"{g.role} (warm-up)")
+            for g in groups
+            for ref in g.warm_up(t.pack_sequences, entropy)
+        ]
+
     # -- the hybrid engine: who holds the GPUs when ([trainer] offload_between_phases, [rollout]
     # sleep_between_phases); each is a no-op where its switch is off or on CPU ----------------
 

@@ -70,8 +70,11 @@ def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
             before, shown_before = state["eval_before"], None
             startup.mark("checkpoint")
         else:
+            warming = loop.warm_up_trainer()  # the trainer compiles while the engines evaluate
             first_step, (before, shown_before) = 1, _evaluate_before(config, loop, prompts)
             startup.mark("evaluation")
+            if max(get_each(warming), default=0.0) > 0:
+                startup.mark("trainer compile (beyond the evaluation)")
         print(startup.describe(), flush=True)
         o = config.output
         log = outputs.Outputs(

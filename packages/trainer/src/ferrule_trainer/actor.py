@@ -156,6 +156,45 @@ class Actor(TrainedModel):
         finally:
             self.engine.train(was_training)
 
+    def warm_up(self, packed: bool = False, entropy: bool = False) -> float:
+        """Runs the passes of a step on a made-up batch (2 rows of 64 tokens), so that layers
+        compiled on their first call (compile_layers) compile now, while the caller has other
+        work, rather than in the first step: the scoring pass and, on a trained model, the
+        training forward (`packed`, `entropy`: as the step's) and its backward through every
+        layer. Nothing the step uses changes: the backward is `torch.autograd.grad` to one
+        parameter of the first layer, which puts no gradient in any `.grad` (DeepSpeed's
+        reduction hooks run only where one accumulates), and no optimizer state moves.
+        Returns its seconds."""
+        import time
+
+        began = time.perf_counter()
+        if self.sequence_group is not None:  # no compiled layers (see _join_sequence_group)
+            return 0.0
+        vocab = self.module.get_output_embeddings().weight.shape[0]
+        ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+        attention = torch.ones_like(ids)
+        attention[1, :8] = 0  # a shorter prompt: the padded form's mask
+        batch = Batch(ids, attention, torch.ones(2, 32, dtype=torch.long))
+        self.logprobs(batch, ForwardPlan(packed=packed))
+        if self.train:
+            embeddings = {
+                id(self.module.get_input_embeddings().weight),
+                id(self.module.get_output_embeddings().weight),
+            }
+            first = next(
+                p for p in self.module.parameters() if p.requires_grad and id(p) not in embeddings
+            )
+            self.engine.train()
+            logprobs, entropies = response_logprobs(
+                self.module, batch.to(self.device), self.temperature, packed=packed,
+                entropy=entropy,
+            )  # fmt: skip
+            total = logprobs.sum() + (entropies.sum() if entropy else 0.0)
+            torch.autograd.grad(total, [first], allow_unused=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - began
+
     def train_step(
         self,
         micro_batches: Sequence[Batch],

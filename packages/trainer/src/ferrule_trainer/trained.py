@@ -20,6 +20,13 @@ class TrainedModel:
     model_path: str
     sequence_group: sp.SequenceGroup | None = None
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers go through torch.compile (compile_layers took effect)."""
+        from ferrule_trainer.sequences import compiled_head
+
+        return compiled_head(self.engine)
+
     def _join_sequence_group(self, size: int, compile_layers: bool) -> None:
         """With `size` > 1: this rank's group of `size` consecutive ranks, which share each
         sequence (sequence_parallel.py); every rank calls it, before the model is built."""
