@@ -216,6 +216,7 @@ def ours(args, model: Path, out: Path) -> tuple[dict, object]:
         # end of step 1, in seconds since it began
         startup_s={k: v for k, v in summary["startup_seconds"].items() if k != "role_phases"},
         step1_end_s=records[0]["wall_seconds"],
+        compiles_step1=records[0].get("train/compiles", 0),
     ), config
 
 
