@@ -29,7 +29,7 @@ def test_a_warmed_up_actor_takes_the_same_steps_as_a_cold_one(packed):
     common = dict(dtype="float32", zero_stage=2, seed=0, temperature=0.7, learning_rate=1e-2)
     model = tiny_model("qwen2")
     cold, warm = Actor(model, **common), Actor(model, **common)
-    assert warm.warm_up(packed=packed, entropy=True) > 0
+    assert warm.warm_up(64, packed=packed, entropy=True) > 0
     assert all(p.grad is None for p in warm.module.parameters())
     plan = EpochPlan(micro_batch_size=2, pack_sequences=packed)
     loss = PolicyLoss(entropy_coef=0.01)
@@ -42,4 +42,4 @@ def test_a_warmed_up_actor_takes_the_same_steps_as_a_cold_one(packed):
         torch.testing.assert_close(after[name], param, rtol=0, atol=0, msg=name)
 
     reference = Actor(model, train=False, dtype="float32", temperature=0.7)
-    assert reference.warm_up(packed=packed) > 0  # its scoring pass only
+    assert reference.warm_up(64, packed=packed) > 0  # its scoring pass only

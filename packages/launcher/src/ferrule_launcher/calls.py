@@ -173,8 +173,8 @@ class RankGroup:
 
     # -- collectives: every rank takes part ------------------------------------------------
 
-    def warm_up(self, packed: bool, entropy: bool) -> list:
-        return [w.warm_up.remote(packed, entropy) for w in self.workers]
+    def warm_up(self, tokens: int, packed: bool, entropy: bool, score: bool) -> list:
+        return [w.warm_up.remote(tokens, packed, entropy, score) for w in self.workers]
 
     def send_weights(self, version: int) -> list:
         return [w.send_weights.remote(version) for w in self.workers]

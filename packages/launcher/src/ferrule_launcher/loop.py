@@ -86,13 +86,19 @@ class Loop:
         t = self.config.trainer
         if t.offload_between_phases:
             return []
-        groups = [g for g in (self.roles.policy, self.roles.reference) if g is not None]
-        entropy = t.entropy_coef > 0
-        return [
-            (ref, f"{g.role} (warm-up)")
-            for g in groups
-            for ref in g.warm_up(t.pack_sequences, entropy)
-        ]
+        # the micro-batch's size, up to a row of max_model_len per row (the made-up batch has
+        # 2); a token budget's micro-batches are about that size
+        budget = t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else 8192
+        tokens = min(budget, 2 * self.config.rollout.max_model_len)
+        warm = dict(tokens=tokens, packed=t.pack_sequences, entropy=t.entropy_coef > 0)
+        refs = [(r, "policy (warm-up)") for r in self.roles.policy.warm_up(
+            **warm, score=t.needs_old_logprobs()
+        )]  # fmt: skip
+        if self.roles.reference is not None:
+            refs += [(r, "reference (warm-up)") for r in self.roles.reference.warm_up(
+                **warm, score=True
+            )]  # fmt: skip
+        return refs
 
     # -- the hybrid engine: who holds the GPUs when ([trainer] offload_between_phases, [rollout]
     # sleep_between_phases); each is a no-op where its switch is off or on CPU ----------------

@@ -148,12 +148,12 @@ class RankWorker:
         # nothing here changes them before `send` returns
         return self.sender.send(weights, version=version, specs=specs, in_place=in_place)
 
-    def warm_up(self, packed: bool, entropy: bool) -> float:
+    def warm_up(self, tokens: int, packed: bool, entropy: bool, score: bool) -> float:
         """The Actor's passes on a made-up batch, where its layers are compiled (they compile
         now); 0.0 where they are not, or for a critic."""
         if not hasattr(self.actor, "warm_up") or not self.actor.compiled:
             return 0.0
-        return self.actor.warm_up(packed, entropy)
+        return self.actor.warm_up(tokens, packed, entropy, score)
 
     def logprobs(self, batch: "Batch", plan: "ForwardPlan", temperature: float | None = None):
         return self.actor.logprobs(batch, plan, temperature)

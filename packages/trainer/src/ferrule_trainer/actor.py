@@ -156,26 +156,35 @@ class Actor(TrainedModel):
         finally:
             self.engine.train(was_training)
 
-    def warm_up(self, packed: bool = False, entropy: bool = False) -> float:
-        """Runs the passes of a step on a made-up batch (2 rows of 64 tokens), so that layers
-        compiled on their first call (compile_layers) compile now, while the caller has other
-        work, rather than in the first step: the scoring pass and, on a trained model, the
-        training forward (`packed`, `entropy`: as the step's) and its backward through every
-        layer. Nothing the step uses changes: the backward is `torch.autograd.grad` to one
-        parameter of the first layer, which puts no gradient in any `.grad` (DeepSpeed's
-        reduction hooks run only where one accumulates), and no optimizer state moves.
+    def warm_up(
+        self, tokens: int, packed: bool = False, entropy: bool = False, score: bool = True
+    ) -> float:
+        """Runs the passes of a step on a made-up batch of two rows of `tokens` / 2 (the step's
+        micro-batch size, below), so that layers compiled on their first call (compile_layers)
+        compile now, while the caller has other work, rather than in the first step: with
+        `score`, the scoring pass (`logprobs`); on a trained model, the training forward
+        (`packed`, `entropy`: as the step's) and its backward through every layer.
+
+        Nothing the step uses changes: the backward is `torch.autograd.grad` to one parameter of
+        the first layer, which puts no gradient in any `.grad` (DeepSpeed's reduction hooks run
+        only where one accumulates), and no optimizer state moves. Inductor specialises a
+        layer's graph on whether its tokens x hidden size is small (measured at 1.5B: below
+        5,242,880 elements, ~3.4k tokens) and the LM head's on being a chunk of a longer row, so
+        the made-up batch has the micro-batch's size and more than one head chunk of response.
         Returns its seconds."""
         import time
 
         began = time.perf_counter()
         if self.sequence_group is not None:  # no compiled layers (see _join_sequence_group)
             return 0.0
+        length = max(64, tokens // 2)
         vocab = self.module.get_output_embeddings().weight.shape[0]
-        ids = torch.randint(0, vocab, (2, 64), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
         attention = torch.ones_like(ids)
         attention[1, :8] = 0  # a shorter prompt: the padded form's mask
-        batch = Batch(ids, attention, torch.ones(2, 32, dtype=torch.long))
-        self.logprobs(batch, ForwardPlan(packed=packed))
+        batch = Batch(ids, attention, torch.ones(2, length * 3 // 4, dtype=torch.long))
+        if score:
+            self.logprobs(batch, ForwardPlan(packed=packed))
         if self.train:
             embeddings = {
                 id(self.module.get_input_embeddings().weight),
