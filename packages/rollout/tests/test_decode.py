@@ -222,10 +222,12 @@ def test_rows_that_hold_nothing_stay_at_slot_0_while_others_decode(model):
     assert results == run(Decoder(model, float_mask=False), PROMPTS[:3], limits=[2, 30, 3])
 
 
-def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
+@pytest.mark.parametrize("compact, widths", [(4, [48, 12]), (2, [48, 24, 12])])
+def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model, compact, widths):
     """48 prompts whose samples end at long-tailed lengths (limits, EOS and a stop string): once
-    12 or fewer still run they move into the first 12 rows (compact=4) and decode there; each
-    prompt's tokens, logprobs, length and stop are what the same call gives without moving."""
+    12 or fewer still run they move into the first 12 rows (compact=4) and decode there, or
+    (compact=2) into 24 once 24 suffice and then into 12; each prompt's tokens, logprobs, length
+    and stop are what the same call gives without moving."""
     import random
 
     draw = random.Random(7)
@@ -233,7 +235,7 @@ def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
     limits = [min(60, 2 + int(draw.expovariate(1 / 12))) for _ in prompts]
     limits[5] = limits[30] = 60  # the longest two
     shapes = []
-    decoder = Decoder(model, float_mask=False, compact=4)
+    decoder = Decoder(model, float_mask=False, compact=compact)
     wider = decoder._step
     decoder._step = lambda rows, length: shapes.append(rows) or wider(rows, length)
     free = [r[0] for r in run(Decoder(model, float_mask=False, compact=0), prompts, limits)]
@@ -246,7 +248,7 @@ def test_the_tails_rows_move_into_fewer_and_every_sample_stays_the_same(model):
             Decoder(model, float_mask=False, compact=0), prompts, read_every=every, **options
         )
         moved = run(decoder, prompts, read_every=every, **options)
-        assert shapes == [48, 12], shapes  # it did move, once
+        assert shapes == widths, shapes  # it did move
         assert max(n for _, _, n, _ in still) > 40 and any(s == "stop" for *_, s in still)
         for (tokens, logprobs, n, stopped), expected in zip(moved, still, strict=True):
             assert (tokens, n, stopped) == (expected[0], expected[2], expected[3])

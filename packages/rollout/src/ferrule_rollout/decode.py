@@ -556,8 +556,10 @@ class _Rows:
         """Once no prompt waits and the rows still running fit in 1 / `compacts` of the rows,
         they move to the first ones and decode at that shape from then on: a long-tailed batch
         spends most of its steps on a few long responses, and a step costs its rows' weight
-        reads and sampling whether they run or idle. One narrower shape (compiled once, with
-        compile_decode: the tail of every later call reuses it)."""
+        reads and sampling whether they run or idle. Each narrower width is a shape compiled
+        once (compile_decode) and captured, which the tails of later calls reuse; the rows move
+        again whenever 1 / `compacts` of them suffice, down to FEWEST_ROWS (at the engine's
+        NARROWER = 16: once, 512 rows into 32)."""
         rows, held = len(self.holder), [r for r, i in enumerate(self.holder) if i >= 0]
         fewer = rows // self.decoder.compacts
         if fewer < FEWEST_ROWS or not held or len(held) > fewer:
