@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ferrule_trainer.batch import Batch
+from ferrule_trainer.sequences import _sdpa_mask
 
 ATTENTION = "ferrule_sequence_parallel"
 """The attention implementation name registered with transformers for a model that `install`
@@ -174,26 +175,25 @@ def _padded_to(size: int, ids, positions, batch: Batch, packed: bool):
     """ids and positions with columns added on the right to a multiple of `size`, and the
     (rows, 1, T, T) boolean mask of the whole sequence: causal within each row (packed: within
     each packed document, a new one wherever the positions restart), real keys only, and each
-    query's own key (as sequences._sdpa_mask: no attention row is empty). Rows without padding
-    get None, the causal mask that sdpa applies without a tensor (the columns added on the
-    right are seen by no real position)."""
+    query's own key (no attention row is empty; padded rows: sequences._sdpa_mask). Rows
+    without padding get None, the causal mask that sdpa applies without a tensor (the columns
+    added on the right are seen by no real position)."""
     extra = -ids.shape[1] % size
     ids, added = F.pad(ids, (0, extra)), torch.arange(extra, device=ids.device)
     if packed:  # the added columns are a document of their own, as sequences.ALIGN's are
         positions = torch.cat([positions, added[None]], 1)
     else:
         positions = torch.cat([positions, positions[:, -1:] + 1 + added], 1)
-    if not packed and batch.attention_mask.all():
-        return ids, positions, None
+    if not packed:
+        if batch.attention_mask.all():
+            return ids, positions, None
+        return ids, positions, _sdpa_mask(F.pad(batch.attention_mask, (0, extra)))
     length = ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
     own = torch.eye(length, dtype=torch.bool, device=ids.device)
-    if packed:
-        document = (positions == 0).cumsum(-1)
-        allowed = document[:, :, None] == document[:, None, :]
-    else:
-        allowed = F.pad(batch.attention_mask, (0, extra)).bool()[:, None, :]  # real keys
-    return ids, positions, ((causal & allowed) | own)[:, None]
+    document = (positions == 0).cumsum(-1)
+    same = document[:, :, None] == document[:, None, :]
+    return ids, positions, ((causal & same) | own)[:, None]
 
 
 class _GatherColumns(torch.autograd.Function):
