@@ -170,8 +170,8 @@ class Actor(TrainedModel):
         only where one accumulates), and no optimizer state moves. Inductor specialises a
         layer's graph on whether its tokens x hidden size is small (measured at 1.5B: below
         5,242,880 elements, ~3.4k tokens) and the LM head's on being a chunk of a longer row, so
-        the made-up batch has the micro-batch's size and more than one head chunk of response.
-        Returns its seconds."""
+        the made-up batch has the micro-batch's size (at a real budget of thousands of tokens,
+        more than one head chunk of response). Returns its seconds."""
         import time
 
         began = time.perf_counter()
