@@ -25,6 +25,15 @@ def model():
     ).eval()
 
 
+@pytest.fixture(scope="module")
+def eager():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model("qwen2"), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
 def run(decoder, prompts=PROMPTS, limits=None, **options):
     settings = dict(pad=1, keys=list(range(len(prompts))), temperature=1.0, top_k=0, top_p=1.0)
     settings.update({"eos": None, **options})
@@ -50,12 +59,7 @@ def test_tokens_and_logprobs_equal_a_teacher_forced_forward(model, temperature):
             assert tokens == logits.argmax(-1).tolist()
 
 
-def test_eager_float_masks_give_the_same_tokens(model):
-    from transformers import AutoModelForCausalLM
-
-    eager = AutoModelForCausalLM.from_pretrained(
-        tiny_model("qwen2"), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+def test_eager_float_masks_give_the_same_tokens(model, eager):
     ours = run(Decoder(model, float_mask=False), temperature=0.0)
     theirs = run(Decoder(eager, float_mask=True), temperature=0.0)
     assert [r[0] for r in ours] == [r[0] for r in theirs]
@@ -303,35 +307,49 @@ def test_a_cut_call_and_its_continuation_give_each_sample_what_one_call_gives_it
         assert [r[3] for r in kept] == [r[3] for r in full]
 
 
-def test_prompts_are_prefilled_in_groups_and_windows_within_their_budgets(model, monkeypatch):
+def test_prompts_are_prefilled_in_groups_and_windows_within_their_budgets(model, eager):
     """Continued samples make prompts thousands of tokens long among short ones: one prefill
     padding every prompt to the longest, over the slab's every slot, ran out of memory at 1.5B.
-    Prefill groups hold at most PREFILL_TOKENS padded tokens (a longer prompt alone), go in
-    windows of columns of at most PREFILL_SCORES scores (rows x window x slots before its end),
-    and every sample is unchanged."""
+    Prefill groups hold at most PREFILL_TOKENS padded tokens (a longer prompt alone) and attend
+    to their own columns only (a causal forward, no mask); under a float mask they go in
+    windows of columns of at most PREFILL_SCORES scores (rows x window x slots before its end).
+    Every sample is unchanged."""
     from ferrule_rollout import decode
 
     prompts = [PROMPTS[k % 4] + [k] for k in range(9)] + [list(range(100, 190))]
     limits = [12] * len(prompts)
-    whole = run(Decoder(model, float_mask=False), prompts, limits=limits)
-    for scores, longest in ((1 << 24, (1, 90)), (600, (1, 6))):
-        monkeypatch.setattr(decode, "PREFILL_TOKENS", 40)
-        monkeypatch.setattr(decode, "PREFILL_SCORES", scores)
-        decoder, shapes = Decoder(model, float_mask=False), []
-        prefill = decoder.forward  # decode steps call step_forward, bound before this patch
+    cases = (
+        (model, False, 1 << 24, (1, 90)),
+        (eager, True, 1 << 24, (1, 90)),
+        (eager, True, 600, (1, 6)),
+    )
+    for net, float_mask, scores, longest in cases:
+        whole = run(Decoder(net, float_mask=float_mask), prompts, limits=limits)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(decode, "PREFILL_TOKENS", 40)
+            patch.setattr(decode, "PREFILL_SCORES", scores)
+            decoder, shapes = Decoder(net, float_mask=float_mask), []
+            prefill = decoder.forward  # decode steps call step_forward, bound before this patch
 
-        def forward(ids, positions, pad_ok, *args, shapes=shapes, prefill=prefill, **options):
-            shapes.append((*ids.shape, pad_ok.shape[1]))
-            return prefill(ids, positions, pad_ok, *args, **options)
+            def forward(ids, positions, pad_ok, *args, shapes=shapes, prefill=prefill, **options):
+                shapes.append((*ids.shape, pad_ok.shape[1], options.get("causal", False)))
+                return prefill(ids, positions, pad_ok, *args, **options)
 
-        decoder.forward = forward
-        got = run(decoder, prompts, limits=limits)
-        assert len(shapes) > 2 and all(r * w <= 40 or r == 1 for r, w, _ in shapes), shapes
-        assert all(r * w * seen <= scores or w == 1 for r, w, seen in shapes), shapes
-        assert longest in [(r, w) for r, w, _ in shapes]  # the long prompt alone, in windows
+            decoder.forward = forward
+            got = run(decoder, prompts, limits=limits)
+        assert len(shapes) > 2 and all(r * w <= 40 or r == 1 for r, w, *_ in shapes), shapes
+        if float_mask:
+            assert all(r * w * seen <= scores or w == 1 for r, w, seen, _ in shapes), shapes
+            assert not any(causal for *_, causal in shapes)
+        else:  # one causal forward over its own columns: sdpa's flash kernel on CUDA
+            assert all(seen == w and causal for _, w, seen, causal in shapes), shapes
+        assert longest in [(r, w) for r, w, *_ in shapes]  # the long prompt alone (in windows)
         for (tokens, logprobs, n, finish), expected in zip(got, whole, strict=True):
             assert (tokens, n, finish) == (expected[0], expected[2], expected[3])
             assert torch.allclose(torch.tensor(logprobs), torch.tensor(expected[1]), atol=1e-5)
+        for prompt, (tokens, logprobs, *_) in zip(prompts, got, strict=True):
+            expected, _ = teacher_forced(net, prompt, tokens, 1.0)
+            assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5, rtol=0)
 
 
 def test_the_slab_is_as_long_as_the_longest_sequence_not_the_widest_prompt_plus_the_most_tokens(

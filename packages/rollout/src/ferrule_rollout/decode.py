@@ -31,7 +31,7 @@ KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
 PREFILL_TOKENS = 16384  # a prefill group's most (padded) tokens: rows x the longest prompt
-PREFILL_SCORES = 1 << 24  # a prefill forward's most attention scores per head: rows x new x seen
+PREFILL_SCORES = 1 << 24  # float masks: a prefill forward's most scores a head, rows x new x seen
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -39,11 +39,18 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
     row's slots only up to `slab_slots` (each row's own, passed down by Decoder.forward); else
     sdpa with the query heads grouped under their KV head ([rows, kv, group, dim] against [rows,
     kv, slots, dim]), so the cache is read once rather than copied `group` times first (HF's
-    repeat_kv). Prefill goes to HF's sdpa."""
+    repeat_kv). Prefill: with `causal_prefill` (Decoder.forward's `causal`: right-padded prompts
+    attending to their own columns only) sdpa's causal kernels, no mask (flash on CUDA: 2.6x
+    less time than a mask at 1.5B, benchmarks/RESULTS.md); else HF's sdpa with the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
     slots = kw.pop("slab_slots", None)
+    if kw.pop("causal_prefill", False):  # right-padded prompts from slot 0: causal is their mask
+        group = heads // key.shape[1]
+        key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        return out.transpose(1, 2), None
     if length != 1 or kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
@@ -234,10 +241,11 @@ class Decoder:
         with self.regions.active():
             return self.forward(ids, positions, pad_ok, slots)
 
-    def forward(self, ids, positions, pad_ok, slots, rows=None, last=None):
+    def forward(self, ids, positions, pad_ok, slots, rows=None, last=None, causal=False):
         """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
         slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs); `last`
-        (right-padded prompts): the logits of each row at its own last column instead."""
+        (right-padded prompts): the logits of each row at its own last column instead;
+        `causal`: the tokens are the rows' first (slots 0..), so attention needs no mask."""
         where = torch.arange(pad_ok.shape[1], device=self.device)
         query = slots[:, None] if rows is None else slots[None, :]  # [rows or 1, tokens]
         keep = (pad_ok[:, None, :] & (where <= query[..., None])) | (where == query[..., None])
@@ -252,9 +260,12 @@ class Decoder:
         extra, pick = self.extra, None
         if rows is None and self.exact is None:  # slab_attention reads each row up to its slot
             extra = dict(extra, slab_slots=slots)
+        if causal:
+            extra = dict(extra, causal_prefill=True)
         if last is not None:  # the distinct last columns through the LM head, then each row's
             columns, pick = torch.unique(last, return_inverse=True)
-            extra = {"logits_to_keep": columns} if self.extra else {}
+            extra = {k: v for k, v in extra.items() if k != "logits_to_keep"}
+            extra = dict(extra, logits_to_keep=columns) if self.extra else extra
             pick = pick if self.extra else last
         out = self.model(
             input_ids=ids,
@@ -403,11 +414,10 @@ class _Rows:
 
     def fill(self, t: int, sampling) -> None:
         """Free rows take queued prompts: their prefill, and their first token as step t. A
-        group prefilled together is left-padded to its longest prompt, so each of its rows runs
-        from that width to its limit: the prompts go in groups of similar length that fit the
-        slab so, of at most PREFILL_TOKENS padded tokens (a continued sample's prompt can be
-        thousands of tokens long: padding 512 short prompts to its length ran out of memory at
-        1.5B)."""
+        group prefilled together is right-padded to its longest prompt: the prompts go in
+        groups of similar length, of at most PREFILL_TOKENS padded tokens (a continued sample's
+        prompt can be thousands of tokens long: padding 512 short prompts to its length ran out
+        of memory at 1.5B)."""
         free = [r for r, held in enumerate(self.holder) if held < 0]
         taking = min(len(free), len(self.queue), self.running - len(self.holder) + len(free))
         if taking <= 0:
@@ -425,9 +435,7 @@ class _Rows:
 
     def fits(self, group: list[int]) -> bool:
         """Whether prompts `group` can be prefilled together (a single one always can)."""
-        width = max(len(self.prompts[i]) for i in group)
-        most = max(self.limits[i] for i in group)
-        return len(group) * width <= PREFILL_TOKENS and width + most - 1 <= self.length
+        return len(group) * max(len(self.prompts[i]) for i in group) <= PREFILL_TOKENS
 
     def take(self, t: int, rows: list[int], taken: list[int], sampling) -> None:
         """Rows `rows` take prompts `taken`: one prefill, and their first token as step t."""
@@ -435,20 +443,17 @@ class _Rows:
         width, dev = max(map(len, group)), self.device
         ids = torch.full((taking, width), self.pad, dtype=torch.long)
         positions = torch.zeros((taking, width), dtype=torch.long)
-        pad_ok = torch.zeros((taking, self.length), dtype=torch.bool)
-        exact = self.decoder.exact is not None
         for k, prompt in enumerate(group):
-            # left padding: every row's next token is last; exact mode pads on the right, so a
-            # sequence's tokens sit at slots 0.. as in the trainer's view (its pad columns are
-            # overwritten by the row's own next tokens before anything attends to them)
-            start = 0 if exact else width - len(prompt)
-            ids[k, start : start + len(prompt)] = torch.tensor(prompt)
-            positions[k, start : start + len(prompt)] = torch.arange(len(prompt))
-            pad_ok[k, start:] = True
+            # right padding: a sequence's tokens sit at slots 0.. (as in the trainer's view, and
+            # attention within the prompt is plain causal); its pad columns are overwritten by
+            # the row's own next tokens before anything attends to them
+            ids[k, : len(prompt)] = torch.tensor(prompt)
+            positions[k, : len(prompt)] = torch.arange(len(prompt))
         at = torch.tensor(rows, device=dev)
-        self.step.pad_ok[at] = pad_ok = pad_ok.to(dev)
+        self.step.pad_ok[at] = True
+        pad_ok = self.step.pad_ok[at]
         lengths = torch.tensor([len(p) for p in group])
-        logits = self.prefill(group, ids, positions, pad_ok, at, lengths if exact else None)
+        logits = self.prefill(group, ids, positions, pad_ok, at, lengths)
         limits = [self.limits[i] for i in taken]
         self.grow(t + max(limits) + 1)
         draws = uniforms(
@@ -462,7 +467,7 @@ class _Rows:
             ends = torch.where(torch.isin(first, self.eos), ends.clamp(max=t + 1), ends)
         self.ends[at] = ends
         self.step.positions[at] = lengths[:, None].to(dev)
-        self.step.slot[at] = lengths.to(dev) if exact else width
+        self.step.slot[at] = lengths.to(dev)
         self.step.moving[at] = 1
         for r, i in zip(rows, taken, strict=True):
             before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
@@ -470,10 +475,10 @@ class _Rows:
             self.stops.pop(r, None)
         self.horizon = max(self.horizon, t + max(limits))
 
-    def prefill(self, group, ids, positions, pad_ok, at, lengths=None):
+    def prefill(self, group, ids, positions, pad_ok, at, lengths):
         """The group's forward into slots [0, width) of rows `at`, each distinct prompt once
-        (the n samples of a prompt share it: its other rows get copies); last logits (at
-        column lengths - 1 of right-padded prompts when `lengths` is given)."""
+        (the n samples of a prompt share it: its other rows get copies); the logits of each
+        row's last prompt token (column lengths - 1: the prompts are right-padded)."""
         index: dict[tuple, int] = {}  # a distinct prompt -> its place among the prefilled
         firsts, where = [], []
         for k, prompt in enumerate(group):
@@ -484,21 +489,28 @@ class _Rows:
         dev, width = self.device, ids.shape[1]
         once = torch.tensor(firsts, device=dev)
         ids, positions, pad_ok = ids.to(dev)[once], positions.to(dev)[once], pad_ok[once]
-        if lengths is not None:  # exact mode: one forward over the slab's every slot
-            last = (lengths[firsts] - 1).to(dev)
+        last, decoder = (lengths[firsts] - 1).to(dev), self.decoder
+        if decoder.exact is not None or not decoder.float_mask:  # one forward over the columns
             slots = torch.arange(width, device=dev)
-            logits = self.decoder.forward(ids, positions, pad_ok, slots, rows=at[once], last=last)
-        else:  # in windows of columns, each attending to the slots before its end only
+            causal = decoder.exact is None  # exact mode: the trainer's masked sum over the slab
+            seen = pad_ok[:, :width] if causal else pad_ok  # the keys it attends to
+            logits = decoder.forward(
+                ids, positions, seen, slots, rows=at[once], last=last, causal=causal
+            )
+        else:  # a float mask: in windows of columns, each attending to the slots before its end
             step = max(1, min(width, PREFILL_SCORES // (len(firsts) * width)))
             for begin in range(0, width, step):
                 end = min(width, begin + step)
-                logits = self.decoder.forward(
+                got = decoder.forward(
                     ids[:, begin:end],
                     positions[:, begin:end],
                     pad_ok[:, :end],
                     torch.arange(begin, end, device=dev),
                     rows=at[once],
+                    last=(last - begin).clamp(0, end - begin - 1),
                 )
+                inside = ((last >= begin) & (last < end))[:, None]  # the rows whose last it has
+                logits = got if begin == 0 else torch.where(inside, got, logits)
         if len(firsts) == len(group):
             return logits
         where = torch.tensor(where, device=dev)
