@@ -363,3 +363,24 @@ def test_the_slab_is_as_long_as_the_longest_sequence_not_the_widest_prompt_plus_
     results = run(decoder, [list(range(100, 190)), [40, 41]], limits=[4, 60])
     assert [n for _, _, n, _ in results] == [4, 60]
     assert decoder.cache.keys[0].shape[2] == 128
+
+
+def test_causal_prefill_leaves_cudnn_out_of_sdpas_choice(model, monkeypatch):
+    """cuDNN's attention, torch's first choice on Hopper, builds a plan for each new shape (76 ms
+    on an H200 against 2 ms for flash) and prefill groups change shape with every call: prefill
+    runs with it switched off, decode and whatever runs after as before."""
+    from ferrule_rollout import decode
+
+    seen = []
+    sdpa = decode.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(decode.F, "scaled_dot_product_attention", spy)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    results = run(Decoder(model, float_mask=False), limits=[4] * len(PROMPTS))
+    assert seen and not any(seen[: model.config.num_hidden_layers])  # the prefill's layers
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert [n for *_, n, _ in results] == [4] * len(PROMPTS)

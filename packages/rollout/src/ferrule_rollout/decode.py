@@ -19,6 +19,7 @@ step), so a seeded sample is the same whatever else is in the batch.
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ferrule_rollout.exact import ExactNumerics
 from ferrule_rollout.kernels import decode_attention, triton_available, usable
@@ -31,6 +32,10 @@ KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
 PREFILL_TOKENS = 16384  # a prefill group's most (padded) tokens: rows x the longest prompt
+# Prefill's attention kernels, cuDNN's left out: torch's first choice on Hopper, it builds a plan
+# for each new shape (76 ms each on an H200 against 2 ms for flash, the same speed after:
+# benchmarks/RESULTS.md, 2026-11-30), and prefill groups change shape with every call.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 PREFILL_SCORES = 1 << 24  # float masks: a prefill forward's most scores a head, rows x new x seen
 
 
@@ -40,8 +45,9 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
     sdpa with the query heads grouped under their KV head ([rows, kv, group, dim] against [rows,
     kv, slots, dim]), so the cache is read once rather than copied `group` times first (HF's
     repeat_kv). Prefill: with `causal_prefill` (Decoder.forward's `causal`: right-padded prompts
-    attending to their own columns only) sdpa's causal kernels, no mask (flash on CUDA: 2.6x
-    less time than a mask at 1.5B, benchmarks/RESULTS.md); else HF's sdpa with the mask."""
+    attending to their own columns only) sdpa's causal kernels, no mask (flash on CUDA, see
+    PREFILL_BACKENDS: a call's prefill at 1.5B took 2.2 s where the mask took 3.8,
+    benchmarks/RESULTS.md); else HF's sdpa with the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
@@ -49,7 +55,8 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
     if kw.pop("causal_prefill", False):  # right-padded prompts from slot 0: causal is their mask
         group = heads // key.shape[1]
         key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+        with sdpa_kernel(PREFILL_BACKENDS):
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
         return out.transpose(1, 2), None
     if length != 1 or kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None:
         return sdpa_attention_forward(
