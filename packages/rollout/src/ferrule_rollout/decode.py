@@ -253,14 +253,17 @@ class Decoder:
         slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs); `last`
         (right-padded prompts): the logits of each row at its own last column instead;
         `causal`: the tokens are the rows' first (slots 0..), so attention needs no mask."""
-        where = torch.arange(pad_ok.shape[1], device=self.device)
-        query = slots[:, None] if rows is None else slots[None, :]  # [rows or 1, tokens]
-        keep = (pad_ok[:, None, :] & (where <= query[..., None])) | (where == query[..., None])
-        mask = keep[:, None]  # [rows, 1, tokens, slots]; a pad token sees itself (no NaN rows)
-        if self.float_mask:
-            low = torch.finfo(self.mask_dtype).min
-            mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
-            mask.masked_fill_(~keep[:, None], low)
+        if causal:  # no [rows, tokens, slots] mask to build: HF passes a 4D one through unread
+            mask = pad_ok[:, None, None, :]
+        else:
+            where = torch.arange(pad_ok.shape[1], device=self.device)
+            query = slots[:, None] if rows is None else slots[None, :]  # [rows or 1, tokens]
+            keep = (pad_ok[:, None, :] & (where <= query[..., None])) | (where == query[..., None])
+            mask = keep[:, None]  # [rows, 1, tokens, slots]; a pad token sees itself (no NaN rows)
+            if self.float_mask:
+                low = torch.finfo(self.mask_dtype).min
+                mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
+                mask.masked_fill_(~keep[:, None], low)
         self.cache.rows, self.cache.slots = rows, slots
         # prefill attends to the slots of pad_ok's width only (the slab's length in exact mode)
         self.cache.seen = None if rows is None else pad_ok.shape[1]
@@ -271,7 +274,6 @@ class Decoder:
             extra = dict(extra, causal_prefill=True)
         if last is not None:  # the distinct last columns through the LM head, then each row's
             columns, pick = torch.unique(last, return_inverse=True)
-            extra = {k: v for k, v in extra.items() if k != "logits_to_keep"}
             extra = dict(extra, logits_to_keep=columns) if self.extra else extra
             pick = pick if self.extra else last
         out = self.model(
