@@ -152,8 +152,9 @@ def test_a_warmed_up_actor_compiles_nothing_in_its_steps(model_dir, tmp_path):
 def test_left_padding_gives_finite_gradients_at_every_length(tmp_path):
     """Issue 56: at lengths 64 mod 128, sdpa's cuDNN backward (an H200, torch 2.11) put NaN into
     the gradients of query rows that see no key, the left padding of every RL batch, under a
-    finite loss; a 1.5B run died in 4 of 6 tries. `sequences.model_inputs` now gives each such
-    row its own key. A 1.5B-wide Qwen2 of 2 layers, three such lengths: no step skipped."""
+    finite loss; a 1.5B run died in 4 of 6 tries. `sequences.model_inputs` now starts each
+    row's tokens at column 0 and passes no mask, and training leaves cuDNN's kernel out. A
+    1.5B-wide Qwen2 of 2 layers, three such lengths: no step skipped."""
     config = Qwen2Config(
         vocab_size=512,
         hidden_size=1536,

@@ -147,7 +147,10 @@ def _with_gradients(model):
 
 
 def _assert_same_steps(ours, theirs, ours_grads, theirs_grads):
-    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    # a second mini-batch's loss follows an Adam step, which moves a weight whose gradient is
+    # ~0 by about the learning rate either way: rounding-level logprobs (~1e-6 apart) moved a
+    # two-mini-batch loss by 1.2e-5 of itself when the rows' layout changed
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=5e-5, abs=1e-7)
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
     assert len(ours_grads) == len(theirs_grads) > 0
     for mine, whole in zip(ours_grads, theirs_grads, strict=True):

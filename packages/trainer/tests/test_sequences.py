@@ -1,14 +1,9 @@
-"""The forward passes' pieces: positions under left padding, response log-probs."""
+"""The forward passes' pieces: the rows' layout, response log-probs."""
 
 import pytest
 import torch
 
-from ferrule_trainer.sequences import position_ids, token_logprobs
-
-
-def test_position_ids_skip_left_padding():
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
-    assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+from ferrule_trainer.sequences import token_logprobs
 
 
 def test_token_logprobs_is_log_softmax_with_temperature():
@@ -163,33 +158,58 @@ def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monk
             monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
 
 
-def test_under_sdpa_every_padding_query_sees_its_own_key_and_real_tokens_are_unchanged():
-    """Issue 56: a left-padding query that sees no key got NaN gradients from sdpa's cuDNN
-    backward (an H200; tests/test_gpu.py). `model_inputs` gives it its own key; what real
-    tokens compute is what eager attention (transformers' own mask) computes."""
+def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(monkeypatch):
+    """The batch's layout (prompts left-padded) would need an attention mask, under which sdpa
+    runs cuDNN's kernel (a plan built for each new shape; NaN in the backward of queries that see
+    no key, issue 56) or the memory-efficient one. Each row's tokens now start at column 0 and
+    attention is causal with no mask and without cuDNN, in the forward and in gradient
+    checkpointing's recomputation; real tokens get what eager attention gives them over the
+    left-padded batch with transformers' own mask."""
     from transformers import AutoModelForCausalLM
 
     from ferrule_testkit import tiny_model
     from ferrule_trainer.batch import Batch
+    from ferrule_trainer.engine import load_model
     from ferrule_trainer.sequences import model_inputs, response_logprobs
 
-    path = tiny_model("qwen2")
     ids = torch.randint(5, 400, (3, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, :4] = 0
     mask[2, :6] = 0  # a prompt of one token
+    mask[0, -1] = 0  # a response that ends early
     batch = Batch(ids, mask, mask[:, -3:].clone())
-    sdpa = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    sdpa = load_model(tiny_model("qwen2"), dtype="float32", gradient_checkpointing=True)
+    assert sdpa.config._attn_implementation == "sdpa"
     inputs = model_inputs(sdpa, batch)
-    keys = inputs["attention_mask"]
-    assert keys.shape == (3, 1, 10, 10) and keys.dtype == torch.bool
-    assert keys.any(-1).all()  # no query without a key
-    assert keys[2, 0, 3].tolist() == [False] * 3 + [True] + [False] * 6  # padding: only itself
-    real = keys[1, 0, 6]  # a real token sees the real tokens before it, itself included
-    assert real.tolist() == [False] * 4 + [True] * 3 + [False] * 3
-    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    assert sorted(inputs) == ["index", "input_ids"]  # no mask, positions from 0
+    assert inputs["input_ids"].tolist() == [
+        ids[0, :9].tolist(),
+        [*ids[1, 4:].tolist(), 0, 0, 0],
+        [*ids[2, 6:].tolist(), *[0] * 5],
+    ]
+    assert inputs["index"].tolist() == [[6, 7, 8], [2, 3, 4], [0, 1, 2]]
+
+    seen = []
+    sdpa_function = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask"), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa_function(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    sdpa.train()
     ours, _ = response_logprobs(sdpa, batch)
-    theirs, _ = response_logprobs(eager, batch)
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    unpadded = Batch(ids[:1], mask[:1], mask[:1, -3:].clone())
-    assert model_inputs(sdpa, unpadded)["attention_mask"].dim() == 2  # transformers' causal path
+    forwards = len(seen)
+    ours.sum().backward()
+    assert forwards == sdpa.config.num_hidden_layers and len(seen) == 2 * forwards  # recomputed
+    assert all(mask is None and not cudnn for mask, cudnn in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was, outside the forwards
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), attn_implementation="eager")
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # counted over real tokens
+        logits = eager(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    theirs = token_logprobs(logits[:, -4:-1], batch.response_tokens)
+    real = batch.response_mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
+    assert not ours[~real].any()

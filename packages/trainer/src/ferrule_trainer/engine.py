@@ -25,7 +25,7 @@ import torch
 
 from ferrule_trainer import nonfinite
 from ferrule_trainer.config import LORA_TARGETS
-from ferrule_trainer.sequences import COMPILED_HEAD, most_over_ranks
+from ferrule_trainer.sequences import COMPILED_HEAD, most_over_ranks, without_cudnn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -236,7 +236,9 @@ def load_model(
     if kind != "causal-lm" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the recomputation in backward runs outside the forward's sdpa_kernel block
+        kwargs = {"use_reentrant": False, "context_fn": without_cudnn}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
     if lora_rank:
         from peft import LoraConfig, get_peft_model

@@ -16,10 +16,10 @@ sends 4 activations' worth of 1/N of the sequence to the other ranks.
 Why this layout rather than ring attention: it uses any attention kernel unchanged (sdpa here),
 needs no per-block softmax rescaling, and its communication is two all-to-alls a layer instead
 of N - 1 ring steps; the cost is that the heads (after repeating the key/value heads) must
-divide by N. Rows without padding (a micro-batch of one row, as token budgets below a row's
-length give) take sdpa's causal kernels; padded or packed rows take the whole sequence's mask,
-T x T booleans and sdpa's memory-efficient kernel, which at tens of thousands of tokens costs
-memory the plan does not count.
+divide by N. Padded rows (each row's tokens from column 0, padding after them:
+`sequences.padded_inputs`) take sdpa's causal kernels; packed rows take the whole sequence's
+mask, T x T booleans and sdpa's memory-efficient kernel, which at tens of thousands of tokens
+costs memory the plan does not count.
 
 The response log-probabilities each rank computes for its positions are gathered so that every
 rank of the group holds all of them, and every rank computes the same loss from them. The
@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ferrule_trainer.batch import Batch
-from ferrule_trainer.sequences import _sdpa_mask
 
 ATTENTION = "ferrule_sequence_parallel"
 """The attention implementation name registered with transformers for a model that `install`
@@ -128,25 +127,22 @@ class _Shards:
     and this rank's slice of the columns."""
 
     def __init__(self, batch: Batch, group: SequenceGroup, packed: bool):
-        from ferrule_trainer.sequences import packed_inputs, position_ids
+        from ferrule_trainer.sequences import packed_inputs, padded_inputs
 
+        device = batch.input_ids.device
         if packed:
             ids, positions, index = packed_inputs(batch)
-        else:
-            ids, positions = batch.input_ids, position_ids(batch.attention_mask)
-            # the output at the position before each response token predicts it
-            first = ids.shape[1] - batch.response_len - 1
-            index = (first + torch.arange(batch.response_len, device=ids.device)).expand(
-                batch.rows, -1
-            )
-        self.ids, self.positions, self.mask = _padded_to(group.size, ids, positions, batch, packed)
+            self.ids, self.positions, self.mask = _packed_to(group.size, ids, positions)
+        else:  # each row's tokens from column 0: causal attention needs no mask
+            self.ids, index = padded_inputs(batch, align=group.size)
+            self.positions = torch.arange(self.ids.shape[1], device=device).expand_as(self.ids)
+            self.mask = None
+            index = index + (torch.arange(batch.rows, device=device) * self.ids.shape[1])[:, None]
         length = self.ids.shape[1]
-        if not packed:  # into the rows flattened
-            index = index + (torch.arange(batch.rows, device=ids.device) * length)[:, None]
         self.index, self.group = index, group
         width = length // group.size
         self.mine = slice(group.rank * width, (group.rank + 1) * width)
-        needed = torch.zeros(self.ids.numel(), dtype=torch.bool, device=ids.device)
+        needed = torch.zeros(self.ids.numel(), dtype=torch.bool, device=device)
         needed = needed.scatter_(0, index.flatten(), True).view(self.ids.shape)
         self.needed_here = needed[:, self.mine]  # the only positions a head's output is read at
         self.targets_here = self.ids.roll(-1, dims=1)[:, self.mine]  # p predicts token p + 1
@@ -155,12 +151,14 @@ class _Shards:
     def forward(self, model) -> torch.Tensor:
         """The output at this rank's positions, (rows, width, ...), of a model whose attention
         `install` made this group's."""
-        return model(
+        from ferrule_trainer.sequences import model_forward
+
+        inputs = dict(
             input_ids=self.ids[:, self.mine],
             position_ids=self.positions[:, self.mine],
             attention_mask=self.mask,
-            use_cache=False,
-        ).logits
+        )
+        return model_forward(model, inputs).logits
 
     def gathered(self, needed_values: torch.Tensor) -> torch.Tensor:
         """(B, R) from the values at this rank's needed positions: every rank's, 0 at padding."""
@@ -171,29 +169,18 @@ class _Shards:
         return torch.where(self.real, picked, 0.0)
 
 
-def _padded_to(size: int, ids, positions, batch: Batch, packed: bool):
-    """ids and positions with columns added on the right to a multiple of `size`, and the
-    (rows, 1, T, T) boolean mask of the whole sequence: causal within each row (packed: within
-    each packed document, a new one wherever the positions restart), real keys only, and each
-    query's own key (no attention row is empty; padded rows: sequences._sdpa_mask). Rows
-    without padding get None, the causal mask that sdpa applies without a tensor (the columns
-    added on the right are seen by no real position)."""
+def _packed_to(size: int, ids, positions):
+    """Packed ids and positions with columns added on the right to a multiple of `size`, a
+    document of their own (as sequences.ALIGN's are), and the (1, 1, T, T) boolean mask of the
+    whole sequence: causal within each document, a new one wherever the positions restart."""
     extra = -ids.shape[1] % size
-    ids, added = F.pad(ids, (0, extra)), torch.arange(extra, device=ids.device)
-    if packed:  # the added columns are a document of their own, as sequences.ALIGN's are
-        positions = torch.cat([positions, added[None]], 1)
-    else:
-        positions = torch.cat([positions, positions[:, -1:] + 1 + added], 1)
-    if not packed:
-        if batch.attention_mask.all():
-            return ids, positions, None
-        return ids, positions, _sdpa_mask(F.pad(batch.attention_mask, (0, extra)))
+    ids = F.pad(ids, (0, extra))
+    positions = torch.cat([positions, torch.arange(extra, device=ids.device)[None]], 1)
     length = ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-    own = torch.eye(length, dtype=torch.bool, device=ids.device)
     document = (positions == 0).cumsum(-1)
     same = document[:, :, None] == document[:, None, :]
-    return ids, positions, ((causal & same) | own)[:, None]
+    return ids, positions, (causal & same)[:, None]
 
 
 class _GatherColumns(torch.autograd.Function):

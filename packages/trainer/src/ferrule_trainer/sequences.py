@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ferrule_trainer.batch import Batch
@@ -25,9 +26,9 @@ from ferrule_trainer.memory import HEAD_CHUNK
 
 # Set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax.
 COMPILED_HEAD = "ferrule_compiled_head"
-# Compiled layers specialise on whether the attention mask is None (transformers drops it for a
-# batch without padding), on whether the length is a multiple of 8 (inductor's alignment) and on
-# a single row: each new case recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
+# Compiled layers specialise on whether the length is a multiple of 8 (inductor's alignment) and
+# on a single row (and on whether there is an attention mask: model_inputs never passes one):
+# each new case recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
 ALIGN = 8
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -41,11 +42,6 @@ def most_over_ranks(count: int, device: torch.device) -> int:
     most = torch.tensor(count, device=device)
     torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
     return int(most)
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, so left padding does not shift the prompt."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def group_by_length(
@@ -155,6 +151,18 @@ def forward_in_micro_batches(
     return torch.where(real.view(*real.shape, *[1] * (out.dim() - 2)), out, 0)
 
 
+def _response_positions(batch: Batch):
+    """Each row's real tokens in order (a flat tensor, row-major: its prompt, then its response),
+    how many each row has, and (B, R) the position within its row whose output predicts each
+    response token (padding: any position of the row)."""
+    attention = batch.attention_mask.bool()
+    lengths = attention.sum(-1)
+    prompt, _ = batch.lengths()
+    column = torch.arange(batch.response_len, device=lengths.device)
+    at = torch.minimum((prompt - 1)[:, None] + column, (lengths - 1)[:, None]).clamp(min=0)
+    return batch.input_ids[attention], lengths, at
+
+
 def packed_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     """The rows of `batch` packed without padding: (1, N) input ids of every row's real tokens
     back to back, (1, N) position ids that restart at 0 with each row, and the (B, R) indices
@@ -163,89 +171,87 @@ def packed_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     Given position ids and no attention mask, transformers' sdpa and eager attention build a
     document mask from the restarts (`masking_utils.find_packed_sequence_indices`) and flash
     attention runs variable-length kernels, so no token attends across rows."""
-    attention = batch.attention_mask.bool()
-    lengths = attention.sum(-1)
+    ids, lengths, at = _response_positions(batch)
     starts = lengths.cumsum(0) - lengths
-    ids = batch.input_ids[attention]  # row-major: each row's prompt, then its response
     positions = torch.arange(len(ids), device=ids.device) - starts.repeat_interleave(lengths)
-    prompt, _ = batch.lengths()
-    response_len = batch.response_len
-    column = torch.arange(response_len, device=ids.device)
-    index = (starts + prompt - 1)[:, None] + column
-    index = torch.minimum(index, (starts + lengths - 1)[:, None]).clamp(min=0)
-    return ids[None], positions[None], index
+    return ids[None], positions[None], starts[:, None] + at
 
 
 def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.Tensor]:
-    """The keywords of a forward over `batch`: padded rows with their mask and positions, or with
-    `packed` the one row of `packed_inputs` (and "index", its response positions).
+    """The keywords of a forward over `batch`, and "index": (B, R) the positions whose output
+    predicts each response token (packed: into the one row of `packed_inputs`; else into each
+    row).
+
+    Not packed, each row's real tokens start at column 0 and its padding follows them, and there
+    is no attention mask: under causal attention no real token sees the padding behind it, and
+    positions count from 0 in every row, transformers' default. So sdpa runs its causal kernel
+    (flash) with no mask to build or read. Batch.py's layout (prompts left-padded, so that the
+    responses share columns) would need a mask, and with a mask sdpa runs a slower kernel: the
+    memory-efficient one, or cuDNN's, which builds a plan for each new shape and whose backward
+    put NaN into the gradients of queries that saw no key (an H200; issue 56). At 1.5B over a
+    long-tailed step's micro-batches (~400k tokens) forward and backward took 9.95 s against
+    13.3 s (cuDNN, masked) and 13.7 s (memory-efficient).
 
     For a model with compiled layers (`compiled_head`) every pass has the same form: padding
-    columns on the left (packed: pad tokens at the end, a document of their own) bring the
-    length to a multiple of ALIGN with at least one, so that there is always a mask, and a
-    single row gets a second of one token (callers keep the first `batch.rows` rows of the
-    output). Padding changes no real token's output: it is masked, and positions count real
-    tokens only.
-
-    For sdpa a mask with padding goes as the 4D boolean mask of `_sdpa_mask`, in which no query
-    sees no key: see there."""
+    brings the length to a multiple of ALIGN, and a single row gets a second of one token
+    (callers keep the first `batch.rows` rows of the output)."""
     aligned = compiled_head(model)
     if packed:
         ids, positions, index = packed_inputs(batch)
         if aligned:
-            tail = ALIGN - ids.shape[1] % ALIGN
+            tail = ALIGN - ids.shape[1] % ALIGN  # at least one: a document of its own
             ids = F.pad(ids, (0, tail))
             positions = torch.cat([positions, torch.arange(tail, device=ids.device)[None]], 1)
         return dict(input_ids=ids, position_ids=positions, index=index)
-    ids, mask = batch.input_ids, batch.attention_mask
-    if aligned:
-        extra = ALIGN - ids.shape[1] % ALIGN
-        ids, mask = F.pad(ids, (extra, 0)), F.pad(mask, (extra, 0))
-        if len(ids) == 1:  # one token of its own: a row with none would attend to nothing
-            ids, mask = F.pad(ids, (0, 0, 0, 1)), F.pad(mask, (0, 0, 0, 1))
-            mask[1, -1] = 1
-    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask))
-    if _attention(model) == "sdpa" and not mask.all():  # no padding: transformers' causal path
-        inputs["attention_mask"] = _sdpa_mask(mask)
-    return inputs
+    rows = batch.rows + 1 if aligned and batch.rows == 1 else batch.rows
+    ids, index = padded_inputs(batch, ALIGN if aligned else 1, rows)
+    return dict(input_ids=ids, index=index)
 
 
-def _attention(model) -> str | None:
-    """The attention implementation of `model` (or of the module a DeepSpeed engine wraps)."""
-    config = getattr(getattr(model, "module", model), "config", None)
-    return getattr(config, "_attn_implementation", None)
-
-
-def _sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T) booleans from a (B, T) padding mask: what transformers builds for sdpa
-    (causal, real keys only; it passes a 4D mask through as it is), plus each query's own key.
-
-    A left-padding query sees no key at all under the causal and padding masks, and on an H200
-    (torch 2.11, cuDNN's sm90 flash backward, which sdpa picks for a boolean mask) such fully
-    masked rows get NaN in dQ whenever T % 128 == 64, with the output and its gradient finite
-    and 0 there; the NaN then reaches every weight below that layer, the loss stays finite
-    (tests/test_gpu.py, issue 56). Left padding is in every RL batch (prompts of
-    several lengths; ALIGN's columns), and ALIGN makes T a multiple of 8, so one micro-batch in
-    16 hit it. With its own key every row of the attention is non-empty; a real token's row is
-    unchanged (its own key is real and causal), only padding outputs, which nothing reads, change."""
-    keys = mask.bool()
-    length = keys.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    own = torch.eye(length, dtype=torch.bool, device=mask.device)
-    return ((causal & keys[:, None, :]) | own)[:, None]
+def padded_inputs(batch: Batch, align: int = 1, rows: int | None = None):
+    """(rows, T) input ids, each row's real tokens from column 0 and padding (0) after them, T
+    the longest row's length rounded up to a multiple of `align`; rows past the batch's are all
+    padding. And (B, R) the position in its row whose output predicts each response token."""
+    tokens, lengths, index = _response_positions(batch)
+    width = int(lengths.max())
+    width += -width % align
+    real = torch.arange(width, device=tokens.device) < lengths[:, None]
+    ids = tokens.new_zeros(rows or batch.rows, width)
+    ids[: batch.rows][real] = tokens
+    return ids, index
 
 
 def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
-    """(B, R, vocab) logits that predict the R response tokens. Only the last R + 1 positions go
-    through the LM head (`logits_to_keep`): with a 150k vocabulary the full logits would be the
-    largest tensor of the step. `packed`: one forward of `packed_inputs(batch)`, no padding."""
+    """(B, R, vocab) logits that predict the R response tokens. Only the positions from the
+    first one read onwards go through the LM head (`logits_to_keep`): with a 150k vocabulary the
+    full logits would be the largest tensor of the step. `packed`: one forward of
+    `packed_inputs(batch)`, no padding."""
     inputs = model_inputs(model, batch, packed)
+    index = inputs.pop("index")
     if packed:
-        index = inputs.pop("index")
-        output = model(**inputs, logits_to_keep=index.flatten(), use_cache=False)
+        output = model_forward(model, inputs, logits_to_keep=index.flatten())
         return output.logits.view(*index.shape, -1)
-    output = model(**inputs, logits_to_keep=batch.response_len + 1, use_cache=False)
-    return output.logits[: batch.rows, :-1]
+    first = int(index.min())
+    output = model_forward(model, inputs, logits_to_keep=inputs["input_ids"].shape[1] - first)
+    logits = output.logits[: batch.rows]
+    return logits.gather(1, (index - first)[..., None].expand(-1, -1, logits.shape[-1]))
+
+
+# The attention kernels of a training forward: all of sdpa's but cuDNN's (see model_inputs).
+TRAIN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def without_cudnn():
+    """A checkpoint's `context_fn`: its forward and its recomputation on TRAIN_BACKENDS."""
+    return sdpa_kernel(TRAIN_BACKENDS), sdpa_kernel(TRAIN_BACKENDS)
+
+
+def model_forward(model, inputs: dict, **kwargs):
+    """`model(**inputs)` without a cache, its attention on TRAIN_BACKENDS. A backward runs the
+    kernels its forward chose; gradient checkpointing's recomputation, which runs after this
+    returns, sets them again (`without_cudnn` in engine.load_model)."""
+    with sdpa_kernel(TRAIN_BACKENDS):
+        return model(**inputs, **kwargs, use_cache=False)
 
 
 def response_logprobs(
@@ -372,8 +378,8 @@ def response_values(model, batch: Batch, packed: bool = False) -> torch.Tensor:
     """(B, R) critic values: the value of the state before each response token, read at the same
     positions as the logits that predict it. `packed`: as `response_logits`."""
     inputs = model_inputs(model, batch, packed)
+    index = inputs.pop("index")
+    values = model_forward(model, inputs).logits[..., 0]
     if packed:
-        index = inputs.pop("index")
-        return model(**inputs, use_cache=False).logits[0, :, 0][index].float()
-    output = model(**inputs, use_cache=False)
-    return output.logits[: batch.rows, -batch.response_len - 1 : -1, 0].float()
+        return values[0][index].float()
+    return values[: batch.rows].gather(1, index).float()
