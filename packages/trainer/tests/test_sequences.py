@@ -213,3 +213,55 @@ def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(monkey
     real = batch.response_mask.bool()
     torch.testing.assert_close(ours[real], theirs[real], rtol=1e-5, atol=1e-5)
     assert not ours[~real].any()
+
+
+def test_the_offline_trainers_forwards_take_no_mask_and_give_the_masked_results(monkeypatch):
+    """SFT, DPO and reward-model batches are right-padded (SequenceBatch): their forwards pass
+    no mask, so sdpa runs its causal kernel, without cuDNN; the loss, the log-probabilities and
+    the scores are what the forward with transformers' padding mask gives."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from ferrule_testkit import tiny_model
+    from ferrule_trainer import dpo, sft
+    from ferrule_trainer.batch import SequenceBatch
+    from ferrule_trainer.rm import RewardModel
+
+    path = tiny_model("qwen2")
+    lm = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    scorer = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    pad = scorer.config.pad_token_id = 0
+    ids = torch.randint(5, 400, (4, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((9, 6, 4, 7)):
+        mask[row, length:] = 0
+    ids = ids.masked_fill(mask == 0, pad)
+    loss_mask = mask.clone()
+    loss_mask[:, :2] = 0
+    batch = SequenceBatch(ids, mask, loss_mask)
+
+    def masked(model):  # the forward as it was: transformers' padding mask
+        return lambda **kw: model(input_ids=kw["input_ids"], attention_mask=mask, use_cache=False)
+
+    expected_loss = sft.sft_loss(masked(lm), batch, loss_mask[:, 1:].sum())
+    expected_logprobs, counts = dpo.response_logprobs(masked(lm), batch)
+    expected_scores = RewardModel.scores(SimpleNamespace(engine=masked(scorer)), batch)
+
+    seen = []
+    sdpa_function = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask"), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa_function(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    loss = sft.sft_loss(lm, batch, loss_mask[:, 1:].sum())
+    logprobs, same_counts = dpo.response_logprobs(lm, batch)
+    scores = RewardModel.scores(SimpleNamespace(engine=scorer), batch)
+    assert len(seen) == 3 * lm.config.num_hidden_layers
+    assert all(mask is None and not cudnn for mask, cudnn in seen)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, same_counts)
+    torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-5)

@@ -148,7 +148,10 @@ class Batch:
 @dataclass(frozen=True)
 class SequenceBatch:
     """Whole sequences, right-padded, as the offline trainers read them (SFT; reward models and
-    DPO on pairs, the B / 2 chosen sequences first, then the rejected ones in the same order)."""
+    DPO on pairs, the B / 2 chosen sequences first, then the rejected ones in the same order).
+    Their forwards pass no attention mask: under causal attention no real token sees the padding
+    behind it, and without a mask sdpa runs its causal kernel (`sequences.model_inputs`). A
+    reward model's score is read at the last token that is not `pad_token_id`, as before."""
 
     input_ids: torch.Tensor
     """(B, T) token ids of prompt + response."""

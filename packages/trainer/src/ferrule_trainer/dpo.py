@@ -41,7 +41,7 @@ from ferrule_trainer.preference import (
     total_steps,
     train_pairs,
 )
-from ferrule_trainer.sequences import token_logprobs
+from ferrule_trainer.sequences import model_forward, token_logprobs
 from ferrule_trainer.sft import SFTModelConfig, SFTOutputConfig, SFTTrainConfig
 
 
@@ -77,9 +77,7 @@ class DPOConfig(Table):
 
 def response_logprobs(model, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows,) the summed log-probability of each sequence's response tokens, and their count."""
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).logits[:, :-1]
+    logits = model_forward(model, dict(input_ids=batch.input_ids)).logits[:, :-1]  # SequenceBatch
     per_token = token_logprobs(logits, batch.input_ids[:, 1:])
     mask = batch.loss_mask[:, 1:].float()
     return (per_token * mask).sum(-1), mask.sum(-1)

@@ -40,6 +40,7 @@ from ferrule_trainer.preference import (
     total_steps,
     train_pairs,
 )
+from ferrule_trainer.sequences import model_forward
 from ferrule_trainer.sft import SFTModelConfig, SFTOutputConfig, SFTTrainConfig
 from ferrule_trainer.trained import TrainedModel
 
@@ -97,9 +98,7 @@ class RewardModel(TrainedModel):
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(rows,) the score of each sequence (the head at its last non-padding token)."""
-        output = self.engine(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-        )
+        output = model_forward(self.engine, dict(input_ids=batch.input_ids))  # see SequenceBatch
         return output.logits[:, 0].float()
 
 

@@ -30,7 +30,7 @@ from ferrule_trainer.batch import SequenceBatch
 from ferrule_trainer.chat import prompt_text
 from ferrule_trainer.config import ModelConfig, TrainDType
 from ferrule_trainer.jsonl import records
-from ferrule_trainer.sequences import group_by_length
+from ferrule_trainer.sequences import group_by_length, model_forward
 
 
 class SFTModelConfig(ModelConfig):
@@ -171,9 +171,7 @@ def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
 
 def sft_loss(model, batch: SequenceBatch, num_tokens: torch.Tensor) -> torch.Tensor:
     """This micro-batch's share of the step's token-mean cross-entropy."""
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).logits
+    logits = model_forward(model, dict(input_ids=batch.input_ids)).logits  # see SequenceBatch
     targets = batch.input_ids[:, 1:]
     mask = batch.loss_mask[:, 1:]
     per_token = F.cross_entropy(
