@@ -181,7 +181,7 @@ class Actor(TrainedModel):
         vocab = self.module.get_output_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
         attention = torch.ones_like(ids)
-        attention[1, :8] = 0  # a shorter prompt: the padded form's mask
+        attention[1, :8] = 0  # a shorter prompt, as in a step
         batch = Batch(ids, attention, torch.ones(2, length * 3 // 4, dtype=torch.long))
         if score:
             self.logprobs(batch, ForwardPlan(packed=packed))
