@@ -44,6 +44,7 @@ def test_no_request_freezes_starves_or_bloats_the_rollout_server(vllm_cpu_env, t
             pytest.fail("the server exited before serving")
         address = line.rsplit(" on ", 1)[1].strip()
         threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
+        abuse.warm_up(address, TOKEN)
         ready_rss = sum(map(rss, tree(server.pid)))
         rows, watch = abuse.run_all(server.pid, address, TOKEN)
         failures = []
