@@ -158,7 +158,21 @@ def test_compiled_layers_compile_once_for_any_width_with_or_without_padding(monk
             monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
 
 
-def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(monkeypatch):
+@pytest.fixture
+def sdpa_calls(monkeypatch) -> list:
+    """(its attn_mask, whether cuDNN's kernel was allowed) of each sdpa call from here on."""
+    seen = []
+    sdpa_function = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask"), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa_function(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(sdpa_calls):
     """The batch's layout (prompts left-padded) would need an attention mask, under which sdpa
     runs cuDNN's kernel (a plan built for each new shape; NaN in the backward of queries that see
     no key, issue 56) or the memory-efficient one. Each row's tokens now start at column 0 and
@@ -189,15 +203,8 @@ def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(monkey
     ]
     assert inputs["index"].tolist() == [[6, 7, 8], [2, 3, 4], [0, 1, 2]]
 
-    seen = []
-    sdpa_function = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("attn_mask"), torch.backends.cuda.cudnn_sdp_enabled()))
-        return sdpa_function(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     sdpa.train()
+    seen = sdpa_calls
     ours, _ = response_logprobs(sdpa, batch)
     forwards = len(seen)
     ours.sum().backward()
@@ -215,7 +222,7 @@ def test_rows_start_at_column_0_and_attend_with_no_mask_and_without_cudnn(monkey
     assert not ours[~real].any()
 
 
-def test_the_offline_trainers_forwards_take_no_mask_and_give_the_masked_results(monkeypatch):
+def test_the_offline_trainers_forwards_take_no_mask_and_give_the_masked_results(sdpa_calls):
     """SFT, DPO and reward-model batches are right-padded (SequenceBatch): their forwards pass
     no mask, so sdpa runs its causal kernel, without cuDNN; the loss, the log-probabilities and
     the scores are what the forward with transformers' padding mask gives."""
@@ -247,15 +254,9 @@ def test_the_offline_trainers_forwards_take_no_mask_and_give_the_masked_results(
     expected_loss = sft.sft_loss(masked(lm), batch, loss_mask[:, 1:].sum())
     expected_logprobs, counts = dpo.response_logprobs(masked(lm), batch)
     expected_scores = RewardModel.scores(SimpleNamespace(engine=masked(scorer)), batch)
+    seen = sdpa_calls
+    seen.clear()
 
-    seen = []
-    sdpa_function = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("attn_mask"), torch.backends.cuda.cudnn_sdp_enabled()))
-        return sdpa_function(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     loss = sft.sft_loss(lm, batch, loss_mask[:, 1:].sum())
     logprobs, same_counts = dpo.response_logprobs(lm, batch)
     scores = RewardModel.scores(SimpleNamespace(engine=scorer), batch)
