@@ -210,6 +210,22 @@ def test_exact_refuses_a_chosen_attention(write):
             "[loop] partial_rollout: needs exact = false",
         ),
         ("[loop]\npartial_cut = 0.5\n", "[loop] partial_cut: only applies with partial_rollout"),
+        (
+            "[rollout]\nbackend = 'transformers'\nreuse_cut_kv = true\n",
+            "[rollout] reuse_cut_kv: only applies with partial_rollout = true",
+        ),
+        (
+            "[loop]\nmode = 'async'\npartial_rollout = true\npartial_cut = 0.5\n",
+            '[loop] partial_cut: only applies with partial_rollout = true and mode = "sync"',
+        ),
+        (
+            "[rollout]\nreuse_cut_kv = true\n",
+            '[rollout] reuse_cut_kv: reuse_cut_kv needs backend = "transformers"',
+        ),
+        (
+            "[rollout]\nbackend = 'transformers'\nexact = true\nreuse_cut_kv = true\n",
+            "[rollout] reuse_cut_kv: exact recomputes every sequence's keys and values",
+        ),
         ("[loop]\npartial_cut = 0\n", "[loop] partial_cut: Input should be greater than 0"),
         ("[rollout]\nexact = true\n", '[rollout] exact: exact needs backend = "transformers"'),
         (

@@ -44,7 +44,9 @@ def model(tmp_path_factory):
     return path
 
 
-def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path):
+@pytest.mark.parametrize("reuse_cut_kv", [False, True])
+def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path, reuse_cut_kv):
+    """And with [rollout] reuse_cut_kv, where the engine resumes the cut samples in their rows."""
     from ferrule_rollout.hf_engine import TransformersEngine
 
     run = tmp_path / "run.toml"
@@ -56,7 +58,8 @@ def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path
         "[loop]\npartial_rollout = true\npartial_cut = 0.25\n"
     )
     config = load_config(run)
-    with TransformersEngine(model, dtype="float32", max_batch_size=32) as engine:
+    options = dict(max_batch_size=32, reuse_cut_kv=reuse_cut_kv)
+    with TransformersEngine(model, dtype="float32", **options) as engine:
         engines = OneEngine(engine)
         rollouts = PartialRollouts(config, engines)
         first = [Problem(f"a b {k}") for k in range(4)]
@@ -83,7 +86,16 @@ def test_cut_groups_continue_in_the_next_call_and_come_out_whole(model, tmp_path
 
         engines.load(1)  # the next step's weights
         second = [Problem(f"c d {k}") for k in range(4)]
-        done, samples, tokens = rollouts.play(second, N)
+        claims = []
+        claim = type(engine._decoder)._claim
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                engine._decoder,
+                "_claim",
+                lambda *a: claims.append(claim(engine._decoder, *a)) or claims[-1],
+            )
+            done, samples, tokens = rollouts.play(second, N)
+        assert len(claims[0]) == (len(waiting) if reuse_cut_kv else 0)  # resumed in their rows
         # the earlier groups come first, whole, in sample order (at the bound: never cut again)
         assert [id(p) for p in done[: len(cut)]] == list(cut)
         assert all(id(g.problem) not in cut for g in rollouts.unfinished)

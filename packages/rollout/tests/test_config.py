@@ -20,7 +20,9 @@ def test_each_backend_gets_its_class_and_options():
         enable_prefix_caching=True,
         enable_sleep_mode=True,  # vLLM must be started able to sleep
     )
-    hf = EngineConfig(backend="transformers", max_batch_size=32, compact_rows=False)
+    hf = EngineConfig(
+        backend="transformers", max_batch_size=32, compact_rows=False, reuse_cut_kv=True
+    )
     assert hf.engine_class() is TransformersEngine
     assert hf.engine_options() == dict(
         max_model_len=128,
@@ -28,6 +30,7 @@ def test_each_backend_gets_its_class_and_options():
         exact=False,
         compile_decode=True,  # "auto"
         compact_rows=False,
+        reuse_cut_kv=True,
     )
 
 

@@ -307,6 +307,126 @@ def test_a_cut_call_and_its_continuation_give_each_sample_what_one_call_gives_it
         assert [r[3] for r in kept] == [r[3] for r in full]
 
 
+def _cut_and_continue(decoder, prompts, limits, fresh=(), between=None, **options):
+    """One call cut at 4 rows, then (after `between()`) one call of its cut samples continued
+    and `fresh` prompts, on the same decoder; the prompts each call prefilled (from their
+    groups' forwards), the cut call's results and the continuation's."""
+    from ferrule_rollout import decode
+
+    prefilled = []
+    with pytest.MonkeyPatch.context() as patch:
+        take = decode._Rows.take
+        patch.setattr(
+            decode._Rows,
+            "take",
+            lambda rows, t, at, taken, s: (
+                prefilled[-1].extend(taken) or take(rows, t, at, taken, s)
+            ),
+        )
+        prefilled.append([])
+        cut = run(decoder, prompts, limits=limits, cut_below=4, **options)
+        if between is not None:
+            prefilled.append([])
+            between()
+        aborted = [i for i, r in enumerate(cut) if r[3] == "abort"]
+        more = [prompts[i] + cut[i][0] for i in aborted] + list(fresh)
+        prefilled.append([])
+        went_on = run(
+            decoder,
+            more,
+            limits=[limits[i] - cut[i][2] for i in aborted] + [limits[0]] * len(fresh),
+            keys=aborted + [100 + k for k in range(len(fresh))],
+            carried=[cut[i][2] for i in aborted] + [0] * len(fresh),
+            **options,
+        )
+    return (prefilled[0], prefilled[-1]), cut, aborted, went_on
+
+
+def test_a_cut_row_resumed_in_place_gives_the_uncut_sample_without_a_prefill(model):
+    """reuse_cut: the rows a cut call leaves keep their keys and values, and the next call on
+    the same decoder that continues those sequences resumes them in their rows: only its fresh
+    prompts are prefilled, and each continued sample is the uncut call's, token for token. A
+    call in between that does not continue them frees their rows: they are prefilled again."""
+    import random
+
+    draw = random.Random(3)
+    prompts = [PROMPTS[k % 4] + [k + 1] for k in range(24)]
+    limits = [min(50, 2 + int(draw.expovariate(1 / 8))) for _ in prompts]
+    limits[3], limits[17], limits[20] = 50, 45, 40  # the tail
+    full = run(Decoder(model, float_mask=False), prompts, limits=limits)
+    fresh = [PROMPTS[1] + [77], PROMPTS[2]]
+    for between in (None, "another call"):
+        decoder = Decoder(model, float_mask=False, reuse_cut=True)
+        other = None if between is None else lambda d=decoder: run(d, PROMPTS, limits=[30] * 4)
+        prefilled, cut, aborted, went_on = _cut_and_continue(
+            decoder, prompts, limits, fresh, between=other
+        )
+        assert 1 <= len(aborted) <= 3 and sorted(prefilled[0]) == list(range(24))
+        continued = list(range(len(aborted)))
+        assert sorted(prefilled[1]) == (continued if between else []) + [
+            len(aborted),
+            len(aborted) + 1,
+        ]
+        for k, i in enumerate(aborted):
+            tokens, logprobs, n, finish = went_on[k]
+            assert (cut[i][0] + tokens, cut[i][2] + n, finish) == (
+                full[i][0],
+                full[i][2],
+                full[i][3],
+            )
+            joined = torch.tensor(cut[i][1] + logprobs)
+            assert torch.allclose(joined, torch.tensor(full[i][1]), atol=1e-5)
+        fresh_alone = run(
+            Decoder(model, float_mask=False), fresh, limits=[limits[0]] * 2, keys=[100, 101]
+        )
+        assert [r[0] for r in went_on[len(aborted) :]] == [r[0] for r in fresh_alone]
+
+
+def test_a_resumed_row_keeps_the_keys_and_values_of_the_weights_that_wrote_them(model, eager):
+    """What reuse_cut means under a weight update between the calls: the continued sample's
+    earlier keys and values are the old weights' (not recomputed), and the logprob recorded
+    for its next token is the one it was drawn with under the new weights over them; a
+    decoder without reuse_cut prefills the sequence under the new weights instead."""
+    import copy
+
+    from transformers import DynamicCache
+
+    prompts = [PROMPTS[k % 4] + [k + 1] for k in range(6)]
+    limits = [2, 3, 2, 40, 3, 2]
+    ours, old = copy.deepcopy(model), eager
+
+    def update():  # the same new weights in the decoder's model and the reference's
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.mul_(1.25)
+
+    firsts = {}
+    for reuse in (True, False):
+        ours.load_state_dict(model.state_dict())
+        decoder = Decoder(ours, float_mask=False, reuse_cut=reuse)
+        _, cut, aborted, went_on = _cut_and_continue(decoder, prompts, limits, between=update)
+        assert aborted == [3]
+        firsts[reuse] = went_on[0][0][0], went_on[0][1][0]  # its first new token, logprob
+    sequence = prompts[3] + cut[3][0]
+    new = copy.deepcopy(eager)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.25)
+        cache = DynamicCache(config=old.config)
+        old(torch.tensor([sequence[:-1]]), past_key_values=cache, use_cache=True)
+        logits = new(
+            torch.tensor([sequence[-1:]]),
+            past_key_values=cache,
+            position_ids=torch.tensor([[len(sequence) - 1]]),
+        ).logits[0, -1]
+        recomputed = new(torch.tensor([sequence])).logits[0, -1]
+    stale, fresh = logits.log_softmax(-1), recomputed.log_softmax(-1)
+    (token, logprob), (other, recorded) = firsts[True], firsts[False]
+    assert logprob == pytest.approx(stale[token].item(), abs=1e-5)
+    assert recorded == pytest.approx(fresh[other].item(), abs=1e-5)
+    assert abs(stale[token] - fresh[token]) > 1e-3  # the two differ: the test tells them apart
+
+
 def test_prompts_are_prefilled_in_groups_and_windows_within_their_budgets(model, eager):
     """Continued samples make prompts thousands of tokens long among short ones: one prefill
     padding every prompt to the longest, over the slab's every slot, ran out of memory at 1.5B.

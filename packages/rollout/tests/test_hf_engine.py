@@ -603,3 +603,29 @@ def test_a_cut_call_continued_gives_the_samples_of_one_uncut_call(engine):
     with pytest.raises(BadRequestError, match="cut_below must be >= 0"):
         SamplingSettings(cut_below=-1)
     assert engine.generate(["a b"], GREEDY)  # and it keeps serving
+
+
+def test_reuse_cut_kv_resumes_the_continued_samples_without_a_prefill(monkeypatch):
+    """[rollout] reuse_cut_kv: the engine's next call continues the cut samples in the rows
+    that hold their keys and values (no prefill), and gives each the uncut call's sample."""
+    from ferrule_rollout import Continuation, decode
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    settings = SamplingSettings(n=16, max_tokens=150, seed=1, stop=("q",))
+    model = tiny_model("qwen2")
+    with TransformersEngine(model, dtype="float32", max_model_len=256, reuse_cut_kv=True) as engine:
+        full = {(s.prompt_index, s.sample_index): s for s in engine.generate(["a b c"], settings)}
+        cut = engine.generate(["a b c"], replace(settings, cut_below=8))
+        aborted = [s for s in cut if s.finish_reason == "abort"]
+        assert aborted
+        prefilled = []
+        take = decode._Rows.take
+        monkeypatch.setattr(
+            decode._Rows, "take", lambda rows, *a: prefilled.append(a[2]) or take(rows, *a)
+        )
+        more = engine.generate([Continuation(s) for s in aborted], settings)
+    assert prefilled == []
+    for before, after in zip(aborted, more, strict=True):
+        whole = full[before.prompt_index, before.sample_index]
+        assert (after.token_ids, after.finish_reason) == (whole.token_ids, whole.finish_reason)
+        assert torch.allclose(torch.tensor(after.logprobs), torch.tensor(whole.logprobs), atol=1e-5)

@@ -15,9 +15,15 @@ pytest.importorskip("triton")
 AGAINST_SDPA = """
 import torch
 import torch.nn.functional as F
+from ferrule_rollout import kernels
 from ferrule_rollout.kernels import decode_attention
 
 def check(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
+    for multiprocessors in (0, 10**6):  # each row in one program; each split over several
+        kernels._multiprocessors = lambda device: multiprocessors
+        check_once(rows, kv, group, dim, length, slots, pads, dtype, tolerance)
+
+def check_once(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
     torch.manual_seed(rows * 1000 + length)
     heads = kv * group
     query = torch.randn(rows, 1, heads, dim, dtype=dtype).transpose(1, 2)  # HF's strided layout
@@ -47,6 +53,10 @@ def check(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
 check(3, 2, 6, 64, 160, [0, 100, 159], [0, 70, 3], torch.float32, 1e-5)
 check(2, 1, 1, 128, 64, [63, 10], [0, 0], torch.float32, 1e-5)      # one head a KV head
 check(2, 4, 8, 32, 200, [130, 199], [129, 0], torch.float32, 1e-5)  # padding up to the slot
+# rows over several of the kernel's splits (kernels.SPLIT = 256 slots): split edges, a split
+# wholly padding (row 1), rows of one split beside rows of three
+check(5, 2, 6, 64, 700, [255, 256, 699, 40, 511], [0, 300, 3, 0, 511], torch.float32, 1e-5)
+check(2, 4, 8, 32, 520, [519, 300], [0, 299], torch.float16, 2e-3)
 # half precision in, float32 softmax inside (the interpreter has no bfloat16: test_hf_engine_gpu)
 check(4, 2, 6, 64, 128, [5, 64, 65, 127], [0, 1, 2, 3], torch.float16, 2e-3)
 print("ok")

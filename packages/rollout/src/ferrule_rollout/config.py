@@ -64,6 +64,15 @@ class EngineConfig(Table):
     "auto": on unless exact (inductor reorders math) or
     sleep_between_phases (each wake makes new graphs: not measured compiled)."""
 
+    reuse_cut_kv: bool = False
+    """transformers, with [loop] partial_rollout: a cut sample's keys and values stay in its
+    row of the engine's KV cache, and the next step's call resumes it there instead of
+    prefilling its prompt and tokens again. Those keys and values were computed under the
+    weights before the step's update (as PipelineRL's in-flight updates; AReaL recomputes them,
+    as this engine does without the key): the logprobs the engine records are the ones each
+    token was drawn with, which rollout correction uses. A call in between that does not
+    continue them (an evaluation) or a sleep loses them: they are then prefilled."""
+
     @field_validator("tensor_parallel_size")
     @classmethod
     def _backend_supports(cls, size: int, info: ValidationInfo) -> int:
@@ -74,7 +83,7 @@ class EngineConfig(Table):
             )
         return size
 
-    @field_validator("exact", "compile_decode")
+    @field_validator("exact", "compile_decode", "reuse_cut_kv")
     @classmethod
     def _transformers_only(cls, on: bool | str, info: ValidationInfo) -> bool | str:
         if on == "auto":  # resolved by compiles_decode(); means "off" for vLLM
@@ -88,6 +97,8 @@ class EngineConfig(Table):
             )
         if on and info.field_name == "compile_decode" and info.data.get("exact"):
             raise ValueError("exact and compile_decode exclude each other (inductor reorders math)")
+        if on and info.field_name == "reuse_cut_kv" and info.data.get("exact"):
+            raise ValueError("exact recomputes every sequence's keys and values: no reuse_cut_kv")
         return on
 
     def engine_class(self):
@@ -115,6 +126,7 @@ class EngineConfig(Table):
                 exact=self.exact,
                 compile_decode=self.compiles_decode(),
                 compact_rows=self.compact_rows,
+                reuse_cut_kv=self.reuse_cut_kv,
             )
         return dict(
             max_model_len=self.max_model_len,

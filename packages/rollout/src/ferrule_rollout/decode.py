@@ -87,6 +87,7 @@ class SlabCache:
         self.buffers, self.keys, self.values = [], [], []
         self.rows = self.slots = None  # where `update` writes: set before each forward
         self.seen = None  # prefill: the slots its tokens attend to (None: every slot)
+        self.allocations = 0  # how often the buffers were (re)allocated: what they hold is gone
 
     def reserve(self, rows: int, length: int) -> bool:
         """View the buffers as `rows` x `length` slots; True when they had to be reallocated.
@@ -96,6 +97,7 @@ class SlabCache:
         grew = not self.buffers or self.buffers[0].numel() < 2 * half
         if grew:
             self.buffers = self.keys = self.values = []  # free the old ones first
+            self.allocations += 1
             self.buffers = [  # zeros: a masked slot is multiplied by 0, and 0 * NaN is NaN
                 torch.zeros(2 * half, dtype=self.dtype, device=self.device)
                 for _ in range(self.layers)
@@ -197,6 +199,7 @@ class Decoder:
         exact: ExactNumerics | None = None,
         most: tuple[int, int] | None = None,
         compact: int = NARROWER,
+        reuse_cut: bool = False,
     ):
         self.model = model
         self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
@@ -236,11 +239,17 @@ class Decoder:
         self.kernels = self.use_graphs and exact is None and triton_available()
         # the tail's rows move into 1 / `compact` of them (0: never; nor in exact mode)
         self.compacts = compact if compact > 1 and exact is None else 0
+        # partial rollouts: a cut row's keys and values stay in the slab, and the next call
+        # resumes it there if it continues that sequence (see `_claim`; not in exact mode)
+        self.reuse_cut = reuse_cut and exact is None
+        self.parked: dict[tuple[int, ...], int] = {}  # a cut sequence -> the row that holds it
+        self.parked_view = None  # (slots a row, the slab's allocation) when they were parked
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
         self.steps.clear()
         self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
+        self.parked = {}
         self.pool = self.step_forward = self.logprobs_of = self.regions = None
 
     def _compiled_forward(self, ids, positions, pad_ok, slots):
@@ -348,6 +357,10 @@ class Decoder:
                     f"{self.exact.key_slots} key slots"
                 )
             length = self.exact.key_slots
+        resumed = [self.parked[p] for p in map(tuple, prompts) if p in self.parked]
+        if resumed:  # the parked rows' view: their slots a row, their rows among the first
+            length, widest = max(length, self.parked_view[0]), max(resumed) + 1
+            batch = max(batch, bucket(widest) if self.use_graphs else widest)
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
         state.partial(carried, cut_below, final)
         with torch.inference_mode():
@@ -357,6 +370,7 @@ class Decoder:
             state.step.slot.zero_()
             state.step.moving.zero_()
             sampling = (temperature, top_k, top_p)
+            state.resume(0, self._claim(prompts, batch, length))
             state.fill(0, sampling)
             t = 0
             while True:
@@ -371,6 +385,23 @@ class Decoder:
                 )
                 state.record(t, chosen, logprob)
         return state.results
+
+    def _claim(self, prompts: list[list[int]], rows: int, length: int) -> dict[int, int]:
+        """The prompts that continue a sequence the last call cut, and the row that holds its
+        keys and values: {prompt index: row}. Only while the slab is the one they were written
+        to, viewed at the same slots a row; whatever this call does not continue is forgotten
+        (its rows are free to be overwritten). The keys and values were computed under the
+        weights of the call that cut them: a weight update in between does not recompute them
+        (PipelineRL's in-flight updates do the same; [rollout] reuse_cut_kv says so)."""
+        parked, self.parked = self.parked, {}
+        if (length, self.cache.allocations) != self.parked_view:
+            return {}
+        claims = {}
+        for i, prompt in enumerate(prompts):
+            row = parked.pop(tuple(prompt), None)
+            if row is not None and row < rows:
+                claims[i] = row
+        return claims
 
 
 class _Rows:
@@ -420,6 +451,36 @@ class _Rows:
             self.ends = torch.where(
                 torch.isin(chosen, self.eos), self.ends.clamp(max=t + 1), self.ends
             )
+
+    def resume(self, t: int, claims: dict[int, int]) -> None:
+        """Rows that hold the keys and values of a sequence the last call cut take the prompts
+        that continue it (`claims`: Decoder._claim): no prefill. The sequence's last token,
+        drawn but not yet fed, goes in at step t + 1, which draws their first new token."""
+        if not claims:
+            return
+        taken, rows, dev = list(claims), list(claims.values()), self.device
+        self.queue = [i for i in self.queue if i not in claims]
+        limits = [self.limits[i] for i in taken]
+        self.grow(t + 1 + max(limits))
+        draws = uniforms(
+            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken]
+        )
+        at, fed = torch.tensor(rows, device=dev), [len(self.prompts[i]) - 1 for i in taken]
+        self.u[at, t + 1 : t + 1 + max(limits)] = draws.to(dev)
+        self.chosen[at] = torch.tensor([self.prompts[i][-1] for i in taken], device=dev)
+        self.ends[at] = torch.tensor([t + 1 + n for n in limits], device=dev)
+        step, fed = self.step, torch.tensor(fed, device=dev)
+        step.pad_ok[at], step.positions[at], step.slot[at], step.moving[at] = (
+            True,
+            fed[:, None],
+            fed,
+            1,
+        )
+        for r, i in zip(rows, taken, strict=True):
+            before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
+            self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t + 1, t + 1, before
+            self.stops.pop(r, None)
+        self.horizon = max(self.horizon, t + 1 + max(limits))
 
     def fill(self, t: int, sampling) -> None:
         """Free rows take queued prompts: their prefill, and their first token as step t. A
@@ -543,7 +604,9 @@ class _Rows:
             ):
                 for r in running:
                     ends[r] = t + 1
+                cut = {r: self.holder[r] for r in running}
                 self.leave(t, done, ends, cut=running)
+                self.park(cut)
                 return False
         self.leave(t, done, ends)
         if self.queue:
@@ -572,6 +635,17 @@ class _Rows:
             self.results[i] = (row, values, n, finish)
             self.holder[r] = -1
         self.idle(at)
+
+    def park(self, cut: dict[int, int]) -> None:
+        """With the decoder's reuse_cut: the rows of `cut` ({row: prompt index}) keep the keys
+        and values of their sequences (prompt and tokens so far, all but the last token fed)
+        for the next call."""
+        decoder = self.decoder
+        if not decoder.reuse_cut:
+            return
+        for r, i in cut.items():
+            decoder.parked[tuple(self.prompts[i] + self.results[i][0])] = r
+        decoder.parked_view = (self.length, decoder.cache.allocations)
 
     def compact(self) -> None:
         """Once no prompt waits and the rows still running fit in 1 / `compacts` of the rows,

@@ -151,6 +151,7 @@ class TransformersEngine(EngineBase):
         compile_decode: bool = False,
         exact: bool = False,
         compact_rows: bool = True,
+        reuse_cut_kv: bool = False,
     ):
         """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
         device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
@@ -162,7 +163,10 @@ class TransformersEngine(EngineBase):
         `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
-        rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact)."""
+        rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact).
+        `reuse_cut_kv`: a call cut with `cut_below` leaves its cut samples' keys and values in
+        their rows, and the next call that continues them resumes them there, without a
+        prefill, even after a weight update (decode.py's Decoder._claim); not with `exact`."""
         path = _checked_arguments(model, dtype, max_batch_size, exact, compile_decode)
         super().__init__(str(path))
         self._decoder = None  # made on first use, dropped whenever the parameters move
@@ -182,6 +186,7 @@ class TransformersEngine(EngineBase):
 
         self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
         self._compile, self._compact = compile_decode, compact_rows
+        self._reuse_cut = reuse_cut_kv and not exact
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
         self._model_lock = threading.Lock()  # one generate call or weight change at a time
         self._update_lock = threading.Lock()  # one weight update at a time
@@ -343,6 +348,7 @@ class TransformersEngine(EngineBase):
                 exact=self.exact_numerics,
                 most=(self.max_batch_size, self.max_model_len),
                 compact=NARROWER if self._compact else 0,
+                reuse_cut=self._reuse_cut,
             )
         results = self._decoder.generate(
             prompts,

@@ -9,7 +9,10 @@ ones included: at 1.5B, 512 rows and 576 slots that was 3.6 ms of a 10.2 ms step
 (benchmarks/RESULTS.md, issue 42). Here one program per (row, KV head) walks the row's slots in
 blocks up to its own next slot (`slots[r]`, where it just wrote), so a row 100 tokens in reads
 100 slots, whatever the slab's length. The query heads of a KV head are its program's rows
-(grouped-query attention without copying the cache); softmax runs online in float32. The op is
+(grouped-query attention without copying the cache); softmax runs online in float32. Where the
+view has few rows (the tail's narrower rows, an evaluation's), each row's slots are split over
+programs of SPLIT slots, whose partial sums a second kernel combines (flash-decoding): one
+program walking a 16k-token row alone took most of a step. The op is
 registered with torch.library, so torch.compile (the engine's compile_decode) treats it as one
 opaque call, and a CUDA graph captures it with the slots as a device tensor: a replay reads as
 far as each row has got.
@@ -23,9 +26,13 @@ may pick the neighbouring token (either is a correct draw; exact mode keeps the 
 Triton is imported on first use: CPU-only installs never need it.
 """
 
+import functools
+
 import torch
 
 BLOCK = 64  # slots per iteration
+SPLIT = 256  # slots per program where rows are split (decode_attention)
+MIN_PROGRAMS_PER_SM = 2  # fewer (row, KV head) programs than this per SM: rows are split
 VOCAB_BLOCK = 2048  # vocabulary entries per iteration of the draw
 _kernel = _draw_kernel = None
 
@@ -56,26 +63,28 @@ def _build():
 
     @triton.jit
     def kernel(
-        Q, K, V, VISIBLE, SLOTS, OUT, scale,
+        Q, K, V, VISIBLE, SLOTS, ACC, BEST, TOTAL, OUT, scale, span,
         q_row, q_head, k_row, k_head, k_slot, v_row, v_head, v_slot, vis_row, o_row, o_head,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr,
+        SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, DIM)
         heads = h * GROUP + g
+        last = tl.load(SLOTS + r)  # the row's own slot: nothing after it is visible
+        begin = split * span
         q = tl.load(
             Q + r * q_row + heads[:, None] * q_head + d[None, :],
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        last = tl.load(SLOTS + r)  # the row's own slot: nothing after it is visible
         best = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: an all-masked block is no NaN
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-        for start in range(0, last + 1, BLOCK):
+        for start in range(begin, tl.minimum(begin + span, last + 1), BLOCK):
             j = start + tl.arange(0, BLOCK)
             seen = tl.load(VISIBLE + r * vis_row + j, mask=j <= last, other=0) != 0
             k = tl.load(
@@ -96,14 +105,54 @@ def _build():
             )
             acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        out = acc / total[:, None]
+        if SPLITS == 1:  # the row's every slot: the output
+            tl.store(
+                OUT + r * o_row + heads[:, None] * o_head + d[None, :],
+                (acc / total[:, None]).to(OUT.dtype.element_ty),
+                mask=(g < GROUP)[:, None],
+            )
+        else:  # this split's partial sums (unnormalised), for `combine`; a split past the
+            # row's slot stores nothing and is never read
+            live = (g < GROUP) & (begin <= last)
+            at = (r * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+            tl.store(BEST + at, best, mask=live)
+            tl.store(TOTAL + at, total, mask=live)
+            tl.store(ACC + at[:, None] * DIM + d[None, :], acc, mask=live[:, None])
+
+    @triton.jit
+    def combine(
+        ACC, BEST, TOTAL, SLOTS, OUT, span, o_row, o_head,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM)
+        heads = h * GROUP + g
+        used = g < GROUP
+        base = (r * GROUP * tl.num_programs(1) + heads) * SPLITS
+        best = tl.full([GROUP_PAD], -1.0e30, tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+        for split in range(0, tl.load(SLOTS + r) // span + 1):  # the row's splits only
+            b = tl.load(BEST + base + split, mask=used, other=-1.0e30)
+            t = tl.load(TOTAL + base + split, mask=used, other=0.0)
+            a = tl.load(
+                ACC + (base + split)[:, None] * DIM + d[None, :], mask=used[:, None], other=0.0
+            )
+            new_best = tl.maximum(best, b)
+            old, this = tl.exp(best - new_best), tl.exp(b - new_best)
+            total = total * old + t * this
+            acc = acc * old[:, None] + a * this[:, None]
+            best = new_best
+        out = acc / tl.where(used, total, 1.0)[:, None]
         tl.store(
             OUT + r * o_row + heads[:, None] * o_head + d[None, :],
             out.to(OUT.dtype.element_ty),
-            mask=(g < GROUP)[:, None],
+            mask=used[:, None],
         )
 
-    return kernel
+    return kernel, combine
 
 
 @torch.library.custom_op("ferrule::slab_decode_attention", mutates_args=())
@@ -122,22 +171,50 @@ def decode_attention(
     global _kernel
     if _kernel is None:
         _kernel = _build()
+    attend, combine = _kernel
     rows, heads, _, dim = query.shape
-    kv = keys.shape[1]
+    kv, length = keys.shape[1], keys.shape[2]
     group = heads // kv
     out = torch.empty((rows, 1, heads, dim), dtype=query.dtype, device=query.device)
     if rows == 0:
         return out
     visible = visible.view(torch.uint8) if visible.dtype == torch.bool else visible  # no copy
-    _kernel[(rows, kv)](
-        query, keys, values, visible, slots, out, scale,
+    # from the shapes alone, so that a captured graph keeps its grid: few (row, KV head)
+    # programs leave most of the GPU idle while each walks its row, so each long row is split
+    # over several; many programs fill it already, and splitting them costs the partial sums'
+    # writes and dead programs (at 1.5B: 512 rows 1.5x slower, 16 rows at 16k slots 2.3x
+    # faster split; benchmarks/RESULTS.md, 2026-12-01)
+    few = rows * kv < MIN_PROGRAMS_PER_SM * _multiprocessors(query.device)
+    splits = -(-length // SPLIT) if few else 1
+    split, span = splits > 1, SPLIT if splits > 1 else length
+    if split:  # each split's partial sums
+        best, total = (query.new_empty((rows, heads, splits), dtype=torch.float32) for _ in "bt")
+        acc = query.new_empty((rows, heads, splits, dim), dtype=torch.float32)
+    else:  # the kernel writes `out` itself
+        best = total = acc = out
+    shapes = dict(GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), DIM=dim)
+    attend[(rows, kv, splits)](
+        query, keys, values, visible, slots, acc, best, total, out, scale, span,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), visible.stride(0),
-        out.stride(0), out.stride(2),
-        GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), DIM=dim, BLOCK=BLOCK,
+        out.stride(0), out.stride(2), BLOCK=BLOCK, SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 stays float32
+        **shapes,
     )  # fmt: skip
+    if split:
+        combine[(rows, kv)](
+            acc, best, total, slots, out, span, out.stride(0), out.stride(2), SPLITS=splits,
+            **shapes,
+        )  # fmt: skip
     return out
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (Triton's CPU interpreter: 4)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @decode_attention.register_fake
