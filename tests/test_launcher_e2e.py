@@ -2,6 +2,7 @@
 reward server and weight sync on CPU). Each run takes about a minute on 2 cores, mostly start-up.
 """
 
+import fcntl
 import json
 import os
 import re
@@ -73,12 +74,31 @@ def _segments() -> set[str]:
     return {path.name for path in SEGMENTS.glob("ferrule-ws-*")}
 
 
+def _unheld(names: set[str]) -> set[str]:
+    """The segments of `names` that no living process holds (their creators lock them while
+    they live): another run's, on the other CI worker, are held."""
+    unheld = set()
+    for name in names:
+        try:
+            fd = os.open(SEGMENTS / name, os.O_RDONLY)
+        except OSError:  # removed meanwhile
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            unheld.add(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return unheld
+
+
 def test_sync_run_learns_and_writes_every_output(tmp_path):
     out = tmp_path / "sync"
     before = _segments()
     result = launch(out)
     # the weight sync's shared memory went with the run (its senders closed before the kill)
-    assert not _segments() - before
+    assert not _unheld(_segments() - before)
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 17))
     assert all(r["staleness"] == 0 for r in records)  # sync: every sample from the last version
