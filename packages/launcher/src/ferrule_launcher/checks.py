@@ -66,11 +66,13 @@ def check_partial_rollout(config: "Config") -> list[Problem]:
     """Partial rollouts continue samples across weight syncs: async on vLLM (its pause mode
     "keep"), sync on the transformers engine (a cut call continued in the next step)."""
     loop, backend = config.loop, config.rollout.backend
-    if not loop.partial_rollout or loop.mode == "async":
-        unused = [("loop.partial_cut", loop.partial_cut != type(loop)().partial_cut)]
-        unused.append(("rollout.reuse_cut_kv", config.rollout.reuse_cut_kv))
+    if not loop.partial_rollout or loop.mode == "async":  # sync partial rollouts' keys unused
         why = 'only applies with partial_rollout = true and mode = "sync"'
-        problems = [(key, why) for key, set_ in unused if set_]
+        problems = []
+        if loop.partial_cut != type(loop)().partial_cut:
+            problems.append(("loop.partial_cut", why))
+        if config.rollout.reuse_cut_kv:
+            problems.append(("rollout.reuse_cut_kv", why))
         if problems or not loop.partial_rollout:
             return problems
     wanted = "vllm" if loop.mode == "async" else "transformers"

@@ -71,7 +71,9 @@ class EngineConfig(Table):
     weights before the step's update (as PipelineRL's in-flight updates; AReaL recomputes them,
     as this engine does without the key): the logprobs the engine records are the ones each
     token was drawn with, which rollout correction uses. A call in between that does not
-    continue them (an evaluation) or a sleep loses them: they are then prefilled."""
+    continue them (an evaluation) or a sleep loses them: they are then prefilled. With several
+    engines a continued sample is resumed only where the launcher's split of the call sends it
+    back to the engine that cut it (not routed: measured on one engine)."""
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -357,7 +357,9 @@ class Decoder:
                     f"{self.exact.key_slots} key slots"
                 )
             length = self.exact.key_slots
-        resumed = [self.parked[p] for p in map(tuple, prompts) if p in self.parked]
+        resumed = (
+            [self.parked[p] for p in map(tuple, prompts) if p in self.parked] if self.parked else []
+        )
         if resumed:  # the parked rows' view: their slots a row, their rows among the first
             length, widest = max(length, self.parked_view[0]), max(resumed) + 1
             batch = max(batch, bucket(widest) if self.use_graphs else widest)
@@ -470,12 +472,8 @@ class _Rows:
         self.chosen[at] = torch.tensor([self.prompts[i][-1] for i in taken], device=dev)
         self.ends[at] = torch.tensor([t + 1 + n for n in limits], device=dev)
         step, fed = self.step, torch.tensor(fed, device=dev)
-        step.pad_ok[at], step.positions[at], step.slot[at], step.moving[at] = (
-            True,
-            fed[:, None],
-            fed,
-            1,
-        )
+        step.pad_ok[at] = True  # up to each row's slot, as for a prefilled row
+        step.positions[at], step.slot[at], step.moving[at] = fed[:, None], fed, 1
         for r, i in zip(rows, taken, strict=True):
             before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
             self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t + 1, t + 1, before
