@@ -2,7 +2,6 @@
 reward server and weight sync on CPU). Each run takes about a minute on 2 cores, mostly start-up.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrule_weightsync.ipc import SEGMENTS
+from ferrule_weightsync.ipc import SEGMENTS, orphaned_segments
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny.toml"
@@ -74,31 +73,13 @@ def _segments() -> set[str]:
     return {path.name for path in SEGMENTS.glob("ferrule-ws-*")}
 
 
-def _unheld(names: set[str]) -> set[str]:
-    """The segments of `names` that no living process holds (their creators lock them while
-    they live): another run's, on the other CI worker, are held."""
-    unheld = set()
-    for name in names:
-        try:
-            fd = os.open(SEGMENTS / name, os.O_RDONLY)
-        except OSError:  # removed meanwhile
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            unheld.add(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return unheld
-
-
 def test_sync_run_learns_and_writes_every_output(tmp_path):
     out = tmp_path / "sync"
     before = _segments()
     result = launch(out)
     # the weight sync's shared memory went with the run (its senders closed before the kill)
-    assert not _unheld(_segments() - before)
+    # (only those no living process holds: another run's, on the other CI worker, are held)
+    assert not list(orphaned_segments(SEGMENTS / name for name in _segments() - before))
     records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, 17))
     assert all(r["staleness"] == 0 for r in records)  # sync: every sample from the last version

@@ -83,11 +83,10 @@ def _segments_locked() -> Iterator[None]:
         os.close(fd)  # drops the lock
 
 
-def remove_orphaned_segments() -> list[str]:
-    """Removes this user's ferrule-ws-* segments that no living process holds a lock on, and
-    returns their names. Call with `_segments_locked()` held."""
-    removed = []
-    for path in SEGMENTS.glob("ferrule-ws-*"):
+def orphaned_segments(paths: Iterable[Path]) -> Iterator[Path]:
+    """The segments of `paths` that are this user's and that no living process holds a lock on
+    (each creator locks its segments while it lives), each yielded while this holds its lock."""
+    for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:  # removed meanwhile, or another user's
@@ -96,12 +95,25 @@ def remove_orphaned_segments() -> list[str]:
             if os.fstat(fd).st_uid != os.getuid():
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its creator lives
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
         except OSError:
+            os.close(fd)
             continue
+        try:
+            yield path
         finally:
             os.close(fd)
+
+
+def remove_orphaned_segments() -> list[str]:
+    """Removes this user's ferrule-ws-* segments that no living process holds a lock on, and
+    returns their names. Call with `_segments_locked()` held."""
+    removed = []
+    for path in orphaned_segments(SEGMENTS.glob("ferrule-ws-*")):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            continue
+        removed.append(path.name)
     return removed
 
 
