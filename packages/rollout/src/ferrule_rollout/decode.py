@@ -357,11 +357,9 @@ class Decoder:
                     f"{self.exact.key_slots} key slots"
                 )
             length = self.exact.key_slots
-        resumed = (
-            [self.parked[p] for p in map(tuple, prompts) if p in self.parked] if self.parked else []
-        )
-        if resumed:  # the parked rows' view: their slots a row, their rows among the first
-            length, widest = max(length, self.parked_view[0]), max(resumed) + 1
+        wanted = self._parked_rows(prompts)
+        if wanted:  # the parked rows' view: their slots a row, their rows among the first
+            length, widest = max(length, self.parked_view[0]), max(wanted.values()) + 1
             batch = max(batch, bucket(widest) if self.use_graphs else widest)
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
         state.partial(carried, cut_below, final)
@@ -372,7 +370,7 @@ class Decoder:
             state.step.slot.zero_()
             state.step.moving.zero_()
             sampling = (temperature, top_k, top_p)
-            state.resume(0, self._claim(prompts, batch, length))
+            state.resume(0, self._claim(wanted, length))
             state.fill(0, sampling)
             t = 0
             while True:
@@ -388,22 +386,29 @@ class Decoder:
                 state.record(t, chosen, logprob)
         return state.results
 
-    def _claim(self, prompts: list[list[int]], rows: int, length: int) -> dict[int, int]:
+    def _parked_rows(self, prompts: list[list[int]]) -> dict[int, int]:
         """The prompts that continue a sequence the last call cut, and the row that holds its
-        keys and values: {prompt index: row}. Only while the slab is the one they were written
-        to, viewed at the same slots a row; whatever this call does not continue is forgotten
-        (its rows are free to be overwritten). The keys and values were computed under the
-        weights of the call that cut them: a weight update in between does not recompute them
-        (PipelineRL's in-flight updates do the same; [rollout] reuse_cut_kv says so)."""
-        parked, self.parked = self.parked, {}
-        if (length, self.cache.allocations) != self.parked_view:
+        keys and values: {prompt index: row} (a sequence asked twice: its first prompt)."""
+        if not self.parked:
             return {}
-        claims = {}
+        parked, wanted = dict(self.parked), {}
         for i, prompt in enumerate(prompts):
             row = parked.pop(tuple(prompt), None)
-            if row is not None and row < rows:
-                claims[i] = row
-        return claims
+            if row is not None:
+                wanted[i] = row
+        return wanted
+
+    def _claim(self, wanted: dict[int, int], length: int) -> dict[int, int]:
+        """The rows of `wanted` (_parked_rows) this call resumes: all of them while the slab is
+        the one they were written to, viewed at the same slots a row (generate widens its view
+        to their rows); none otherwise. Whatever this call does not continue is forgotten (its rows are
+        free to be overwritten). The keys and values were computed under the weights of the call
+        that cut them: a weight update in between does not recompute them (PipelineRL's
+        in-flight updates do the same; [rollout] reuse_cut_kv says so)."""
+        self.parked = {}
+        if (length, self.cache.allocations) != self.parked_view:
+            return {}
+        return wanted
 
 
 class _Rows:

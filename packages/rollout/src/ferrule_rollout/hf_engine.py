@@ -186,7 +186,7 @@ class TransformersEngine(EngineBase):
 
         self._rng = torch.Generator().manual_seed(seed)  # the keys of unseeded samples
         self._compile, self._compact = compile_decode, compact_rows
-        self._reuse_cut = reuse_cut_kv and not exact
+        self._reuse_cut = reuse_cut_kv  # the decoder ignores it in exact mode
         self._sent: list[str] = []  # names of the last update (what weights_digest covers)
         self._model_lock = threading.Lock()  # one generate call or weight change at a time
         self._update_lock = threading.Lock()  # one weight update at a time
