@@ -447,3 +447,25 @@ def test_a_micro_batch_is_planned_at_no_less_than_one_whole_row(write):
     plan = make_plan(resolved(write(), keys))
     policy = next(h for h in plan.gpus[0] if h.role == "policy")
     assert policy.how.startswith("1024 tokens per micro-batch"), policy.how
+
+
+def test_a_paged_kv_cache_is_planned_at_its_tokens_not_rows_times_the_longest(write):
+    """[rollout] kv_cache_tokens: the transformers engine's cache is that many tokens (and the
+    page no row holds) whatever max_batch_size is: 512 rows in 128 x 16,384 tokens plan the
+    cache of 128 rows at that length, plus 384 more rows' logits; below one sequence refused."""
+    from ferrule_launcher.plan import _engine
+    from ferrule_trainer.memory import FRAGMENTATION, ModelShape
+
+    long = {"rollout.max_model_len": 16448, "rollout.max_tokens": 16384}
+    rows = load_config(write(), {**long, "rollout.max_batch_size": 128})
+    pages = load_config(
+        write(), {**long, "rollout.max_batch_size": 512, "rollout.kv_cache_tokens": 128 * 16448}
+    )
+    shape = ModelShape.read(rows.model.path)
+    (by_rows, _), (by_pages, how) = _engine(rows, shape, None), _engine(pages, shape, None)
+    logits, per_token = 384 * QWEN25_VOCAB * 8, QWEN25_1_5B["num_hidden_layers"] * 2 * 256 * 2
+    extra = FRAGMENTATION * (logits + 64 * per_token)
+    assert by_pages - by_rows == pytest.approx(extra, rel=0.01)
+    assert "KV cache of 2105408 tokens for 512 rows" in how
+    with pytest.raises(ConfigError, match="kv_cache_tokens 8000 cannot hold one sequence"):
+        load_config(write(), {**long, "rollout.kv_cache_tokens": 8000})

@@ -21,12 +21,17 @@ def test_each_backend_gets_its_class_and_options():
         enable_sleep_mode=True,  # vLLM must be started able to sleep
     )
     hf = EngineConfig(
-        backend="transformers", max_batch_size=32, compact_rows=False, reuse_cut_kv=True
+        backend="transformers",
+        max_batch_size=32,
+        kv_cache_tokens=1000,
+        compact_rows=False,
+        reuse_cut_kv=True,
     )
     assert hf.engine_class() is TransformersEngine
     assert hf.engine_options() == dict(
         max_model_len=128,
         max_batch_size=32,
+        kv_cache_tokens=1000,
         exact=False,
         compile_decode=True,  # "auto"
         compact_rows=False,
@@ -49,6 +54,12 @@ def test_sampling_settings_of_the_table():
         ({"backend": "sglang"}, "Input should be 'vllm' or 'transformers'"),
         ({"temprature": 1.0}, "Extra inputs are not permitted"),
         ({"temperature": 0}, "greater than 0"),
+        ({"kv_cache_tokens": 4096}, 'kv_cache_tokens needs backend = "transformers"'),
+        (
+            {"backend": "transformers", "max_model_len": 4160, "kv_cache_tokens": 4096},
+            "kv_cache_tokens 4096 cannot hold one sequence of max_model_len 4160",
+        ),
+        ({"backend": "transformers", "kv_cache_tokens": -1}, "greater than or equal to 0"),
     ],
 )
 def test_bad_tables_are_refused(fields, message):

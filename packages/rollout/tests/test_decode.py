@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ferrule_rollout.decode import Decoder
+from ferrule_rollout.kernels import PAGE
 from ferrule_rollout.sampling import sample, uniforms
 from ferrule_testkit import tiny_model
 
@@ -92,7 +93,7 @@ def test_the_slab_is_reused_across_shapes(model):
     decoder = Decoder(model, float_mask=False)
     small = run(decoder, PROMPTS[:2], limits=[8, 8])
     large = run(decoder, PROMPTS * 3, limits=[40] * 12)
-    assert decoder.cache.buffers and len(decoder.cache.keys) == model.config.num_hidden_layers
+    assert decoder.cache.keys and len(decoder.cache.keys) == model.config.num_hidden_layers
     assert run(decoder, PROMPTS[:2], limits=[8, 8]) == small
     assert run(Decoder(model, float_mask=False), PROMPTS * 3, limits=[40] * 12) == large
 
@@ -163,7 +164,7 @@ def test_sleep_frees_the_slab_without_the_garbage_collector(monkeypatch):
 
     with TransformersEngine(tiny_model("qwen2"), dtype="float32") as engine:
         engine.generate(["a b c"], SamplingSettings(max_tokens=4))
-        slab = engine._decoder.cache.buffers[0]
+        slab = engine._decoder.cache.keys[0]
         monkeypatch.setattr(engine, "_can_sleep", True)
         gc.disable()  # only reference counts free things from here
         try:
@@ -482,7 +483,7 @@ def test_the_slab_is_as_long_as_the_longest_sequence_not_the_widest_prompt_plus_
     decoder = Decoder(model, float_mask=False)
     results = run(decoder, [list(range(100, 190)), [40, 41]], limits=[4, 60])
     assert [n for _, _, n, _ in results] == [4, 60]
-    assert decoder.cache.keys[0].shape[2] == 128
+    assert decoder.cache.table.shape[1] * PAGE == 128
 
 
 def test_causal_prefill_leaves_cudnn_out_of_sdpas_choice(model, monkeypatch):
@@ -504,3 +505,35 @@ def test_causal_prefill_leaves_cudnn_out_of_sdpas_choice(model, monkeypatch):
     assert seen and not any(seen[: model.config.num_hidden_layers])  # the prefill's layers
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
     assert [n for *_, n, _ in results] == [4] * len(PROMPTS)
+
+
+def test_a_pool_smaller_than_the_rows_makes_rows_wait_and_gives_the_same_samples(
+    model, monkeypatch
+):
+    """A pool of 4 pages (256 tokens) for 3 rows of up to 192 slots (3 pages each): three short
+    prompts start together, outgrow the pool past slot 64, and the rows started last go back
+    to the queue and run again later; the long prompt waits until pages are free. Every sample
+    equals the one a pool of rows x their longest gives (the draws are keyed), no more pages
+    are ever held than the pool has, and a pool that cannot hold one sequence is refused."""
+    from ferrule_rollout import decode
+
+    prompts = [[5, 6, 7], [40, 41], list(range(100, 190)), [7]]
+    limits = [120, 140, 40, 100]
+    roomy = run(Decoder(model, float_mask=False), prompts, limits, max_rows=3)
+    held, cover = [], decode.SlabCache.cover
+
+    def watched(cache, wanted):
+        granted = cover(cache, wanted)
+        held.append(sum(map(len, cache.owned)))
+        return granted
+
+    monkeypatch.setattr(decode.SlabCache, "cover", watched)
+    tight = Decoder(model, float_mask=False, kv_tokens=4 * PAGE)
+    for (tokens, logprobs, *end), (want, wanted, *want_end) in zip(
+        run(tight, prompts, limits, max_rows=3), roomy, strict=True
+    ):
+        assert (tokens, end) == (want, want_end)
+        assert max(abs(a - b) for a, b in zip(logprobs, wanted, strict=True)) < 1e-5
+    assert tight.requeued > 0 and max(held) <= 4
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        run(Decoder(model, float_mask=False, kv_tokens=2 * PAGE), prompts, limits, max_rows=3)

@@ -172,6 +172,26 @@ def test_compact_rows_reaches_the_decoder(engine):
         assert not still._decoder.compacts
 
 
+def test_a_kv_cache_of_fewer_tokens_than_the_rows_gives_the_same_samples(engine):
+    """[rollout] kv_cache_tokens: 4 pages (256 tokens) for 8 rows of up to 256 slots; rows wait
+    for pages or go back to the queue, and every sample equals the one of a cache of rows x
+    max_model_len (the engine fixture's). Less than max_model_len is refused."""
+    from ferrule_rollout.hf_engine import TransformersEngine
+
+    settings = SamplingSettings(n=4, max_tokens=120, ignore_eos=True, seed=11)
+    roomy = engine.generate(VARIED[:4], settings)
+    model = tiny_model("qwen2")
+    with TransformersEngine(
+        model, dtype="float32", max_model_len=256, max_batch_size=8, kv_cache_tokens=256
+    ) as tight:
+        for got, want in zip(tight.generate(VARIED[:4], settings), roomy, strict=True):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert tight._decoder.requeued > 0
+    with pytest.raises(RolloutError, match="kv_cache_tokens 100 cannot hold one sequence"):
+        TransformersEngine(model, dtype="float32", max_model_len=256, kv_cache_tokens=100)
+
+
 def test_left_padded_rows_keep_their_absolute_positions(gpt2_model):
     from transformers import AutoModelForCausalLM
 

@@ -141,7 +141,7 @@ def test_the_decode_attention_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
     against sdpa with the same mask, rows anywhere from their first slot to the slab's last."""
     import torch.nn.functional as F
 
-    from ferrule_rollout.kernels import decode_attention, usable
+    from ferrule_rollout.kernels import PAGE, decode_attention, supports
 
     rows, kv, group, dim, length = 96, 2, 6, 128, 576
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -154,8 +154,16 @@ def test_the_decode_attention_kernel_in_bf16_equals_sdpa_at_real_head_shapes():
     pads = (torch.rand(rows, device="cuda", generator=g) * slots).long()
     where = torch.arange(length, device="cuda")
     visible = ((where >= pads[:, None]) & (where <= slots[:, None])) | (where == slots[:, None])
-    assert usable(query, keys)
-    got = decode_attention(query, keys, values, visible, slots, dim**-0.5)
+    assert supports(kv * group, kv, dim)
+    # each row's pages in shuffled order among the pool's (page 0: none of them)
+    width = length // PAGE
+    table = (torch.randperm(rows * width, device="cuda", generator=g) + 1).view(rows, width)
+    pools = []
+    for dense in (keys, values):
+        pool = torch.zeros(1 + rows * width, kv, PAGE, dim, device="cuda", dtype=dense.dtype)
+        pool[table.flatten()] = dense.view(rows, kv, width, PAGE, dim).transpose(1, 2).flatten(0, 1)
+        pools.append(pool)
+    got = decode_attention(query, *pools, visible, slots, table, dim**-0.5)
     want = (
         F.scaled_dot_product_attention(
             query.reshape(rows, kv, group, dim).float(),

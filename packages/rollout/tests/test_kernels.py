@@ -1,7 +1,8 @@
 """kernels.py's Triton kernels, run by Triton's interpreter on the CPU (a process of its own:
 TRITON_INTERPRET must be set before Triton is imported): decode attention against sdpa with the
-same mask on inputs that break a naive kernel and inside the decode loop on the kit models; the
-draw against sampling.sample's inverse CDF in float64."""
+same mask on inputs that break a naive kernel (pages in shuffled order, NaN wherever a row must
+not read) and inside the decode loop on the kit models, with a pool small enough that rows wait
+for pages; the draw against sampling.sample's inverse CDF in float64."""
 
 import os
 import subprocess
@@ -16,7 +17,24 @@ AGAINST_SDPA = """
 import torch
 import torch.nn.functional as F
 from ferrule_rollout import kernels
-from ferrule_rollout.kernels import decode_attention
+from ferrule_rollout.kernels import PAGE, decode_attention
+
+# keys, values [rows, kv, length, dim] as pools of pages in shuffled order, and each row's
+# table up to its slot's page; page 0 and every slot past a row's own are NaN: never read
+def paged(keys, values, slots):
+    rows, kv, length, dim = keys.shape
+    width = -(-length // PAGE)
+    pools = [torch.full((1 + rows * width, kv, PAGE, dim), float("nan"), dtype=keys.dtype)
+             for _ in "kv"]
+    table = torch.zeros(rows, width, dtype=torch.long)
+    order = torch.randperm(rows * width) + 1
+    for r, slot in enumerate(slots.tolist()):
+        for k in range(slot // PAGE + 1):
+            table[r, k] = page = int(order[r * width + k])
+            for pool, dense in zip(pools, (keys, values)):
+                end = min((k + 1) * PAGE, slot + 1)
+                pool[page, :, : end - k * PAGE] = dense[r, :, k * PAGE : end]
+    return *pools, table
 
 def check(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
     for multiprocessors in (0, 10**6):  # each row in one program; each split over several
@@ -33,7 +51,8 @@ def check_once(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
     where = torch.arange(length)
     pad_ok = where[None, :] >= torch.tensor(pads)[:, None]  # left padding
     visible = (pad_ok & (where <= slots[:, None])) | (where == slots[:, None])
-    got = decode_attention(query, keys, values, visible, slots, dim**-0.5)
+    key_pool, value_pool, table = paged(keys, values, slots)
+    got = decode_attention(query, key_pool, value_pool, visible, slots, table, dim**-0.5)
     grouped = query.reshape(rows, kv, group, dim).float()
     want = F.scaled_dot_product_attention(
         grouped, keys.float(), values.float(), attn_mask=visible[:, None, None, :]
@@ -42,12 +61,6 @@ def check_once(rows, kv, group, dim, length, slots, pads, dtype, tolerance):
     assert got.shape == want.shape and got.dtype == dtype
     error = (got.float() - want).abs().max().item()
     assert error < tolerance, (rows, kv, group, dim, length, error)
-    # the slots past each row's own are never read: garbage there changes nothing
-    for r, slot in enumerate(slots.tolist()):
-        keys[r, :, slot + 1 :] = float("nan")
-        values[r, :, slot + 1 :] = float("nan")
-    again = decode_attention(query, keys, values, visible, slots, dim**-0.5)
-    assert torch.equal(again, got)
 
 # a first block wholly padding (row 1), slot 0 (row 0: only itself), a row at the last slot
 check(3, 2, 6, 64, 160, [0, 100, 159], [0, 70, 3], torch.float32, 1e-5)
@@ -112,9 +125,11 @@ from ferrule_testkit import tiny_model
 
 AttentionInterface.register(ATTENTION, slab_attention)
 calls = []
-def on_the_cpu_too(query, keys):
-    calls.append(query.shape[0])
-    return True
+def counted(*args):
+    calls.append(args[0].shape[0])
+    return kernels.decode_attention(*args)
+
+decode.decode_attention = counted
 
 prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 170)), [7]]
 for arch in ("qwen2", "llama"):
@@ -122,16 +137,18 @@ for arch in ("qwen2", "llama"):
         tiny_model(arch), dtype=torch.float32, attn_implementation=ATTENTION
     ).eval()
     runs = []
-    for kernel in (False, True):
-        decode.usable = on_the_cpu_too if kernel else (lambda query, keys: False)
-        decoder = decode.Decoder(model, float_mask=False)
-        decoder.kernels = kernel  # the draw too (on CUDA whenever Triton is there)
+    # sdpa over gathered pages; the kernel; the kernel with a pool of 6 pages (3 rows need up
+    # to 3 each), where the rows started last wait for pages
+    for kernel, kv_tokens in ((False, None), (True, None), (True, 5 * kernels.PAGE)):
+        decoder = decode.Decoder(model, float_mask=False, kv_tokens=kv_tokens)
+        decoder.kernels = decoder.cache.paged_reads = kernel  # the draw too, as on CUDA
         runs.append(decoder.generate(
             prompts, [12, 30, 9, 20], pad=1, keys=[0, 1, 2, 3], temperature=1.0, top_k=0,
             top_p=1.0, eos=None, max_rows=3,
         ))
     assert calls, "the kernel was never called"
-    for (t0, l0, n0, _), (t1, l1, n1, _) in zip(*runs):
+    for (t0, l0, n0, _), (t1, l1, n1, _), (t2, l2, n2, _) in zip(*runs):
+        assert (t1, n1) == (t2, n2) and max(abs(a - b) for a, b in zip(l1, l2)) < 1e-5, arch
         assert t0 == t1 and n0 == n1, (arch, t0, t1)
         assert max(abs(a - b) for a, b in zip(l0, l1)) < 1e-4, arch
     calls.clear()

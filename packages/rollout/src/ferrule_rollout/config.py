@@ -45,6 +45,14 @@ class EngineConfig(Table):
     max_batch_size: int = Field(256, ge=1)
     """transformers: most sequences decoding at once; a call of more queues the rest, which take
     the rows of finished ones (vLLM schedules its own batches)."""
+    kv_cache_tokens: int = Field(0, ge=0)
+    """transformers: the KV cache's size in tokens, shared by the rows in pages of 64 slots
+    that each row takes as it grows and gives back when it ends (0: max_batch_size x
+    max_model_len, so no row ever waits). Smaller lets more rows run than a cache of
+    max_model_len a row would hold: at long caps most samples of a long-tailed batch are
+    short (at 1.5B and a 16,384 cap, 512 rows in the memory of 128: benchmarks/RESULTS.md,
+    issue 57). When the pages run out, the rows started last go back to the queue and run
+    again from their prompts (the same samples: draws are keyed). At least max_model_len."""
     compact_rows: bool = True
     """transformers: once no prompt of a call waits and its running rows fit in 1/16 of the
     rows, they move there and decode at that narrower shape (a step costs its rows' weight
@@ -84,6 +92,21 @@ class EngineConfig(Table):
                 "on one device"
             )
         return size
+
+    @field_validator("kv_cache_tokens")
+    @classmethod
+    def _holds_one_sequence(cls, tokens: int, info: ValidationInfo) -> int:
+        if tokens and info.data.get("backend") != "transformers":
+            raise ValueError(
+                'kv_cache_tokens needs backend = "transformers" (vLLM sizes its '
+                "cache from gpu_memory_utilization)"
+            )
+        longest = info.data.get("max_model_len", 0)
+        if tokens and tokens < longest:
+            raise ValueError(
+                f"kv_cache_tokens {tokens} cannot hold one sequence of max_model_len {longest}"
+            )
+        return tokens
 
     @field_validator("exact", "compile_decode", "reuse_cut_kv")
     @classmethod
@@ -125,6 +148,7 @@ class EngineConfig(Table):
             return dict(
                 max_model_len=self.max_model_len,
                 max_batch_size=self.max_batch_size,
+                kv_cache_tokens=self.kv_cache_tokens or None,
                 exact=self.exact,
                 compile_decode=self.compiles_decode(),
                 compact_rows=self.compact_rows,

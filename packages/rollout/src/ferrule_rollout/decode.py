@@ -1,5 +1,5 @@
-"""The transformers engine's decode loop: a preallocated KV slab, decode steps replayed as CUDA
-graphs, sampling, logprobs and EOS / length stops on the device, the host reading every few steps.
+"""The transformers engine's decode loop: a paged KV cache, decode steps replayed as CUDA graphs,
+sampling, logprobs and EOS / length stops on the device, the host reading every few steps.
 
     decoder = Decoder(model, float_mask=False)     # TransformersEngine makes one per weight layout
     results = decoder.generate(prompts, limits, pad=0, keys=keys, ..., max_rows=256)
@@ -9,10 +9,15 @@ The model is a plain Hugging Face causal LM: its forward runs with a 4D attentio
 a cache object of ours (`SlabCache`), so any model whose attention layers call
 `past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
 graph (compiled, there is one shape: the engine's most rows and longest sequence), and decode
-attention (kernels.py) reads each row's slots only as far as it has got; on CPU the same steps
-run eagerly, attention through sdpa. Each row has its own next slot, so finished rows leave and
-queued prompts take their rows at the host's reads (continuous batching within a call); a row
-that holds nothing stays at slot 0.
+attention (kernels.py) reads each row's slots only as far as it has got, through the row's page
+table; on CPU the same steps run eagerly, attention through sdpa over the rows' pages gathered.
+Each row has its own next slot, so finished rows leave and queued prompts take their rows at the
+host's reads (continuous batching within a call); a row that holds nothing stays at slot 0.
+A row takes pages of the cache as it grows and gives them back when it ends, so a long-tailed
+batch's short rows leave the pool to its long ones: with `kv_tokens` below rows x the longest
+sequence, more rows run than a slab of max_model_len a row would hold, and when the pool runs
+out the rows started last go back to the queue (their draws are keyed, so they come out the
+same when they run again).
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
 step), so a seeded sample is the same whatever else is in the batch.
 """
@@ -22,12 +27,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ferrule_rollout.exact import ExactNumerics
-from ferrule_rollout.kernels import decode_attention, triton_available, usable
+from ferrule_rollout.kernels import PAGE, decode_attention, supports, triton_available
 from ferrule_rollout.regions import CompiledRegions
 from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
 
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
-SLOT_ALIGN = 64  # the slab's slots per row, rounded up to this (few distinct graph shapes)
+SLOT_ALIGN = PAGE  # a view's slots per row, rounded up to whole pages (few graph shapes)
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
 NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
@@ -40,31 +45,39 @@ PREFILL_SCORES = 1 << 24  # float masks: a prefill forward's most scores a head,
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """One-token queries against the slab: on CUDA kernels.decode_attention, which reads each
-    row's slots only up to `slab_slots` (each row's own, passed down by Decoder.forward); else
-    sdpa with the query heads grouped under their KV head ([rows, kv, group, dim] against [rows,
-    kv, slots, dim]), so the cache is read once rather than copied `group` times first (HF's
-    repeat_kv). Prefill: with `causal_prefill` (Decoder.forward's `causal`: right-padded prompts
+    """One-token queries against the cache: with `slab_table` (SlabCache.paged_reads: `key` and
+    `value` are the layer's pools) kernels.decode_attention, which reads each row's pages only
+    up to `slab_slots` (each row's own, passed down by Decoder.forward); else sdpa over the
+    rows' slots gathered, the query heads grouped under their KV head ([rows, kv, group, dim]
+    against [rows, kv, slots, dim]), so the cache is read once rather than copied `group` times
+    first (HF's repeat_kv). Prefill: with `causal_prefill` (Decoder.forward's `causal`: right-padded prompts
     attending to their own columns only) sdpa's causal kernels, no mask (flash on CUDA, see
     PREFILL_BACKENDS: a call's prefill at 1.5B took 2.2 s where the mask took 3.8,
     benchmarks/RESULTS.md); else HF's sdpa with the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
-    slots = kw.pop("slab_slots", None)
+    slots, table = kw.pop("slab_slots", None), kw.pop("slab_table", None)
     if kw.pop("causal_prefill", False):  # right-padded prompts from slot 0: causal is their mask
         group = heads // key.shape[1]
         key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
         with sdpa_kernel(PREFILL_BACKENDS):
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
         return out.transpose(1, 2), None
-    if length != 1 or kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None:
+    special = kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None
+    if table is not None:
+        if special or length != 1 or attention_mask.dtype != torch.bool:
+            raise RuntimeError(  # plain_attention decides before the first step: never here
+                "paged decode attention got a query it does not cover (a sliding window, a "
+                "softcap, attention sinks or a float mask)"
+            )
+        scale = dim**-0.5 if scaling is None else scaling
+        out = decode_attention(query, key, value, attention_mask[:, 0, 0], slots, table, scale)
+        return out, None
+    if length != 1 or special:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kw
         )
-    if slots is not None and attention_mask.dtype == torch.bool and usable(query, key):
-        scale = dim**-0.5 if scaling is None else scaling
-        return decode_attention(query, key, value, attention_mask[:, 0, 0], slots, scale), None
     grouped = query.view(rows, key.shape[1], heads // key.shape[1], dim)
     out = F.scaled_dot_product_attention(
         grouped, key, value, attn_mask=attention_mask, scale=scaling
@@ -72,60 +85,148 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
 
 
-class SlabCache:
-    """The KV cache as HF attention layers see it (`update`): per layer one flat buffer, viewed
-    as [rows, kv heads, slots, head dim] for each call, allocated once and grown when a call
-    needs more. Each row has its own next slot (device tensors), so a captured graph writes
-    wherever each row has got to when it replays, and a row can restart while others run."""
+def plain_attention(config) -> bool:
+    """Whether every attention layer of the model is full causal attention (what
+    decode_attention computes): no sliding window, no logit softcap."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:  # configs older than layer_types: a window, if set, applies
+        windowed = bool(getattr(config, "sliding_window", None))
+    else:
+        windowed = any(kind != "full_attention" for kind in kinds)
+    return not windowed and not getattr(config, "attn_logit_softcapping", None)
 
-    def __init__(self, config, dtype, device):
+
+class SlabCache:
+    """The KV cache as HF attention layers see it (`update`): per layer a pool of pages for the
+    keys and one for the values, [pages, kv heads, PAGE, head dim] each, and a table [rows,
+    pages a row] naming the page that holds each row's slots PAGE * k .. PAGE * (k + 1). A row
+    takes pages as it grows (`cover`) and gives them back when it ends (`release`); page 0
+    belongs to no row: a table entry not yet given points at it, and what an idle row or a
+    captured graph writes there is never read. Each row has its own next slot (device
+    tensors), so a captured graph writes wherever each row has got to when it replays.
+    `pages`: the pool's size, fixed (the engine's kv_tokens); None: rows x the view's pages,
+    grown with the view, so that no row waits for a page."""
+
+    def __init__(self, config, dtype, device, pages: int | None = None):
         heads = config.num_attention_heads
         self.layers = config.num_hidden_layers
         self.kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.dtype, self.device = dtype, device
-        self.buffers, self.keys, self.values = [], [], []
+        self.dtype, self.device, self.fixed = dtype, device, pages
+        self.keys, self.values = [], []  # per layer [pages, kv heads, PAGE, head dim]
+        self.table = torch.zeros((0, 0), dtype=torch.long, device=device)  # [rows, pages a row]
+        self.owned: list[list[int]] = []  # each row's pages, in slot order (host)
+        self.free: list[int] = []  # pages no row holds
         self.rows = self.slots = None  # where `update` writes: set before each forward
-        self.seen = None  # prefill: the slots its tokens attend to (None: every slot)
-        self.allocations = 0  # how often the buffers were (re)allocated: what they hold is gone
+        self.seen = None  # the slots attention reads (None: prefill's own tokens only)
+        self.paged_reads = False  # decode: `update` gives the pools (Decoder sets it)
+        self.allocations = 0  # how often the pool was (re)allocated: what it held is gone
 
     def reserve(self, rows: int, length: int) -> bool:
-        """View the buffers as `rows` x `length` slots; True when they had to be reallocated.
-        Keys fill each buffer from its start, values from its middle: fewer rows at the same
-        length view the first rows of more (the tail's compaction moves rows within them)."""
-        half = rows * self.kv_heads * length * self.head_dim
-        grew = not self.buffers or self.buffers[0].numel() < 2 * half
-        if grew:
-            self.buffers = self.keys = self.values = []  # free the old ones first
-            self.allocations += 1
-            self.buffers = [  # zeros: a masked slot is multiplied by 0, and 0 * NaN is NaN
-                torch.zeros(2 * half, dtype=self.dtype, device=self.device)
-                for _ in range(self.layers)
-            ]
-        shape, middle = (rows, self.kv_heads, length, self.head_dim), self.buffers[0].numel() // 2
-        self.keys = [b[:half].view(shape) for b in self.buffers]
-        self.values = [b[middle : middle + half].view(shape) for b in self.buffers]
-        return grew
+        """Room for `rows` rows of `length` slots (whole pages); True when the pool or the table
+        had to be reallocated, which loses what the pages held."""
+        width = length // PAGE
+        pages = self.fixed or rows * width + 1  # unless fixed: every row can reach the end
+        if self.fixed is not None and self.fixed < width + 1:
+            raise ValueError(
+                f"a KV cache of {(self.fixed - 1) * PAGE} tokens cannot hold one sequence of "
+                f"{length} slots"
+            )
+        have_rows, have_width = self.table.shape
+        have = self.keys[0].shape[0] if self.keys else 0
+        if rows <= have_rows and width <= have_width and pages <= have:
+            return False
+        rows, width, pages = max(rows, have_rows), max(width, have_width), max(pages, have)
+        self.keys = self.values = []  # free the old ones first
+        shape = (pages, self.kv_heads, PAGE, self.head_dim)
+        # zeros: a slot sdpa masks out is multiplied by 0, and 0 * NaN is NaN
+        self.keys, self.values = (
+            [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+            for _ in "kv"
+        )
+        self.table = torch.zeros((rows, width), dtype=torch.long, device=self.device)
+        self.owned = [[] for _ in range(rows)]
+        self.free = list(range(pages - 1, 0, -1))  # pop() gives the lowest first
+        self.allocations += 1
+        return True
+
+    def cover(self, wanted: dict[int, int]) -> bool:
+        """Pages for each row r of `wanted` up to slot wanted[r] (exclusive); False, giving
+        none, when too few are free."""
+        more = {r: -(-n // PAGE) - len(self.owned[r]) for r, n in wanted.items()}
+        if sum(n for n in more.values() if n > 0) > len(self.free):
+            return False
+        rows, at, pages = [], [], []
+        for r, n in more.items():
+            for _ in range(n):
+                rows.append(r)
+                at.append(len(self.owned[r]))
+                pages.append(self.free.pop())
+                self.owned[r].append(pages[-1])
+        if pages:
+            self.table[self._index(rows), self._index(at)] = self._index(pages)
+        return True
+
+    def release(self, rows) -> None:
+        """Rows `rows` give their pages back; their table entries point at page 0 again."""
+        rows = [r for r in rows if self.owned[r]]
+        for r in rows:
+            self.free.extend(reversed(self.owned[r]))
+            self.owned[r] = []
+        if rows:
+            self.table[self._index(rows)] = 0
+
+    def move(self, order: list[int]) -> None:
+        """Rows order[k] become rows k (the tail's compaction): their pages go with them, the
+        rows after them hold none."""
+        self.table[: len(order)] = self.table[self._index(order)]
+        self.table[len(order) :] = 0
+        moved = [self.owned[r] for r in order]
+        self.owned = moved + [[] for _ in range(len(self.owned) - len(order))]
+
+    def copy(self, rows, sources, slots: int) -> None:
+        """Rows `rows` get the first `slots` slots of rows `sources` (device index tensors)."""
+        width = -(-slots // PAGE)
+        to, source = self.table[rows, :width].flatten(), self.table[sources, :width].flatten()
+        for pool in (*self.keys, *self.values):
+            pool[to] = pool[source]
+
+    def gathered(self, pool, rows, slots: int):
+        """Rows `rows`' first `slots` slots of `pool`, [rows, kv heads, slots, head dim]."""
+        pages = pool[self.table[rows, : -(-slots // PAGE)]]  # [rows, pages, kv, PAGE, dim]
+        count, width = pages.shape[:2]
+        dense = pages.transpose(1, 2).reshape(count, self.kv_heads, width * PAGE, self.head_dim)
+        return dense[:, :, :slots]
+
+    def _index(self, values: list[int]):
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def update(self, key, value, layer_idx: int, *args, **kwargs):
         """Decode (`rows` None): row r writes its one token at slots[r]. Prefill: rows `rows`
-        write their tokens at the shared `slots`, and attend to their rows of the slab."""
+        write their tokens at the shared `slots`, and attend to their first `seen` slots."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if key.shape[1] != self.kv_heads or key.shape[-1] != self.head_dim:
             raise RuntimeError(
-                f"layer {layer_idx} gives keys of shape {tuple(key.shape)}; the slab expected "
+                f"layer {layer_idx} gives keys of shape {tuple(key.shape)}; the cache expected "
                 f"{self.kv_heads} heads of size {self.head_dim} (from the model's config)"
             )
         if self.rows is None:
             every = torch.arange(key.shape[0], device=key.device)
-            keys[every, :, self.slots] = key[:, :, 0]
-            values[every, :, self.slots] = value[:, :, 0]
-            return keys, values
-        rows, slots = self.rows[:, None], self.slots[None, :]
-        keys[rows, :, slots] = key.transpose(1, 2)
-        values[rows, :, slots] = value.transpose(1, 2)
-        seen = self.seen or keys.shape[2]
-        return keys[:, :, :seen][self.rows], values[:, :, :seen][self.rows]
+            pages, at = self.table[every, self.slots // PAGE], self.slots % PAGE
+            keys[pages, :, at] = key[:, :, 0]
+            values[pages, :, at] = value[:, :, 0]
+            if self.paged_reads:
+                return keys, values
+            rows = every
+        else:
+            rows, slots = self.rows[:, None], self.slots[None, :]
+            pages, at = self.table[rows, slots // PAGE], slots % PAGE
+            keys[pages, :, at] = key.transpose(1, 2)
+            values[pages, :, at] = value.transpose(1, 2)
+            if self.seen is None:  # causal prefill from slot 0: its own tokens are all it sees
+                return key, value
+            rows = self.rows
+        return self.gathered(keys, rows, self.seen), self.gathered(values, rows, self.seen)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never asked for positions: the caller passes position_ids
@@ -200,13 +301,15 @@ class Decoder:
         most: tuple[int, int] | None = None,
         compact: int = NARROWER,
         reuse_cut: bool = False,
+        kv_tokens: int | None = None,
     ):
         self.model = model
         self.exact = exact  # exact.py's mode: the slab is key_slots long, prompts right-padded
         first = next(model.parameters())
         self.device = first.device
         config = model.config.get_text_config()
-        self.cache = SlabCache(config, first.dtype, self.device)
+        pages = None if kv_tokens is None else -(-kv_tokens // PAGE) + 1  # and page 0
+        self.cache = SlabCache(config, first.dtype, self.device, pages)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.float_mask, self.mask_dtype = float_mask, first.dtype
         self.extra = {"logits_to_keep": 1} if keep_last else {}
@@ -237,6 +340,17 @@ class Decoder:
         # and draws without top-k / top-p through kernels.draw (not in exact mode: its logprobs
         # are the trainer's to the bit)
         self.kernels = self.use_graphs and exact is None and triton_available()
+        # and decode attention reads the pools through the table (kernels.decode_attention);
+        # else (CPU, exact mode, a float mask, attention it does not cover) each layer gathers
+        # the rows' pages for sdpa
+        cache = self.cache
+        cache.paged_reads = (
+            self.use_graphs
+            and exact is None
+            and not float_mask
+            and plain_attention(config)
+            and supports(config.num_attention_heads, cache.kv_heads, cache.head_dim)
+        )
         # the tail's rows move into 1 / `compact` of them (0: never; nor in exact mode)
         self.compacts = compact if compact > 1 and exact is None else 0
         # partial rollouts: a cut row's keys and values stay in the slab, and the next call
@@ -244,11 +358,13 @@ class Decoder:
         self.reuse_cut = reuse_cut and exact is None
         self.parked: dict[tuple[int, ...], int] = {}  # a cut sequence -> the row that holds it
         self.parked_view = None  # (slots a row, the slab's allocation) when they were parked
+        self.requeued = 0  # rows sent back to the queue for want of pages (_Rows.ahead)
 
     def release(self) -> None:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
         self.steps.clear()
-        self.cache.buffers, self.cache.keys, self.cache.values = [], [], []
+        self.cache.keys, self.cache.values, self.cache.owned, self.cache.free = [], [], [], []
+        self.cache.table = self.cache.table[:0, :0]
         self.parked = {}
         self.pool = self.step_forward = self.logprobs_of = self.regions = None
 
@@ -274,11 +390,12 @@ class Decoder:
                 mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
                 mask.masked_fill_(~keep[:, None], low)
         self.cache.rows, self.cache.slots = rows, slots
-        # prefill attends to the slots of pad_ok's width only (the slab's length in exact mode)
-        self.cache.seen = None if rows is None else pad_ok.shape[1]
+        # the slots attention reads: pad_ok's width (the view's; exact mode's key slots), or
+        # causal prefill's own tokens only
+        self.cache.seen = None if causal else pad_ok.shape[1]
         extra, pick = self.extra, None
-        if rows is None and self.exact is None:  # slab_attention reads each row up to its slot
-            extra = dict(extra, slab_slots=slots)
+        if rows is None and self.cache.paged_reads:  # each row's pages up to its slot
+            extra = dict(extra, slab_slots=slots, slab_table=self.cache.table[: len(slots)])
         if causal:
             extra = dict(extra, causal_prefill=True)
         if last is not None:  # the distinct last columns through the LM head, then each row's
@@ -363,6 +480,7 @@ class Decoder:
             batch = max(batch, bucket(widest) if self.use_graphs else widest)
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
         state.partial(carried, cut_below, final)
+        state.read_every = read_every
         with torch.inference_mode():
             state.step = self._step(batch, length)
             state.step.pad_ok.zero_()  # rows not taken see only themselves
@@ -370,8 +488,11 @@ class Decoder:
             state.step.slot.zero_()
             state.step.moving.zero_()
             sampling = (temperature, top_k, top_p)
-            state.resume(0, self._claim(wanted, length))
+            claims = self._claim(wanted, length)
+            self.cache.release(set(range(len(self.cache.owned))) - set(claims.values()))
+            state.resume(0, claims)
             state.fill(0, sampling)
+            state.ahead(0)
             t = 0
             while True:
                 due = (t + 1) % read_every == 0 or t + 1 >= state.horizon
@@ -419,11 +540,12 @@ class _Rows:
         dev = self.device = decoder.device
         self.decoder, self.prompts, self.limits, self.keys = decoder, prompts, limits, keys
         self.pad, self.running, self.length, self.stop_hit = pad, running, length, stop_hit
-        self.step = None
+        self.step, self.read_every = None, READ_EVERY
         self.partial()
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.holder = [-1] * batch  # the prompt each row holds (-1: none)
         self.start = [0] * batch  # the step of its first token
+        self.base = [0] * batch  # step t writes at slot base + t
         self.walked = [0] * batch  # stop strings: its next step to walk on the host
         self.seen: list[list[int]] = [[] for _ in range(batch)]  # its tokens, for stop_hit
         self.stops: dict[int, int] = {}  # row -> its length at a stop string
@@ -482,6 +604,7 @@ class _Rows:
         for r, i in zip(rows, taken, strict=True):
             before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
             self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t + 1, t + 1, before
+            self.base[r] = len(self.prompts[i]) - 1 - (t + 1)
             self.stops.pop(r, None)
         self.horizon = max(self.horizon, t + 1 + max(limits))
 
@@ -503,8 +626,48 @@ class _Rows:
             last = first + 1
             while last < taking and self.fits(taken[first : last + 1]):
                 last += 1
+            if not self.admit(free[first:last], taken[first:last]):
+                last = first + 1  # short prompts padded to a long one's width take more pages
+                if not self.admit(free[first:last], taken[first:last]):
+                    self.queue.extend(reversed(taken[first:]))  # they wait for pages
+                    return
             self.take(t, free[first:last], taken[first:last], sampling)
             first = last
+
+    def admit(self, rows: list[int], taken: list[int]) -> bool:
+        """Pages for rows `rows` to prefill prompts `taken` (right-padded to the longest) and
+        decode until the next read, if the pool has them with a page to spare for each row
+        already running; False, giving none, if not."""
+        width = max(len(self.prompts[i]) for i in taken)
+        wanted = {
+            r: self.reach(width, len(self.prompts[i])) for r, i in zip(rows, taken, strict=True)
+        }
+        cache = self.decoder.cache
+        spare = sum(1 for i in self.holder if i >= 0) if cache.fixed else 0
+        needed = sum(-(-n // PAGE) for n in wanted.values())
+        return needed + spare <= len(cache.free) and cache.cover(wanted)
+
+    def reach(self, width: int, slot: int) -> int:
+        """The slots a row needs until the next host read: those before `width`, and `slot`
+        (where it writes next) and the read_every after it, within the view."""
+        return min(self.length, max(width, slot + self.read_every + 1))
+
+    def ahead(self, t: int) -> None:
+        """After step t: pages for every running row until the next read. Where the pool has too
+        few, the rows started last go back to the queue (pages freed, tokens dropped: their
+        draws are keyed, so they come out the same when they run again)."""
+        cache = self.decoder.cache
+        while True:
+            held = [r for r, i in enumerate(self.holder) if i >= 0]
+            wanted = {r: self.reach(0, self.base[r] + t + 1) for r in held}
+            if cache.cover(wanted):
+                return
+            last = max(held, key=lambda r: (self.start[r], r))
+            self.queue.append(self.holder[last])
+            self.holder[last] = -1
+            self.idle(torch.tensor([last], device=self.device))
+            cache.release([last])
+            self.decoder.requeued += 1
 
     def fits(self, group: list[int]) -> bool:
         """Whether prompts `group` can be prefilled together (a single one always can)."""
@@ -545,6 +708,7 @@ class _Rows:
         for r, i in zip(rows, taken, strict=True):
             before = self.prompts[i][len(self.prompts[i]) - self.carried[i] :]
             self.holder[r], self.start[r], self.walked[r], self.seen[r] = i, t, t, before
+            self.base[r] = len(self.prompts[i]) - t - 1
             self.stops.pop(r, None)
         self.horizon = max(self.horizon, t + max(limits))
 
@@ -587,9 +751,7 @@ class _Rows:
         if len(firsts) == len(group):
             return logits
         where = torch.tensor(where, device=dev)
-        source = at[once][where]  # the row that holds each one's prompt
-        for layer in (*self.decoder.cache.keys, *self.decoder.cache.values):
-            layer[at, :, :width] = layer[source, :, :width]
+        self.decoder.cache.copy(at, at[once][where], width)  # from the row that holds its prompt
         return logits[where]
 
     def read(self, t: int, sampling) -> bool:
@@ -616,7 +778,8 @@ class _Rows:
             self.fill(t, sampling)
         elif self.decoder.compacts:
             self.compact()
-        return any(i >= 0 for i in self.holder)
+        self.ahead(t)
+        return any(i >= 0 for i in self.holder) or bool(self.queue)
 
     def leave(self, t: int, done: list[int], ends: list[int], cut: list[int] = ()) -> None:
         """Rows `done` (ended by step t) and `cut` give their prompts' results and hold
@@ -638,6 +801,8 @@ class _Rows:
             self.results[i] = (row, values, n, finish)
             self.holder[r] = -1
         self.idle(at)
+        kept = cut if self.decoder.reuse_cut else ()  # park keeps their pages
+        self.decoder.cache.release([r for r in rows if r not in kept])
 
     def park(self, cut: dict[int, int]) -> None:
         """With the decoder's reuse_cut: the rows of `cut` ({row: prompt index}) keep the keys
@@ -664,18 +829,16 @@ class _Rows:
             return
         order = held + [r for r, i in enumerate(self.holder) if i < 0][: fewer - len(held)]
         at, decoder, old = torch.tensor(order, device=self.device), self.decoder, self.step
-        written = int(old.slot.max())  # each row has written the slots before its own
-        for layer in (*decoder.cache.keys, *decoder.cache.values):  # rows in the wider view
-            layer[:fewer, :, :written] = layer[at, :, :written]
+        decoder.cache.move(order)  # their pages go with them: nothing copied
         self.step = decoder._step(fewer, self.length)  # the narrower view: the same first rows
         for name in ("positions", "pad_ok", "slot", "moving"):
             getattr(self.step, name).copy_(getattr(old, name)[at])
         self.ends, self.chosen, self.tokens, self.logprobs, self.u = (
             t[at] for t in (self.ends, self.chosen, self.tokens, self.logprobs, self.u)
         )
-        self.holder, self.start, self.walked, self.seen = (
+        self.holder, self.start, self.base, self.walked, self.seen = (
             [values[r] for r in order]
-            for values in (self.holder, self.start, self.walked, self.seen)
+            for values in (self.holder, self.start, self.base, self.walked, self.seen)
         )
         moved = {r: k for k, r in enumerate(order)}
         self.stops = {moved[r]: n for r, n in self.stops.items() if r in moved}

@@ -147,6 +147,7 @@ class TransformersEngine(EngineBase):
         seed: int = 0,
         device: str = "auto",
         max_batch_size: int = 256,
+        kv_cache_tokens: int | None = None,
         attn_implementation: str | None = None,
         compile_decode: bool = False,
         exact: bool = False,
@@ -158,8 +159,9 @@ class TransformersEngine(EngineBase):
         `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
         graphs as without it; faster, once the first call has compiled its step's regions
         (seconds: decode.py, regions.py). Every call then decodes at one shape, max_batch_size
-        rows x max_model_len slots, so its KV cache takes that much memory from the first call
-        on (as vLLM's does).
+        rows x max_model_len slots. `kv_cache_tokens`: the KV cache's size, in pages of 64 slots
+        that rows take as they grow (None: max_batch_size x max_model_len, which no call
+        outgrows); allocated at the first call, as vLLM's is; at least max_model_len.
         `exact`: exact.py's batch-invariant numerics,
         so a trainer that applies the same `exact_numerics` computes the very same logprobs
         from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
@@ -180,6 +182,12 @@ class TransformersEngine(EngineBase):
             self._float_mask = False
         self.vocab_size = config.vocab_size
         self.max_batch_size = max_batch_size
+        if kv_cache_tokens is not None and kv_cache_tokens < self.max_model_len:
+            raise RolloutError(
+                f"kv_cache_tokens {kv_cache_tokens} cannot hold one sequence of max_model_len "
+                f"{self.max_model_len}"
+            )
+        self._kv_tokens = kv_cache_tokens
         self._eos, self._pad = self._stop_and_pad_ids()
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         import torch  # loaded by _load_model
@@ -349,6 +357,7 @@ class TransformersEngine(EngineBase):
                 most=(self.max_batch_size, self.max_model_len),
                 compact=NARROWER if self._compact else 0,
                 reuse_cut=self._reuse_cut,
+                kv_tokens=self._kv_tokens,
             )
         results = self._decoder.generate(
             prompts,

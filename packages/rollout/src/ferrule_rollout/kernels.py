@@ -1,21 +1,22 @@
 """The transformers engine's Triton kernels (CUDA): decode attention that reads only the slots a
-row has used, and the decode loop's draw.
+row has used, through its page table, and the decode loop's draw.
 
-    out = decode_attention(query, keys, values, visible, slots, scale)   # [rows, 1, heads, dim]
-    chosen, logprob = draw(logits, temperature, u)                       # [rows] each
+    out = decode_attention(query, keys, values, visible, slots, table, scale)  # [rows, 1, heads, dim]
+    chosen, logprob = draw(logits, temperature, u)                             # [rows] each
 
-decode_attention: SDPA against the slab reads every slot of every row at each step, the empty
-ones included: at 1.5B, 512 rows and 576 slots that was 3.6 ms of a 10.2 ms step
+decode_attention: SDPA against a dense slab reads every slot of every row at each step, the
+empty ones included: at 1.5B, 512 rows and 576 slots that was 3.6 ms of a 10.2 ms step
 (benchmarks/RESULTS.md, issue 42). Here one program per (row, KV head) walks the row's slots in
-blocks up to its own next slot (`slots[r]`, where it just wrote), so a row 100 tokens in reads
-100 slots, whatever the slab's length. The query heads of a KV head are its program's rows
-(grouped-query attention without copying the cache); softmax runs online in float32. Where the
-view has few rows (the tail's narrower rows, an evaluation's), each row's slots are split over
-programs of SPLIT slots, whose partial sums a second kernel combines (flash-decoding): one
-program walking a 16k-token row alone took most of a step. The op is
-registered with torch.library, so torch.compile (the engine's compile_decode) treats it as one
-opaque call, and a CUDA graph captures it with the slots as a device tensor: a replay reads as
-far as each row has got.
+blocks of PAGE up to its own next slot (`slots[r]`, where it just wrote), each block read from the
+page the row's table names (decode.py's SlabCache: pages of PAGE slots, so a short sequence holds
+few of them), so a row 100 tokens in reads 100 slots, whatever the view's length. The query
+heads of a KV head are its program's rows (grouped-query attention without copying the cache);
+softmax runs online in float32. Where the view has few rows (the tail's narrower rows, an
+evaluation's), each row's slots are split over programs of SPLIT slots, whose partial sums a
+second kernel combines (flash-decoding): one program walking a 16k-token row alone took most of
+a step. The op is registered with torch.library, so torch.compile (the engine's compile_decode)
+treats it as one opaque call, and a CUDA graph captures it with the slots and the table as
+device tensors: a replay reads as far as each row has got, from wherever its pages are.
 
 draw: sampling.sample's inverse-CDF draw at temperature T without top-k / top-p, one program per
 row: a pass for the row's log-sum-exp, then a running sum up to the row's point. It reads the
@@ -30,8 +31,8 @@ import functools
 
 import torch
 
-BLOCK = 64  # slots per iteration
-SPLIT = 256  # slots per program where rows are split (decode_attention)
+PAGE = 64  # slots a page of the KV cache holds, and a kernel block reads (one page each)
+SPLIT = 256  # slots per program where rows are split (decode_attention): whole pages
 MIN_PROGRAMS_PER_SM = 2  # fewer (row, KV head) programs than this per SM: rows are split
 VOCAB_BLOCK = 2048  # vocabulary entries per iteration of the draw
 _kernel = _draw_kernel = None
@@ -45,14 +46,10 @@ def triton_available() -> bool:
     return True
 
 
-def usable(query, keys) -> bool:
-    """Whether the kernel covers this call: CUDA, one query token, power-of-two head size, at
-    most 16 query heads per KV head (one tl.dot tile), Triton importable."""
-    _, heads, length, dim = query.shape
-    kv = keys.shape[1]
-    if not query.is_cuda or length != 1 or heads % kv or heads // kv > 16:
-        return False
-    if dim & (dim - 1) or dim < 16 or query.stride(-1) != 1 or keys.stride(-1) != 1:
+def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether decode_attention covers a model's attention: at most 16 query heads per KV head
+    (one tl.dot tile) and a power-of-two head size of 16 or more; and Triton is importable."""
+    if heads % kv_heads or heads // kv_heads > 16 or head_dim & (head_dim - 1) or head_dim < 16:
         return False
     return triton_available()
 
@@ -63,9 +60,10 @@ def _build():
 
     @triton.jit
     def kernel(
-        Q, K, V, VISIBLE, SLOTS, ACC, BEST, TOTAL, OUT, scale, span,
-        q_row, q_head, k_row, k_head, k_slot, v_row, v_head, v_slot, vis_row, o_row, o_head,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        Q, K, V, VISIBLE, SLOTS, TABLE, ACC, BEST, TOTAL, OUT, scale, span,
+        q_row, q_head, k_page, k_head, k_slot, v_page, v_head, v_slot, vis_row, t_row, o_row,
+        o_head, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+        PAGE: tl.constexpr,
         SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         r = tl.program_id(0).to(tl.int64)
@@ -84,11 +82,13 @@ def _build():
         best = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: an all-masked block is no NaN
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
-        for start in range(begin, tl.minimum(begin + span, last + 1), BLOCK):
-            j = start + tl.arange(0, BLOCK)
+        for start in range(begin, tl.minimum(begin + span, last + 1), PAGE):
+            within = tl.arange(0, PAGE)
+            j = start + within
+            page = tl.load(TABLE + r * t_row + start // PAGE).to(tl.int64)
             seen = tl.load(VISIBLE + r * vis_row + j, mask=j <= last, other=0) != 0
             k = tl.load(
-                K + r * k_row + h * k_head + j[:, None] * k_slot + d[None, :],
+                K + page * k_page + h * k_head + within[:, None] * k_slot + d[None, :],
                 mask=seen[:, None],
                 other=0.0,
             )
@@ -99,16 +99,16 @@ def _build():
             shrink = tl.exp(best - new_best)
             total = total * shrink + tl.sum(p, axis=1)
             v = tl.load(
-                V + r * v_row + h * v_head + j[:, None] * v_slot + d[None, :],
+                V + page * v_page + h * v_head + within[:, None] * v_slot + d[None, :],
                 mask=seen[:, None],
                 other=0.0,
             )
             acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        if SPLITS == 1:  # the row's every slot: the output
+        if SPLITS == 1:  # the row's every slot: the output (0 where it sees none: an idle row)
             tl.store(
                 OUT + r * o_row + heads[:, None] * o_head + d[None, :],
-                (acc / total[:, None]).to(OUT.dtype.element_ty),
+                (acc / tl.where(total > 0, total, 1.0)[:, None]).to(OUT.dtype.element_ty),
                 mask=(g < GROUP)[:, None],
             )
         else:  # this split's partial sums (unnormalised), for `combine`; a split past the
@@ -145,7 +145,7 @@ def _build():
             total = total * old + t * this
             acc = acc * old[:, None] + a * this[:, None]
             best = new_best
-        out = acc / tl.where(used, total, 1.0)[:, None]
+        out = acc / tl.where(used & (total > 0), total, 1.0)[:, None]
         tl.store(
             OUT + r * o_row + heads[:, None] * o_head + d[None, :],
             out.to(OUT.dtype.element_ty),
@@ -162,18 +162,20 @@ def decode_attention(
     values: torch.Tensor,
     visible: torch.Tensor,
     slots: torch.Tensor,
+    table: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [rows, heads, 1, dim]; keys, values [rows, kv heads, slab slots, dim] (last dim
-    contiguous); visible [rows, slab slots] bool (what each row may attend to: its prompt
-    and tokens up to its slot); slots [rows] int64 (each row's last written slot). Returns
-    [rows, 1, heads, dim], as Hugging Face attention functions do."""
+    """query [rows, heads, 1, dim]; keys, values [pages, kv heads, PAGE, dim] (last dim
+    contiguous); visible [rows, view slots] bool (what each row may attend to: its prompt
+    and tokens up to its slot); slots [rows] int64 (each row's last written slot); table
+    [rows, pages a row] int64, the page that holds each row's slots PAGE * k .. PAGE * (k + 1).
+    Returns [rows, 1, heads, dim], as Hugging Face attention functions do."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
     attend, combine = _kernel
     rows, heads, _, dim = query.shape
-    kv, length = keys.shape[1], keys.shape[2]
+    kv, length = keys.shape[1], visible.shape[1]
     group = heads // kv
     out = torch.empty((rows, 1, heads, dim), dtype=query.dtype, device=query.device)
     if rows == 0:
@@ -194,10 +196,10 @@ def decode_attention(
         best = total = acc = out
     shapes = dict(GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), DIM=dim)
     attend[(rows, kv, splits)](
-        query, keys, values, visible, slots, acc, best, total, out, scale, span,
+        query, keys, values, visible, slots, table, acc, best, total, out, scale, span,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), visible.stride(0),
-        out.stride(0), out.stride(2), BLOCK=BLOCK, SPLITS=splits,
+        table.stride(0), out.stride(0), out.stride(2), PAGE=PAGE, SPLITS=splits,
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 stays float32
         **shapes,
     )  # fmt: skip
@@ -218,7 +220,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @decode_attention.register_fake
-def _(query, keys, values, visible, slots, scale):
+def _(query, keys, values, visible, slots, table, scale):
     rows, heads, _, dim = query.shape
     return query.new_empty((rows, 1, heads, dim))
 
