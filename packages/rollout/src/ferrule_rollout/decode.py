@@ -117,8 +117,7 @@ class SlabCache:
         self.table = torch.zeros((0, 0), dtype=torch.long, device=device)  # [rows, pages a row]
         self.owned: list[list[int]] = []  # each row's pages, in slot order (host)
         self.free: list[int] = []  # pages no row holds
-        self.rows = self.slots = None  # where `update` writes: set before each forward
-        self.seen = None  # the slots attention reads (None: prefill's own tokens only)
+        self.rows = self.seen = self.pages = self.at = None  # set by `aim` before each forward
         self.paged_reads = False  # decode: `update` gives the pools (Decoder sets it)
         self.allocations = 0  # how often the pool was (re)allocated: what it held is gone
 
@@ -201,9 +200,23 @@ class SlabCache:
     def _index(self, values: list[int]):
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def aim(self, rows, slots, seen: int | None) -> None:
+        """Where the next forward writes. Decode (`rows` None): row r its one token at slots[r].
+        Prefill: rows `rows` their tokens at the shared `slots`. Its attention reads each row's
+        first `seen` slots (None: prefill's own tokens only). The pages and the offsets in them
+        are looked up here once for every layer (a decode step's three small kernels a layer
+        otherwise)."""
+        self.rows, self.seen, self.at = rows, seen, slots % PAGE
+        if rows is None:
+            self.pages = self.table[torch.arange(len(slots), device=slots.device), slots // PAGE]
+        else:
+            self.pages = self.table[rows[:, None], slots[None, :] // PAGE]
+            self.at = self.at[None, :]
+
     def update(self, key, value, layer_idx: int, *args, **kwargs):
-        """Decode (`rows` None): row r writes its one token at slots[r]. Prefill: rows `rows`
-        write their tokens at the shared `slots`, and attend to their first `seen` slots."""
+        """Write the layer's new keys and values where `aim` said; return what its attention
+        reads: the pools (decode with paged_reads), the new keys (causal prefill), else the
+        rows' first `seen` slots gathered."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if key.shape[1] != self.kv_heads or key.shape[-1] != self.head_dim:
             raise RuntimeError(
@@ -211,18 +224,14 @@ class SlabCache:
                 f"{self.kv_heads} heads of size {self.head_dim} (from the model's config)"
             )
         if self.rows is None:
-            every = torch.arange(key.shape[0], device=key.device)
-            pages, at = self.table[every, self.slots // PAGE], self.slots % PAGE
-            keys[pages, :, at] = key[:, :, 0]
-            values[pages, :, at] = value[:, :, 0]
+            keys[self.pages, :, self.at] = key[:, :, 0]
+            values[self.pages, :, self.at] = value[:, :, 0]
             if self.paged_reads:
                 return keys, values
-            rows = every
+            rows = torch.arange(key.shape[0], device=key.device)
         else:
-            rows, slots = self.rows[:, None], self.slots[None, :]
-            pages, at = self.table[rows, slots // PAGE], slots % PAGE
-            keys[pages, :, at] = key.transpose(1, 2)
-            values[pages, :, at] = value.transpose(1, 2)
+            keys[self.pages, :, self.at] = key.transpose(1, 2)
+            values[self.pages, :, self.at] = value.transpose(1, 2)
             if self.seen is None:  # causal prefill from slot 0: its own tokens are all it sees
                 return key, value
             rows = self.rows
@@ -389,10 +398,9 @@ class Decoder:
                 low = torch.finfo(self.mask_dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
                 mask.masked_fill_(~keep[:, None], low)
-        self.cache.rows, self.cache.slots = rows, slots
-        # the slots attention reads: pad_ok's width (the view's; exact mode's key slots), or
-        # causal prefill's own tokens only
-        self.cache.seen = None if causal else pad_ok.shape[1]
+        # attention reads pad_ok's width (the view's; exact mode's key slots), or causal
+        # prefill's own tokens only
+        self.cache.aim(rows, slots, None if causal else pad_ok.shape[1])
         extra, pick = self.extra, None
         if rows is None and self.cache.paged_reads:  # each row's pages up to its slot
             extra = dict(extra, slab_slots=slots, slab_table=self.cache.table[: len(slots)])
