@@ -76,22 +76,21 @@ class Actor(TrainedModel):
         engine.init_distributed()
         self._join_sequence_group(sequence_parallel, compile_layers)
         torch.manual_seed(seed)  # LoRA initialisation is random: the same on every rank
-        self.model_path = str(model_path)
         self.temperature = temperature
         self.train = train
-        stage = zero_stage if train or zero_stage == 3 else 0
-        ds_config = engine.deepspeed_config(
-            zero_stage=stage,
-            dtype=dtype,
+        self._build(
+            model_path,
             train=train,
+            zero_stage=zero_stage if train or zero_stage == 3 else 0,  # a frozen copy: whole
+            dtype=dtype,
+            max_grad_norm=max_grad_norm,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
             offload_optimizer=offload_optimizer and train,
             offload_params=offload_params,
-            max_grad_norm=max_grad_norm,
-        )
-        model = engine.load_model(
-            model_path,
-            dtype=dtype,
-            ds_config=ds_config,
             gradient_checkpointing=gradient_checkpointing and train,
             lora_rank=lora_rank if train else 0,
             lora_alpha=lora_alpha,
@@ -99,18 +98,6 @@ class Actor(TrainedModel):
             attn_implementation=attn_implementation,
             compile_layers=compile_layers,
             prepare=prepare_model,
-        )
-        if self.sequence_group is not None:
-            sp.install(model, self.sequence_group)
-        self.engine = engine.build_engine(
-            model,
-            train=train,
-            learning_rate=learning_rate,
-            weight_decay=weight_decay,
-            betas=betas,
-            warmup_steps=warmup_steps,
-            total_steps=total_steps,
-            ds_config=ds_config,
         )
         self._exports: dict[torch.dtype | None, export.WeightExport] = {}
 

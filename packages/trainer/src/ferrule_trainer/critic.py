@@ -59,35 +59,24 @@ class Critic(TrainedModel):
         engine.init_distributed()
         self._join_sequence_group(sequence_parallel, compile_layers)
         torch.manual_seed(seed)  # the new value head starts the same on every rank
-        self.model_path = str(model_path)
-        ds_config = engine.deepspeed_config(
-            zero_stage=zero_stage,
-            dtype=dtype,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            max_grad_norm=max_grad_norm,
-        )
-        model = engine.load_model(
+        self._build(
             model_path,
             kind="value",
+            zero_stage=zero_stage,
             dtype=dtype,
-            ds_config=ds_config,
-            gradient_checkpointing=gradient_checkpointing,
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
-            attn_implementation=attn_implementation,
-            compile_layers=compile_layers,
-        )
-        if self.sequence_group is not None:
-            sp.install(model, self.sequence_group)
-        self.engine = engine.build_engine(
-            model,
+            max_grad_norm=max_grad_norm,
             learning_rate=learning_rate,
             weight_decay=weight_decay,
             betas=betas,
             warmup_steps=warmup_steps,
             total_steps=total_steps,
-            ds_config=ds_config,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            gradient_checkpointing=gradient_checkpointing,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            attn_implementation=attn_implementation,
+            compile_layers=compile_layers,
         )
 
     @torch.no_grad()

@@ -72,29 +72,22 @@ class RewardModel(TrainedModel):
         engine.init_distributed()
         m, t = config.model, config.train
         torch.manual_seed(t.seed)  # the new head starts the same on every rank
-        self.model_path = str(m.path)
-        ds_config = engine.deepspeed_config(
-            zero_stage=m.zero_stage, dtype=m.dtype, max_grad_norm=t.max_grad_norm
-        )
-        module = engine.load_model(
+        self._build(
             m.path,
             kind="reward",
+            zero_stage=m.zero_stage,
             dtype=m.dtype,
-            ds_config=ds_config,
+            max_grad_norm=t.max_grad_norm,
+            learning_rate=t.learning_rate,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=total_steps,
             gradient_checkpointing=m.gradient_checkpointing,
             lora_rank=m.lora_rank,
             lora_alpha=m.lora_alpha,
             attn_implementation=m.attn_implementation,
         )
-        self.pad_id = module.config.pad_token_id
-        self.engine = engine.build_engine(
-            module,
-            learning_rate=t.learning_rate,
-            weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps,
-            total_steps=total_steps,
-            ds_config=ds_config,
-        )
+        self.pad_id = self.engine.module.config.pad_token_id
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
         """(rows,) the score of each sequence (the head at its last non-padding token)."""

@@ -1,13 +1,16 @@
-"""What the actor and the critic share once built: checkpoints, the hybrid engine's offload and
-the sequence group they may share each sequence with."""
+"""What the actor, the critic and the reward model share: how their DeepSpeed engine is built,
+checkpoints, the hybrid engine's offload and the sequence group they may share each sequence
+with."""
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ferrule_trainer import checkpoint, engine
 from ferrule_trainer import sequence_parallel as sp
+from ferrule_trainer.config import LORA_TARGETS
 from ferrule_trainer.engine import startup_seconds as process_startup
 from ferrule_trainer.offload import offload_states, reload_states
 
@@ -19,6 +22,70 @@ class TrainedModel:
     engine: Any
     model_path: str
     sequence_group: sp.SequenceGroup | None = None
+
+    def _build(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        kind: str = "causal-lm",
+        train: bool = True,
+        zero_stage: int,
+        dtype: str,
+        max_grad_norm: float,
+        learning_rate: float,
+        weight_decay: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int,
+        total_steps: int | None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        gradient_checkpointing: bool,
+        lora_rank: int,
+        lora_alpha: int,
+        lora_targets: Sequence[str] = LORA_TARGETS,
+        attn_implementation: str | None,
+        compile_layers: bool = False,
+        prepare: Callable[[torch.nn.Module], Any] | None = None,
+    ) -> None:
+        """Load the model of `model_path` and wrap it in its DeepSpeed engine (`self.engine`),
+        the steps every trained model takes in this order: the DeepSpeed config (ZeRO-3 needs
+        it while loading), the model (engine.load_model: `kind`, LoRA, checkpointing, compiled
+        layers), the sequence group's attention where there is one, then the engine with its
+        optimizer and schedule (none where `train` is False)."""
+        self.model_path = str(model_path)
+        ds_config = engine.deepspeed_config(
+            zero_stage=zero_stage,
+            dtype=dtype,
+            train=train,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            max_grad_norm=max_grad_norm,
+        )
+        model = engine.load_model(
+            model_path,
+            kind=kind,
+            dtype=dtype,
+            ds_config=ds_config,
+            gradient_checkpointing=gradient_checkpointing,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_targets=lora_targets,
+            attn_implementation=attn_implementation,
+            compile_layers=compile_layers,
+            prepare=prepare,
+        )
+        if self.sequence_group is not None:
+            sp.install(model, self.sequence_group)
+        self.engine = engine.build_engine(
+            model,
+            train=train,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            total_steps=total_steps,
+            ds_config=ds_config,
+        )
 
     @property
     def compiled(self) -> bool:
