@@ -119,6 +119,32 @@ def test_continuous_batching_under_graphs_gives_what_one_batch_gives(engine):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
+def test_a_kv_cache_of_few_pages_under_graphs_gives_the_same_samples(engine):
+    """[rollout] kv_cache_tokens on the GPU: 4 pages for 8 rows of up to 256 slots, under CUDA
+    graphs and the paged attention kernel; rows go back to the queue when the pages run out,
+    and every sample is the default cache's. The draws' uniforms, made on the GPU, are the
+    CPU's bit for bit."""
+    from ferrule_rollout.hf_engine import TransformersEngine
+    from ferrule_rollout.sampling import uniforms
+
+    keys, first = [0, 1, 2**40 + 7, -5], [0, 3, 9, 100]
+    assert torch.equal(uniforms(keys, 300, first, "cuda").cpu(), uniforms(keys, 300, first))
+    settings = SamplingSettings(n=4, max_tokens=120, ignore_eos=True, seed=11)
+    roomy = engine.generate(PROMPTS, settings)
+    with TransformersEngine(
+        tiny_model("qwen2"),
+        dtype="float32",
+        max_model_len=256,
+        max_batch_size=8,
+        kv_cache_tokens=256,
+    ) as tight:
+        got = tight.generate(PROMPTS, settings)
+        assert tight._decoder.cache.paged_reads and tight._decoder.requeued > 0
+    assert [s.token_ids for s in got] == [s.token_ids for s in roomy]
+    for a, b in zip(got, roomy, strict=True):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def real_size():
     """A Qwen2.5-1.5B-shaped model with the real vocabulary, and prompts of 16-64 tokens."""

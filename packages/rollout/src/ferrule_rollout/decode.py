@@ -600,10 +600,10 @@ class _Rows:
         limits = [self.limits[i] for i in taken]
         self.grow(t + 1 + max(limits))
         draws = uniforms(
-            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken]
+            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken], dev
         )
         at, fed = torch.tensor(rows, device=dev), [len(self.prompts[i]) - 1 for i in taken]
-        self.u[at, t + 1 : t + 1 + max(limits)] = draws.to(dev)
+        self.u[at, t + 1 : t + 1 + max(limits)] = draws
         self.chosen[at] = torch.tensor([self.prompts[i][-1] for i in taken], device=dev)
         self.ends[at] = torch.tensor([t + 1 + n for n in limits], device=dev)
         step, fed = self.step, torch.tensor(fed, device=dev)
@@ -701,8 +701,8 @@ class _Rows:
         limits = [self.limits[i] for i in taken]
         self.grow(t + max(limits) + 1)
         draws = uniforms(
-            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken]
-        ).to(dev)
+            [self.keys[i] for i in taken], max(limits), [self.carried[i] for i in taken], dev
+        )
         self.u[at, t : t + max(limits)] = draws
         first, logprob = sample(logits, *sampling, draws[:, 0], kernel=self.decoder.kernels)
         self.tokens[at, t], self.logprobs[at, t], self.chosen[at] = first, logprob, first

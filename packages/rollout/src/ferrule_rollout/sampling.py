@@ -37,16 +37,18 @@ def _mix(x):
     return (x >> 16) ^ x
 
 
-def uniforms(keys, steps: int, first=None):
+def uniforms(keys, steps: int, first=None, device=None):
     """[rows, steps] float64 uniforms in [0, 1): row r's draw at step t depends on keys[r] and t
     only (a counter-based generator: no state to carry, the same in any batch and any chunk).
     `first` (one per row): row r's draws are those of steps first[r] .. first[r] + steps - 1,
-    as a sample continued after first[r] tokens draws what one uninterrupted call would have."""
-    keys = torch.as_tensor(keys, dtype=torch.long)
+    as a sample continued after first[r] tokens draws what one uninterrupted call would have.
+    Integer arithmetic only, so the same bits on any `device`: on the GPU's, a call at a 16k
+    cap does not wait for the CPU (512 rows x 16,384 steps take ~1 s there)."""
+    keys = torch.as_tensor(keys, dtype=torch.long, device=device)
     row = _mix(_mix((keys & MASK32) ^ 0x6A09E667) ^ ((keys >> 32) & MASK32))
-    at = torch.arange(steps, dtype=torch.long)[None, :]
+    at = torch.arange(steps, dtype=torch.long, device=device)[None, :]
     if first is not None:
-        at = at + torch.as_tensor(first, dtype=torch.long)[:, None]
+        at = at + torch.as_tensor(first, dtype=torch.long, device=device)[:, None]
     step = _mix(at + 0x3C6EF372)
     high = _mix(row[:, None] ^ step)
     low = _mix(high ^ 0x5BD1E995)
