@@ -46,7 +46,7 @@ def test_load_from_a_module_and_a_file(tmp_path, monkeypatch):
         ("{dir}/my_envs.py:Missing", "has no 'Missing'"),
         ("{dir}/my_envs.py:NotOne", "is type .*not a subclass of .*Environment"),
         ("{dir}/my_envs.py:not_a_class", "is int 3, not a subclass"),
-        ("{dir}/broken.py:Echo", "raised ZeroDivisionError"),
+        ("{dir}/broken.py:Echo", "importing it raised .*broken.py:1: ZeroDivisionError"),
     ],
 )
 def test_load_errors_name_the_spec(tmp_path, spec, message):

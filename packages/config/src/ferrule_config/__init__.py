@@ -1,18 +1,27 @@
-"""ferrule-config: TOML files of typed tables, one error format (see tables.py)."""
+"""ferrule-config: TOML files of typed tables, one error format (see tables.py); `module:name`
+specs of a user's Python objects (objects.py).
 
-from ferrule_config.tables import (
-    NONE,
-    RENAMED_DTYPES,
-    ConfigError,
-    InputPath,
-    Problems,
-    Table,
-    describe,
-    format_errors,
-    format_problems,
-    load_config,
-    renamed_dtype,
-)
+The names of tables.py are imported on first use: `ferrule_config.objects` is the standard
+library only, and importing it must not load pydantic with the tables (the reward server
+imports it).
+"""
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
+    from ferrule_config.tables import (
+        NONE,
+        RENAMED_DTYPES,
+        ConfigError,
+        InputPath,
+        Problems,
+        Table,
+        describe,
+        format_errors,
+        format_problems,
+        load_config,
+        renamed_dtype,
+    )
 
 __all__ = [
     "NONE",
@@ -27,3 +36,14 @@ __all__ = [
     "load_config",
     "renamed_dtype",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A name of tables.py, imported when first asked for (PEP 562)."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from ferrule_config import tables
+
+    value = getattr(tables, name)
+    globals()[name] = value  # found directly from now on
+    return value

@@ -15,15 +15,13 @@ runs past `timeout`.
 """
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from ferrule_config.objects import load_object
 from ferrule_rewards.records import (
     NO_PROGRESS,
     SAMPLE_FIELDS,
@@ -42,63 +40,11 @@ _MAX_ERROR_CHARS = 1000
 def load_function(spec: str) -> Callable:
     """Import `module:function` or `path/to/file.py:function` (the function may be dotted,
     `module:Class.method`). Modules are looked up from the current directory first, as
-    `python -m` would."""
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise ValueError(
-            f"reward function {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
-        )
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        if not path.is_file():
-            raise ValueError(f"reward function {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module  # so pickling and dataclasses inside it work
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as error:
-            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
-    else:
-        cwd = str(Path.cwd())
-        added = "" not in sys.path and cwd not in sys.path
-        if added:  # first while the reward module is imported, as `python -m` would
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name is not None and f"{module_name}.".startswith(f"{error.name}."):
-                raise ValueError(
-                    f"reward function {spec!r}: cannot import {module_name!r}: {error}"
-                ) from None
-            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
-        except Exception as error:  # the module is there but broken: the user's to fix
-            raise ValueError(f"reward function {spec!r}: {_import_failure(error)}") from None
-        finally:
-            if added:  # then last: a module imported later (json, say) is not shadowed there
-                sys.path.remove(cwd)
-                sys.path.append(cwd)
-    target = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(
-                f"reward function {spec!r}: {module_name} has no {attribute!r}"
-            ) from None
+    `python -m` would (see ferrule_config.objects)."""
+    target = load_object(spec, "reward function", attribute="function")
     if not callable(target):
         raise ValueError(f"reward function {spec!r} is a {type(target).__name__}, not callable")
     return target
-
-
-def _import_failure(error: Exception) -> str:
-    """One line on why a reward module failed to import, with the file and line to fix (a
-    traceback through importlib says no more than that, and ends in a scoring process)."""
-    if isinstance(error, SyntaxError):
-        return f"{error.filename}:{error.lineno}: {type(error).__name__}: {error.msg}"
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
-    return f"importing it raised {where}{type(error).__name__}: {error}"
 
 
 def signature_fields(fn: Callable) -> tuple[tuple[str, ...], bool, bool]:

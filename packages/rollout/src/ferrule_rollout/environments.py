@@ -10,13 +10,11 @@ Plain Python with no vLLM, torch or Ray in it. `episodes.run_episodes` makes one
 episode and calls its methods from worker threads, so many episodes run at once; see README.md.
 """
 
-import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from ferrule_config.objects import load_object
 
 # An observation is text, or chat messages ({"role": ..., "content": ...}) that the runner
 # renders with the tokenizer's chat template (see episodes.py for the rule).
@@ -150,49 +148,12 @@ def _describe_value(value) -> str:
 def load_environment(spec: str) -> type[Environment]:
     """Import `module:Class` or `path/to/file.py:Class` (as reward functions are named); the
     class must subclass Environment. Modules are looked up from the current directory first, as
-    `python -m` would. EnvironmentLoadError naming the spec otherwise."""
-    module_name, _, attribute = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-    if not module_name or not attribute:
-        raise EnvironmentLoadError(
-            f"environment {spec!r}: expected 'module:Class' or 'path/to/file.py:Class'"
-        )
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        if not path.is_file():
-            raise EnvironmentLoadError(f"environment {spec!r}: no file {path}")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module  # so pickling (tool processes) and dataclasses work
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as err:
-            del sys.modules[path.stem]
-            raise EnvironmentLoadError(
-                f"environment {spec!r}: importing {path} raised {type(err).__name__}: {err}"
-            ) from err
-    else:
-        cwd = str(Path.cwd())
-        added = "" not in sys.path and cwd not in sys.path
-        if added:  # first while the environment's module is imported, as `python -m` would
-            sys.path.insert(0, cwd)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            raise EnvironmentLoadError(
-                f"environment {spec!r}: cannot import {module_name!r}: {err}"
-            ) from None
-        finally:
-            if added:  # then last: a `json.py` there does not shadow the json imported later
-                sys.path.remove(cwd)
-                sys.path.append(cwd)
-    target = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise EnvironmentLoadError(
-                f"environment {spec!r}: {module_name} has no {attribute!r}"
-            ) from None
+    `python -m` would (see ferrule_config.objects). EnvironmentLoadError naming the spec
+    otherwise."""
+    try:
+        target = load_object(spec, "environment", attribute="Class")
+    except ValueError as error:
+        raise EnvironmentLoadError(str(error)) from None
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise EnvironmentLoadError(
             f"environment {spec!r} is {_describe_value(target)}, not a subclass of "
