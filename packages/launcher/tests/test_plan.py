@@ -96,6 +96,7 @@ def test_a_plan_that_cannot_fit_is_refused_naming_keys_and_numbers(write):
     for key in ("micro_batch_tokens", "gradient_checkpointing", "zero_stage"):
         assert f"[trainer] {key}" in error
     assert "--plan" in error
+    assert "max_batch_size or kv_cache_tokens (transformers)" in error  # the engine's levers
     # the same plan starts anyway when the user says so
     assert resolved(write(text), {"ray.check_memory": False})
     shown = resolve(load_config(write(text)), refuse=False)  # --plan: shown, not refused

@@ -514,8 +514,9 @@ def refusal(plan: Plan) -> list[tuple[str, str]]:
         f"the memory plan does not fit: in the {phase} phase GPU {index} needs {peak / GiB:.1f} GiB "
         f"({parts}) of {HEADROOM:.0%} x {plan.memory / GiB:.1f} GiB, even at the plan that needs "
         f'least (set by you: {levers}; set them to "auto" to let the plan choose, lower '
-        "[rollout] gpu_memory_utilization or max_batch_size, turn on sleep_between_phases, or "
-        "add ranks). `rlhf-launch CONFIG --plan` shows every process."
+        "[rollout] gpu_memory_utilization (vLLM), max_batch_size or kv_cache_tokens "
+        "(transformers), turn on sleep_between_phases, or add ranks). `rlhf-launch CONFIG "
+        "--plan` shows every process."
     )
     key = f"trainer.{fixed[0]}" if fixed else "trainer.micro_batch_tokens"
     return [(key, message)]

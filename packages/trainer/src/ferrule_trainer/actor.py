@@ -81,7 +81,8 @@ class Actor(TrainedModel):
         self._build(
             model_path,
             train=train,
-            zero_stage=zero_stage if train or zero_stage == 3 else 0,  # a frozen copy: whole
+            # a frozen model stays sharded under ZeRO-3; below it each rank holds a whole copy
+            zero_stage=zero_stage if train or zero_stage == 3 else 0,
             dtype=dtype,
             max_grad_norm=max_grad_norm,
             learning_rate=learning_rate,
