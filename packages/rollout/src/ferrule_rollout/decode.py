@@ -373,7 +373,7 @@ class Decoder:
         """Drop the graphs, their pool and the slab (the engine calls this before sleeping)."""
         self.steps.clear()
         self.cache.keys, self.cache.values, self.cache.owned, self.cache.free = [], [], [], []
-        self.cache.table = self.cache.table[:0, :0]
+        self.cache.table = torch.zeros((0, 0), dtype=torch.long, device=self.device)
         self.parked = {}
         self.pool = self.step_forward = self.logprobs_of = self.regions = None
 
