@@ -522,8 +522,8 @@ def test_a_pool_smaller_than_the_rows_makes_rows_wait_and_gives_the_same_samples
     roomy = run(Decoder(model, float_mask=False), prompts, limits, max_rows=3)
     held, cover = [], decode.SlabCache.cover
 
-    def watched(cache, wanted):
-        granted = cover(cache, wanted)
+    def watched(cache, *args):
+        granted = cover(cache, *args)
         held.append(sum(map(len, cache.owned)))
         return granted
 

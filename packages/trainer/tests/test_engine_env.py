@@ -69,6 +69,22 @@ def test_adam_is_torchs_own_unless_deepspeed_needs_its_own():
         assert adam_params(cpu=False, zero_stage=stage, offloaded=True, **hyper) == hyper
 
 
+def test_a_frozen_engine_runs_whole_below_zero_3_and_offloads_no_optimizer():
+    """deepspeed_config(train=False): a reference or reward scorer has no optimizer and, below
+    ZeRO-3, a whole copy on each rank (stage 0); under ZeRO-3 it stays sharded; no clipping."""
+    from ferrule_trainer.engine import deepspeed_config
+
+    for stage in (0, 1, 2, 3):
+        frozen = deepspeed_config(zero_stage=stage, dtype="float32", train=False)
+        assert frozen["zero_optimization"]["stage"] == (3 if stage == 3 else 0)
+        assert "gradient_clipping" not in frozen
+    # an optimizer offload asked of a frozen engine is dropped, not refused (the actor's
+    # reference is built from the policy's keys)
+    frozen = deepspeed_config(zero_stage=2, dtype="float32", train=False, offload_optimizer=True)
+    assert "offload_optimizer" not in frozen["zero_optimization"]
+    assert deepspeed_config(zero_stage=2, dtype="float32")["zero_optimization"]["stage"] == 2
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_deepspeed_trains_with_torchs_fused_adamw_below_zero_3(stage, monkeypatch):
     """The GPU's optimizer params (torch_adam + fused), run here on torch's CPU fused kernel:

@@ -381,16 +381,16 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
             share = least
         return share + CONTEXT, how
     slots = math.ceil(r.max_model_len / 64) * 64
-    tokens = r.max_batch_size * slots
     if r.kv_cache_tokens:  # its pages, and the one no row holds
         tokens = math.ceil(r.kv_cache_tokens / 64) * 64 + 64
+        how = f"transformers: KV cache of {tokens} tokens for {r.max_batch_size} rows"
+    else:
+        tokens = r.max_batch_size * slots
+        how = f"transformers: KV cache of {r.max_batch_size} rows x {slots} slots"
     cache = tokens * shape.layers * 2 * shape.kv_width * 2  # bf16 keys, values
     logits = r.max_batch_size * shape.vocab * 8
     weights = shape.weights(config.model.dtype)
     total = memory.FRAGMENTATION * (weights + cache + logits + ENGINE_OVERHEAD)
-    how = f"transformers: KV cache of {r.max_batch_size} rows x {slots} slots"
-    if r.kv_cache_tokens:
-        how = f"transformers: KV cache of {tokens} tokens for {r.max_batch_size} rows"
     return int(total) + CONTEXT, how
 
 

@@ -149,11 +149,11 @@ class SlabCache:
         self.allocations += 1
         return True
 
-    def cover(self, wanted: dict[int, int]) -> bool:
+    def cover(self, wanted: dict[int, int], spare: int = 0) -> bool:
         """Pages for each row r of `wanted` up to slot wanted[r] (exclusive); False, giving
-        none, when too few are free."""
+        none, when fewer than those and `spare` more are free."""
         more = {r: -(-n // PAGE) - len(self.owned[r]) for r, n in wanted.items()}
-        if sum(n for n in more.values() if n > 0) > len(self.free):
+        if sum(n for n in more.values() if n > 0) + spare > len(self.free):
             return False
         rows, at, pages = [], [], []
         for r, n in more.items():
@@ -652,8 +652,7 @@ class _Rows:
         }
         cache = self.decoder.cache
         spare = sum(1 for i in self.holder if i >= 0) if cache.fixed else 0
-        needed = sum(-(-n // PAGE) for n in wanted.values())
-        return needed + spare <= len(cache.free) and cache.cover(wanted)
+        return cache.cover(wanted, spare)
 
     def reach(self, width: int, slot: int) -> int:
         """The slots a row needs until the next host read: those before `width`, and `slot`

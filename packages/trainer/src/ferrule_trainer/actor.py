@@ -81,8 +81,7 @@ class Actor(TrainedModel):
         self._build(
             model_path,
             train=train,
-            # a frozen model stays sharded under ZeRO-3; below it each rank holds a whole copy
-            zero_stage=zero_stage if train or zero_stage == 3 else 0,
+            zero_stage=zero_stage,
             dtype=dtype,
             max_grad_norm=max_grad_norm,
             learning_rate=learning_rate,
@@ -90,7 +89,7 @@ class Actor(TrainedModel):
             betas=betas,
             warmup_steps=warmup_steps,
             total_steps=total_steps,
-            offload_optimizer=offload_optimizer and train,
+            offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             gradient_checkpointing=gradient_checkpointing and train,
             lora_rank=lora_rank if train else 0,

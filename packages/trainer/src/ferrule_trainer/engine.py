@@ -120,9 +120,13 @@ def deepspeed_config(
     max_grad_norm: float = 1.0,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for one engine. Micro-batching is ours (see `optimizer_step`),
-    so DeepSpeed sees one micro-batch per step and we mark the accumulation boundary ourselves."""
+    so DeepSpeed sees one micro-batch per step and we mark the accumulation boundary ourselves.
+    A frozen engine (`train` False) has no optimizer to offload, and below ZeRO-3 it runs at
+    stage 0: each rank holds a whole copy (ZeRO-3 keeps it sharded)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if not train:
+        zero_stage, offload_optimizer = (3 if zero_stage == 3 else 0), False
     check_dtype(dtype)
     if offload_params and zero_stage != 3:
         raise ValueError(
@@ -321,7 +325,7 @@ def build_engine(
     init_distributed()
     if ds_config is None:
         ds_config = deepspeed_config(
-            zero_stage=zero_stage if train or zero_stage == 3 else 0,
+            zero_stage=zero_stage,
             dtype=dtype,
             train=train,
             offload_optimizer=offload_optimizer,
