@@ -488,6 +488,7 @@ class Control:
 
 CONNECT_ATTEMPT = 2.0  # seconds a connection to the store may take before a fresh one is tried
 TORCH_RETRIES_AFTER = 5.0  # seconds after which torch's client tries a lost handshake again
+OWN_STORE_CONNECT = 2 * TORCH_RETRIES_AFTER + CONNECT_ATTEMPT  # the sender's, to its own store
 
 
 def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TCPStore:
@@ -498,10 +499,13 @@ def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TC
     A receiver's connection given less than 15 s is made in attempts of CONNECT_ATTEMPT
     seconds; a longer one in one attempt, as torch's own retry leaves time enough (and a
     receiver waiting for its sender logs no failed attempts). The sender's store is made once:
-    made again, it closed early receivers' connections and could meet its own old listener."""
-    deadline = time.monotonic() + timeout
-    one_attempt = is_master or timeout >= 3 * TORCH_RETRIES_AFTER
-    step = timeout if one_attempt else CONNECT_ATTEMPT
+    made again, it closed early receivers' connections and could meet its own old listener.
+    So the sender's connection to its own store is given room for torch's retry whatever
+    `timeout` says: it waits for nobody, and a short connect timeout failed it (CI, 2026-12-01)."""
+    connect = max(timeout, OWN_STORE_CONNECT) if is_master else timeout
+    deadline = time.monotonic() + connect
+    one_attempt = is_master or connect >= 3 * TORCH_RETRIES_AFTER
+    step = connect if one_attempt else CONNECT_ATTEMPT
     while True:
         attempt = max(0.001, min(step, deadline - time.monotonic()))
         try:
