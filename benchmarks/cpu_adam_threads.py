@@ -60,7 +60,7 @@ def launcher_threads() -> tuple[int, int]:
     the optimizer offloaded, and what Ray's OMP_NUM_THREADS would have been."""
     from unittest import mock
 
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.placement import optimizer_threads
 
     config = load_config(EXAMPLE, {"trainer.offload_optimizer": True})

@@ -115,7 +115,7 @@ def one_gpu_plan(args, model: Path):
     """The [trainer] keys the memory plan picks for ours on one GPU: the baseline's micro-batches
     and checkpointing whatever --gpus is (ZeRO-2 over more ranks leaves room for larger ones)."""
     from ferrule_launcher.cli import parse_overrides
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.resolve import resolve
 
     one = argparse.Namespace(**{**vars(args), "gpus": 1})
@@ -156,7 +156,7 @@ class ProcessPeaks:
 
 def ours(args, model: Path, out: Path) -> tuple[dict, object]:
     from ferrule_launcher.cli import parse_overrides
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.resolve import resolve
 
     items = overrides(args, model, out)

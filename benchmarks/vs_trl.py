@@ -71,8 +71,8 @@ def trl_side(steps: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ferrule_launcher.config import load_config
     from ferrule_launcher.data import make_prompts
+    from ferrule_launcher.load import load_config
     from ferrule_rewards.builtin import char_match, exact_text
 
     config = load_config(EXAMPLE, {})

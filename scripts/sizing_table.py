@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from ferrule_launcher.cli import parse_overrides
-from ferrule_launcher.config import load_config
+from ferrule_launcher.load import load_config
 from ferrule_launcher.plan import HEADROOM, HOST_HEADROOM
 from ferrule_launcher.resolve import resolve
 from ferrule_testkit import shape_config

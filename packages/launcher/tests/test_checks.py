@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from ferrule_launcher import checks
-from ferrule_launcher.config import ConfigError, EnvironmentConfig, load_config
+from ferrule_launcher.config import ConfigError, EnvironmentConfig
+from ferrule_launcher.load import load_config
 from ferrule_trainer.config import CriticConfig
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ferrule_launcher.config import ConfigError, describe, load_config
+from ferrule_launcher.config import ConfigError, describe
+from ferrule_launcher.load import load_config
 from ferrule_trainer.config import ESTIMATORS
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "tiny.toml"

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from ferrule_launcher.config import load_config
+from ferrule_launcher.load import load_config
 from ferrule_launcher.partial import PartialRollouts
 from ferrule_launcher.task import Problem
 from ferrule_testkit import tiny_model

@@ -224,7 +224,7 @@ def test_outputs_log_sample_tables_and_weights_and_biases_offline(tmp_path, monk
 def test_threads_per_role_share_the_cpus_among_the_roles_that_compute_at_once(monkeypatch):
     from pathlib import Path
 
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.placement import role_env, threads_per_role
 
     example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
@@ -256,7 +256,7 @@ def test_ranks_that_step_cpu_adam_get_the_nodes_cores_not_rays_one_thread(monkey
     node's cores shared by the ranks stepping with it, in its own environment only."""
     from pathlib import Path
 
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.placement import Role, optimizer_threads, with_threads
 
     example = Path(__file__).resolve().parents[3] / "examples" / "tiny.toml"
@@ -331,7 +331,7 @@ def test_the_roles_start_with_the_arguments_the_config_gives_them():
     settings; roles.py never sees the config."""
     from pathlib import Path
 
-    from ferrule_launcher.config import load_config
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.roles import WeightSync
     from ferrule_launcher.run import role_setup
 

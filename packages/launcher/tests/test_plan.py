@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from ferrule_launcher.config import ConfigError, load_config
+from ferrule_launcher.config import ConfigError
+from ferrule_launcher.load import load_config
 from ferrule_launcher.plan import HEADROOM, make_plan
 from ferrule_launcher.resolve import Machine, resolve
 from ferrule_testkit import QWEN25_1_5B, QWEN25_VOCAB

@@ -1,24 +1,21 @@
 """The rules that span a run's tables: settings each valid alone that contradict one another.
 
-Each `check_*` takes a loaded `Config` and returns its problems as (dotted key, message) pairs,
-the key the one to change; none when the rule holds. `Config` runs every rule of CROSS_TABLE
-as it loads and, only when none is broken, `check_files` (a contradiction is the first thing
-to mend, a missing file the last). Each rule is tested alone in
-packages/launcher/tests/test_checks.py.
+Each `check_*` takes a `Config` and returns its problems as (dotted key, message) pairs, the
+key the one to change; none when the rule holds. `problems` runs every rule of CROSS_TABLE and,
+only when none is broken, `check_files` (a contradiction is the first thing to mend, a missing
+file the last); load.load_config calls it on every config it loads. Each rule is tested alone
+in packages/launcher/tests/test_checks.py.
 """
 
 import importlib.util
-from typing import TYPE_CHECKING
 
+from ferrule_launcher.config import Config
 from ferrule_trainer.config import rl_batch_problems
-
-if TYPE_CHECKING:
-    from ferrule_launcher.config import Config
 
 Problem = tuple[str, str]
 
 
-def check_sequence_parallel(config: "Config") -> list[Problem]:
+def check_sequence_parallel(config: Config) -> list[Problem]:
     """The critic's ranks share sequences as the policy's do: in groups of the same size."""
     size, critic = config.trainer.sequence_parallel, config.critic
     if critic is not None and critic.ranks % size:
@@ -32,7 +29,7 @@ def check_sequence_parallel(config: "Config") -> list[Problem]:
     return []
 
 
-def check_reward_source(config: "Config") -> list[Problem]:
+def check_reward_source(config: Config) -> list[Problem]:
     """One of [rewards] function, model or address, unless the environment scores alone."""
     w = config.rewards
     given = [name for name in ("function", "model", "address") if getattr(w, name)]
@@ -54,7 +51,7 @@ def check_reward_source(config: "Config") -> list[Problem]:
     return []
 
 
-def check_batch(config: "Config") -> list[Problem]:
+def check_batch(config: Config) -> list[Problem]:
     """The trainer's mini-batches and estimator against the step's samples (ferrule-trainer's
     rule: its own SFT / preference recipes share it)."""
     r = config.rollout
@@ -62,7 +59,7 @@ def check_batch(config: "Config") -> list[Problem]:
     return rl_batch_problems(config.trainer, config.critic, r.samples_per_prompt, rows)
 
 
-def check_partial_rollout(config: "Config") -> list[Problem]:
+def check_partial_rollout(config: Config) -> list[Problem]:
     """Partial rollouts continue samples across weight syncs: async on vLLM (its pause mode
     "keep"), sync on the transformers engine (a cut call continued in the next step)."""
     loop, backend = config.loop, config.rollout.backend
@@ -94,7 +91,7 @@ def check_partial_rollout(config: "Config") -> list[Problem]:
     return []
 
 
-def check_exact(config: "Config") -> list[Problem]:
+def check_exact(config: Config) -> list[Problem]:
     """Exact mode sets the engine's and the trainer's attention, and merged LoRA weights round
     differently from the trainer's."""
     if not config.rollout.exact:
@@ -116,14 +113,14 @@ def check_exact(config: "Config") -> list[Problem]:
     return problems
 
 
-def check_overlong_buffer(config: "Config") -> list[Problem]:
+def check_overlong_buffer(config: Config) -> list[Problem]:
     buffer, cap = config.trainer.overlong_buffer, config.rollout.max_tokens
     if buffer is not None and buffer > cap:
         return [("trainer.overlong_buffer", f"must be <= [rollout] max_tokens = {cap}")]
     return []
 
 
-def check_data(config: "Config") -> list[Problem]:
+def check_data(config: Config) -> list[Problem]:
     """[task] sources against the task's name, and what the warm start trains on."""
     task, sft, r, problems = config.task, config.sft, config.rollout, []
     if task.name != "data":
@@ -155,7 +152,7 @@ def check_data(config: "Config") -> list[Problem]:
     return problems
 
 
-def check_recipe(config: "Config") -> list[Problem]:
+def check_recipe(config: Config) -> list[Problem]:
     """The SFT / RM / DPO recipes ([loop] algorithm) run synchronously and train no critic; a
     recipe's table is only read under its algorithm."""
     algorithm = config.loop.algorithm
@@ -182,7 +179,7 @@ def _default(table, key: str):
     return type(table).model_fields[key].get_default(call_default_factory=True)
 
 
-def check_reward_model_keys(config: "Config") -> list[Problem]:
+def check_reward_model_keys(config: Config) -> list[Problem]:
     """Keys that size, normalise or start from the reward model need one."""
     w, problems = config.rewards, []
     for key in ("gpus", "cpus"):
@@ -206,13 +203,13 @@ def check_reward_model_keys(config: "Config") -> list[Problem]:
     return problems
 
 
-def check_wandb(config: "Config") -> list[Problem]:
+def check_wandb(config: Config) -> list[Problem]:
     if config.output.wandb and importlib.util.find_spec("wandb") is None:
         return [("output.wandb", "needs the wandb package: pip install 'ferrule-launcher[wandb]'")]
     return []
 
 
-def check_keep_best(config: "Config") -> list[Problem]:
+def check_keep_best(config: Config) -> list[Problem]:
     """An eval/ metric is measured every eval_every steps: a checkpoint must land on one."""
     best, every, checkpoint = (
         config.output.keep_best,
@@ -230,7 +227,7 @@ def check_keep_best(config: "Config") -> list[Problem]:
     return []
 
 
-def check_lengths(config: "Config") -> list[Problem]:
+def check_lengths(config: Config) -> list[Problem]:
     r = config.rollout
     if r.max_tokens >= r.max_model_len:
         return [
@@ -239,7 +236,7 @@ def check_lengths(config: "Config") -> list[Problem]:
     return []
 
 
-def check_engines(config: "Config") -> list[Problem]:
+def check_engines(config: Config) -> list[Problem]:
     r = config.rollout
     if r.prompts_per_step % r.engines:
         return [
@@ -251,7 +248,7 @@ def check_engines(config: "Config") -> list[Problem]:
     return []
 
 
-def check_transport(config: "Config") -> list[Problem]:
+def check_transport(config: Config) -> list[Problem]:
     """CUDA IPC and host memory need every role on one host."""
     transport = config.rollout.transport
     if transport in ("ipc", "host") and config.ray.placement != "colocate_all":
@@ -265,7 +262,7 @@ def check_transport(config: "Config") -> list[Problem]:
     return []
 
 
-def check_staleness(config: "Config") -> list[Problem]:
+def check_staleness(config: Config) -> list[Problem]:
     loop = config.loop
     if (
         loop.mode == "sync"
@@ -276,7 +273,7 @@ def check_staleness(config: "Config") -> list[Problem]:
     return []
 
 
-def check_devices(config: "Config") -> list[Problem]:
+def check_devices(config: Config) -> list[Problem]:
     """How the roles share devices: the hybrid engine's switches and GPU bundles."""
     t, r, ray, problems = config.trainer, config.rollout, config.ray, []
     switches = {
@@ -307,7 +304,7 @@ def check_devices(config: "Config") -> list[Problem]:
     return problems
 
 
-def check_environment(config: "Config") -> list[Problem]:
+def check_environment(config: Config) -> list[Problem]:
     """What multi-turn episodes do not run with (yet)."""
     if config.environment is None:
         return []
@@ -319,7 +316,7 @@ def check_environment(config: "Config") -> list[Problem]:
     return problems
 
 
-def check_files(config: "Config") -> list[Problem]:
+def check_files(config: Config) -> list[Problem]:
     """The files and folders the run reads: reward function or model, environment, data."""
     problems = [(f"rewards.{key}", message) for key, message in config.rewards.missing()]
     if config.environment is not None:
@@ -356,3 +353,9 @@ CROSS_TABLE = (
     check_devices,
     check_environment,
 )
+
+
+def problems(config: Config) -> list[Problem]:
+    """Every broken rule of CROSS_TABLE, in order; only where none is, the missing files."""
+    found = [problem for check in CROSS_TABLE for problem in check(config)]
+    return found or check_files(config)

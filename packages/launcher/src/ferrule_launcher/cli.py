@@ -70,8 +70,9 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ferrule_launcher.config import ConfigError, describe, load_config
+    from ferrule_launcher.config import ConfigError, describe
     from ferrule_launcher.data import make_prompts
+    from ferrule_launcher.load import load_config
     from ferrule_launcher.resolve import resolve
 
     args = parse_args(argv)

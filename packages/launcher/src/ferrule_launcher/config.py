@@ -1,16 +1,11 @@
-"""The run's configuration: one TOML file, one table per component, checked before anything starts.
-
-    config = load_config("examples/tiny.toml")      # raises ConfigError naming file, table, key
-    print(config.rollout.samples_per_prompt)
-    config = resolve(config).config                 # resolve.py: fitted to this machine's GPUs
+"""The run's configuration: one TOML file, one table per component (load.py reads it).
 
 The tables of the components are theirs: [model] [trainer] [critic] are ferrule-trainer's, the
 engine and sampling keys of [rollout] are ferrule-rollout's; this file adds the run's own tables
-([task] [sft] [rewards] [loop] [ray] [output]); the rules that span tables are checks.py's.
-Errors come from ferrule-config's loader, all at once: `tiny.toml: [rollout] temperature: Input
-should be greater than 0, got -1`. Paths the run reads (model, reward function files, JSONL
-tasks) are relative to the TOML file; the output directory is relative to the current
-directory.
+([task] [sft] [rewards] [loop] [ray] [output]). Each table checks its own keys; the rules that
+span tables are checks.py's, run by load.load_config. Paths the run reads (model, reward
+function files, JSONL tasks) are relative to the TOML file; the output directory is relative to
+the current directory.
 """
 
 import importlib.util
@@ -20,8 +15,6 @@ from typing import ClassVar, Literal
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from ferrule_config import ConfigError, InputPath, Problems, Table, describe
-from ferrule_config import load_config as load_file
-from ferrule_launcher import checks
 from ferrule_rollout.config import EngineConfig
 from ferrule_trainer import (
     CriticConfig,
@@ -31,7 +24,7 @@ from ferrule_trainer import (
     TrainerConfig,
 )
 
-__all__ = ["Config", "ConfigError", "describe", "load_config"]
+__all__ = ["Config", "ConfigError", "describe"]
 
 
 class SourceConfig(Table):
@@ -484,20 +477,9 @@ class Config(Table):
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     output: OutputConfig = OutputConfig()
-    # the file it was loaded from (load_config), for the errors of resolve.py's checks
+    # the file it was loaded from (load.load_config), for the errors of resolve.py's checks
     _source: str = PrivateAttr("the config")
     _resolved: bool = PrivateAttr(False)  # resolve.py's result
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        """Settings that are each valid but contradict one another: checks.py's rules, then,
-        only where none is broken, the files they name."""
-        problems = [problem for check in checks.CROSS_TABLE for problem in check(self)]
-        if not problems:  # files last: a contradiction is the first thing to mend
-            problems = checks.check_files(self)
-        if problems:
-            raise Problems(problems)
-        return self
 
     @property
     def source(self) -> str:
@@ -516,11 +498,3 @@ class Config(Table):
     def needs_reward_server(self) -> bool:
         """Whether the run scores with ferrule-rewards (all but environment-scored episodes)."""
         return self.environment is None or self.environment.reward != "environment"
-
-
-def load_config(path: str | Path, overrides: dict | None = None) -> Config:
-    """Read and validate a run's TOML file; overrides {"loop.steps": 3} win over the file. Only
-    the file and what it names are read: resolve.resolve fits the result to a machine."""
-    config = load_file(path, Config, overrides)
-    config._source = str(path)
-    return config
