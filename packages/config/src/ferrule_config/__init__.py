@@ -1,9 +1,9 @@
-"""ferrule-config: TOML files of typed tables, one error format (see tables.py); `module:name`
-specs of a user's Python objects (objects.py).
+"""ferrule-config: TOML files of typed tables with one error format (tables.py), and
+`module:name` specs that name a user's Python objects (objects.py).
 
-The names of tables.py are imported on first use: `ferrule_config.objects` is the standard
-library only, and importing it must not load pydantic with the tables (the reward server
-imports it).
+The names from tables.py are imported on first use. `ferrule_config.objects` uses only the
+standard library, and the reward server imports it, so importing it must not load pydantic
+with the tables.
 """
 
 from typing import TYPE_CHECKING

@@ -3,8 +3,8 @@
     score = load_object("my_rewards.py:score", "reward function")
     environment = load_object("package.module:Guess", "environment", attribute="Class")
 
-Reward functions (ferrule-rewards) and environments (ferrule-rollout) are named this way. The
-standard library only: the reward server imports this module without pydantic, and
+Reward functions (ferrule-rewards) and environments (ferrule-rollout) are named this way. This
+module uses only the standard library: the reward server imports it without pydantic, and
 ferrule_config/__init__.py imports the tables lazily for the same reason.
 """
 
@@ -17,14 +17,15 @@ from types import ModuleType
 
 
 class _Refused(Exception):
-    """Why a spec names no object; load_object adds the `what` and the spec in front."""
+    """Why a spec names no object. load_object puts `what` and the spec in front of it."""
 
 
 def load_object(spec: str, what: str, *, attribute: str = "attribute") -> object:
-    """The object that `spec` names: `module:name` (the module looked up from the current
-    directory first, as `python -m` would) or `path/to/file.py:name`. The name may be dotted
-    (`module:Class.method`). Otherwise ValueError, one line starting `{what} {spec!r}: `;
-    `attribute` is the word for the name in the expected forms ("function", "Class")."""
+    """Return the object that `spec` names: `module:name` or `path/to/file.py:name`. The module
+    is looked up from the current directory first, as `python -m` would. The name may be dotted
+    (`module:Class.method`). Any other spec raises ValueError, one line starting
+    `{what} {spec!r}: `. `attribute` is the word for the name in the expected forms
+    ("function", "Class")."""
     try:
         module_name, name = _split(spec, attribute)
         if module_name.endswith(".py"):
@@ -45,19 +46,19 @@ def _split(spec: str, attribute: str) -> tuple[str, str]:
 
 
 def _import_file(file_name: str) -> ModuleType:
-    """The file, run as a module named after its stem."""
+    """Run the file as a module named after its stem."""
     path = Path(file_name).resolve()
     if not path.is_file():
         raise _Refused(f"no file {path}")
     module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
-    # Registered before it runs: pickling (a scoring or tool process) and dataclasses look the
-    # module up by name in sys.modules.
+    # Register the module before it runs: pickling (for a scoring or tool process) and
+    # dataclasses look the module up by name in sys.modules.
     sys.modules[path.stem] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as error:
-        sys.modules.pop(path.stem, None)  # half run: the next attempt starts afresh
+        sys.modules.pop(path.stem, None)  # it ran only partly: the next attempt starts afresh
         raise _Refused(_import_failure(error)) from None
     return module
 
@@ -74,11 +75,11 @@ def _import_module(module_name: str) -> ModuleType:
         if not _names_the_module(error, module_name):  # it imports something that is missing
             raise _Refused(_import_failure(error)) from None
         raise _Refused(f"cannot import {module_name!r}: {error}") from None
-    except Exception as error:  # the module is there but raised: the user's to fix
+    except Exception as error:  # the module exists but raised: the user must fix it
         raise _Refused(_import_failure(error)) from None
     finally:
         if added and cwd in sys.path:
-            # then last: a `json.py` there must not shadow the json that is imported later
+            # Move it last: a `json.py` there must not shadow the json imported later.
             sys.path.remove(cwd)
             sys.path.append(cwd)
 

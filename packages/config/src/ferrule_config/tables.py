@@ -10,8 +10,9 @@ errors of one form, all of them at once, before anything heavy starts:
 
 A table is a pydantic model (`Table`) with a docstring under each field. Paths read by a run
 (`InputPath`) are relative to the TOML file. A check that spans keys raises `Problems` from a
-model validator, naming each key it blames. Its own package (pydantic only) so that every other
-package can read a table without depending on the one that defines another.
+model validator, naming each key it blames. This is a package of its own (pydantic only), so
+that every other package can read a table without depending on the package that defines
+another table.
 """
 
 import tomllib
@@ -34,7 +35,7 @@ RENAMED_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def renamed_dtype(value):
-    """A before-validator for dtype keys: an old name is refused with the new one."""
+    """A before-validator for dtype keys: it refuses an old name and gives the new one."""
     if value in RENAMED_DTYPES:
         raise ValueError(f"{value!r} was renamed: use {RENAMED_DTYPES[value]!r}")
     return value
@@ -63,8 +64,8 @@ class Table(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _none_from_toml(cls, data):
-        """TOML has no null: "none" turns off a key that may be None (dual_clip = "none"), as
-        `describe` writes it."""
+        """TOML has no null, so the string "none" sets a key that may be None to None
+        (dual_clip = "none"). `describe` writes None the same way."""
         if not isinstance(data, dict):
             return data
         return {
@@ -97,9 +98,9 @@ InputPath = Annotated[Path, AfterValidator(_near_the_file)]
 def load_config(
     path: str | Path, schema: type[T], overrides: dict | None = None, context: dict | None = None
 ) -> T:
-    """Read and validate `path` as `schema`; overrides {"table.key": value} win over the file;
-    `context` reaches the validators (beside "base", the file's folder). Every problem found
-    raises one ConfigError listing all of them."""
+    """Read and validate `path` as `schema`. `overrides` ({"table.key": value}) win over the
+    file. `context` reaches the validators, together with "base", the file's folder. All the
+    problems found are raised together, in one ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file does not exist")
@@ -176,8 +177,9 @@ def _table(schema: type[BaseModel], tables: list[str]) -> type[BaseModel] | None
 
 
 def describe(config: BaseModel, shown: dict[str, dict] | None = None) -> str:
-    """A validated configuration as TOML (resolved paths, defaults filled in), for --dry-run;
-    `shown` {table: {key: value}} replaces what some keys show (a value still to be resolved)."""
+    """Render a validated configuration as TOML (resolved paths, defaults filled in), for
+    --dry-run. `shown` ({table: {key: value}}) replaces what some keys show, e.g. a value that
+    is still to be resolved."""
     lines = []
     for table, value in config.model_dump(mode="json").items():
         if value is None:

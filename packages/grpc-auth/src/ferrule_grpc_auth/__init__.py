@@ -1,14 +1,15 @@
 """Secure-by-default gRPC servers, for Ferrule's reward and rollout servers and yours.
 
     check_bind(bind, token=token, client_auth=tls is not None and tls.client_ca is not None,
-               token_env="MY_TOKEN")                     # InsecureBindError beyond loopback
-    server = grpc.server(pool, interceptors=[SyncTokenInterceptor(token)])   # or grpc.aio +
-    port = server.add_secure_port(bind, tls.server_credentials())           # TokenInterceptor
+               token_env="MY_TOKEN")          # raises InsecureBindError beyond loopback
+    server = grpc.server(pool, interceptors=[SyncTokenInterceptor(token)])
+    port = server.add_secure_port(bind, tls.server_credentials())
+    # A grpc.aio server takes TokenInterceptor instead of SyncTokenInterceptor.
 
-A server binds to loopback unless told otherwise, and refuses any other address unless
-clients must authenticate: with a token, or with mutual TLS. The token is checked on every
-call (but the methods a server exempts, such as standard health checks) before the call's
-request is read.
+A server binds to loopback unless told otherwise. It refuses any other address unless
+clients must authenticate, with a token or with mutual TLS. The token is checked on every
+call before the call's request is read, except on the methods that a server exempts, such as
+the standard health checks.
 """
 
 from importlib.metadata import PackageNotFoundError
@@ -33,7 +34,7 @@ from ferrule_grpc_auth.tokens import (
 
 try:
     __version__ = _version("ferrule-grpc-auth")
-except PackageNotFoundError:  # copied into another project's tree
+except PackageNotFoundError:  # the package was copied into another project's tree
     __version__ = "0+source"
 
 __all__ = [

@@ -9,7 +9,8 @@ class InsecureBindError(ValueError):
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """`host:port` or `[v6]:port` as (host, port); ValueError naming the address otherwise."""
+    """Split `host:port` or `[v6]:port` into (host, port); raise ValueError naming the address
+    otherwise."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"address {address!r}: expected host:port, e.g. 127.0.0.1:50051")
@@ -32,8 +33,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(address: str, *, token: str | None, client_auth: bool, token_env: str) -> None:
-    """Refuse a non-loopback listening address where clients need not authenticate: neither a
-    token nor mutual TLS (`client_auth`). TLS alone encrypts but lets any client in.
+    """Refuse a non-loopback listening address when clients need not authenticate, that is,
+    when there is neither a token nor mutual TLS (`client_auth`). TLS alone encrypts but lets
+    any client in.
     `token_env` is the variable the error tells the user to set."""
     if address.startswith("unix:"):  # a local socket; file permissions guard it
         return

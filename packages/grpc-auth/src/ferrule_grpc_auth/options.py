@@ -20,7 +20,8 @@ def add_server_options(parser: argparse.ArgumentParser, *, token_env: str) -> No
 
 
 def server_security(args: argparse.Namespace, *, token_env: str) -> tuple[str | None, TLS | None]:
-    """(token, TLS) from the options of add_server_options; ValueError naming the option."""
+    """Return (token, TLS) from the options of add_server_options. A bad option raises
+    ValueError naming it."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:

@@ -14,8 +14,9 @@ MIN_TOKEN_CHARS = 16
 
 
 def check_token(token: str, source: str) -> str:
-    """The token, stripped; ValueError when it is short, or holds a character that no client
-    can send in a gRPC header (non-ASCII, a space or a control character inside it)."""
+    """Return the token, stripped. Raise ValueError when it is too short, or when it holds a
+    character that no client can send in a gRPC header (non-ASCII, a space or a control
+    character inside it)."""
     token = token.strip()
     if len(token) < MIN_TOKEN_CHARS:
         raise ValueError(
@@ -32,7 +33,8 @@ def check_token(token: str, source: str) -> str:
 
 
 def read_token(token_file: str | Path | None, env: str) -> str | None:
-    """A server's token: from `token_file` when given, else from the variable `env`."""
+    """The token of a server or a client: read from `token_file` when given, else from the
+    environment variable `env`. None when neither gives one."""
     if token_file:
         try:
             return check_token(Path(token_file).read_text(), str(token_file))
@@ -93,8 +95,8 @@ def _denied_sync(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethod
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """For grpc.aio servers: checks the token on every call but those whose method starts with
-    one of `exempt` (e.g. "/grpc.health.v1.Health/": probes cannot send a token)."""
+    """For grpc.aio servers: checks the token on every call except those whose method starts
+    with one of `exempt` (e.g. "/grpc.health.v1.Health/", because probes cannot send a token)."""
 
     def __init__(self, token: str, exempt: tuple[str, ...] = ()):
         self._expected, self._exempt = f"Bearer {token}".encode(), tuple(exempt)

@@ -1,4 +1,4 @@
-"""ferrule-launcher: The Ray launcher: `rlhf-launch config.toml` runs the whole RLHF loop."""
+"""ferrule-launcher, the Ray launcher: `rlhf-launch config.toml` runs the whole RLHF loop."""
 
 from importlib.metadata import version as _version
 

@@ -1,13 +1,13 @@
 """Calls into the run's Ray actors, with failures that name the role: RunError, get, RankGroup.
 
     group = RankGroup(workers, "policy")       # ferrule-trainer's step.Ranks, over Ray actors
-    metrics = group.train_epochs(batch, plan, loss)()      # a shard per rank; RunError names it
-    metrics = get(refs, "policy")                         # any call's refs, the role named
+    metrics = group.train_epochs(batch, plan, loss)()  # one shard per rank; errors name the role
+    metrics = get(refs, "policy")                         # refs of any call; errors name the role
 
 A failed or dead actor becomes a RunError whose message names the role ("rollout engine 1",
 "policy (weight sync sender)") and the first useful line of the remote error, so that the user
-reads which component stopped the run, not a Ray traceback. A dead actor is an `ActorDied`,
-which a caller that can replace the actor catches (engines.py).
+sees which component stopped the run instead of a Ray traceback. A dead actor raises
+`ActorDied`, which a caller that can replace the actor catches (engines.py).
 """
 
 import time
@@ -30,8 +30,8 @@ class RunError(RuntimeError):
 
 
 class ActorDied(RunError):
-    """A role's actor is gone (killed, out of memory, its node lost): a RunError unless the
-    caller can replace it."""
+    """A role's actor is gone (killed, out of memory, or its node lost). It is a RunError, so it
+    stops the run unless the caller can replace the actor."""
 
 
 class RestartBudget:
@@ -60,7 +60,7 @@ class RestartBudget:
 
 
 def get(refs, role: str, timeout: float | None = None):
-    """ray.get that names the role when its actor died or its method raised. A list is
+    """ray.get that names the role when the actor died or the method raised. A list of refs is
     fetched as results arrive, so one failed rank stops the run at once instead of waiting
     for its peers, which may be stuck in a collective with it."""
     if isinstance(refs, list):
@@ -79,8 +79,8 @@ def get(refs, role: str, timeout: float | None = None):
 
 
 def get_each(pairs: list, timeout: float | None = None, arrivals: dict | None = None) -> list:
-    """Results of [(ref, role), ...] in order, raising for the first one that fails.
-    `arrivals`: gets {role: time.monotonic() when its last result came}."""
+    """The results of [(ref, role), ...] in order; raises for the first one that fails. If
+    given, `arrivals` receives {role: time.monotonic() when the role's last result came}."""
     import ray
 
     results, pending = {}, {ref: index for index, (ref, _) in enumerate(pairs)}
@@ -97,7 +97,7 @@ def get_each(pairs: list, timeout: float | None = None, arrivals: dict | None = 
 
 
 def _first_line(err) -> str:
-    text = str(err).strip().split(" Some common causes include:")[0]  # Ray's death notice: a guide
+    text = str(err).strip().split(" Some common causes include:")[0]  # cut the guide Ray appends
     lines = [line for line in text.splitlines() if line.strip()]
     useful = [line for line in lines if "Error" in line or "error" in line]
     return (useful[-1] if useful else lines[-1] if lines else repr(err))[:500]
@@ -106,13 +106,14 @@ def _first_line(err) -> str:
 class RankGroup:
     """The data-parallel ranks of the policy, the reference or the critic (one Ray actor each,
     `roles.RankWorker`), driven as one: ferrule-trainer's `step.Ranks`. A batch is split into
-    equal contiguous shards, one per rank (one per sequence group, given to each of its ranks,
-    with [trainer] sequence_parallel); each call returns a `Pending` that waits for every
-    rank, so the step runs the groups' passes at the same time. The collectives (checkpoints,
-    exports, offloading) return each rank's ref, for the caller to wait on with its own name."""
+    equal contiguous shards, one per rank; with [trainer] sequence_parallel there is one shard
+    per sequence group, given to each rank of the group. Each call returns a `Pending` that
+    waits for every rank, so the step can run the passes of the policy, the reference and the
+    critic at the same time. The collectives (checkpoints, exports, offloading) return each
+    rank's ref, for the caller to wait on under its own label."""
 
     def __init__(self, workers: list, role: str, sequence_parallel: int = 1):
-        """`sequence_parallel`: consecutive ranks that share each sequence (the same shard)."""
+        """`sequence_parallel`: how many consecutive ranks share each sequence (and its shard)."""
         self.workers, self.role, self.sequence_parallel = workers, role, sequence_parallel
 
     @property
@@ -120,8 +121,8 @@ class RankGroup:
         return len(self.workers)
 
     def _on_shards(self, batch: "Batch", call) -> list:
-        """`call(worker, shard)` (a ref) on every rank, each with its share of `batch`: one share
-        per sequence group, given to each of its ranks."""
+        """Run `call(worker, shard)`, which returns a ref, on every rank with its share of
+        `batch`. There is one share per sequence group, given to each rank of the group."""
         copies = self.sequence_parallel
         shards = batch.split(batch.rows * copies // self.size)
         return [call(w, shards[i // copies]) for i, w in enumerate(self.workers)]
@@ -135,8 +136,8 @@ class RankGroup:
         return wait
 
     def _merged(self, refs: list):
-        """Rank 0's training metrics (they are global), but "seconds", the slowest rank's (the
-        step waits for it), and "compiles", the sum over ranks."""
+        """Rank 0's training metrics, which are global, except "seconds", taken from the slowest
+        rank (the step waits for it), and "compiles", summed over ranks."""
 
         def wait():
             each = get(refs, self.role)

@@ -1,10 +1,10 @@
-"""The rules that span a run's tables: settings each valid alone that contradict one another.
+"""The rules that span a run's tables: settings that are valid alone but contradict one another.
 
-Each `check_*` takes a `Config` and returns its problems as (dotted key, message) pairs, the
-key the one to change; none when the rule holds. `problems` runs every rule of CROSS_TABLE and,
-only when none is broken, `check_files` (a contradiction is the first thing to mend, a missing
-file the last); load.load_config calls it on every config it loads. Each rule is tested alone
-in packages/launcher/tests/test_checks.py.
+Each `check_*` takes a `Config` and returns its problems as (dotted key, message) pairs, where
+the key is the one to change; it returns none when the rule holds. `problems` runs every rule of
+CROSS_TABLE and, only when none is broken, `check_files`: a contradiction is the first thing to
+mend, a missing file the last. load.load_config calls `problems` on every config it loads. Each
+rule is tested alone in packages/launcher/tests/test_checks.py.
 """
 
 import importlib.util
@@ -16,7 +16,7 @@ Problem = tuple[str, str]
 
 
 def check_sequence_parallel(config: Config) -> list[Problem]:
-    """The critic's ranks share sequences as the policy's do: in groups of the same size."""
+    """The critic's ranks share sequences in groups of the same size as the policy's ranks."""
     size, critic = config.trainer.sequence_parallel, config.critic
     if critic is not None and critic.ranks % size:
         return [
@@ -52,18 +52,19 @@ def check_reward_source(config: Config) -> list[Problem]:
 
 
 def check_batch(config: Config) -> list[Problem]:
-    """The trainer's mini-batches and estimator against the step's samples (ferrule-trainer's
-    rule: its own SFT / preference recipes share it)."""
+    """The trainer's mini-batches and estimator against the step's samples. The rule is
+    ferrule-trainer's, and its own SFT / preference recipes share it."""
     r = config.rollout
     rows = r.prompts_per_step * r.samples_per_prompt
     return rl_batch_problems(config.trainer, config.critic, r.samples_per_prompt, rows)
 
 
 def check_partial_rollout(config: Config) -> list[Problem]:
-    """Partial rollouts continue samples across weight syncs: async on vLLM (its pause mode
-    "keep"), sync on the transformers engine (a cut call continued in the next step)."""
+    """Partial rollouts continue samples across weight syncs: in async mode on vLLM (its pause
+    mode "keep"), in sync mode on the transformers engine (a cut call continues in the next
+    step)."""
     loop, backend = config.loop, config.rollout.backend
-    if not loop.partial_rollout or loop.mode == "async":  # sync partial rollouts' keys unused
+    if not loop.partial_rollout or loop.mode == "async":  # keys of sync partial rollouts unused
         why = 'only applies with partial_rollout = true and mode = "sync"'
         problems = []
         if loop.partial_cut != type(loop)().partial_cut:
@@ -92,8 +93,8 @@ def check_partial_rollout(config: Config) -> list[Problem]:
 
 
 def check_exact(config: Config) -> list[Problem]:
-    """Exact mode sets the engine's and the trainer's attention, and merged LoRA weights round
-    differently from the trainer's."""
+    """Exact mode sets the attention of both the engine and the trainer, and it rules out LoRA:
+    the engine's merged LoRA weights round differently from the trainer's."""
     if not config.rollout.exact:
         return []
     problems = []
@@ -121,7 +122,7 @@ def check_overlong_buffer(config: Config) -> list[Problem]:
 
 
 def check_data(config: Config) -> list[Problem]:
-    """[task] sources against the task's name, and what the warm start trains on."""
+    """[task] sources against the task's name, and the data the warm start trains on."""
     task, sft, r, problems = config.task, config.sft, config.rollout, []
     if task.name != "data":
         if task.sources:
@@ -153,8 +154,8 @@ def check_data(config: Config) -> list[Problem]:
 
 
 def check_recipe(config: Config) -> list[Problem]:
-    """The SFT / RM / DPO recipes ([loop] algorithm) run synchronously and train no critic; a
-    recipe's table is only read under its algorithm."""
+    """The recipes ([loop] algorithm "rejection_sampling" or "iterative_dpo") run synchronously
+    and train no critic. A recipe's table is read only under its own algorithm."""
     algorithm = config.loop.algorithm
     problems = []
     for table in ("rejection_sampling", "iterative_dpo"):
@@ -180,7 +181,8 @@ def _default(table, key: str):
 
 
 def check_reward_model_keys(config: Config) -> list[Problem]:
-    """Keys that size, normalise or start from the reward model need one."""
+    """Keys that size the reward model, normalise its scores or start the critic from it need
+    [rewards] model."""
     w, problems = config.rewards, []
     for key in ("gpus", "cpus"):
         if getattr(w, key) is not None and not w.model:
@@ -210,7 +212,8 @@ def check_wandb(config: Config) -> list[Problem]:
 
 
 def check_keep_best(config: Config) -> list[Problem]:
-    """An eval/ metric is measured every eval_every steps: a checkpoint must land on one."""
+    """An eval/ metric is measured every eval_every steps, so every checkpoint must land on a
+    step where it is measured."""
     best, every, checkpoint = (
         config.output.keep_best,
         config.loop.eval_every,
@@ -356,6 +359,7 @@ CROSS_TABLE = (
 
 
 def problems(config: Config) -> list[Problem]:
-    """Every broken rule of CROSS_TABLE, in order; only where none is, the missing files."""
+    """The problems of every broken rule of CROSS_TABLE, in order; the missing files only when
+    no rule is broken."""
     found = [problem for check in CROSS_TABLE for problem in check(config)]
     return found or check_files(config)

@@ -6,7 +6,7 @@
     rlhf-launch examples/tiny.toml --resume           # continue after a crash or kill -9
     rlhf-launch examples/tiny.toml --set loop.steps=5 --set output.dir=\"runs/short\"
 
-The configuration is checked completely before any process starts; errors name the file, the
+The configuration is checked completely before any process starts. Errors name the file, the
 table and the key, and exit with status 2. A failed run exits with status 1, Ctrl-C with 130.
 """
 
@@ -19,7 +19,7 @@ from ferrule_launcher import __version__
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from ferrule_launcher.config import Config  # pydantic only: --help stays quick
+    from ferrule_launcher.config import Config  # imports only pydantic, so --help stays quick
 
     tables = " ".join(f"[{name}]" for name in Config.model_fields)
     parser = argparse.ArgumentParser(
@@ -65,7 +65,7 @@ def parse_overrides(items: list[str]) -> dict:
         try:
             overrides[key.strip()] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
-            overrides[key.strip()] = value  # a bare string
+            overrides[key.strip()] = value  # not TOML: take it as a bare string
     return overrides
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         overrides = parse_overrides(args.set)
-        if args.plan:  # show a plan that does not fit too, rather than only refuse it
+        if args.plan:  # show the plan even when it does not fit, instead of only refusing it
             return print_plan(resolve(load_config(args.config, overrides), refuse=False).plan)
         resolved = resolve(load_config(args.config, overrides), dry_run=args.dry_run)
         config, unplanned = resolved.config, resolved.unplanned

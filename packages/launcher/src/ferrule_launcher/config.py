@@ -1,11 +1,11 @@
 """The run's configuration: one TOML file, one table per component (load.py reads it).
 
-The tables of the components are theirs: [model] [trainer] [critic] are ferrule-trainer's, the
-engine and sampling keys of [rollout] are ferrule-rollout's; this file adds the run's own tables
-([task] [sft] [rewards] [loop] [ray] [output]). Each table checks its own keys; the rules that
-span tables are checks.py's, run by load.load_config. Paths the run reads (model, reward
-function files, JSONL tasks) are relative to the TOML file; the output directory is relative to
-the current directory.
+Each component defines its own tables: [model] [trainer] [critic] come from ferrule-trainer, and
+the engine and sampling keys of [rollout] from ferrule-rollout. This file adds the run's own
+tables ([task] [sft] [rewards] [loop] [environment] [eval] [ray] [output]). Each table checks its
+own keys; the rules that span tables are in checks.py, which load.load_config runs. Paths the
+run reads (model, reward function files, JSONL tasks) are relative to the TOML file; the output
+directory is relative to the current directory.
 """
 
 import importlib.util
@@ -34,11 +34,11 @@ class SourceConfig(Table):
     """Training prompts: a .jsonl file (one JSON object per line), a .parquet file, or a
     `datasets.save_to_disk` folder (relative to the TOML file)."""
     eval_path: InputPath | None = None
-    """Held-out prompts of this source for the evaluations, in any of those formats (its first
-    [task] eval_prompts rows); at least one source needs it."""
+    """Held-out prompts of this source for the evaluations, in any of those formats (the first
+    [task] eval_prompts rows are used); at least one source needs it."""
     name: str = ""
-    """Where this source's figures go (eval/<name>/..., reward/<name>); empty: the file's stem.
-    A row's own `source_key` column, where present, wins."""
+    """The name this source's metrics go under (eval/<name>/..., reward/<name>); empty: the
+    file's stem. A row's own `source_key` column, where present, takes precedence."""
     weight: float = Field(1.0, gt=0)
     """Mixing weight: a training prompt comes from this source with probability weight / the
     sum of the weights."""
@@ -46,11 +46,11 @@ class SourceConfig(Table):
     """The column of the prompt: a string, or chat messages ([{"role": ..., "content": ...}])
     rendered with the model's chat template."""
     label_key: str = "label"
-    """The column of the label: the reward function's `label` (may be absent; not a string:
-    sent as JSON)."""
+    """The column of the label, passed as the reward function's `label` (may be absent; a
+    value that is not a string is sent as JSON)."""
     metadata_key: str | None = None
     """A column of JSON objects passed to the reward function as `metadata` (values as
-    strings), beside the run's own `source`, `step` and `sample_id`, which win."""
+    strings), beside the run's own `source`, `step` and `sample_id`, which take precedence."""
     source_key: str = "source"
     """The column naming a row's source for grouped figures, where a row has it."""
     split: str = "train"
@@ -76,7 +76,7 @@ class TaskConfig(Table):
     """data: the datasets, mixed by weight, in epochs (one [[task.sources]] table each)."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """data: prompts longer than this many tokens are dropped when loaded, and counted (none:
-    [rollout] max_model_len - max_tokens, what leaves room for a full response)."""
+    [rollout] max_model_len - max_tokens, which leaves room for a full response)."""
     length: int = Field(3, ge=1, le=12)
     """Letters per word (reversal) or largest number of digits of the first operand (arithmetic)."""
     eval_prompts: int = Field(100, ge=1, le=10_000)
@@ -107,8 +107,8 @@ class WarmStartConfig(Table):
     """[sft]: an optional supervised warm start of the policy before RL."""
 
     steps: int = Field(60, ge=0)
-    """Supervised warm-start steps before RL (0: none), on data, or else on the synthetic
-    task's answers."""
+    """Supervised warm-start steps before RL (0: none), trained on `data`, or else on the
+    synthetic task's answers."""
     data: InputPath | None = None
     """A JSONL file of examples for the warm start, as `rlhf-train sft` reads (a prompt and a
     response per line); needed with [task] name = "data"."""
@@ -126,7 +126,7 @@ class RolloutConfig(EngineConfig):
     """[rollout]: generation (ferrule-rollout's engine and sampling keys) and the engines' roles."""
 
     engines: int = Field(1, ge=1, le=64)
-    """vLLM engines; each prompt batch is split between them."""
+    """Rollout engines (vLLM or transformers); each prompt batch is split between them."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompts per RL step."""
     samples_per_prompt: int = Field(8, ge=1)
@@ -137,9 +137,10 @@ class RolloutConfig(EngineConfig):
     colocated, else broadcast), or "host" (shared memory even on GPUs: every byte through host
     memory; slower, the baseline of benchmarks/e2e_gpu.py)."""
     max_restarts: int = Field(3, ge=0)
-    """An engine whose actor dies is replaced by a new one (the policy's current weights loaded
-    into it, its prompts sent again), at most this many times within restart_window seconds
-    over all engines; one more death stops the run (0: the first death does)."""
+    """An engine whose actor dies is replaced by a new one, which gets the policy's current
+    weights and the dead engine's prompts. This happens at most this many times within
+    restart_window seconds over all engines; one more death stops the run (0: the first death
+    does)."""
     restart_window: float = Field(600.0, gt=0)
     """Seconds over which max_restarts counts."""
 
@@ -160,8 +161,8 @@ class RewardsConfig(Table):
     """model: score (score - mean) / std with the held-out moments saved beside the model
     (reward_stats.json, written by `rlhf-train rm`)."""
     model_batch_tokens: int = Field(32768, ge=1)
-    """model: tokens per forward of the reward model, samples x the longest one's tokens (at
-    most 32 samples; a longer sample goes alone)."""
+    """model: tokens per forward pass of the reward model, counted as samples x the longest
+    sample's tokens (at most 32 samples; a longer sample goes alone)."""
     address: list[str] = Field(default_factory=list)
     """host:port of running ferrule-rewards servers to use instead of starting one."""
     timeout: float = Field(60.0, gt=0)
@@ -222,7 +223,7 @@ class LoopConfig(Table):
     }
 
     steps: int = Field(40, ge=1)
-    """RL steps (one rollout batch, its training and a weight sync each)."""
+    """RL steps (each is one rollout batch, training on it, and a weight sync)."""
     algorithm: Literal["rl", "rejection_sampling", "iterative_dpo"] = "rl"
     """What a step trains on its samples: "rl" ([trainer] estimator's RL step),
     "rejection_sampling" (SFT on each prompt's best sample by reward, best-of-n), or
@@ -244,22 +245,22 @@ class LoopConfig(Table):
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
     partial_rollout: bool = False
-    """Samples continue across weight syncs, each recording the version of every stretch of its
-    tokens (its version is the oldest; the metric rollout/mixed_version_samples counts those
-    with more than one). Async (backend "vllm"): a weight sync freezes the engines' running
-    samples and they continue on the new weights (pause mode "keep") instead of finishing on
-    the old ones first. Sync (backend "transformers"): a step's generation ends once no prompt
-    waits and fewer than partial_cut of the engine's rows still decode; those samples continue
-    in the next step's generation under the new weights, and a prompt group is scored and
-    trained once all its samples end (complete groups beyond prompts_per_step wait for the
-    next step). A long-tailed batch then does not decode its last rows almost alone: at 1.5B
-    and a 4096-token cap, 23.9 s a step against 30.4 with max_staleness = 2; at 1 no faster,
-    as each continued sample must then end in its second call (benchmarks/RESULTS.md). A
-    checkpoint keeps the groups in flight and the complete ones waiting: a resumed run
-    continues them."""
+    """Samples continue across weight syncs. Each sample records the version of every stretch
+    of its tokens; its version is the oldest, and the metric rollout/mixed_version_samples
+    counts samples with more than one. Async (backend "vllm"): a weight sync freezes the
+    engines' running samples, which continue on the new weights (pause mode "keep") instead of
+    finishing on the old ones first. Sync (backend "transformers"): a step's generation ends
+    once no prompt waits and fewer than partial_cut of the engine's rows still decode. Those
+    samples continue in the next step's generation under the new weights, and a prompt group
+    is scored and trained once all its samples end (complete groups beyond prompts_per_step
+    wait for the next step). A long-tailed batch then does not decode its last rows almost
+    alone: at 1.5B and a 4096-token cap, a step took 23.9 s with max_staleness = 2 against
+    30.4 s without partial rollouts. max_staleness = 1 is no faster, as each continued sample
+    must then end in its second call (benchmarks/RESULTS.md). A checkpoint keeps the groups in
+    flight and the complete groups waiting, and a resumed run continues them."""
     partial_cut: float = Field(0.125, gt=0, le=1)
-    """Sync with partial_rollout: the fraction of [rollout] max_batch_size below which a
-    step's generation is cut (at least one row)."""
+    """Sync with partial_rollout: a step's generation is cut once fewer than this fraction of
+    [rollout] max_batch_size rows still decode (at least one row)."""
     keep_group_mean: tuple[float, float] | None = None
     """DAPO's dynamic sampling: [low, high]; prompt groups whose mean score is not strictly
     between them are dropped (with 0/1 rewards, [0, 1] drops the all-wrong and all-right ones)
@@ -281,21 +282,21 @@ class LoopConfig(Table):
 
 class EnvironmentConfig(Table):
     """[environment]: multi-turn episodes instead of one generation per sample (ferrule-rollout's
-    episodes.py). Each of a step's prompts x samples_per_prompt is an episode: the environment's
-    first observation, then model turns and its answers until it says done or the budget ends.
-    The episode trains as one sample whose response is the whole transcript, the environment's
-    tokens masked out of every loss."""
+    episodes.py). Each of a step's prompts x samples_per_prompt samples is an episode: the
+    environment's first observation, then model turns and the environment's answers until the
+    environment says done or the budget runs out. The episode trains as one sample whose
+    response is the whole transcript, with the environment's tokens masked out of every loss."""
 
     name: str
     """The environment class, `module:Class` or `file.py:Class` (relative to the TOML file), a
     subclass of ferrule_rollout.environments.Environment (ToolEnvironment for tool calls)."""
     options: dict = Field(default_factory=dict)
-    """Keyword arguments of the class, one instance per episode."""
+    """Keyword arguments of the class; each episode gets its own instance."""
     max_turns: int = Field(4, ge=1)
-    """Model turns per episode at most."""
+    """The most model turns per episode."""
     max_tokens: int = Field(256, ge=1)
-    """Tokens per episode after the first observation (the model's and the environment's) at
-    most; each turn also stops at [rollout] max_tokens."""
+    """The most tokens per episode after the first observation (the model's and the
+    environment's); each turn also stops at [rollout] max_tokens."""
     step_timeout: float = Field(60.0, gt=0)
     """Seconds each reset / step may take; a slower one fails its episode (env_timeout)."""
     reward: Literal["environment", "reward_server", "sum"] = "environment"
@@ -344,15 +345,16 @@ class RayConfig(Table):
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local cluster (default: all)."""
     placement: Literal["colocate_all", "colocate", "separate"] = "colocate_all"
-    """"colocate_all": every role in one bundle (one device). "colocate": actor + reference in
-    one placement group, critic in another, rollout engines in a third. "separate": every role
-    in its own placement group."""
+    """"colocate_all": one placement group; policy rank i, engine i and reference / critic rank
+    i share bundle i (one device). "colocate": policy + reference in one placement group,
+    critic in another, rollout engines in a third. "separate": every role in its own placement
+    group."""
     threads_per_role: int | None = Field(None, ge=1)
     """CPU machines: torch's threads in each role's process (OMP_NUM_THREADS). Default: the
     local cluster's CPUs shared among the roles that compute at the same moment (1 when joining
     a cluster). GPU machines with [trainer] offload_optimizer: DeepSpeed CPU Adam's threads in
     each policy and critic rank. Default: the node's cores shared among those ranks (Ray alone
-    would give each as many as it asked CPUs for)."""
+    would give each rank as many threads as the CPUs it asked for)."""
     cpus_per_role: float = Field(0.5, gt=0)
     """CPUs each role asks Ray for (fractions let roles share a small machine)."""
     gpus_per_role: float = Field(0.0, ge=0)
@@ -426,15 +428,15 @@ class OutputConfig(Table):
     current directory)."""
     checkpoint_every: int = Field(10, ge=0)
     """Save resumable state every this many steps (0: never; --resume then starts over). A
-    checkpoint holds the policy's (and critic's) weights, fp32 master weights and Adam moments:
-    at 1.5B 18 GB, written in 26-32 s on an H200 machine's local disk (the bf16 weights 3.5-4.3
-    s, the optimizer 22-28 s), some 4 steps of 256-token GRPO, and loaded in ~15 s on --resume
-    (benchmarks/RESULTS.md). Its seconds are time/checkpoint in metrics, the writes of each
-    role's weights and optimizer time/checkpoint/policy_weights, .../policy_optimizer (the
-    critic's likewise)."""
+    checkpoint holds the policy's (and critic's) weights, fp32 master weights and Adam moments.
+    At 1.5B it is 18 GB, written in 26-32 s on an H200 machine's local disk (the bf16 weights
+    3.5-4.3 s, the optimizer 22-28 s), the time of some 4 steps of 256-token GRPO, and loaded in
+    ~15 s on --resume (benchmarks/RESULTS.md). Its seconds are time/checkpoint in metrics; the
+    writes of each role's weights and optimizer are time/checkpoint/policy_weights and
+    .../policy_optimizer (likewise for the critic)."""
     keep_last: int = Field(3, ge=1)
-    """Complete checkpoints kept, the newest; an older one is deleted once a newer one is
-    complete (the one keep_best picks is kept too)."""
+    """How many of the newest complete checkpoints to keep; an older one is deleted once a
+    newer one is complete (the one keep_best picks is kept too)."""
     keep_best: str | None = None
     """Also keep the checkpoint with the best value of this metric (a metrics.jsonl key, such
     as "eval/pass@1" or "reward"); an "eval/" metric needs checkpoint_every to be a multiple of
@@ -443,8 +445,8 @@ class OutputConfig(Table):
     """Whether the best value of keep_best is the largest or the smallest."""
     export_every: int = Field(0, ge=0)
     """Write the policy in Hugging Face format to dir/exports/stepN every this many steps (0:
-    only the final one, dir/policy). At 1.5B 3 GB of bf16 safetensors, 1-8 s on an H200
-    machine (median 2.6 s); its seconds are time/export in metrics."""
+    only the final one, dir/policy). At 1.5B an export is 3 GB of bf16 safetensors and takes
+    1-8 s on an H200 machine (median 2.6 s); its seconds are time/export in metrics."""
     tensorboard: bool = True
     """Also write TensorBoard event files under dir/tensorboard."""
     wandb: bool = False
@@ -456,8 +458,8 @@ class OutputConfig(Table):
     """"offline" needs no account or network (`wandb sync dir/wandb/offline-run-*` uploads
     later); "online" logs as the run goes (WANDB_API_KEY or `wandb login`)."""
     sample_rows: int = Field(8, ge=0)
-    """Held-out prompts whose first sample (prompt, response, reward) each evaluation logs:
-    dir/eval_samples.jsonl, TensorBoard text "eval/samples", a W&B table."""
+    """How many held-out prompts have their first sample (prompt, response, reward) logged at
+    each evaluation: to dir/eval_samples.jsonl, TensorBoard text "eval/samples", a W&B table."""
     progress: bool = True
     """Show a progress bar (a log line per step when off or when not on a terminal)."""
 
@@ -479,7 +481,7 @@ class Config(Table):
     output: OutputConfig = OutputConfig()
     # the file it was loaded from (load.load_config), for the errors of resolve.py's checks
     _source: str = PrivateAttr("the config")
-    _resolved: bool = PrivateAttr(False)  # resolve.py's result
+    _resolved: bool = PrivateAttr(False)  # True on resolve.py's result
 
     @property
     def source(self) -> str:
@@ -492,7 +494,7 @@ class Config(Table):
         return self._resolved
 
     def recipe(self) -> RejectionSamplingConfig | IterativeDPOConfig | None:
-        """The settings of the [loop] algorithm's recipe (None: "rl", the [trainer] table's)."""
+        """The settings of the [loop] algorithm's recipe (None for "rl", which uses [trainer])."""
         return getattr(self, self.loop.algorithm, None)
 
     def needs_reward_server(self) -> bool:

@@ -1,27 +1,29 @@
-"""Prompt datasets of a run: files of your own, mixed, in epochs, resumable mid-epoch exactly.
+"""A run's prompt datasets: your own files, mixed, read in epochs, resumable exactly mid-epoch.
 
-    prompts = make_prompts(config)            # the run's: SyntheticPrompts, or DataPrompts for "data"
+    prompts = make_prompts(config)            # SyntheticPrompts, or DataPrompts for "data"
     prompts = DataPrompts.load(config.task, tokenizer_path, max_prompt_tokens=250, seed=0)
     prompts.held_out                          # every source's evaluation prompts
     batch = prompts.draw(step=7, draw=0, count=16)
-    prompts.epochs(step=7)                    # {"gsm8k": 1.31, ...}: passes made over each source
+    prompts.epochs(position=7 * 16)           # {"gsm8k": 1.31, ...}: passes made over each source
 
 A source ([[task.sources]]) is a JSONL file, a Parquet file or a `datasets.save_to_disk` folder.
-Each row gives a prompt, a label (the reward function's `label`), optionally a metadata column
-(a JSON object: the reward function's `metadata`, beside `step` and `sample_id`) and a `source`
-column (the name its figures go under; the source's `name` otherwise).
+Each row gives a prompt and a label (passed as the reward function's `label`). A row may also
+have a metadata column (a JSON object passed as the reward function's `metadata`, beside `step`
+and `sample_id`) and a `source` column (the name the row's metrics are grouped under; the
+source's `name` when the column is absent).
 
-Order. The first draw of step s takes positions (s-1)P .. sP-1 of one endless mixed stream
-(P = the step's prompt count). Position i belongs to a source picked by a seeded draw weighted
-by the sources' `weight`; the k-th position of a source is row k mod N of that source's shuffle
-of epoch k div N, a seeded permutation of its N rows. So within an epoch every row comes once,
-and the whole order is a function of (seed, position): a resumed run continues mid-epoch with
-exactly the prompts the interrupted one would have drawn, and needs no saved cursor. The
-replacement draws of DAPO's dynamic sampling (draw > 0) pick rows at random from a seeded
-stream of their own and do not advance the epochs.
+Order. The first draw of step s takes positions (s-1)P .. sP-1 of one endless mixed stream,
+where P is the step's prompt count. Each position belongs to a source picked by a seeded draw
+weighted by the sources' `weight`. A source's k-th position gets entry k mod N of the source's
+shuffle for epoch k div N, a seeded permutation of its N rows. So every row comes once per
+epoch, and the whole order is a function of (seed, position). A resumed run therefore continues
+mid-epoch with exactly the prompts the interrupted run would have drawn, without a saved
+cursor. The replacement draws of DAPO's dynamic sampling (draw > 0) pick rows at random from a
+seeded stream of their own, and do not advance the epochs.
 
-Prompts longer than `max_prompt_tokens` (by the model's tokenizer) are dropped when the data is
-loaded, and counted (`dropped`): in training they would leave no room for a response.
+Prompts longer than `max_prompt_tokens` (counted with the model's tokenizer) are dropped when
+the data is loaded, and counted in `dropped`: in training they would leave no room for a
+response.
 """
 
 import bisect
@@ -34,11 +36,12 @@ from pathlib import Path
 
 from ferrule_launcher.task import Problem, SyntheticPrompts
 
-BLOCK = 4096  # positions of the mixed stream whose sources are drawn at once
+BLOCK = 4096  # the sources of this many positions of the mixed stream are drawn at once
 
 
 class DataError(ValueError):
-    """A data file that cannot be used, naming the file (and the row) and what is wrong."""
+    """A data file cannot be used; the message names the file (and the row) and what is
+    wrong."""
 
 
 def read_rows(path: Path, split: str | None = None) -> list[dict]:
@@ -83,9 +86,9 @@ def _read_saved_dataset(path: Path, split: str | None) -> list[dict]:
 
 
 def prompts_of(rows: list[dict], where: str, source, tokenizer=None) -> list[Problem]:
-    """Problem objects of a source's rows ([[task.sources]] entry `source`); an error names
-    the file, the row and the key. A prompt may be chat messages, rendered with `tokenizer`'s
-    chat template (ferrule-trainer's chat.py, as every entry point renders them)."""
+    """Problem objects of a source's rows (`source` is the [[task.sources]] entry). An error
+    names the file, the row and the key. A prompt may be chat messages, which are rendered with
+    `tokenizer`'s chat template (by ferrule-trainer's chat.py, as in every entry point)."""
     from ferrule_trainer.chat import prompt_text
 
     prompts = []
@@ -134,7 +137,7 @@ class Source:
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 (a few Sources per process; the recent epochs)
     def order(self, epoch: int, seed: int) -> list[int]:
-        """The row order of `epoch`: a seeded shuffle, its own for each epoch and source."""
+        """The row order of `epoch`: a seeded shuffle, different for each epoch and source."""
         order = list(range(len(self.train)))
         random.Random(f"epoch-{seed}-{self.name}-{epoch}").shuffle(order)
         return order
@@ -171,8 +174,8 @@ class DataPrompts:
             sum(s.weight for s in sources[: i + 1]) / total for i in range(len(sources))
         ]
         self.held_out = [p for s in sources for p in s.held_out]
-        self._counts: list[list[int]] = [[0] * len(sources)]  # per source, before each block
-        self._counting = threading.Lock()  # async mode: the producer draws, the trainer reports
+        self._counts: list[list[int]] = [[0] * len(sources)]  # per-source counts before each block
+        self._counting = threading.Lock()  # async: the producer draws while the trainer reports
 
     @classmethod
     def load(cls, task, tokenizer_path: str, max_prompt_tokens: int, seed: int) -> "DataPrompts":
@@ -226,7 +229,8 @@ class DataPrompts:
         return "; ".join(parts)
 
     def summary(self) -> dict:
-        """For summary.json: each source's prompts, and those dropped as too long."""
+        """For summary.json: each source's prompt counts, and how many were dropped as too
+        long."""
         return {
             "data": {
                 s.name: {
@@ -263,8 +267,8 @@ class DataPrompts:
 
 
 def make_prompts(config):
-    """The prompts of a run: SyntheticPrompts, or data.DataPrompts for name = "data" (lengths
-    counted with [model] path's tokenizer, which the warm start keeps)."""
+    """The prompts of a run: SyntheticPrompts, or data.DataPrompts for name = "data". Prompt
+    lengths are counted with the tokenizer at [model] path, which the warm start keeps."""
     task, seed = config.task, config.task.seed + config.loop.seed
     if task.name != "data":
         return SyntheticPrompts(task, seed)

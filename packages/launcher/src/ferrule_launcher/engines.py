@@ -1,5 +1,5 @@
-"""The run's rollout engines: work split between them, weights loaded into them, and a dead one
-replaced instead of a dead run.
+"""The run's rollout engines: work is split between them, weights are loaded into them, and a
+dead engine is replaced instead of ending the run.
 
     engines = Engines(config, roles, on_replaced=lambda: write_roles(...))
     samples = engines.generate(prompts, settings)   # a dead engine's share goes to its successor
@@ -8,14 +8,15 @@ replaced instead of a dead run.
 
 An engine whose actor dies (killed, out of memory, its process gone) is replaced by a new actor
 on the same bundle. A weight-sync group cannot take a new member, so every group is opened
-again with a new secret, the policy's weights of the version the engines hold are loaded into
-every engine, and what the dead engine was doing (its share of the prompts, a weight update) is
-done again. A sender blocked on the dead engine is aborted at once rather than left to time
-out. At most [rollout] max_restarts replacements happen in restart_window seconds; one more
-death stops the run with the error it would have stopped with (metric rollout/restarts).
+again with a new secret. Then the policy's weights, at the version the engines hold, are loaded
+into every engine, and the dead engine's work (its share of the prompts, or a weight update) is
+done again. A sender blocked on the dead engine is aborted at once instead of waiting for its
+timeout. At most [rollout] max_restarts replacements happen within restart_window seconds; one
+more death stops the run with that death's error (metric rollout/restarts).
 
-`lock` orders replacements with the trainer's step: the loop holds it from training to the
-weight sync, so a replacement loads exactly the weights of the version the engines hold.
+`lock` keeps replacements apart from the trainer's step: the loop holds it from training
+through the weight sync, so a replacement loads exactly the weights of the version the engines
+hold.
 """
 
 import contextlib
@@ -35,7 +36,7 @@ class Engines:
         self.config, self.roles = config, roles
         self.on_replaced = on_replaced or (lambda: None)
         self.lock = threading.RLock()
-        self.version = 0  # of the weights every engine holds
+        self.version = 0  # the weight version every engine holds
         self.budget = RestartBudget(config.rollout.max_restarts, config.rollout.restart_window)
         self._abandoned: list = []  # refs of a failed weight sync's calls, fetched later
 
@@ -51,10 +52,10 @@ class Engines:
         return self._spread(lambda e: e.generate, prompts, lambda chunk: ((chunk, settings), {}))
 
     def run_episodes(self, prompts: list, settings, environment) -> list:
-        """One multi-turn episode (ferrule_rollout.episodes.Episode) per prompt (a task.Problem)
-        on the engines, in order, `environment` being the [environment] table. The episodes
-        run inside the engines' actors, next to their engines; an engine that dies has its
-        share run again by its successor."""
+        """Run one multi-turn episode (ferrule_rollout.episodes.Episode) per prompt (a
+        task.Problem) on the engines, and return the episodes in order. `environment` is the
+        [environment] table. The episodes run inside the engines' actors, next to the engines.
+        If an engine dies, its successor runs its share again."""
         from ferrule_rollout.environments import EpisodeBudget
 
         budget = EpisodeBudget(environment.max_turns, environment.max_tokens)
@@ -72,9 +73,9 @@ class Engines:
         return self._spread(lambda e: e.run_episodes, prompts, arguments)
 
     def _spread(self, method, items: list, arguments) -> list:
-        """`method(engine)` (the actor method to call) of each engine on an even share of
-        `items` (its call's arguments from `arguments(share)`: positional and keyword), the
-        results joined in order."""
+        """Call the actor method `method(engine)` of each engine on an even share of `items`,
+        and join the results in order. `arguments(share)` gives the call's positional and
+        keyword arguments."""
         import ray
 
         size = -(-len(items) // len(self.roles.engines))
@@ -99,8 +100,9 @@ class Engines:
         return [result for index in range(len(chunks)) for result in results[index]]
 
     def each(self, call, what: str) -> list:
-        """`call(engine)` (an actor call's ref: `lambda e: e.sleep.remote()`) on every engine;
-        a dead engine is replaced and the call made again on all of them."""
+        """Run `call(engine)`, which returns an actor call's ref (`lambda e: e.sleep.remote()`),
+        on every engine. If an engine died, it is replaced and the call is made again on all
+        engines."""
         with self.lock:
             try:
                 return self._each(call, what)
@@ -117,9 +119,9 @@ class Engines:
         )
 
     def reseed(self, key: str) -> None:
-        """Every engine draws its samples' keys afresh from `key` and its index (transformers
-        engines: `TransformersEngine.reseed`), so that what a step samples depends on the step
-        alone. An engine that dies is replaced and every engine reseeded again."""
+        """Every engine draws its samples' random keys afresh from `key` and its own index
+        (transformers engines: `TransformersEngine.reseed`), so that what a step samples depends
+        only on the step. If an engine dies, it is replaced and every engine is reseeded again."""
         seeds = [
             random.Random(f"{key}/{i}").getrandbits(62) for i in range(len(self.roles.engines))
         ]
@@ -151,7 +153,7 @@ class Engines:
                 self._recover(dead, failed, version)
 
     def _load(self, version: int) -> None:
-        loop = self.config.loop  # sync partial rollouts cut calls instead: nothing runs now
+        loop = self.config.loop  # sync partial rollouts cut their calls, so nothing runs now
         mode = "keep" if loop.partial_rollout and loop.mode == "async" else "wait"
         receiving = [
             (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")
@@ -162,7 +164,7 @@ class Engines:
         ]
         try:
             results = get_each(receiving + sending)
-        except RunError:  # fetched once they end, or Ray prints their errors as unhandled
+        except RunError:  # fetch them once they end, or Ray prints their errors as unhandled
             self._abandoned += [ref for ref, _ in receiving + sending]
             raise
         self._settle()
@@ -196,8 +198,8 @@ class Engines:
                 self._recover(dead, cause, self.version)
 
     def _recover(self, dead: dict, cause: RunError, version: int) -> None:
-        """New actors for the dead engines, new weight-sync groups for all, and `version`
-        loaded into every engine; again while engines die meanwhile."""
+        """Start new actors for the dead engines, open new weight-sync groups for all engines,
+        and load `version` into every engine. Repeat while more engines die meanwhile."""
         while True:
             self._abort_senders(f"{cause}")
             for index in dead:
@@ -259,4 +261,4 @@ class Engines:
             (w.abort_weight_sync.options(concurrency_group="control").remote(reason), "policy")
             for w in self.roles.policy.workers
         ]
-        get_each(abort)  # done before a new group opens: a late abort would end that one
+        get_each(abort)  # wait before a new group opens: a late abort would end the new group

@@ -5,19 +5,21 @@
     # {"reward": 0.62, "pass@1": 0.5, "pass@4": 0.75, "gsm8k/reward": ..., ...}
 
 A sample succeeds when its reward reaches `threshold` (within a rounding error: a reward of
-0.7 - 0.4 reaches a threshold of 0.3). pass@k is the unbiased estimator of Chen et al. (2021):
-for a prompt with c successes among n samples, the chance that k samples drawn from the n
-without replacement hold at least one success, 1 - C(n-c, k) / C(n, k); averaged over prompts.
+0.7 - 0.4 reaches a threshold of 0.3). pass@k is the unbiased estimator of Chen et al. (2021).
+For a prompt with c successes among n samples, it is the chance that k samples drawn without
+replacement from the n include at least one success: 1 - C(n-c, k) / C(n, k). The report
+averages it over prompts.
 """
 
 from collections import defaultdict
 
-from ferrule_trainer.recipes import reaches as succeeded  # the recipes' floor means the same
+from ferrule_trainer.recipes import reaches as succeeded  # the recipes' reward floor uses it too
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one prompt with `c` successes in `n` samples (k <= n). As a
-    product, not a ratio of binomials, which overflow floats for large n."""
+    """The unbiased pass@k of one prompt with `c` successes in `n` samples (k <= n). It is
+    computed as a product, not as a ratio of binomials, because those overflow floats for
+    large n."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:  # every draw of k holds a success

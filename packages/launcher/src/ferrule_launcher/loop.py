@@ -1,17 +1,17 @@
-"""The RL loop's schedule: rollout -> rewards -> the trainer's RL step -> weight sync, sync or async.
+"""The RL loop's schedule, sync or async: rollout -> rewards -> trainer's RL step -> weight sync.
 
     loop = Loop(config, roles, scorer, prompts, pad_id)   # prompts: data.make_prompts
     loop.run_sync(first_step, on_step)      # generate, score, train, sync; next step
     loop.run_async(first_step, on_step)     # generation of step k+1 overlaps training of step k
 
-What is trained on and how (score shaping, filtering, advantages, PPO epochs, the recipes) is
-ferrule-trainer's `RLStep`; this file decides when each role does its part and moves the data
-between them.
+What is trained on, and how (score shaping, filtering, advantages, PPO epochs, the recipes), is
+ferrule-trainer's `RLStep`. This file decides when each role does its part, and moves the data
+between the roles.
 
 Versions: the weights after s RL steps are policy version s. Step s trains on samples of
-version >= s - 1 - max_staleness (sync mode: exactly s - 1); every sample carries the version
-that produced it, the producer waits before generating too far ahead, and the trainer drops
-whole prompt groups that are staler than allowed.
+version >= s - 1 - max_staleness (sync mode without partial rollouts: exactly s - 1). Every
+sample carries the version that produced it. The producer waits instead of generating too far
+ahead, and the trainer drops whole prompt groups that are staler than allowed.
 """
 
 import queue
@@ -38,7 +38,7 @@ class Loop:
     ):
         self.config, self.roles, self.rewards, self.prompts = config, roles, rewards, prompts
         self.engines = Engines(config, roles, on_engine_replaced)
-        self.version = 0  # of the engines' weights, for the producer to wait on
+        self.version = 0  # the engines' weight version, which the producer waits on
         self.version_changed = threading.Condition()
         from ferrule_trainer import RLStep
 
@@ -58,8 +58,9 @@ class Loop:
         self.rollouts = Rollouts(config, self.engines, rewards, prompts, self.step)
 
     def state(self) -> dict:
-        """The state between steps: the step's (adaptive KL coefficient, reward moments) and,
-        with sync partial rollouts, the prompt groups still generating or waiting."""
+        """The state between steps: the RL step's state (adaptive KL coefficient, reward
+        moments) and, with sync partial rollouts, the prompt groups still generating or
+        waiting."""
         return {**self.step.state(), "rollouts": self.rollouts.state()}
 
     def restore(self, state: dict) -> None:
@@ -69,8 +70,8 @@ class Loop:
     # -- the pieces of a step ---------------------------------------------------------------
 
     def train(self, rollout: Rollout) -> dict:
-        """The trainer's RL step on one rollout batch (`RLStep.train`: PPO epochs, or the
-        [loop] algorithm's recipe); rejection sampling's chosen samples are written out."""
+        """Run the trainer's RL step on one rollout batch (`RLStep.train`: PPO epochs, or the
+        [loop] algorithm's recipe). Rejection sampling's chosen samples are written to disk."""
         return self.step.train(
             rollout.step,
             rollout.groups,
@@ -78,16 +79,17 @@ class Loop:
         )
 
     def warm_up_trainer(self) -> list:
-        """The policy's and the reference's passes on a made-up batch, in flight (roles.RankWorker
-        .warm_up: their compiled layers compile), for the caller to wait on after what it runs
-        meanwhile on the engines (the evaluation before RL). (ref, label) pairs for get_each;
-        none where the trainer's states leave the GPUs while the engines generate: the plan
-        does not have both on them at once."""
+        """Start the policy's and the reference's passes on a made-up batch, so that their
+        compiled layers compile (roles.RankWorker.warm_up). Returns (ref, label) pairs for
+        get_each without waiting: the caller waits on them after what it runs on the engines
+        meanwhile (the evaluation before RL). Returns no pairs when the trainer's states leave
+        the GPUs while the engines generate, because the plan never has the trainer's states and
+        the engines on the GPUs at once."""
         t = self.config.trainer
         if t.offload_between_phases:
             return []
-        # the micro-batch's size, up to a row of max_model_len per row (the made-up batch has
-        # 2); a token budget's micro-batches are about that size
+        # As large as a micro-batch (its token budget, else 8192 tokens), but at most a row of
+        # max_model_len for each of the made-up batch's 2 rows.
         budget = t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else 8192
         tokens = min(budget, 2 * self.config.rollout.max_model_len)
         warm = dict(tokens=tokens, packed=t.pack_sequences, entropy=t.entropy_coef > 0)
@@ -100,40 +102,42 @@ class Loop:
             )]  # fmt: skip
         return refs
 
-    # -- the hybrid engine: who holds the GPUs when ([trainer] offload_between_phases, [rollout]
-    # sleep_between_phases); each is a no-op where its switch is off or on CPU ----------------
+    # -- the hybrid engine: which role holds the GPUs in each phase ([trainer]
+    # offload_between_phases, [rollout] sleep_between_phases). Each method is a no-op when its
+    # switch is off, or on CPU. ---------------------------------------------------------------
 
     def to_generate(self) -> None:
-        """The trainer's states leave the GPUs for the engines."""
+        """Move the trainer's states off the GPUs, to make room for the engines."""
         if self.config.trainer.offload_between_phases:
             self._each_trained(lambda group: group.offload(), "offload")
 
     def to_train(self) -> None:
-        """The engines free their GPU memory (weights kept in host memory); the trainer's
-        states come back."""
+        """The engines free their GPU memory (keeping their weights in host memory), and the
+        trainer's states come back."""
         if self.config.rollout.sleep_between_phases:
             self.engines.each(lambda e: e.sleep.remote(), "sleep")
         if self.config.trainer.offload_between_phases:
             self._each_trained(lambda group: group.reload(), "reload")
 
     def to_sync(self) -> None:
-        """The engines take their memory back, to receive the new weights and generate; the
-        trained models first give back what their training phase's activations reserved."""
+        """The engines take their GPU memory back, to receive the new weights and generate.
+        Before that, the trained models give back the memory their training activations
+        reserved."""
         if self.config.rollout.sleep_between_phases:
             self._each_trained(lambda group: group.release_cache(), "release cache")
             self.engines.each(lambda e: e.wake_up.remote(), "wake up")
 
     def _each_trained(self, call, label: str) -> None:
-        """`call(group)` on every rank of the policy and the critic, waited for; a rank that
-        fails is named ("policy (offload)")."""
+        """Run `call(group)` on every rank of the policy and the critic, and wait for the calls.
+        An error names the rank that failed ("policy (offload)")."""
         groups = [self.roles.policy] + (
             [self.roles.critic] if self.roles.critic is not None else []
         )
         get_each([(ref, f"{g.role} ({label})") for g in groups for ref in call(g)])
 
     def sync(self, version: int) -> float:
-        """Send the policy's weights to every engine as `version`; returns the seconds taken.
-        Running samples wait to finish on the old weights, or with [loop] partial_rollout
+        """Send the policy's weights to every engine as `version`, and return the seconds taken.
+        Running samples first finish on the old weights, or, with [loop] partial_rollout,
         continue on the new ones."""
         start = time.perf_counter()
         self.engines.sync(version)
@@ -143,7 +147,8 @@ class Loop:
         return time.perf_counter() - start
 
     def _write_chosen(self, step: int, chosen: list[tuple[Group, int]]) -> None:
-        """The samples rejection sampling trains on, as SFT data (prompt, response, reward)."""
+        """Write the samples rejection sampling trains on as SFT data (prompt, response,
+        reward)."""
         import json
         from pathlib import Path
 
@@ -180,8 +185,8 @@ class Loop:
         return metrics
 
     def _device_memory(self) -> float:
-        """GB in use on policy rank 0's GPU, by every role on it; 0 where the roles have no
-        GPUs, without asking (two round trips per step saved)."""
+        """GB in use on policy rank 0's GPU, counting every role on it. Returns 0 without asking
+        when the roles have no GPUs (saving two round trips per step)."""
         if not self.config.ray.gpus_per_role:
             return 0.0
         return get(self.roles.policy.workers[0].device_memory.remote(), "policy rank 0")
@@ -222,8 +227,9 @@ class Loop:
         on_step(step, metrics, shown)
 
     def run_async(self, first_step: int, on_step) -> None:
-        """A producer thread generates and scores ahead, at most `max_staleness` versions ahead
-        of the weights the trainer will have, through a queue of `queue_size` batches."""
+        """A producer thread generates and scores batches ahead of the trainer, and passes them
+        through a queue of `queue_size` batches. It stays at most `max_staleness` versions ahead
+        of the weights the trainer will have."""
         loop = self.config.loop
         batches: queue.Queue = queue.Queue(maxsize=loop.queue_size)
         stop = threading.Event()

@@ -3,14 +3,14 @@ and the record of its checkpoints.
 
     out = Outputs(Path("runs/tiny"), total_steps=40, first_step=1, tensorboard=True, progress=True)
     out.log(step, {"reward": 0.4, "kl": 0.01, "time/generate": 1.2, ...})
-    out.samples(step, [{"prompt": ..., "response": ..., "reward": 1.0, ...}])  # an evaluation's
+    out.samples(step, [{"prompt": ..., "response": ..., "reward": 1.0, ...}])  # eval samples
     out.finish(summary)          # reward_curve.png and summary.json
     mark_checkpoint(Path("runs/tiny"), step=10, eval_before={"reward": 0.3}, wall_seconds=61.0, ...)
 
 metrics.jsonl holds one JSON object per step, eval_samples.jsonl one per logged sample. On
 --resume both are cut back to the checkpoint's step first, so every step appears exactly once
-however often the run was interrupted. The same go to TensorBoard and, when asked, to Weights &
-Biases (`wandb` holds wandb.init's arguments).
+however often the run was interrupted. The same records go to TensorBoard and, when enabled,
+to Weights & Biases (`wandb` holds wandb.init's arguments).
 """
 
 import json
@@ -23,7 +23,8 @@ from pathlib import Path
 
 SHOWN = {"reward": "reward", "kl": "kl", "approx_kl": "kl_old", "tokens_per_s": "tok/s"}
 PHASES = ("generate", "score", "train", "sync")
-# a role's updates skipped for non-finite gradients (ferrule-trainer's nonfinite.py), and where
+# metric of a role's update skipped for non-finite gradients (ferrule-trainer's nonfinite.py)
+# -> (the role, the metric that says where the gradients were not finite)
 SKIPPED = {
     "train/skipped": ("policy", "train/nonfinite"),
     "critic/skipped": ("critic", "critic/nonfinite"),
@@ -73,7 +74,7 @@ class Outputs:
 
     def log(self, step: int, metrics: dict) -> None:
         # NaN (a metric that could not be computed) and inf (a skipped step's gradient norm)
-        # are not JSON: null instead.
+        # are not valid JSON, so they are written as null.
         metrics = {
             k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in metrics.items()
@@ -105,7 +106,7 @@ class Outputs:
                     f"step {step}: the {role}'s update was skipped, its gradients not finite: "
                     f"{metrics.get(where) or 'not located'}"
                 )
-        skipped = len(skipped_steps(self.history))  # resumed runs' earlier steps included
+        skipped = len(skipped_steps(self.history))  # steps before a resume included
         if skipped:
             postfix["skipped"] = str(skipped)
         if metrics.get("reward/failed"):
@@ -146,7 +147,7 @@ class Outputs:
     def finish(self, summary: dict) -> None:
         self.close()
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        try:  # the picture last: nothing a run learned hangs on a plotting library
+        try:  # plot last, so no result of the run depends on a plotting library
             plot_rewards(self.history, self.dir / "reward_curve.png")
         except ImportError as err:
             print(f"reward_curve.png not written: {err}", file=sys.stderr)
@@ -224,7 +225,7 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-# -- checkpoints: the roles save their states under dir/checkpoint, this file says which count --
+# -- checkpoints: the roles save states under dir/checkpoint; launcher.json names complete ones --
 
 
 def mark_checkpoint(
@@ -235,10 +236,11 @@ def mark_checkpoint(
     loop_state: dict,
     kept: list[dict] | None = None,
 ) -> None:
-    """Record that the states of `step` are complete: a checkpoint counts once launcher.json
-    names it, so a kill while the roles save resumes from the previous one. `loop_state` is
-    the driver's own (`Loop.state`: the KL coefficient, the reward moments); `kept`, the
-    checkpoints on disk ({"step", "value"} each, this one included)."""
+    """Record that the states of `step` are complete. A checkpoint counts only once
+    launcher.json names it, so a run killed while the roles save resumes from the previous
+    checkpoint. `loop_state` is the driver's own state (`Loop.state`: the KL coefficient, the
+    reward moments). `kept` lists the checkpoints on disk ({"step", "value"} each, this one
+    included)."""
     record = {
         "step": step,
         "eval_before": eval_before,
@@ -289,7 +291,8 @@ def describe_eval(report: dict) -> str:
 
 
 def clear_previous(out: Path) -> None:
-    """A fresh run (no --resume) does not mix with an old one in the same directory."""
+    """Remove an old run's outputs, so that a fresh run (no --resume) in the same directory
+    does not mix with them."""
     for name in ("checkpoint", "sft", "policy", "exports", "tensorboard"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("metrics.jsonl", "summary.json", "reward_curve.png"):
@@ -297,12 +300,12 @@ def clear_previous(out: Path) -> None:
 
 
 class StartupTimeline:
-    """Where a run's seconds go before its first step: each phase's seconds, in order, when each
-    role was ready after the roles began to start (they start concurrently), and where each
-    role's own start went (`role_phases`: "process", then what the role timed itself: "imports",
-    "distributed", "weights", "deepspeed" for the trainer's ranks; "imports" and "weights" or
-    "engine" for a rollout engine). `describe()` is what the run prints before step 1 (a line,
-    then one per role); `as_dict()` goes to summary.json."""
+    """Where a run's seconds go before its first step. It records each phase's seconds in
+    order, when each role was ready after the roles began to start (they start concurrently),
+    and how each role's own start-up time splits (`role_phases`: "process", then the phases the
+    role timed itself: "imports", "distributed", "weights", "deepspeed" for the trainer's ranks;
+    "imports" and "weights" or "engine" for a rollout engine). `describe()` returns what the run
+    prints before step 1 (one line, then one per role); `as_dict()` goes to summary.json."""
 
     def __init__(self):
         self.started = self.last = time.monotonic()

@@ -1,12 +1,12 @@
-"""Partial rollouts in sync mode ([loop] partial_rollout with the transformers engine): a step's
-generation call is cut once few of the engine's rows still decode, and the prompt groups it
-left unfinished continue in the next step's call under the new weights. A group is scored and
-trained once every sample of it has ended; complete groups beyond a step's prompts_per_step
-wait for the next step. Rollouts (rollouts.py) drives it:
+"""Partial rollouts in sync mode ([loop] partial_rollout with the transformers engine). A step's
+generation call is cut once only a few of the engine's rows still decode. The prompt groups the
+cut left unfinished continue in the next step's call, under the new weights. A group is scored
+and trained once all of its samples have ended; complete groups beyond a step's
+prompts_per_step wait for the next step. Rollouts (rollouts.py) drives this class:
 
     partial = PartialRollouts(config, engines)
     groups = partial.take_ready(step, want)             # complete groups waiting, still fresh
-    problems = problems[: partial.new_groups(want)]     # fewer new prompts while some wait
+    problems = problems[: partial.new_groups(want)]     # fewer new prompts while groups wait
     problems, samples, tokens = partial.play(problems, n)   # the groups that ended in this call
 """
 
@@ -21,39 +21,40 @@ from ferrule_trainer.groups import chunks
 
 @dataclass
 class Unfinished:
-    """A prompt group some of whose samples a cut call left unfinished."""
+    """A prompt group in which a cut call left some samples unfinished."""
 
     problem: Problem
-    samples: list  # its n samples in order; the unfinished have finish_reason "abort"
+    samples: list  # the group's n samples in order; unfinished ones have finish_reason "abort"
 
 
 class PartialRollouts:
     def __init__(self, config: Config, engines):
-        """engines: launcher.engines.Engines (generate, and the version its engines hold)."""
+        """engines: launcher.engines.Engines (its `generate`, and the weight version it holds)."""
         self.config, self.engines = config, engines
         self.unfinished: list[Unfinished] = []  # groups still generating
-        self.ready: list[Group] = []  # complete groups beyond a step's prompts_per_step, scored
+        self.ready: list[Group] = []  # scored complete groups beyond a step's prompts_per_step
         self.stale = 0  # ready groups the last take_ready dropped as too stale to train
 
     def take_ready(self, step: int, want: int) -> list[Group]:
-        """Up to `want` complete groups waiting, oldest first; those too stale for step `step`
-        ([loop] max_staleness) are dropped."""
+        """Take up to `want` waiting complete groups, oldest first. Groups too stale for step
+        `step` ([loop] max_staleness) are dropped."""
         fresh = [g for g in self.ready if g.staleness(step) <= self.config.loop.max_staleness]
         self.stale = len(self.ready) - len(fresh)
         taken, self.ready = fresh[:want], fresh[want:]
         return taken
 
     def new_groups(self, want: int) -> int:
-        """New prompts for this step's call: about `want` groups a step in all, fewer while
-        complete ones wait (else they would pile up and go stale)."""
+        """The number of new prompts for this step's call: about `want` groups per step in all,
+        fewer while complete groups wait (otherwise they would pile up and go stale)."""
         return max(0, want - len(self.ready))
 
     def play(self, problems: list[Problem], n: int) -> tuple[list[Problem], list, int]:
-        """`n` samples of each problem and the unfinished samples of earlier calls' groups in
-        one call, cut once fewer than [loop] partial_cut of the engine's rows still decode.
-        Returns the groups every sample of which has ended (the earlier ones first) as their
-        problems and samples, and the tokens the call generated; the rest wait for the next
-        call. A sample already continued [loop] max_staleness times runs to its end."""
+        """Generate `n` samples of each problem, and continue the unfinished samples of earlier
+        calls' groups, in one call. The call is cut once fewer than [loop] partial_cut of the
+        engine's rows still decode. Returns the groups whose samples have all ended (earlier
+        groups first), as their problems and samples, and the number of tokens the call
+        generated. The other groups wait for the next call. A sample already continued [loop]
+        max_staleness times runs to its end."""
         c = self.config
         cut_below = max(1, int(c.loop.partial_cut * c.rollout.max_batch_size))
         settings = replace(c.rollout.sampling(n, c.rollout.temperature), cut_below=cut_below)
@@ -88,8 +89,8 @@ class PartialRollouts:
         }
 
     def state(self) -> dict:
-        """For a checkpoint (JSON): the groups in flight, their samples so far (cut ones
-        included), and the complete groups waiting; a resumed run continues them."""
+        """The state for a checkpoint (JSON): the groups in flight with their samples so far
+        (cut ones included), and the complete groups waiting. A resumed run continues them."""
         return {
             "unfinished": [
                 {"problem": asdict(g.problem), "samples": [asdict(s) for s in g.samples]}
@@ -119,7 +120,8 @@ class PartialRollouts:
 
 
 def _sample(saved: dict) -> Sample:
-    """A Sample from its checkpointed dict (`asdict`: version spans and turn rewards as lists)."""
+    """Rebuild a Sample from its checkpointed dict (`asdict`, read back from JSON, which stores
+    version spans and turn rewards as lists)."""
     versions = [VersionSpan(**span) for span in saved.get("versions", [])]
     turns = saved.get("turn_rewards")
     turns = None if turns is None else [tuple(turn) for turn in turns]

@@ -1,18 +1,20 @@
-"""Ray: start or join a cluster, the roles' environment, and placing roles with placement groups.
+"""Ray: start or join a cluster, set the roles' environment, and place the roles with placement
+groups.
 
     start_ray(config.ray, role_env(threads_per_role(config)))   # local, or join [ray] address
-    places, groups = place_roles(config.ray, wanted_roles(config))  # Role("policy", 0): options
+    places, groups = place_roles(config.ray, wanted_roles(config))  # {Role("policy", 0): options}
     ray.remote(RankWorker).options(**places[Role("policy", 0)]).remote()
 
 Placements ([ray] placement):
-- "colocate_all": one placement group with a bundle per policy rank (and rollout engine): policy
-  rank i and engine i share bundle i, the reference and the critic join bundle 0 (on GPUs, the
-  hybrid engine: each GPU holds a policy rank and an engine).
-- "colocate": the policy's ranks with its reference in one group (a bundle per rank, the
-  reference on rank 0's), the critic in another, the rollout engines in a third (a bundle per
-  engine); the groups' bundles are PACKed by default.
+- "colocate_all": one placement group with a bundle per policy rank (and rollout engine). Policy
+  rank i, engine i, reference rank i and critic rank i share bundle i. On GPUs this is the
+  hybrid engine: each GPU holds a policy rank and an engine.
+- "colocate": the policy's ranks and the reference's in one group (a bundle per rank; reference
+  rank i on policy rank i's bundle), the critic in another, and the rollout engines in a third
+  (a bundle per engine). By default the groups' bundles are PACKed.
 - "separate": every role in a placement group of its own.
-`roles_on_nodes` adds a custom node resource to a role's bundle, which pins it to that node.
+`roles_on_nodes` adds a custom node resource to a role's bundle, which pins the role to that
+node.
 """
 
 import importlib.util
@@ -24,8 +26,8 @@ from typing import NamedTuple
 from ferrule_launcher.calls import RunError
 from ferrule_launcher.config import Config, RayConfig
 
-# Set in every role's process (Ray runtime_env) on machines without CUDA; they must be in the
-# environment before vLLM or DeepSpeed is imported, which read them at import time.
+# Set in every role's process (Ray runtime_env) on machines without CUDA. vLLM and DeepSpeed
+# read them at import time, so they must be in the environment before either is imported.
 CPU_ENV = {
     "DS_ACCELERATOR": "cpu",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -57,7 +59,7 @@ class Role(NamedTuple):
 
     @property
     def pinned_as(self) -> str:
-        """The kind `roles_on_nodes` names it by: the reference goes with the policy."""
+        """The kind `roles_on_nodes` pins this role by (the reference goes with the policy)."""
         return "policy" if self.kind == "reference" else self.kind
 
 
@@ -73,15 +75,15 @@ def wanted_roles(config: Config) -> list[Role]:
 
 
 def threads_per_role(config: Config) -> int:
-    """Torch threads for each role's process on a CPU machine ([ray] threads_per_role, else the
-    local cluster's CPUs over the most roles that compute at one moment). The synchronous loop's
-    phases take turns: the engines generate; then the reference, the critic and (off-policy) the
-    policy run their forward passes together; then the policy and the critic train together.
-    The asynchronous loop generates while it trains. One role per CPU where they outnumber the
-    CPUs: more threads than cores spin against each other."""
+    """Torch threads for each role's process on a CPU machine: [ray] threads_per_role, else the
+    local cluster's CPUs divided by the most roles that compute at one moment. The synchronous
+    loop's phases take turns: the engines generate; then the reference, the critic and
+    (off-policy) the policy run their forward passes together; then the policy and the critic
+    train together. The asynchronous loop generates while it trains. Where the roles outnumber
+    the CPUs, each role gets one thread: more threads than cores spin against each other."""
     if config.ray.threads_per_role:
         return config.ray.threads_per_role
-    if config.ray.address:  # a joined cluster's nodes may differ; this machine says nothing
+    if config.ray.address:  # a joined cluster's nodes may differ from this machine
         return 1
     count = Counter(role.kind for role in wanted_roles(config))
     forwards = count["reference"] + count["critic"]
@@ -97,13 +99,13 @@ def threads_per_role(config: Config) -> int:
 
 
 def optimizer_threads(config: Config) -> int | None:
-    """OpenMP threads for each policy and critic rank whose optimizer steps on the host
-    (DeepSpeed's CPU Adam: [trainer] offload_optimizer, which the critic shares), on GPU
-    machines; None where nothing steps there. Ray sets OMP_NUM_THREADS to the CPUs an actor asked
-    for (1 at the default [ray] cpus_per_role = 0.5), and CPU Adam's loop runs on that many: one
-    core of a 16-core node for a 7B model's 91 GB of states. Instead, the node's cores shared by
-    its ranks that step at the same moment (all of them on a local cluster; at most one per GPU
-    on a joined one); [ray] threads_per_role overrides."""
+    """OpenMP threads for each policy and critic rank whose optimizer steps on the host, on GPU
+    machines (DeepSpeed's CPU Adam: [trainer] offload_optimizer, which the critic shares); None
+    where no optimizer steps there. Ray sets OMP_NUM_THREADS to the CPUs an actor asked for (1
+    at the default [ray] cpus_per_role = 0.5), and CPU Adam's loop runs on that many threads:
+    one core of a 16-core node for a 7B model's 91 GB of states. Instead, the node's cores are
+    shared among the ranks that step on it at the same moment (all of them on a local cluster;
+    at most one per GPU on a joined one). [ray] threads_per_role overrides this."""
     if not config.trainer.offload_optimizer or not has_cuda():
         return None
     if config.ray.threads_per_role:
@@ -114,9 +116,9 @@ def optimizer_threads(config: Config) -> int | None:
 
 
 def node_cores(config: RayConfig) -> tuple[int, int | None]:
-    """(cores, GPUs) of the node the ranks run on: this machine's cores on a local cluster (not
-    [ray] num_cpus, which is what Ray schedules by), the joined cluster's GPU node with the fewest
-    CPUs a GPU otherwise (None GPUs: every rank on this node)."""
+    """(cores, GPUs) of the node the ranks run on. On a local cluster: this machine's cores (not
+    [ray] num_cpus, which is what Ray schedules by) and None GPUs, as every rank runs on this
+    node. On a joined cluster: the GPU node with the fewest CPUs per GPU."""
     if not config.address:
         return len(os.sched_getaffinity(0)), None
     import ray
@@ -147,9 +149,9 @@ def start_ray(config: RayConfig, env: dict[str, str]) -> str:
         return "joined " + config.address
     num_cpus = config.num_cpus or os.cpu_count() or 1
     ray.init(
-        # "local": a cluster of this run's own. Without an address Ray joins the cluster that
-        # RAY_ADDRESS names or the last `ray start` on this machine began, and then refuses
-        # num_cpus; "auto" in [ray] address joins one on purpose.
+        # "local" starts a cluster of this run's own. Without an address, Ray would join the
+        # cluster that RAY_ADDRESS names or that the last `ray start` on this machine began, and
+        # would then refuse num_cpus. [ray] address = "auto" joins such a cluster on purpose.
         address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
@@ -160,9 +162,9 @@ def start_ray(config: RayConfig, env: dict[str, str]) -> str:
 
 
 def role_env(threads: int) -> dict[str, str]:
-    """Environment for every role's process: the CPU settings on machines without CUDA (torch's
-    `threads` among them), and what the driver's environment says about caches and import
-    paths."""
+    """Environment for every role's process: the CPU settings on machines without CUDA
+    (among them OMP_NUM_THREADS = `threads`, torch's thread count), and the driver's own
+    settings for caches and import paths."""
     env = {}
     if not has_cuda():
         env.update(CPU_ENV, OMP_NUM_THREADS=str(threads))
@@ -173,11 +175,12 @@ def role_env(threads: int) -> dict[str, str]:
 
 
 def bytecode_warning(module: str = "torch", writes_bytecode: bool | None = None) -> str | None:
-    """A warning when every role would compile `module` from source at each start: this Python
-    writes no bytecode (PYTHONDONTWRITEBYTECODE, or -B; the roles inherit it) and the module
-    has none (installed without it: pip --no-compile, uv without compile-bytecode). Each role
-    then compiles torch's ~2,000 modules as it starts: on an H200 machine a policy rank's
-    imports took 16 s that way, 7.4 s with the bytecode. Found without importing the module."""
+    """A warning when every role would compile `module` from source at each start. That happens
+    when this Python writes no bytecode (PYTHONDONTWRITEBYTECODE or -B, which the roles inherit)
+    and the module was installed without bytecode (pip --no-compile, or uv without
+    compile-bytecode). Each role then compiles torch's ~2,000 modules as it starts: on an H200
+    machine a policy rank's imports took 16 s that way, 7.4 s with the bytecode. The check does
+    not import the module."""
     if writes_bytecode is None:
         writes_bytecode = not sys.flags.dont_write_bytecode
     spec = importlib.util.find_spec(module)
@@ -234,9 +237,9 @@ def check_fits(
     cluster: dict[str, float],
     rewards: tuple[float, float] = (0.0, 0.0),
 ) -> None:
-    """A RunError naming the keys when the bundles (and the reward model's role: `rewards`,
-    its GPUs and CPUs) ask for more CPUs or GPUs than the cluster has, before any role starts
-    (Ray would otherwise wait for resources that never come)."""
+    """Raise a RunError naming the keys when the bundles, plus the reward model's role
+    (`rewards`: its GPUs and CPUs), ask for more CPUs or GPUs than the cluster has. This runs
+    before any role starts, because Ray would otherwise wait for resources that never come."""
     count = sum(len(b) for b in bundles(config, roles).values())
     for resource, each, key, extra in (
         ("GPU", config.gpus_per_role, "gpus_per_role", rewards[0]),
@@ -255,10 +258,12 @@ def check_fits(
 
 
 def place_roles(config: RayConfig, roles: list[Role]) -> tuple[dict[Role, dict], list]:
-    """Ray actor options per role (placement group, bundle, resources) and the groups made.
+    """Ray actor options per role (placement group, bundle, resources), and the placement
+    groups made.
 
-    Roles on one bundle share it: each asks for its share of the bundle's CPUs / GPUs, so a
-    bundle is as large as one role's request however many share it (they time-share a device).
+    Roles on one bundle share it: each asks for an equal share of the bundle's CPUs / GPUs, so
+    a bundle is as large as one role's request however many roles share it (they time-share a
+    device).
     """
     import ray
     from ray.util.placement_group import placement_group

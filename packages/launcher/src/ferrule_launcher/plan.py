@@ -1,22 +1,24 @@
-"""The memory plan of a GPU run, made from the config before any process starts: what each GPU
-holds while the engines generate and while the trainer trains, the [trainer] keys left "auto"
-chosen as the fastest plan that fits, and a refusal naming the keys when nothing fits.
+"""The memory plan of a GPU run, made from the config before any process starts. It says what
+each GPU holds while the engines generate and while the trainer trains, chooses the [trainer]
+keys left "auto" as the fastest plan that fits, and gives a refusal naming the keys when nothing
+fits.
 
     plan = make_plan(config)            # None for a CPU run ([ray] gpus_per_role = 0)
     print(plan.describe())              # rlhf-launch CONFIG --plan
     plan.trainer                        # [trainer] with the "auto" keys chosen
 
 Each role's bytes come from ferrule_trainer.memory (fitted to peaks measured at 1.5B), assuming
-the worst micro-batch: every token a response token. A process keeps what its allocator once
-reserved, so a policy rank holds its training peak in every phase unless offload_between_phases
-moves its states out or the engines sleep while it trains (the loop then has it give its cache
-back before they wake); an engine gives its memory back only with sleep_between_phases.
+the worst micro-batch, in which every token is a response token. A process keeps what its
+allocator once reserved. So a policy rank holds its training peak in every phase, unless
+offload_between_phases moves its states out, or the engines sleep while it trains (the loop
+then has the rank give its cache back before the engines wake). An engine gives its memory back
+only with sleep_between_phases.
 
-Host memory is planned too, per node: what the trained models offload there (DeepSpeed's CPU
-Adam holds fp32 master weights, both Adam moments and fp32 gradients, 16 bytes a parameter
-over the ranks; offload_params adds the bf16 weights; offload_between_phases parks the GPU
-states there while the engines generate), and each process's own bytes. A plan whose node does
-not hold them does not fit, whatever its GPUs hold.
+Host memory is planned too, per node: what the trained models offload there, and each process's
+own bytes. DeepSpeed's CPU Adam holds fp32 master weights, both Adam moments and fp32 gradients
+(16 bytes a parameter, split over the ranks); offload_params adds the bf16 weights;
+offload_between_phases parks the GPU states there while the engines generate. A plan whose node
+cannot hold all this does not fit, whatever its GPUs hold.
 """
 
 import itertools
@@ -33,8 +35,8 @@ if TYPE_CHECKING:
     from ferrule_launcher.config import Config
 
 CONTEXT = int(0.6 * GiB)  # the CUDA context and libraries of each process on a GPU
-# Of a GPU's memory the plan may fill: the estimate's error (within 7% where measured), NCCL's
-# buffers and what no estimate sees.
+# The share of a GPU's memory the plan may fill. The rest is for the estimate's error (within 7%
+# where measured), NCCL's buffers and what no estimate sees.
 HEADROOM = 0.9
 TOKEN_CHOICES = (32768, 16384, 8192, 4096, 2048, 1024, 512)
 ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activations and graphs
@@ -42,30 +44,31 @@ ENGINE_OVERHEAD = int(0.7 * GiB)  # the transformers engine's prefill activation
 # 1.5B (benchmarks/step_gpu.py, 2026-11-27: 70.1 GiB in use while training against 59.9 planned).
 RELOADED = 1.2
 
-# Host memory: each process's own bytes (torch, CUDA's host side, transformers, DeepSpeed; not
-# measured on a GPU machine: an allowance), and of a node's memory the plan may fill (the
-# page cache of the model files, the OS and Ray's object store live in the rest).
+# Host memory: each process's own bytes (torch, CUDA's host side, transformers, DeepSpeed; an
+# allowance, not measured on a GPU machine), and the share of a node's memory the plan may fill
+# (the page cache of the model files, the OS and Ray's object store live in the rest).
 PROCESS_HOST = 3 * GiB
 HOST_HEADROOM = 0.8
 OFFLOADED_OPTIMIZER = 16  # bytes a parameter: fp32 master, Adam's two moments, fp32 gradients
 DEFAULT_GPUS_PER_NODE = 8  # where neither [ray] gpus_per_node nor this machine says
 
 # Seconds, from benchmarks/train_phase_gpu.py's timings of a whole step at 1.5B on an H100
-# (2026-11-27: 8.73 s at 8k-token micro-batches, 8.14 s at 12k, no checkpointing): a trained token
-# costs 6 N flops at ~360 TFLOP/s, more where small micro-batches leave the GPU idle (1 + 2,000 /
-# tokens), checkpointing recomputes the forward (1.2x measured), ZeRO-3 gathers the weights every
-# pass, optimizer states offloaded step on the CPU; moving the states out and back between phases
-# goes through host memory at ~10 GB/s each way.
+# (2026-11-27: 8.73 s at 8k-token micro-batches, 8.14 s at 12k, no checkpointing). A trained
+# token costs 6 N flops at ~360 TFLOP/s, more where small micro-batches leave the GPU idle
+# (1 + 2,000 / tokens). Checkpointing recomputes the forward (1.2x measured), ZeRO-3 gathers the
+# weights every pass, and offloaded optimizer states step on the CPU. Moving the states out and
+# back between phases goes through host memory at ~10 GB/s each way.
 SECONDS_PER_FLOP = 2.8e-15
 IDLE_TOKENS = 2_000
 CHECKPOINTING_COST = 1.2
 STAGE_COST = {0: 1.1, 1: 1.0, 2: 1.0, 3: 3.0}
 HOST_BYTES_PER_S = 10e9
-# Over several ranks ZeRO-2 and -3 reduce each micro-batch's gradients across them: NCCL between
-# the launcher's Ray actors reduce-scatters a 1.5B model's bf16 gradient in 7.0 ms, ~440 GB/s
-# (benchmarks/nccl_ray.py, four H200s, 2026-11-28), and four ranks' micro-batches of a step
-# took as long as one GPU's. An earlier fit, 18 GB/s, had timed steps in which compiled layers
-# recompiled (sequences.ALIGN) and made the plan checkpoint on several GPUs for nothing.
+# With several ranks, ZeRO-2 and -3 reduce each micro-batch's gradients across the ranks. NCCL
+# between the launcher's Ray actors reduce-scatters a 1.5B model's bf16 gradient in 7.0 ms,
+# ~440 GB/s (benchmarks/nccl_ray.py, four H200s, 2026-11-28), and a step's micro-batches took as
+# long on each of four ranks as on one GPU. An earlier fit, 18 GB/s, came from timed steps in
+# which compiled layers recompiled (sequences.ALIGN), and it made the plan turn on
+# checkpointing on several GPUs for nothing.
 REDUCE_BYTES_PER_S = 400e9
 
 
@@ -105,9 +108,9 @@ class Holding:
 
 @dataclass(frozen=True)
 class Machine:
-    """What the plan needs to know of the machines: one GPU's memory, one node's host memory
-    (bytes) and GPUs; None: unknown. [ray] gpu_memory_gb, host_memory_gb and gpus_per_node win
-    over it."""
+    """What the plan needs to know about the machines: one GPU's memory and one node's host
+    memory (bytes), and one node's GPU count; None means unknown. [ray] gpu_memory_gb,
+    host_memory_gb and gpus_per_node take precedence over these."""
 
     gpu_memory: int | None
     host_memory: int | None = None
@@ -132,7 +135,7 @@ class Plan:
     trainer: TrainerConfig  # with the "auto" keys chosen
     gpus: list[list[Holding]]  # the processes of each distinct GPU (rank 0's bundles)
     memory: int | None  # bytes of one GPU (None: unknown)
-    host: HostNeed | None = None  # of the fullest node
+    host: HostNeed | None = None  # the fullest node's host memory
     host_memory: int | None = None  # bytes of one node's host memory (None: unknown)
 
     def host_fits(self) -> bool:
@@ -227,9 +230,9 @@ def host_memory() -> int | None:
 
 
 def _pass_tokens(trainer: TrainerConfig, max_model_len: int) -> tuple[int, int]:
-    """The tokens of the largest training micro-batch and of the largest scoring pass: each
-    token budget, or its rows of max_model_len where that is less (or no budget is set), and
-    never less than one row of max_model_len: a row longer than the budget goes alone."""
+    """The tokens of the largest training micro-batch and of the largest scoring pass. Each is
+    its token budget, or its rows x max_model_len where that is less (or no budget is set), but
+    never less than one row of max_model_len, as a row longer than the budget goes alone."""
 
     def tokens(limit: int | None, rows: int) -> int:
         most = rows * max_model_len
@@ -246,11 +249,12 @@ def _pass_tokens(trainer: TrainerConfig, max_model_len: int) -> tuple[int, int]:
 def holdings(
     config: "Config", trainer: TrainerConfig, shape: ModelShape, gpu_bytes: int | None
 ) -> list[list[Holding]]:
-    """What each process holds on each distinct GPU (`gpu_bytes`: one GPU's, for vLLM's share)."""
+    """What each process holds on each distinct GPU (`gpu_bytes`: one GPU's memory, from which
+    vLLM takes its share)."""
     r, ray, dtype = config.rollout, config.ray, config.model.dtype
     train_tokens, forward_tokens = _pass_tokens(trainer, r.max_model_len)
-    # a sequence group's ranks each hold the activations of 1/N of the positions (the all-to-alls
-    # swap like-sized pieces: the gathered heads of the whole sequence are 1/N of its width)
+    # Each rank of a sequence group holds the activations of 1/N of the positions. The all-to-alls
+    # swap pieces of equal size: the gathered heads of the whole sequence are 1/N of its width.
     shared = trainer.sequence_parallel
     train_tokens, forward_tokens = -(-train_tokens // shared), -(-forward_tokens // shared)
     lora = trainer.lora_rank > 0
@@ -267,7 +271,7 @@ def holdings(
         tokens=train_tokens,
         response_share=1.0,  # the worst micro-batch: every token through the LM head
     )
-    # its scoring pass (old log-probs) holds its states and a forward batch's activations
+    # the policy's scoring pass (old log-probs) holds its states and a forward batch's activations
     state = memory.training_state(shape, lora=lora, **state_keys)
     forward = memory.forward_activations(
         shape, forward_tokens, 1.0, whole_logits=trainer.zero_stage == 3
@@ -280,8 +284,8 @@ def holdings(
         policy_peak = int(RELOADED * policy_peak)
     policy_peak += CONTEXT
     # The weight sender's two packing buffers (ferrule-weightsync: 1 GiB buckets, or the largest
-    # tensor), kept from sync to sync; none where the engines read the weights in place (CUDA
-    # IPC with the policy resident).
+    # tensor), kept from sync to sync. There are none where the engines read the weights in place
+    # (CUDA IPC with the policy resident).
     in_place = ray.placement == "colocate_all" and not trainer.offload_between_phases
     sync = 0 if in_place else 2 * max(GiB, shape.vocab * shape.hidden * 2)
     held = _while_generating(trainer, r, policy_peak, state) + sync
@@ -316,8 +320,8 @@ def holdings(
 def host_need(
     config: "Config", trainer: TrainerConfig, shape: ModelShape, gpus_per_node: int, processes: int
 ) -> HostNeed:
-    """The fullest node's host memory: the offloaded states of the trained ranks it holds (as
-    many as it has GPUs, at most), and the own bytes of its `processes`
+    """The fullest node's host memory: the offloaded states of the trained ranks on it (for each
+    role, at most as many ranks as the node has GPUs), and the own bytes of its `processes`
     (`_processes_on_a_node`)."""
     dtype, lora = config.model.dtype, trainer.lora_rank > 0
     per_parameter = 0 if lora else (OFFLOADED_OPTIMIZER if trainer.offload_optimizer else 0)
@@ -329,7 +333,7 @@ def host_need(
     for role, model, ranks in trained:
         on_node = min(ranks, gpus_per_node)
         offloaded = model.parameters * per_parameter // ranks
-        if trainer.offload_between_phases:  # its GPU states, while the engines generate
+        if trainer.offload_between_phases:  # its GPU states, parked while the engines generate
             keys = dict(zero_stage=trainer.zero_stage, ranks=ranks, lora=lora)
             offloaded += sum(memory.training_state(model, dtype=dtype, **keys))
         if offloaded:
@@ -342,8 +346,8 @@ def host_need(
 
 
 def _processes_on_a_node(config: "Config", gpus_per_node: int) -> int:
-    """The role processes on the fullest node: the run's, in proportion to the node's share of
-    the run's GPUs (each placement group's bundles, one GPU each)."""
+    """The number of role processes on the fullest node: the run's processes, in proportion to
+    the node's share of the run's GPUs (one GPU per bundle of each placement group)."""
     from ferrule_launcher.placement import bundles, wanted_roles
 
     roles = wanted_roles(config)
@@ -353,9 +357,10 @@ def _processes_on_a_node(config: "Config", gpus_per_node: int) -> int:
 
 
 def _while_generating(trainer: TrainerConfig, rollout, peak: int, state: tuple[int, int]) -> int:
-    """A trained model's bytes while the engines generate: its peak, which its allocator keeps;
-    nothing where its states move out between phases; its states alone where the engines sleep
-    while it trains (the loop has it give its activations' cache back before they wake)."""
+    """A trained model's bytes while the engines generate. Usually this is its peak, which its
+    allocator keeps. It is only the CUDA context where its states move out between phases, and
+    its states alone where the engines sleep while it trains (the loop has the model give back
+    its activations' cache before the engines wake)."""
     if trainer.offload_between_phases:
         return CONTEXT
     if rollout.sleep_between_phases:
@@ -368,8 +373,8 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
     if r.backend == "vllm":
         share = int(r.gpu_memory_utilization * (gpu_bytes or 0))
         how = f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
-        # its share must hold its slice of the weights and the KV cache of one whole sequence,
-        # or vLLM refuses to start: the plan counts what it would need then
+        # vLLM's share must hold its slice of the weights and the KV cache of one whole sequence,
+        # or vLLM refuses to start; a share too small is counted at that minimum
         tp = r.tensor_parallel_size
         one_sequence = r.max_model_len * shape.layers * 2 * shape.kv_width * 2 // tp
         least = int(memory.FRAGMENTATION * (shape.weights(config.model.dtype) // tp + one_sequence))
@@ -381,7 +386,7 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
             share = least
         return share + CONTEXT, how
     slots = math.ceil(r.max_model_len / 64) * 64
-    if r.kv_cache_tokens:  # its pages, and the one no row holds
+    if r.kv_cache_tokens:  # the cache's pages, plus the one page no row holds
         tokens = math.ceil(r.kv_cache_tokens / 64) * 64 + 64
         how = f"transformers: KV cache of {tokens} tokens for {r.max_batch_size} rows"
     else:
@@ -400,8 +405,8 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
 def _options(
     trainer: TrainerConfig, hybrid: bool, groups: tuple[int, ...] = (1,)
 ) -> dict[str, tuple]:
-    """The values each key may take: its own when set, else what the plan may choose
-    (`groups`: the sequence group sizes the ranks and the model's heads allow)."""
+    """The values each key may take: the key's own value when set, else the values the plan may
+    choose from (`groups`: the sequence group sizes the ranks and the model's heads allow)."""
     auto = trainer.auto
     options = {key: (getattr(trainer, key),) for key in AUTO_KEYS}
     if "micro_batch_tokens" in auto:
@@ -434,24 +439,25 @@ def _group_sizes(config: "Config", heads: int) -> tuple[int, ...]:
 
 
 def _rank(trainer: TrainerConfig, config: "Config", shape: ModelShape) -> tuple:
-    """Plans whose ranks each hold whole sequences first (sequence groups only where nothing
-    else fits: their all-to-alls are not in the estimate of seconds), then those that keep
-    everything on the GPU, however much smaller their micro-batches (measured at 1.5B:
-    offloading between phases cost more than halving the reference's passes saved), then by
-    estimated seconds."""
+    """The sort key of the plans. First come plans whose ranks each hold whole sequences
+    (sequence groups only where nothing else fits, because their all-to-alls are not in the
+    estimate of seconds). Next come plans that keep everything on the GPU, however much smaller
+    their micro-batches (measured at 1.5B: offloading between phases cost more than halving the
+    reference's passes saved). The rest is ordered by estimated seconds."""
     offloads = trainer.offload_between_phases or trainer.offload_optimizer or trainer.offload_params
     return trainer.sequence_parallel, bool(offloads), seconds(trainer, config, shape)
 
 
 def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
-    """The plan of a GPU run (None on CPU): the fastest choice of the "auto" keys that fits
-    its GPUs and its nodes' host memory (`fits()` False when none does: then the nearest miss);
-    `machine`: what [ray] gpu_memory_gb, host_memory_gb and gpus_per_node
-    leave unsaid (default: this machine, asked only for what they leave unsaid)."""
+    """The plan of a GPU run (None on CPU): the fastest choice of the "auto" keys that fits the
+    GPUs and the nodes' host memory. When no choice fits, this returns the nearest miss, whose
+    `fits()` is False. `machine` tells what [ray] gpu_memory_gb, host_memory_gb and
+    gpus_per_node leave unsaid (default: this machine, queried unless [ray] gpu_memory_gb or
+    address says the GPUs are elsewhere)."""
     if not config.ray.gpus_per_role:
         return None
     ray = config.ray
-    # a run described by [ray] gpu_memory_gb, or joining a cluster, is not this machine's
+    # a run whose GPUs [ray] gpu_memory_gb describes, or that joins a cluster, runs elsewhere
     elsewhere = bool(ray.gpu_memory_gb or ray.address)
     if machine is None:
         machine = Machine(None) if elsewhere else Machine.this_one()
@@ -484,10 +490,10 @@ def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
         if plan.fits():
             return plan
         plans.append(plan)
-    if not plans:  # the user's own choices contradict each other: TrainerConfig says how
+    if not plans:  # the user's own choices contradict each other; TrainerConfig says how
         return plan_of(config.trainer)
-    # the nearest miss: of the plans that fit the GPUs the one that needs least host memory,
-    # else the one that needs least GPU memory
+    # the nearest miss: of the plans that fit the GPUs, the one that needs the least host
+    # memory; if none fits the GPUs, the one that needs the least GPU memory
     on_gpu = [plan for plan in plans if plan.gpu_fits()]
     if on_gpu:
         return min(on_gpu, key=lambda p: p.host.bytes)

@@ -1,19 +1,20 @@
 """A loaded config made concrete for the machine it will run on. `load_config` reads the file
-and nothing else; `resolve` then reads the model's config.json, the GPUs' size and the nodes'
-host memory (nvidia-smi and /proc/meminfo, or [ray] gpu_memory_gb, host_memory_gb,
-gpus_per_node: plan.Machine) and fills in what was left to the machine:
+and nothing else. `resolve` then reads the model's config.json, the GPUs' memory size and the
+nodes' host memory (from nvidia-smi and /proc/meminfo, or from [ray] gpu_memory_gb,
+host_memory_gb and gpus_per_node: see plan.Machine), and fills in what the file left to the
+machine:
 
     config = load_config("run.toml")         # the file's contents, validated
     resolved = resolve(config)               # Resolved(config, plan, unplanned)
     run(resolved.config)                     # rlhf-launch, --dry-run and --plan all go this way
 
-- [trainer] sequence_parallel is checked against the model's attention heads;
-- [trainer] reference_ranks "auto": a reference rank beside each policy rank where the
-  placement shares their GPUs (measured on four H100s: the train phase 19.7 s with one
-  reference scoring every GPU's samples, 12.0 s with one each);
-- the [trainer] keys left "auto" on a GPU run: the memory plan's fastest choice that fits the
-  GPUs and the host (plan.py); a plan that cannot fit is refused here, before any process starts, unless
-  [ray] check_memory = false.
+- [trainer] sequence_parallel is checked against the model's attention heads.
+- [trainer] reference_ranks "auto" puts a reference rank beside each policy rank when the
+  placement shares their GPUs (measured on four H100s: the train phase took 19.7 s with one
+  reference scoring every GPU's samples, 12.0 s with one reference per GPU).
+- The [trainer] keys left "auto" on a GPU run get the memory plan's fastest choice that fits
+  the GPUs and the host (plan.py). A plan that cannot fit is refused here, before any process
+  starts, unless [ray] check_memory = false.
 A dry run on a machine that shows no GPU may leave the plan's keys "auto" (`unplanned`).
 """
 
@@ -36,10 +37,11 @@ class Resolved:
 def resolve(
     config: Config, machine: Machine | None = None, dry_run: bool = False, refuse: bool = True
 ) -> Resolved:
-    """`config` for `machine` (default: this one, asked only for a GPU run whose [ray]
-    gpu_memory_gb is not set). Raises ConfigError naming the file and the keys when the plan
-    cannot read the model, or cannot know the GPUs' size (but in a dry run), or cannot fit
-    (unless `refuse` is False, as for `--plan`, or [ray] check_memory = false)."""
+    """Resolve `config` for `machine`. The default is this machine, queried only for a GPU run
+    that sets neither [ray] gpu_memory_gb nor address. Raises ConfigError naming the file and
+    the keys when the plan cannot read the model, when it cannot know the GPUs' size while
+    [trainer] keys are "auto" (except in a dry run), or when the plan does not fit (unless
+    `refuse` is False, as for `--plan`, or [ray] check_memory = false)."""
     heads = _sequence_parallel_heads(config)
     if heads:
         raise _refused(config, heads)
@@ -48,7 +50,7 @@ def resolve(
         return Resolved(_marked(config), None)
     try:
         plan = make_plan(config, machine)
-    except (OSError, ValueError) as err:  # config.json unreadable, or not a decoder LM's
+    except (OSError, ValueError) as err:  # config.json is unreadable, or not a decoder LM's
         problem = ("model.path", f"the memory plan cannot read the model: {err}")
         raise _refused(config, [problem]) from None
     if plan.memory is None:  # no GPU here, and no size given
@@ -73,8 +75,8 @@ def resolve(
 
 
 def _sequence_parallel_heads(config: Config) -> list[tuple[str, str]]:
-    """[trainer] sequence_parallel against the model's attention heads (a local model's
-    config.json): each rank of a group attends with 1/N of them."""
+    """Check [trainer] sequence_parallel against the model's attention heads (read from a local
+    model's config.json): each rank of a sequence group attends with 1/N of the heads."""
     size = config.trainer.sequence_parallel
     path = Path(config.model.path) / "config.json"
     if size == 1 or not path.is_file():
@@ -101,7 +103,7 @@ def _reference_beside_each_rank(config: Config) -> Config:
 
 
 def _marked(config: Config, trainer=None) -> Config:
-    """A copy of `config` (with `trainer`'s choices) that says it was resolved."""
+    """A copy of `config`, with `trainer`'s choices if given, marked as resolved."""
     copy = config.model_copy(update={"trainer": trainer} if trainer is not None else None)
     copy._resolved = True
     return copy

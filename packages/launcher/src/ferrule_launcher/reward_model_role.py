@@ -5,12 +5,12 @@
     server.dead(); server.where(); server.stop()
 
 The role asks Ray for [rewards] gpus / cpus (default: [ray] gpus_per_role / cpus_per_role),
-outside the run's placement groups, so the reward model never shares the driver's GPU or a
-policy rank's. Inside it, ferrule-rewards' gRPC server runs with its model backend on the
-device Ray gave the role. On the driver's node it listens on loopback; on another node, on
-that node's address. Either way it requires a fresh per-run bearer token (plaintext inside
-the cluster, as Ray's own traffic is). The role is not restarted by Ray: RewardService
-restarts it within [rewards] max_restarts, as it does a server process.
+outside the run's placement groups, so the reward model never shares a GPU with the driver or
+a policy rank. Inside the role, ferrule-rewards' gRPC server runs its model backend on the
+device Ray gave the role. On the driver's node the server listens on loopback; on another node
+it listens on that node's address. Either way it requires a fresh per-run bearer token (sent in
+plaintext inside the cluster, like Ray's own traffic). Ray does not restart the role:
+RewardService restarts it within [rewards] max_restarts, as it does a server process.
 """
 
 import contextlib
@@ -25,7 +25,7 @@ PROBE_SECONDS = 30.0  # the actor answers at once: the server runs in its own th
 
 
 class RewardModelServer:
-    """The Ray actor: ferrule-rewards' server, model backend, in this process."""
+    """The Ray actor: ferrule-rewards' server with its model backend, in this process."""
 
     def __init__(
         self, model: str, options: dict, token: str, driver_node: str, log: str, first: bool
@@ -39,7 +39,7 @@ class RewardModelServer:
 
         context = ray.get_runtime_context()
         on_driver_node = context.get_node_id() == driver_node
-        if on_driver_node:  # the run's folder is on this node: the log goes beside the others
+        if on_driver_node:  # the run's folder is on this node: put the log beside the others
             handler = logging.FileHandler(log, mode="w" if first else "a")
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
             logging.getLogger("ferrule_rewards").addHandler(handler)
@@ -70,8 +70,8 @@ class RewardModelRole:
         cls, config: RewardsConfig, ray_config: RayConfig, out: Path, first: bool = True
     ) -> "RewardModelRole":
         """Place the actor, wait for its server to serve ([rewards] start_timeout), and return
-        the handle. A RunError says what failed (the model, the resources). `first`: a restart
-        appends to out/rewards.log instead of starting it afresh."""
+        the handle. A RunError says what failed (the model, the resources). `first` is False for
+        a restart, which appends to out/rewards.log instead of starting it afresh."""
         import ray
 
         from ferrule_launcher.calls import RunError
@@ -86,7 +86,7 @@ class RewardModelRole:
                 num_cpus=cpus,
                 resources={pin: 0.001} if pin else {},
                 max_restarts=0,
-                max_concurrency=2,  # stop() while address() waits is harmless; keep one free
+                max_concurrency=2,  # a free slot, so stop() can run while address() waits
             )
             .remote(
                 str(config.model),
@@ -121,7 +121,7 @@ class RewardModelRole:
         probe = self.actor.__ray_ready__.remote()
         ready, _ = ray.wait([probe], timeout=PROBE_SECONDS)
         if not ready:
-            return False  # alive but slow to answer: its calls will say more
+            return False  # alive but slow to answer; its next calls will say more
         try:
             ray.get(probe)
         except ray.exceptions.RayActorError:
@@ -143,7 +143,7 @@ class RewardModelRole:
     def stop(self) -> None:
         import ray
 
-        with contextlib.suppress(Exception):  # stopping: the actor may be gone already
+        with contextlib.suppress(Exception):  # the actor may be gone already
             ray.get(self.actor.stop.remote(), timeout=10)
         ray.kill(self.actor)
 

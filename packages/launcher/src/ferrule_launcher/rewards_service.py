@@ -1,4 +1,4 @@
-"""The reward service of a run: start a ferrule-rewards server (or use given addresses), score.
+"""A run's reward service: start a ferrule-rewards server (or use given addresses) and score.
 
     service = RewardService.start(config.rewards, config.ray, out)   # started and checked
     scored = service.score(prompts, responses, labels)    # rewards and failures, retries inside
@@ -6,13 +6,13 @@
 
 A reward function ([rewards] function) is served by ferrule-rewards' own CLI in a child process
 that dies with the launcher (Linux parent-death signal), so even a `kill -9` of the launcher
-leaves no reward server behind. It listens on a free loopback port and writes its address to
-out/rewards.address once it serves. A reward model ([rewards] model) is served in a Ray role of
-its own, on its own device (reward_model_role.py). Either way the log goes to out/rewards.log
-(the role's, when it runs on the driver's node). A started server that dies is started again,
-and the call that found it dead goes to the new one, up to [rewards] max_restarts times in
-restart_window seconds (metric rewards/restarts). Failures are RunErrors that say which server
-and why.
+leaves no reward server behind. The server listens on a free loopback port and writes its
+address to out/rewards.address once it serves. A reward model ([rewards] model) is served in a
+Ray role of its own, on its own device (reward_model_role.py). Either way the log goes to
+out/rewards.log (for the role, only when it runs on the driver's node). A started server that
+dies is started again, and the call that found it dead is sent to the new server, up to
+[rewards] max_restarts times in restart_window seconds (metric rewards/restarts). Failures are
+RunErrors that say which server failed and why.
 """
 
 import ctypes
@@ -30,8 +30,8 @@ from ferrule_launcher.calls import RestartBudget, RunError
 from ferrule_launcher.config import RayConfig, RewardsConfig
 
 # The parent-death signal fires when the *thread* that started the child ends, not the
-# process: a restart from the async loop's producer thread would die with that thread. So
-# every server is started from this one thread, which lives as long as the launcher.
+# process: a server restarted from the async loop's producer thread would die with that thread.
+# So every server is started from this one thread, which lives as long as the launcher.
 _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="rewards-spawner")
 
 
@@ -43,8 +43,8 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 @dataclass
 class Scored:
     rewards: list[float]  # a failed sample's reward is 0.0
-    failed: Counter = field(default_factory=Counter)  # failure kind (a Status value) -> samples
-    first_errors: dict[str, str] = field(default_factory=dict)  # kind -> its first message
+    failed: Counter = field(default_factory=Counter)  # failure kind (a Status value) -> count
+    first_errors: dict[str, str] = field(default_factory=dict)  # kind -> first error message
 
     @property
     def failed_fraction(self) -> float:
@@ -52,12 +52,13 @@ class Scored:
 
 
 class RewardService:
-    """The run's reward server: one it was given ([rewards] address), or one it started and
-    restarts when it dies (at most [rewards] max_restarts times in restart_window seconds)."""
+    """The run's reward server: either the servers given in [rewards] address, or a server
+    this service started and restarts when it dies (at most [rewards] max_restarts times in
+    restart_window seconds)."""
 
     def __init__(self, config: RewardsConfig, ray_config: RayConfig, out: Path, server=None):
-        """`server`: the one this run started (ServerProcess or RewardModelRole); None: the
-        servers at [rewards] address."""
+        """`server`: the server this run started (ServerProcess or RewardModelRole), or None to
+        use the servers at [rewards] address."""
         self.config, self.ray_config, self.out = config, ray_config, out
         self.server = server
         self.addresses = list(config.address) if server is None else [server.address]
@@ -85,8 +86,8 @@ class RewardService:
 
     @classmethod
     def start(cls, config: RewardsConfig, ray_config: RayConfig, out: Path) -> "RewardService":
-        """The service, checked with one call, so that an unreachable server stops the run
-        before the heavy roles start."""
+        """Start the service and check it with one call, so that an unreachable server stops
+        the run before the heavy roles start."""
         server = None if config.address else _start_server(config, ray_config, out, first=True)
         service = cls(config, ray_config, out, server)
         try:
@@ -122,7 +123,7 @@ class RewardService:
                     f"reward server {', '.join(self.addresses)} failed after retries: {err}"
                 ) from None
             self._restart()
-            try:  # the scores the dead server never returned, from its successor
+            try:  # the new server scores what the dead server never returned
                 results = self.client.score(samples)
             except RewardError as again:
                 raise RunError(f"the restarted reward server failed too: {again}") from None
@@ -181,7 +182,8 @@ class RewardService:
                 )
 
     def where(self) -> dict | None:
-        """Where the server this run started runs (for roles.json); None for given servers."""
+        """Where the server this run started is running (for roles.json); None for given
+        servers."""
         return None if self.server is None else self.server.where()
 
     def stop(self) -> None:
@@ -220,7 +222,8 @@ class ServerProcess:
 
 
 def _start_server(config: RewardsConfig, ray_config: RayConfig, out: Path, first: bool):
-    """A reward model's Ray role, or a reward function's server process; serving."""
+    """Start a reward model's Ray role or a reward function's server process, and return it
+    once it serves."""
     if config.model is not None:
         from ferrule_launcher.reward_model_role import RewardModelRole
 
@@ -229,8 +232,8 @@ def _start_server(config: RewardsConfig, ray_config: RayConfig, out: Path, first
 
 
 def _spawn(config: RewardsConfig, out: Path, first: bool) -> ServerProcess:
-    """Start `rlhf-rewards serve` on a free loopback port; the server once it serves. Its log
-    goes to out/rewards.log (appended to by a restart)."""
+    """Start `rlhf-rewards serve` on a free loopback port, and return the server once it
+    serves. Its log goes to out/rewards.log (a restart appends to it)."""
     log_path, address_file = out / "rewards.log", out / "rewards.address"
     command = [
         sys.executable,

@@ -5,10 +5,10 @@
     roles.stop()
 
 The rollout engine is ferrule-rollout's class, made a Ray actor here, at the call site. The
-policy, the reference and the critic run as groups of data-parallel ranks (`RankWorker`, around
-ferrule-trainer's `Actor` / `Critic`): each group joins its own process group (its own ZeRO
-world), and the policy's weight sender lives in the process that holds the weights. Every role
-is waited for before the run goes on, so one that cannot start is named.
+policy, the reference and the critic each run as a group of data-parallel ranks (`RankWorker`,
+a wrapper around ferrule-trainer's `Actor` / `Critic`). Each group joins its own process group
+(its own ZeRO world), and the policy's weight sender lives in the process that holds the
+weights. The run waits for every role before it goes on, so a role that cannot start is named.
 """
 
 import json
@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 
 
 def _timed(train: "Callable[[], dict]") -> dict:
-    """`train()`'s metrics and this rank's share of its cost: "seconds" it took and "compiles",
-    the graphs torch.compile built meanwhile (a compiled layer meeting an input of a new form:
-    seconds each at real sizes, and every other rank waits at the next collective)."""
+    """`train()`'s metrics plus this rank's cost: the "seconds" it took, and "compiles", the
+    graphs torch.compile built meanwhile. A compile happens when a compiled layer meets an input
+    of a new form; each takes seconds at real sizes, and every other rank waits for it at the
+    next collective."""
     import time
 
     from torch._dynamo.utils import counters
@@ -45,10 +46,10 @@ def _timed(train: "Callable[[], dict]") -> dict:
 
 
 class RankWorker:
-    """One data-parallel rank of the policy, the reference or the critic: ferrule-trainer's
-    `Actor` (trained, or frozen for the reference) or `Critic`, plus, on the policy, the
-    weightsync sender next to the weights. `setup` joins the group's process group, so the driver
-    creates every rank of a group first and then sets them up together."""
+    """One data-parallel rank of the policy, the reference or the critic. It holds
+    ferrule-trainer's `Actor` (trained, or frozen for the reference) or `Critic`, and on the
+    policy also the weightsync sender next to the weights. `setup` joins the group's process
+    group, so the driver creates every rank of a group first and then sets them up together."""
 
     def __init__(self):
         self.actor = None
@@ -58,8 +59,8 @@ class RankWorker:
     def setup(
         self, kind: str, model_path: str, rank: int, world: int, master: str, port: int, **options
     ) -> dict[str, float]:
-        """Build this rank's model; returns where its start went, seconds by phase (the model's
-        `startup_seconds`, this import of the trainer counted in "imports")."""
+        """Build this rank's model. Returns its start-up seconds by phase (the model's
+        `startup_seconds`, with this rank's import of the trainer added to "imports")."""
         import time
 
         began = time.perf_counter()
@@ -100,14 +101,15 @@ class RankWorker:
         secret: str,
         in_place: bool = False,
     ) -> str:
-        """Start a weight-sync group as its sender, on this rank's device: NCCL broadcast or CUDA
-        IPC on a GPU, gloo or shared memory on CPU ("host": shared memory wherever the weights
-        are). Returns once every receiver joined, each proving it holds `secret`; returns the
-        device. `in_place`: CUDA IPC may let the engines read the weights where they lie (not
-        with an offload between phases: the engines' mappings would keep that memory)."""
+        """Open a weight-sync group with this rank as the sender, on this rank's device: NCCL
+        broadcast or CUDA IPC on a GPU, gloo or shared memory on CPU ("host": shared memory
+        wherever the weights are). Returns the device once every receiver has joined, each
+        proving it holds `secret`. `in_place`: CUDA IPC may let the engines read the weights
+        where they lie (not with an offload between phases, as the engines' mappings would keep
+        that memory)."""
         from ferrule_weightsync import create_sender
 
-        self.close_weight_sync()  # a group cannot take new members: a replaced engine needs a new one
+        self.close_weight_sync()  # a group takes no new members: a replaced engine needs a new one
         device = "cpu" if transport == "host" else self.actor.device
         transport = "ipc" if transport == "host" else transport
         self.sender = create_sender(
@@ -124,7 +126,7 @@ class RankWorker:
         return str(device)
 
     def close_weight_sync(self) -> None:
-        """Leave this rank's weight-sync group (receivers still in it see it gone at once)."""
+        """Leave this rank's weight-sync group (its receivers see at once that it is gone)."""
         if self.sender is not None:
             # Engines receive only when told to, never at a close: waiting for them to read
             # the end of the stream would only delay a stop or an engine's replacement.
@@ -132,25 +134,26 @@ class RankWorker:
             self.sender = None
 
     def abort_weight_sync(self, reason: str) -> None:
-        """Called in the "control" concurrency group while `send_weights` may be blocked on a
-        receiver that died: that send raises at once with `reason`."""
+        """Runs in the "control" concurrency group, while `send_weights` may be blocked on a
+        receiver that died; the blocked send then raises at once with `reason`."""
         if self.sender is not None:
             self.sender.abort(reason)
 
     def send_weights(self, version: int) -> int:
-        """The ranks with a sender export and send; the others only join the ZeRO-3 gathers."""
+        """Ranks with a sender export the weights and send them; the other ranks only take part
+        in the ZeRO-3 gathers."""
         if self.sender is None:
             self.actor.take_part_in_export()
             return version
         weights = self.actor.export_weights()
         specs, in_place = self.actor.weight_specs(), self.in_place and self.actor.export_in_place()
         # in place: the engines read the weights where they lie (CUDA IPC, no packing copy);
-        # nothing here changes them before `send` returns
+        # nothing here changes the weights before `send` returns
         return self.sender.send(weights, version=version, specs=specs, in_place=in_place)
 
     def warm_up(self, tokens: int, packed: bool, entropy: bool, score: bool) -> float:
-        """The Actor's passes on a made-up batch, where its layers are compiled (they compile
-        now); 0.0 where they are not, or for a critic."""
+        """Run the Actor's passes on a made-up batch when its layers are compiled, so that they
+        compile now. Returns 0.0 when they are not compiled, or for a critic."""
         if not hasattr(self.actor, "warm_up") or not self.actor.compiled:
             return 0.0
         return self.actor.warm_up(tokens, packed, entropy, score)
@@ -171,7 +174,7 @@ class RankWorker:
         return _timed(lambda: self.actor.preference_epochs(batch, plan, loss))
 
     def save(self, directory: str, step: int) -> dict[str, float]:
-        """Saves this rank's resumable state; its seconds by part (checkpoint.SavedState)."""
+        """Save this rank's resumable state; returns the seconds by part (checkpoint.SavedState)."""
         return self.actor.save_state(directory, step=step).seconds
 
     def load(self, directory: str, step: int) -> int:
@@ -181,8 +184,8 @@ class RankWorker:
         self.actor.save_hf(path)
 
     def device_memory(self) -> float:
-        """GB in use on this rank's GPU by every process (0 on CPU): what the roles sharing it
-        hold at this moment."""
+        """GB in use on this rank's GPU by every process (0 on CPU), i.e. what the roles sharing
+        the GPU hold at this moment."""
         import torch
 
         if self.actor.device.type != "cuda":
@@ -225,12 +228,12 @@ class RoleSetup:
     policy: dict
     """`Actor`'s keyword arguments on every policy rank."""
     reference: dict
-    """`Actor(train=False)`'s on every reference rank."""
+    """`Actor(train=False)`'s keyword arguments on every reference rank."""
     engine_class: type
     engine: dict
     """The rollout engine's keyword arguments, besides the model path and the seed."""
     seed: int
-    """Engine i's is seed + i."""
+    """Engine i's seed is seed + i."""
     weight_sync: WeightSync
     critic: dict | None = None
     """`Critic`'s keyword arguments on every critic rank (None: no critic)."""
@@ -246,7 +249,7 @@ class Roles:
     critic: RankGroup | None = None
     groups: list = field(default_factory=list)  # Ray placement groups, given back at the end
     start_engine: Callable | None = None  # index -> a new engine actor on that engine's bundle
-    weight_sync: WeightSync | None = None  # how `open_weight_sync` reopens it
+    weight_sync: WeightSync | None = None  # what `open_weight_sync` reopens the sync with
 
     def handles(self) -> dict[Role, object]:
         """Every actor of the run by its role."""
@@ -262,8 +265,8 @@ class Roles:
     def stop(self) -> None:
         import ray
 
-        # A sender removes its shared-memory segments (CPU IPC) when it closes; one killed
-        # leaves them to the next sender's sweep. One still busy (a send blocked on a dead
+        # A sender removes its shared-memory segments (CPU IPC) when it closes; a killed sender
+        # leaves them to the next sender's sweep. A sender still busy (a send blocked on a dead
         # engine) is not waited for.
         closing = [worker.close_weight_sync.remote() for worker in self.policy.workers]
         ray.wait(closing, num_returns=len(closing), timeout=2.0)
@@ -281,13 +284,14 @@ def start_roles(
     ready: dict | None = None,
     phases: dict | None = None,
 ) -> Roles:
-    """Every role of `places` (`placement.place_roles`: each one's Ray options; `groups`: their
-    placement groups, given back by `Roles.stop`) started and waited for; the weight sync opened.
-    Every actor is created before any is waited for, so their processes start at once.
-    `ready` gets {role: seconds after this call began when it was ready}; `phases`, {role:
-    {phase: seconds}}: what the role timed itself ("imports", "weights", ...) after "process",
-    the rest of its wait (Ray starting its process, a rank's call waiting for its group's first
-    process to say where the group meets)."""
+    """Start every role of `places` and wait for them, then open the weight sync. `places` comes
+    from `placement.place_roles` (each role's Ray options); `groups` are their placement groups,
+    given back by `Roles.stop`. Every actor is created before any is waited for, so their
+    processes start at the same time. `ready` receives {role: seconds from this call's start
+    until the role was ready}. `phases` receives {role: {phase: seconds}}: first "process", the
+    rest of the role's wait (Ray starting its process, or a rank's call waiting for its group's
+    first process to say where the group meets), then what the role timed itself ("imports",
+    "weights", ...)."""
     import time
 
     began, arrivals = time.monotonic(), {}
@@ -298,14 +302,14 @@ def start_roles(
         started = {}
         for kind in ("policy", "reference", "critic"):
             started[kind] = ranks, workers = launch.ranks(kind)
-            if ranks or kind == "policy":  # in `roles` at once: `roles.stop()` kills them
+            if ranks or kind == "policy":  # in `roles` at once, so `roles.stop()` kills them
                 options = getattr(setup, kind) or {}
                 shared = options.get("sequence_parallel", 1)
                 setattr(roles, kind, RankGroup(workers, kind, shared))
         engines = sum(role.kind == "rollout" for role in places)
         roles.engines = [launch.engine(i) for i in range(engines)]
-        # Every process is starting now. A group's ranks set up once its rank 0 says where the
-        # group meets; an engine answers once its constructor is done.
+        # Every process is starting now. A group's ranks set up once rank 0 of the group says
+        # where the group meets; an engine answers once its constructor is done.
         starts = [
             (e.startup_seconds.remote(), Role("rollout", i).label)
             for i, e in enumerate(roles.engines)
@@ -335,7 +339,7 @@ class _Launcher:
         remote = (
             ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
         )
-        # the role's own environment where placement gave it one (placement.with_threads)
+        # a role's own environment from placement (placement.with_threads) replaces the shared one
         options = {"runtime_env": {"env_vars": self.env}, **self.places[role], **extra}
         return remote(cls).options(**options)
 
@@ -356,7 +360,8 @@ class _Launcher:
         return ranks, workers
 
     def set_up(self, kind: str, ranks: list[Role], workers: list) -> list[tuple]:
-        """Each rank's set-up call in flight, with its label; they meet where rank 0 says."""
+        """Start each rank's set-up call; returns (ref, label) pairs. The ranks meet at the
+        address rank 0 gives."""
         if not workers:
             return []
         s = self.setup
@@ -375,8 +380,8 @@ class _Launcher:
 
 
 def _record_start(timed: dict, arrivals: dict, began: float, ready, phases) -> None:
-    """Each role's seconds from the start to ready (`ready`), and (`phases`) what it timed
-    itself, after "process": the rest of its wait."""
+    """Record in `ready` each role's seconds from the start until it was ready, and in `phases`
+    the phases the role timed itself, after "process": the rest of its wait."""
     for role, when in sorted(arrivals.items(), key=lambda item: item[1]):
         took, seconds = when - began, timed[role]
         if ready is not None:
@@ -387,12 +392,12 @@ def _record_start(timed: dict, arrivals: dict, began: float, ready, phases) -> N
 
 
 def open_weight_sync(sync: WeightSync, workers: list, engines: list) -> None:
-    """Weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank 0
-    sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
-    the policy rank on its own bundle, i mod ranks, so each GPU's weights stay on that GPU. An
-    engine with tensor parallelism is `receivers_per_engine` receivers, one per worker.
-    Each group has a fresh secret, handed to its members through Ray: a process that reaches
-    the group's store but is not one of them cannot join it or forge its messages."""
+    """Open weight-sync groups from the policy to every engine. "broadcast" (NCCL / gloo): rank
+    0 sends to every engine. "ipc" (CUDA IPC / shared memory, colocated): engine i receives from
+    policy rank i mod ranks, the rank on its own bundle, so each GPU's weights stay on that GPU.
+    An engine with tensor parallelism is `receivers_per_engine` receivers, one per worker. Each
+    group has a fresh secret, handed to its members through Ray: a process that reaches the
+    group's store but is not a member cannot join the group or forge its messages."""
     transport, per_engine = sync.transport, sync.receivers_per_engine
     senders = len(workers) if transport in ("ipc", "host") else 1
     receiving = "ipc" if transport == "host" else transport  # a receiver maps what it is sent
@@ -441,14 +446,14 @@ def _whereabouts(self) -> dict:  # runs inside an actor, through __ray_call__
 
 
 def write_roles(path: Path, roles: Roles, rewards) -> None:
-    """Which node and process each role runs in (for people, and for the placement tests);
-    `rewards`: the RewardService, or None where the run has none."""
+    """Write which node and process each role runs in (for people, and for the placement
+    tests). `rewards` is the RewardService, or None when the run has none."""
     where = {
         role.name: get(handle.__ray_call__.remote(_whereabouts), role.label)
         for role, handle in roles.handles().items()
     }
     if rewards is not None and (server := rewards.where()) is not None:
         where["rewards"] = server
-    staged = path.with_suffix(".tmp")  # rewritten when an engine is replaced: never half
+    staged = path.with_suffix(".tmp")  # rewritten when an engine is replaced: never half-written
     staged.write_text(json.dumps(where, indent=2) + "\n")
     staged.replace(path)

@@ -1,6 +1,6 @@
-"""Scored rollout batches: generation (or multi-turn episodes) on the engines, the reward
-server's scores, the RL step's shaping and group filter, the batch's metrics; and the held-out
-evaluation, which plays and scores the same way.
+"""Scored rollout batches: generation (or multi-turn episodes) on the engines, scoring by the
+reward server, the RL step's shaping and group filter, and the batch's metrics. Also the
+held-out evaluation, which generates and scores samples the same way.
 
     rollouts = Rollouts(config, engines, rewards, prompts, step)   # step: ferrule-trainer RLStep
     batch = rollouts.batch(5)                # a Rollout: the kept prompt groups
@@ -25,20 +25,20 @@ from ferrule_trainer.groups import chunks, flatten
 @dataclass
 class Rollout:
     step: int
-    groups: list[Group] = field(default_factory=list)  # the kept ones; each `prompt` a Problem
-    metrics: dict = field(default_factory=dict)  # over every sample drawn, the dropped included
+    groups: list[Group] = field(default_factory=list)  # kept groups; each `prompt` is a Problem
+    metrics: dict = field(default_factory=dict)  # over every sample drawn, dropped ones included
     seconds_generate: float = 0.0
     seconds_score: float = 0.0
-    tokens_generated: int = 0  # partial rollouts: by this step's calls (continued ones included)
+    tokens_generated: int = 0  # partial rollouts: by this step's calls, continuations included
 
 
 class Rollouts:
     def __init__(self, config: Config, engines: Engines, rewards, prompts, step):
-        """rewards: the reward server's client (None: the environment scores); prompts:
-        data.make_prompts; step: the RL step (`shape`, `keep`)."""
+        """`rewards`: the RewardService (None when the environment scores); `prompts`: from
+        data.make_prompts; `step`: the RL step (its `shape` and `keep` are used)."""
         self.config, self.engines, self.rewards, self.step = config, engines, rewards, step
         self.prompts, self.held_out = prompts, prompts.held_out
-        self.launch_id = secrets.token_hex(4)  # this launch's, in every sample_id
+        self.launch_id = secrets.token_hex(4)  # this launch's id, part of every sample_id
         # sync partial rollouts: the groups in flight and waiting, across steps
         sync = config.loop.partial_rollout and config.loop.mode == "sync"
         self.partial = PartialRollouts(config, engines) if sync else None
@@ -56,9 +56,10 @@ class Rollouts:
         return self.engines.generate(prompts, self.config.rollout.sampling(n, temperature))
 
     def play(self, problems: list[Problem], temperature: float, n: int) -> tuple[list, list | None]:
-        """`n` samples of each problem, in prompt then sample order: one generation each, or
-        with [environment] one multi-turn episode each (an Episode's `sample()`: the transcript
-        as the response, the environment's tokens masked), then also the episodes."""
+        """`n` samples of each problem, in prompt then sample order, and the episodes (None
+        without [environment]). Each sample is one generation or, with [environment], one
+        multi-turn episode: the Episode's `sample()`, whose response is the transcript with the
+        environment's tokens masked."""
         environment = self.config.environment
         if environment is None:
             return self.generate([p.text for p in problems], temperature, n), None
@@ -71,10 +72,10 @@ class Rollouts:
     def episode_scores(
         self, problems: list[Problem], samples: list, episodes: list | None, n: int, step, where
     ) -> tuple[list[float], Counter, dict]:
-        """Each sample's score before shaping, the reward server's failures by kind and its
-        first errors: the reward server's (single-turn runs; [environment] reward =
-        "reward_server"), the environment's (reward = "environment"), or both added ("sum").
-        A failed episode scores 0."""
+        """Each sample's score before shaping, the reward server's failures by kind, and its
+        first error of each kind. The score is the reward server's (single-turn runs, or
+        [environment] reward = "reward_server"), the environment's (reward = "environment"), or
+        both added (reward = "sum"). A failed episode scores 0."""
         environment = self.config.environment
         scores, failed, first_errors = [0.0] * len(samples), Counter(), {}
         if self.rewards is not None:
@@ -100,14 +101,14 @@ class Rollouts:
         if partial:  # complete groups of earlier calls first
             rollout.groups = partial.take_ready(step, want)
         drawn, drawn_episodes, failed, penalties, draws = [], [], Counter(), [], 0
-        # partial rollouts continue the unfinished groups in every step, or they grow stale
+        # with partial rollouts every step continues the unfinished groups, or they grow stale
         while (len(rollout.groups) < want or (partial and partial.unfinished and not draws)) and (
             draws < c.loop.max_draws
         ):
             problems = self.prompts.draw(step, draws, want)
             if partial:
                 problems = problems[: partial.new_groups(want)]
-            if c.rollout.exact:  # the draw's samples depend on it alone: a resumed run repeats them
+            if c.rollout.exact:  # samples depend only on the draw, so a resumed run repeats them
                 self.engines.reseed(f"{c.loop.seed}/{step}/{draws}")
             start = time.perf_counter()
             if partial:
@@ -163,9 +164,9 @@ class Rollouts:
         self, step: int, draw: int, problems: list, samples: list, episodes: list | None = None
     ) -> tuple[list, Counter, list]:
         """The shaped scores of one draw (`RLStep.shape`), its failures by kind, and each
-        sample's overlong penalty. Every sample goes with metadata the reward function may take: `step`, and a
-        `sample_id` unique to it ("<launch>/<step>/<draw>/<index>"; a new launch id after a
-        resume, whose repeated steps are new samples)."""
+        sample's overlong penalty. Each sample is sent with metadata the reward function may
+        use: `step`, and a `sample_id` unique to the sample ("<launch>/<step>/<draw>/<index>").
+        A resumed run has a new launch id, so its repeated steps are new samples."""
         c, n = self.config, self.config.rollout.samples_per_prompt
         scores, failed, first_errors = self.episode_scores(
             problems, samples, episodes, n, step, f"{step}/{draw}"
@@ -193,9 +194,9 @@ class Rollouts:
         self, prompts: list[Problem], samples: list, n: int, step: int, where: str
     ) -> object:
         """The reward server's scores of `samples` (n per prompt, in order). Each sample's
-        metadata: the prompt's own, its `source`, the `step`, and a `sample_id` unique to it
-        ("<launch>/<where>/<index>")."""
-        each = [prompt for prompt in prompts for _ in range(n)]  # the samples' own, in order
+        metadata holds the prompt's own metadata, its `source`, the `step`, and a `sample_id`
+        unique to the sample ("<launch>/<where>/<index>")."""
+        each = [prompt for prompt in prompts for _ in range(n)]  # each sample's prompt
         return self.rewards.score(
             [p.text for p in each],
             [s.text for s in samples],
@@ -212,10 +213,12 @@ class Rollouts:
         )
 
     def evaluate(self, step: int) -> tuple[dict, list[dict]]:
-        """The held-out evaluation at `step`: [eval] samples per prompt at its temperature,
-        scored by the run's reward function: mean reward, pass@1 and pass@k (evaluation.py);
-        for the synthetic tasks also their own figure, greedy exact-match "accuracy". And the
-        first sample of the first [output] sample_rows prompts, for the logs' sample tables."""
+        """The held-out evaluation at `step`: [eval] samples per prompt at the [eval]
+        temperature, scored by the run's reward function. The report has mean reward, pass@1
+        and pass@k (evaluation.py), and a greedy "accuracy" for the synthetic tasks (exact
+        match) and for multi-turn episodes (a score reaching [eval] threshold). Also returns the
+        first sample of each of the first [output] sample_rows prompts, for the logs' sample
+        tables."""
         e, held_out = self.config.eval, self.held_out
         n, prompts = e.samples, [p.text for p in held_out]
         samples, episodes = self.play(held_out, e.temperature, n)
@@ -268,8 +271,8 @@ def _episode_metrics(episodes: list) -> dict:
 
 
 def _drawn_metrics(groups: list[Group], seconds_generate: float) -> dict:
-    """Figures over every group a step drew, the dropped included: mean shaped reward (and per
-    source where there are several), response lengths, tokens/s and the truncated share."""
+    """Metrics over every group a step drew, dropped ones included: mean shaped reward (per
+    source too, where there are several), response lengths, tokens/s and the truncated share."""
     samples, scores = flatten(groups)
     if not samples:  # partial rollouts: no group ended in this step's calls
         return {"tokens_per_s": 0.0}
@@ -277,7 +280,7 @@ def _drawn_metrics(groups: list[Group], seconds_generate: float) -> dict:
     metrics = {
         "reward": sum(scores) / len(scores),
         "response_length": sum(tokens) / len(tokens),
-        # the longest sets how long the draw decodes its tail at low occupancy
+        # the longest response sets how long the draw's tail decodes at low occupancy
         "response_length/max": max(tokens),
         "tokens_per_s": sum(tokens) / max(seconds_generate, 1e-9),
         "reward/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),

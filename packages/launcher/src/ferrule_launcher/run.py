@@ -7,13 +7,13 @@ Output directory layout ([output] dir):
     sft/model                 the warm-started model (sft/state: its resumable state)
     checkpoint/launcher.json  the last complete checkpoint (step, eval_before, ...)
     checkpoint/policy/stepN   the policy's resumable DeepSpeed states (and checkpoint/critic): the
-                              last [output] keep_last, and the best by keep_best
+                              newest [output] keep_last, plus the best by keep_best
     exports/stepN             the policy in Hugging Face format every [output] export_every steps
     roles.json                where each role runs (node, pid), the reward server's address
     .run.lock                 held (flock) by the run in progress: one run per directory
     policy/                   the final policy in Hugging Face format
-Every process the run starts (Ray actors, the reward server) stops when it ends, fails or is
-interrupted. A rollout engine or reward server that dies is replaced ([rollout] and [rewards]
+Every process the run starts (Ray actors, the reward server) stops when the run ends, fails or
+is interrupted. A rollout engine or reward server that dies is replaced ([rollout] and [rewards]
 max_restarts); any other role that dies stops the run with an error that names it.
 """
 
@@ -34,14 +34,14 @@ __all__ = ["RunError", "run"]
 
 
 def run(config: Config, resume: bool = False, prompts=None) -> dict:
-    """Run `config` (resuming from its last checkpoint), resolved for this machine first unless
-    it was (resolve.py); `prompts`: data.make_prompts(config), which the CLI reads before
-    anything starts."""
+    """Run `config`, resuming from its last checkpoint when `resume` is set. The config is first
+    resolved for this machine (resolve.py) unless it already was. `prompts` is
+    data.make_prompts(config), which the CLI reads before anything starts."""
     if not config.resolved:
         config = resolve(config).config
     prompts = prompts or make_prompts(config)
-    # Read when ray is imported: under `uv run`, Ray would pack the working directory and start
-    # every worker through uv again; the workers share this interpreter.
+    # Ray reads this when it is imported. Under `uv run`, Ray would otherwise pack the working
+    # directory and start every worker through uv again; the workers share this interpreter.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     out = Path(config.output.dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,8 +50,8 @@ def run(config: Config, resume: bool = False, prompts=None) -> dict:
 
 
 def _run(config: Config, out: Path, resume: bool, prompts) -> dict:
-    """Start the processes, resume or evaluate first, run the steps, write the outputs; every
-    process started is stopped however this ends."""
+    """Start the processes, resume or evaluate first, run the steps, and write the outputs.
+    Every process started here is stopped however this function ends."""
     import ray
 
     started = time.monotonic()
@@ -128,7 +128,7 @@ class _Processes:
 
 
 def _start_ray(config: Config, prompts, startup: outputs.StartupTimeline) -> dict:
-    """Ray started (or joined) with each role's thread settings; returns the roles' env."""
+    """Start (or join) Ray with each role's thread settings; returns the roles' environment."""
     from ferrule_launcher.placement import bytecode_warning, role_env, start_ray, threads_per_role
 
     threads = threads_per_role(config)
@@ -148,8 +148,8 @@ def _start_ray(config: Config, prompts, startup: outputs.StartupTimeline) -> dic
 def _start_roles(
     config: Config, out: Path, prompts, env: dict, startup, processes: _Processes
 ) -> Loop:
-    """The reward server, the SFT warm start, then the roles (into `processes` as each starts)
-    and the loop that drives them."""
+    """Start the reward server, run the SFT warm start, then start the roles (recorded in
+    `processes` as each starts). Returns the loop that drives them."""
     import ray
 
     from ferrule_launcher.placement import (
@@ -196,16 +196,16 @@ def _start_roles(
 
 
 def _resume(out: Path, roles: Roles, loop: Loop, state: dict) -> int:
-    """The checkpoint's trained states, loop state and weights in place; the first step to run."""
+    """Load the checkpoint's trained states, loop state and weights; returns the first step."""
     _load_checkpoint(out, roles, state["step"])
     loop.restore(state.get("loop", {}))
-    loop.sync(state["step"])  # the engines started from the warm start's weights
+    loop.sync(state["step"])  # the engines started with the warm start's weights
     loop.to_generate()
     return state["step"] + 1
 
 
 def _evaluate_before(config: Config, loop: Loop, prompts) -> tuple[dict, list[dict]]:
-    """The held-out evaluation before RL: its figures and the samples shown."""
+    """Run the held-out evaluation before RL; returns its report and the samples to show."""
     loop.to_generate()
     before, shown = loop.rollouts.evaluate(0)
     print(
@@ -219,8 +219,9 @@ def _evaluate_before(config: Config, loop: Loop, prompts) -> tuple[dict, list[di
 def _summary(
     config: Config, out: Path, roles: Roles, prompts, history, before, state, wall_seconds, startup
 ) -> dict:
-    """summary.json: the weights checked in every engine and the final policy saved (both
-    inside the run's wall_seconds), the evaluations before and after, the start-up timeline."""
+    """The contents of summary.json, among them the evaluations before and after and the
+    start-up timeline. It first checks the weights in every engine and saves the final policy;
+    both count in the run's wall_seconds."""
     digests = _check_weights(config, roles, config.loop.steps)
     get(roles.policy.save_hf(str(out / "policy")), "policy")
     return {
@@ -243,9 +244,10 @@ def _summary(
 class AfterEachStep:
     """What the run does once a step has trained, in order: export the policy (every
     [output] export_every steps), save a checkpoint (every checkpoint_every steps but the last),
-    log the step's metrics and samples, then mark the checkpoint complete and drop those
-    retention lets go. The checkpoint is saved before the metrics, which show its seconds, and
-    marked complete after them: a run killed in between resumes from the one before."""
+    log the step's metrics and samples, then mark the checkpoint complete and delete the
+    checkpoints that retention no longer keeps. The checkpoint is saved before the metrics are
+    logged, because the metrics show its seconds, and it is marked complete after them: a run
+    killed in between resumes from the previous checkpoint."""
 
     def __init__(
         self,
@@ -296,8 +298,8 @@ class AfterEachStep:
 
 
 def _eval_after(before: dict, history: list[dict]) -> dict:
-    """The summary's eval_after (the last step's evaluation: it always has one) and the
-    synthetic tasks' accuracy before and after."""
+    """The summary's eval_after (the last step's evaluation; the last step always has one), and
+    the accuracy before and after where the evaluations report one."""
     evaluated = [r for r in history if "eval/reward" in r]
     after = {k[5:]: v for k, v in evaluated[-1].items() if k.startswith("eval/")}
     return {"eval_after": after, **_task_accuracy(before, after)}
@@ -308,8 +310,8 @@ def role_setup(config: Config, model_path: str) -> RoleSetup:
     the critic's ranks and of the engines, and how the weight sync runs."""
     t, r, m, seed = config.trainer, config.rollout, config.model, config.loop.seed
     model = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, seed=seed)
-    # inductor reorders the math (exact); sequence parallelism's attention all-to-alls are
-    # not compiled
+    # no compiled layers in exact mode (inductor reorders the math), nor with sequence
+    # parallelism (its attention all-to-alls are not compiled)
     model["compile_layers"] = m.compile_layers and not r.exact and t.sequence_parallel == 1
     scoring = {}  # the policy and the reference compute as the engines do (ferrule_rollout.exact)
     if r.exact:
@@ -371,7 +373,8 @@ def _wandb_settings(config: Config, out: Path, launch_id: str) -> dict:
 
 
 def _task_accuracy(before: dict, after: dict) -> dict:
-    """The synthetic tasks' own figure, greedy exact-match accuracy, at the top of the summary."""
+    """Greedy accuracy at the top of the summary: the synthetic tasks' exact match, or the
+    success rate of multi-turn episodes."""
     if "accuracy" not in after:
         return {}
     return {"accuracy_before": before.get("accuracy"), "accuracy_after": after["accuracy"]}
@@ -387,10 +390,10 @@ def _pad_id(model_path: str) -> int:
 
 
 def _check_weights(config: Config, roles: Roles, version: int) -> dict:
-    """After the last sync: every engine holds policy `version`, and the digests of the
-    policy's weights and of every engine that can report what it holds (the transformers
-    engine; vLLM keeps its weights in its own layout). A RunError names an engine that holds
-    another version or other weights."""
+    """After the last sync, check that every engine holds policy `version`, and return the
+    digests of the policy's weights and of every engine that can report what it holds (the
+    transformers engine; vLLM keeps its weights in its own layout). A RunError names an engine
+    that holds another version or other weights."""
     engines = list(enumerate(roles.engines))
     versions = get_each(
         [(e.__ray_call__.remote(_held_version), f"rollout engine {i}") for i, e in engines]
@@ -419,9 +422,9 @@ def _held_version(engine) -> int:  # runs inside an engine's actor, through __ra
 
 
 def _save_checkpoint(out: Path, roles: Roles, step: int) -> dict[str, float]:
-    """Saves the policy's (and critic's) resumable states of `step` under out/checkpoint;
-    returns the seconds each role's slowest rank spent writing its weights and its optimizer
-    (`time/checkpoint/policy_weights`, ...): the ranks write at once."""
+    """Save the policy's (and critic's) resumable states of `step` under out/checkpoint.
+    Returns the seconds each role's slowest rank spent writing its weights and its optimizer
+    (`time/checkpoint/policy_weights`, ...), as the ranks write at the same time."""
     directory = out / "checkpoint"
     groups = {"policy": roles.policy}
     if roles.critic is not None:

@@ -1,13 +1,13 @@
-"""One run per output directory: a lock held for the run's life.
+"""One run per output directory: the run holds a lock on the directory for its whole life.
 
-    with hold(out):          # RunError at once when another run holds `out`
+    with hold(out):          # raises RunError at once if another run holds `out`
         ...                  # the run
 
-The lock is an flock on out/.run.lock, so the kernel releases it when the holder's process
-ends, however it ends: after a `kill -9`, `--resume` can start at once. The file also says who
-holds it (pid, host, start time), for the error the next launcher prints. Two launchers on one
-directory would interleave their checkpoints and metrics: the second is refused before it
-starts anything.
+The lock is an flock on out/.run.lock, so the kernel releases it when the holding process ends,
+however it ends. After a `kill -9`, `--resume` can start at once. The file also records who
+holds the lock (pid, host, start time), which the next launcher prints in its error. Two
+launchers on one directory would interleave their checkpoints and metrics, so the second one is
+refused before it starts anything.
 """
 
 import contextlib

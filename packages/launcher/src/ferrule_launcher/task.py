@@ -3,7 +3,7 @@
     prompts = data.make_prompts(config)               # SyntheticPrompts or data.DataPrompts
     prompts.held_out                                  # the evaluations' prompts
     batch = prompts.draw(step=7, draw=0, count=16)    # list[Problem]
-    write_sft_data("sft.jsonl", config.task, steps=60, batch_size=32)  # the SFT warm start's
+    write_sft_data("sft.jsonl", config.task, steps=60, batch_size=32)  # SFT warm-start data
 
 The prompts of a step depend only on (seed, step, draw), so a resumed run sees exactly the
 prompts it would have seen without the interruption. Held-out prompts never appear in a
@@ -22,8 +22,8 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 @dataclass(frozen=True)
 class Problem:
-    """A prompt, its label (the reward function's `label`), the source its figures go under,
-    and metadata for the reward function (string pairs)."""
+    """A prompt, its label (passed as the reward function's `label`), the source its metrics
+    are grouped under, and metadata for the reward function (string pairs)."""
 
     text: str
     label: str = ""
@@ -32,8 +32,8 @@ class Problem:
 
 
 DRAW_SEED_STRIDE = 1_000_003
-"""Replacement draws of a step (DAPO's dynamic sampling) take their problems with seed + stride x
-draw: a stream of their own, not the dropped groups again."""
+"""Replacement draws within a step (DAPO's dynamic sampling) use seed + stride x draw, so each
+draw gets its own stream of problems instead of the dropped groups again."""
 
 
 def problem(name: str, length: int, rng: random.Random) -> QA:
@@ -78,7 +78,7 @@ def accuracy(responses: list[str], prompts: list[Problem]) -> float:
 
 
 class SyntheticPrompts:
-    """The prompts of a synthetic task ([task] name = "reversal" or "arithmetic"): the same
+    """The prompts of a synthetic task ([task] name = "reversal" or "arithmetic"), with the same
     interface as data.DataPrompts. Every step draws fresh problems, so there are no epochs."""
 
     def __init__(self, task, seed: int):
@@ -105,9 +105,9 @@ class SyntheticPrompts:
 
 
 def write_sft_data(path: Path, task, steps: int, batch_size: int) -> None:
-    """The SFT warm start's examples, {"prompt", "response"} per line: `steps` batches of the
-    task's problems with their answers, drawn from negative steps, so never the RL prompts and
-    never the held-out ones."""
+    """Write the SFT warm start's examples, one {"prompt", "response"} object per line: `steps`
+    batches of the task's problems with their answers. They are drawn as negative steps, so
+    they are never the RL prompts and never the held-out ones."""
     held_out = eval_problems(task.name, task.length, task.eval_prompts, task.seed)
     with open(path, "w") as f:
         for step in range(steps):

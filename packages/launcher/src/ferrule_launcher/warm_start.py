@@ -1,10 +1,11 @@
-"""The SFT warm start before RL ([sft] steps > 0): the task's answers, trained with ferrule-trainer.
+"""The SFT warm start before RL ([sft] steps > 0): ferrule-trainer trains on the task's answers.
 
     model_path = warm_start(config, out)     # [model] path itself when [sft] steps = 0
 
 The examples come from [sft] data, a JSONL file as `rlhf-train sft` reads it, or else from the
-synthetic task (never its RL or held-out prompts); the training is ferrule-trainer's SFT in a Ray task of its own, resumable: a run killed during the warm start
-continues it on --resume, and a finished one (out/sft/model) is not redone.
+synthetic task (never its RL or held-out prompts). The training is ferrule-trainer's SFT, run in
+a Ray task of its own, and it is resumable: a run killed during the warm start continues it on
+--resume, and a finished warm start (out/sft/model) is not redone.
 """
 
 import time
@@ -16,7 +17,7 @@ from ferrule_launcher.task import write_sft_data
 
 
 def warm_start(config: Config, out: Path) -> str:
-    """The model the RL stage starts from: [model] path, or that after the SFT warm start."""
+    """The model the RL stage starts from: [model] path, or the model the SFT warm start made."""
     if not config.sft.steps:
         return str(config.model.path)
     target = out / "sft" / "model"
@@ -38,7 +39,7 @@ def warm_start(config: Config, out: Path) -> str:
 
 
 def run_sft(config: Config, data_path: str, out_dir: str) -> None:
-    """ferrule-trainer's SFT on `data_path` as the [sft] table asks (runs in a Ray task)."""
+    """Run ferrule-trainer's SFT on `data_path` with the [sft] table's settings (in a Ray task)."""
     from ferrule_trainer import sft
 
     steps = config.sft.steps

@@ -1,6 +1,6 @@
 """ferrule-rewards: batched reward scoring over gRPC, a standalone server that is secure by default.
 
-Importing the package is cheap (no grpc, torch or transformers); use the modules:
+Importing the package is cheap: it loads no grpc, torch or transformers. The modules:
     ferrule_rewards.client     RewardClient: score samples on one or more servers
     ferrule_rewards.server     start / serve / BackgroundServer: the gRPC server
     ferrule_rewards.functions  Python reward functions (`module:function`) as a backend

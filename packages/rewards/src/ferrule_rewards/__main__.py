@@ -1,4 +1,4 @@
-"""`python -m ferrule_rewards ...` is `rlhf-rewards ...`."""
+"""`python -m ferrule_rewards ...` runs the same command as `rlhf-rewards ...`."""
 
 from ferrule_rewards.cli import main
 

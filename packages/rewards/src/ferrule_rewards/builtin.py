@@ -23,14 +23,14 @@ import re
 from fractions import Fraction
 
 # Everything here takes time linear in the response. A reward server scores untrusted model
-# output, and a regex that backtracks holds the GIL for the whole match, freezing every request
-# in the process: `^\s*####\s*(.+?)\s*$` took 19 s on 59 KiB of newlines (`\s` crosses them),
-# and a run of spaces inside an answer line, or repeated `\boxed{` with no closing brace, were
-# quadratic too. So each pattern below is a fixed marker with one run of in-line whitespace
-# (`[^\S\n]*`: whitespace but not a newline) inside it and nothing after it. That run directly
-# follows a line start or the word "answer", so only one starting position ever scans it: a
-# failed attempt costs O(run), and all attempts together O(len(text)). The answer itself, the
-# rest of the marker's line, is cut out with str.find and str.strip.
+# output, and a regex that backtracks holds the GIL for the whole match, which freezes every
+# request in the process. `^\s*####\s*(.+?)\s*$` took 19 s on 59 KiB of newlines (`\s` crosses
+# them). A run of spaces inside an answer line, and repeated `\boxed{` with no closing brace,
+# were quadratic too. So each pattern below is a fixed marker with one run of in-line
+# whitespace (`[^\S\n]*`: whitespace but not a newline) inside it and nothing after it. That
+# run directly follows a line start or the word "answer", so only one starting position ever
+# scans it. A failed attempt costs O(run), and all attempts together cost O(len(text)). The
+# answer itself, which is the rest of the marker's line, is cut out with str.find and str.strip.
 #
 # A marker and its answer sit on one line: unlike the `\s` of earlier versions, nothing crosses
 # a newline. "The answer is\n42" and a bare "####" line followed by "42" mark no answer (they
@@ -39,30 +39,32 @@ _HASHES = re.compile(r"^[^\S\n]*####", re.MULTILINE)
 _ANSWER_IS = re.compile(r"answer[^\S\n]*(?:is|:)", re.IGNORECASE)
 _BOXED = "\\boxed{"
 # Linear under fullmatch too: a failed match backtracks over each run of digits once, testing
-# one character per step (and it only ever sees _MAX_NUMBER_CHARS characters).
+# one character per step. It also never sees more than _MAX_NUMBER_CHARS characters.
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)(/\d+)?")
-# A number in running text: "1,234.5" (thousands separated by commas), "42", "-3", "0.25". Linear:
-# no quantified group contains another, and at each start position the first alternative gives
-# up within three digits. A minus sign counts only where it cannot be a binary minus ("10-3").
+# A number in running text: "1,234.5" (thousands separated by commas), "42", "-3", "0.25". It is
+# linear: no quantified group contains another, and at each start position the first
+# alternative gives up within three digits. A minus sign counts only where it cannot be a
+# binary minus ("10-3").
 _NUMBER_IN_TEXT = re.compile(r"(?:(?<![\w)\]])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-# Python's default int_max_str_digits: int() of more digits raises ValueError, and takes
+# Python's default int_max_str_digits. int() of more digits raises ValueError, and it takes
 # superlinear time where a process lifts that limit. A longer "number" compares as text.
 _MAX_NUMBER_CHARS = 4300
 
 
 def _boxed(text: str) -> list[tuple[int, int]]:
-    """Where the contents of every `\\boxed{...}` are, braces balanced, in order of start.
+    """The (start, end) spans of the contents of every `\\boxed{...}`, with braces balanced, in
+    order of start.
 
-    One pass that matches braces with a stack. (Scanning ahead from each `\\boxed{` for its
-    closing brace was quadratic when the braces never balance.) Spans, not strings: the
-    contents of nested boxes can add up to far more than the text."""
-    openers, start = [], text.find(_BOXED)  # openers: where each `\boxed{`'s brace is
+    One pass matches braces with a stack. (Scanning ahead from each `\\boxed{` for its closing
+    brace was quadratic when the braces never balance.) It returns spans, not strings, because
+    the contents of nested boxes can add up to far more than the text."""
+    openers, start = [], text.find(_BOXED)  # openers: the position of each `\boxed{`'s brace
     while start != -1:
         openers.append(start + len(_BOXED) - 1)
         start = text.find(_BOXED, start + len(_BOXED))
     if not openers:
         return []
-    closer, unclosed = {}, []  # closer: the brace that closes each brace, by position
+    closer, unclosed = {}, []  # closer: {an opening brace's position: its closing one's}
     for position, char in enumerate(text[openers[0] :], openers[0]):
         if char == "{":
             unclosed.append(position)
@@ -84,8 +86,8 @@ def _line_answers(text: str, marker: re.Pattern[str]) -> list[str]:
 
 
 def _marked_answers(text: str) -> tuple[int, str | None]:
-    """How many marked final answers `text` has, of the kind that takes precedence, and the
-    last of them."""
+    """Count the marked final answers in `text` of the kind that takes precedence (boxed, then
+    `####`, then `answer is`), and return the count and the last of them."""
     if boxes := _boxed(text):
         begin, end = boxes[-1]
         return len(boxes), text[begin:end]
@@ -166,9 +168,9 @@ def exact_text(response: str, label: str) -> float:
 
 
 def char_match(response: str, label: str) -> float:
-    """1.0 exactly when the response is the label; a response too long or too short loses the
-    characters it lacks or adds. A tiny model's early samples are rarely exactly right: partial
-    credit gives GRPO a signal to climb from there."""
+    """1.0 exactly when the response is the label. A response that is too long or too short
+    loses credit for the characters it adds or lacks. A tiny model's early samples are rarely
+    exactly right, and partial credit gives GRPO a signal to climb from there."""
     response, label = response.strip(), label.strip()
     hits = sum(a == b for a, b in zip(response, label, strict=False))
     return hits / max(len(response), len(label), 1)

@@ -1,13 +1,14 @@
-"""A scoring process: it builds the scorer (a reward function or a model) and scores the
-requests its server hands it, one at a time, from the request's bytes to the response's.
+"""A scoring process. It builds the scorer (a reward function or a model) and scores the
+requests that its server hands it, one at a time, from the request's bytes to the response's.
 
 The server (processes.py) never runs a reward function or decodes a request itself. A
 function that hangs, even inside C code that holds the GIL (a regular expression that
-backtracks), freezes only its own process; the server's event loop keeps answering health
-checks and other calls, and its watchdog kills this process and starts another.
+backtracks), freezes only its own process. The server's event loop keeps answering health
+checks and other calls, and the server's watchdog kills this process and starts another.
 
-Talk with the server goes over a socket pair, as frames: one kind byte, a marshalled `meta`
-(plain data: numbers, strings, lists, dicts; marshal runs no code) and raw bytes.
+This process talks with the server over a socket pair, in frames. A frame is one kind byte, a
+marshalled `meta` (plain data: numbers, strings, lists, dicts; marshal runs no code) and raw
+bytes.
 
     server -> here   S  -  the pickled `make_scorer`             first: what to build
                      J  {"max_batch", "skip", "max_bytes",       score this request, but not
@@ -21,16 +22,17 @@ Talk with the server goes over a socket pair, as frames: one kind byte, a marsha
                      I  message                                  not a request we score
 
 The pickle comes from the server that started this process, never from the network. A Mark,
-shared memory, says what the process is doing: a counter bumped at every sample started, and
-that sample's index (-1: the whole batch; DECODING, IDLE). The watchdog reads it even when this
-process is frozen. The same memory holds the journal (journal.py): each result, written as its
-sample finishes, which the server reads when this process dies or is killed mid-batch.
+in shared memory, says what the process is doing. It holds a counter, bumped each time a sample
+starts, and the index of that sample (-1 for the whole batch, or DECODING or IDLE). The
+watchdog reads the Mark even when this process is frozen. The same memory holds the journal
+(journal.py). Each result is written there as its sample finishes, and the server reads the
+journal when this process dies or is killed mid-batch.
 
     python -P -m ferrule_rewards.child SOCKET_FD MARK_FD    # how processes.py starts one
 
-It forks first: the parent, which runs no reward function, is a child subreaper that reaps the
-orphans of the scoring child's subtree and, once that child has gone, kills what is left and
-exits as it did (see _reap_orphans).
+The process forks first. The parent runs no reward function: it is a child subreaper that
+reaps the orphans of the scoring child's subtree. Once the scoring child has gone, the parent
+kills what is left of the tree and exits the same way the child did (see _reap_orphans).
 """
 
 import contextlib
@@ -83,7 +85,7 @@ class Mark:
     @classmethod
     def create(cls) -> "Mark":
         fd = os.memfd_create("ferrule-rewards-mark")
-        os.ftruncate(fd, 24)  # and the journal's end offset (journal.py), 0: empty
+        os.ftruncate(fd, 24)  # with the journal's end offset (journal.py); 0 means empty
         return cls(fd)
 
     def __getitem__(self, item: int) -> int:
@@ -96,9 +98,10 @@ class Mark:
 
 
 def main() -> None:
-    """The process's life: build the scorer, say so, score requests until the server goes."""
-    # Ctrl-C and a SIGTERM to the whole group (systemd stops a service so) reach the server,
-    # which drains: its calls in flight still need this process. The server stops it.
+    """Build the scorer, tell the server, then score requests until the server goes away."""
+    # Ctrl-C and a SIGTERM to the whole group (this is how systemd stops a service) also reach
+    # the server, which drains. Its calls in flight still need this process, so this process
+    # ignores those signals, and the server stops it.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=int(sys.argv[1])).detach())
@@ -127,7 +130,7 @@ def main() -> None:
         recycle = _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss)
         mark[1] = IDLE
         if recycle:
-            return  # the server was told with the answer: it starts another process
+            return  # the answer told the server, which starts another process
 
 
 def _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss) -> bool:
@@ -150,13 +153,13 @@ def _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss) 
     reporter = _Reporter(mark, journal, todo, timeout, budget)
     scores = scorer.score(rows, reporter) if rows else Scores([])
     chunks = reporter.chunks
-    if len(chunks) < len(todo):  # a per-batch or async function: its results come together
+    if len(chunks) < len(todo):  # a per-batch or async function returns all results at once
         chunks = [budget.fit(result) for result in wire.results(scores)]
         if meta["skip"]:
             for index, data in zip(todo, chunks, strict=True):
                 journal.append(index, data)
     recycle = _rss() > ready_rss + RECYCLE_GROWTH
-    if meta["skip"]:  # the server holds some results: it takes these from the journal
+    if meta["skip"]:  # the server holds some results, so it reads these from the journal
         _send(conn, b"E", {"recycle": recycle})
         return recycle
     for index in missing:
@@ -167,9 +170,9 @@ def _score_request(conn, mark, journal, scorer, meta, body, timeout, ready_rss) 
 
 
 class _Reporter(Progress):
-    """Marks each sample as it starts, and writes each result to the journal as it finishes,
-    before the next one starts: the server finds there every sample that a crash or a kill
-    left finished, and scores none of them again."""
+    """Marks each sample as it starts, and writes each result to the journal as the sample
+    finishes, before the next one starts. After a crash or a kill, the server finds every
+    finished sample in the journal and scores none of them again."""
 
     takes_outputs = True
 
@@ -189,9 +192,10 @@ class _Reporter(Progress):
             self.budget.left -= 1
             self.budget.used += len(data)
         elif type(output) is dict and len(output) > self.budget.max_sub_scores + 1:
-            # Said before checking each value: a million of them take longer than a timeout.
+            # Refused before checking each value: checking a million values takes longer than
+            # a timeout.
             data = self.budget.fit(self.budget.too_many(len(output) - 1))
-        elif type(output) is dict:  # with sub-scores, the next most
+        elif type(output) is dict:  # with sub-scores, the next most common output
             try:
                 reward, subs = reward_of(output)
             except Exception:
@@ -226,16 +230,17 @@ def _die_with_parent(parent: int | None = None) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() == 1 or (parent and os.getppid() != parent):  # died before prctl
+    if os.getppid() == 1 or (parent and os.getppid() != parent):  # it died before prctl
         os._exit(1)
 
 
 def _reap_orphans() -> None:
-    """Fork: the child returns and scores; this process, a child subreaper that runs no reward
-    function, adopts the orphans of the child's subtree and reaps them (the scorer itself
-    cannot: it could reap a child its function still waits for). Once the scorer has exited,
-    it kills what is left of the tree and ends as the scorer did, so the server sees its
-    status. The server's pid for the scoring process is this one's; a kill reaches both."""
+    """Fork. The child returns and scores. This process, a child subreaper that runs no reward
+    function, adopts the orphans of the child's subtree and reaps them. The scorer cannot reap
+    them itself: it could reap a child that its function still waits for. Once the scorer has
+    exited, this process kills what is left of the tree and ends the way the scorer did, so the
+    server sees the scorer's status. The pid that the server holds for the scoring process is
+    this process's pid, so a kill reaches both."""
     tree.become_subreaper()
     _die_with_parent()
     reaper = os.getpid()
@@ -243,7 +248,7 @@ def _reap_orphans() -> None:
     if scorer == 0:
         _die_with_parent(reaper)
         return
-    for fd in (int(sys.argv[1]), int(sys.argv[2])):  # the server sees EOF when the scorer goes
+    for fd in (int(sys.argv[1]), int(sys.argv[2])):  # so the server sees EOF when the scorer exits
         os.close(fd)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
@@ -251,7 +256,8 @@ def _reap_orphans() -> None:
         pid, status = os.wait()
         if pid == scorer:
             break
-    # Exiting by itself (recycled, its server gone, or dead): what its function started too.
+    # The scorer exited by itself (recycled, its server gone, or dead): kill what its
+    # function started too.
     tree.kill_tree(reaper, include_root=False)
     with contextlib.suppress(ChildProcessError):
         while True:

@@ -2,14 +2,14 @@
 
     rlhf-rewards serve --function ferrule_rewards.builtin:exact_match       # 127.0.0.1:50051
     rlhf-rewards serve --model ./my-reward-model --bind 0.0.0.0:50051 --token-file token
-    rlhf-rewards serve --function my_rewards:score --workers 8   # 8 processes on one port
+    rlhf-rewards serve --function my_rewards:score --workers 8   # 8 servers on one port
     echo '{"response": "#### 4", "label": "4"}' | rlhf-rewards score 127.0.0.1:50051
     rlhf-rewards health 127.0.0.1:50051       # exit status 0 when every address is SERVING
 
-`serve` logs `serving ... on HOST:PORT` once it accepts calls (and writes HOST:PORT to
-`--address-file` when given: how a program that started it on port 0 learns the port), and
-drains on SIGTERM. Errors in
-the arguments exit with status 2 and say what was wrong, before anything starts.
+`serve` logs `serving ... on HOST:PORT` once it accepts calls, and drains on SIGTERM. With
+`--address-file`, it also writes HOST:PORT to that file: this is how a program that started it
+on port 0 learns the port. Errors in the arguments exit with status 2 and say what was wrong,
+before anything starts.
 """
 
 import argparse
@@ -32,8 +32,8 @@ from ferrule_rewards.security import TOKEN_ENV
 
 
 def _number(kind, low, high=math.inf, *, low_included=True):
-    """An argparse type: a `kind` in [low, high] (or (low, high]), finite; the message says
-    which range when it is not."""
+    """An argparse type for a finite `kind` in [low, high], or in (low, high] when not
+    `low_included`. A value out of range gets a message that names the range."""
 
     def parse(text: str):
         try:
@@ -54,8 +54,8 @@ def _number(kind, low, high=math.inf, *, low_included=True):
 
 _COUNT = _number(int, 1)
 MODEL_EXTRA = ("torch", "transformers")  # what ferrule-rewards[model] adds
-DEFAULT_BIND = "127.0.0.1:50051"  # rlhf-rollout serve's is 50052: both run side by side
-# Processes are forked at start: an unbounded count forks until the machine gives out.
+DEFAULT_BIND = "127.0.0.1:50051"  # rlhf-rollout serve uses 50052, so both run side by side
+# All processes start at once: an unbounded count would start them until the machine gives out.
 _PROCESSES = _number(int, 1, 256)
 _SECONDS = _number(float, 0, low_included=False)
 
@@ -218,7 +218,8 @@ def _client_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_scorer(args):
-    """The scorer that `rlhf-rewards serve` ARGS asks for; each scoring process calls this."""
+    """Build the scorer that the `rlhf-rewards serve` arguments `args` ask for. Each scoring
+    process calls this."""
     if args.function:
         from ferrule_rewards.functions import FunctionScorer
 
@@ -238,8 +239,9 @@ def make_scorer(args):
 
 
 def _check_model_extra() -> None:
-    """ValueError (exit 2, one line) when the reward-model backend's packages are missing:
-    they are an extra, and without this a scoring process died on `import torch`."""
+    """Raise ValueError (exit status 2, one line) when the packages of the reward-model backend
+    are missing. They are an extra, and without this check a scoring process died on
+    `import torch`."""
     missing = [name for name in MODEL_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         raise ValueError(
@@ -311,7 +313,7 @@ def _health(args) -> None:
 def _score(args) -> None:
     from ferrule_rewards.client import InvalidSample
 
-    samples, numbers = [], []  # numbers: each sample's line on stdin (blank lines skipped)
+    samples, numbers = [], []  # numbers: the stdin line of each sample (blank lines skipped)
     for number, line in enumerate(sys.stdin, 1):
         if line.strip():
             try:
@@ -333,7 +335,7 @@ def _score(args) -> None:
             if result.sub_scores:
                 line["sub_scores"] = result.sub_scores
             print(json.dumps(line))
-    if failed and not args.allow_failed:  # a script must not take failures for rewards
+    if failed and not args.allow_failed:  # so that a script never takes failures for rewards
         sys.stdout.flush()
         sys.exit(f"rlhf-rewards score: {failed} of {len(samples)} samples failed")
 
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     _client_arguments(commands.add_parser("health", help="check servers' health"))
     parser.add_argument("--log-level", default="info", help="debug, info, warning, error")
     args = parser.parse_args(argv)
-    logs.configure(args.log_level)  # through a queue: a stderr nobody reads never blocks
+    logs.configure(args.log_level)  # via a queue, so a stderr that nobody reads never blocks
     try:
         {"serve": _serve, "score": _score, "health": _health}[args.command](args)
     except RewardServersUnavailable as error:

@@ -4,15 +4,15 @@
         results = client.score([{"prompt": p, "response": r, "label": a}, ...])
         rewards = [result.reward for result in results]    # NaN where not result.ok
 
-A sample is a dict with the wire format's field names (or a `records.Sample`). A call larger
-than `batch_size` is split into chunks that go out concurrently, spread round-robin over the
-addresses and over several connections to each (a server with `--workers N` is N processes,
-and a connection reaches one of them). A chunk refused with UNAVAILABLE (server down or
-draining) or RESOURCE_EXHAUSTED (server busy) moves to the next address at once, and backs off
-exponentially after every address has refused it; after `retry_for` seconds of refusals,
-RewardServersUnavailable lists what each address said. Other failures raise RewardError at
-once, DEADLINE_EXCEEDED included: a call that timed out may still be running on the server,
-and retrying it would score its samples twice.
+A sample is a dict with the wire format's field names, or a `records.Sample`. A call larger
+than `batch_size` is split into chunks that go out concurrently. The chunks are spread
+round-robin over the addresses and over several connections to each address: a server with
+`--workers N` is N processes, and each connection reaches one of them. A chunk refused with
+UNAVAILABLE (server down or draining) or RESOURCE_EXHAUSTED (server busy) moves to the next
+address at once. Once every address has refused the chunk, the client backs off exponentially.
+After `retry_for` seconds of refusals, RewardServersUnavailable lists what each address said.
+Other failures raise RewardError at once, DEADLINE_EXCEEDED included: a call that timed out
+may still be running on the server, and retrying it would score its samples twice.
 """
 
 import itertools
@@ -51,8 +51,8 @@ class RewardServersUnavailable(RewardError):
 
 
 class InvalidSample(ValueError):
-    """A sample the wire format cannot carry, found before anything is sent: `index` is its
-    place in the samples given to `score`."""
+    """A sample that the wire format cannot carry, found before anything is sent. `index` is
+    the sample's position in the samples given to `score`."""
 
     def __init__(self, index: int, message: str):
         super().__init__(f"sample {index}: {message}")
@@ -88,16 +88,16 @@ class RewardClient:
         timeout: deadline of each attempt, in seconds.
         retry_for: seconds a chunk keeps being retried while every address refuses it.
         backoff, max_backoff: first and largest pause after all addresses refused a chunk.
-        cooldown: seconds an address that was unavailable goes to the back of the queue.
+        cooldown: seconds for which an address that answered UNAVAILABLE is tried last.
         batch_size: samples per call; larger score() calls are split.
         max_in_flight: chunks of one score() call sent concurrently.
-        connections_per_address: HTTP/2 connections to each address, chunks going round-robin
+        connections_per_address: HTTP/2 connections to each address; chunks go round-robin
             over them (default: max_in_flight). A connection stays with the server process
-            that accepted it, and the kernel places each on one of the processes of an
-            `rlhf-rewards serve --workers N` by hash: with one connection per chunk in flight,
-            the chunks of one score() call can each reach a different worker, and several
-            clients spread evenly over the workers. Against one process the extra connections
-            cost a socket each; they open on first use.
+            that accepted it. For `rlhf-rewards serve --workers N`, the kernel assigns each
+            connection to one of the N processes by hash. With one connection per chunk in
+            flight, the chunks of one score() call can each reach a different worker, and
+            several clients spread evenly over the workers. Against a single process, each
+            extra connection costs a socket. Connections open on first use.
         """
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
@@ -115,7 +115,8 @@ class RewardClient:
             # Reconnect soon after a replica comes back (gRPC's default waits up to 2 min).
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 5000),
-            # A connection per channel: gRPC shares one between channels with equal arguments.
+            # One connection per channel: otherwise gRPC shares a connection between channels
+            # with equal arguments.
             ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls_server_name:
@@ -131,7 +132,8 @@ class RewardClient:
             ]
             for address in self.addresses
         }
-        # Requests go out already serialized (once per chunk, however often it is retried).
+        # Requests go out already serialized: each chunk is serialized once, however often it
+        # is retried.
         self._calls = {
             address: [
                 channel.unary_unary(METHOD, response_deserializer=pb.ScoreResponse.FromString)
@@ -139,8 +141,8 @@ class RewardClient:
             ]
             for address, channels in self._channels.items()
         }
-        # Round-robin positions over addresses, and over each one's connections; next() is
-        # atomic in CPython.
+        # Round-robin counters over the addresses, and over the connections of each address.
+        # next() on them is atomic in CPython.
         self._turn = itertools.count()
         self._spread = {address: itertools.count() for address in self.addresses}
         self._down_until: dict[str, float] = {}
@@ -165,7 +167,8 @@ class RewardClient:
                 future.cancel()
 
     def _order(self) -> list[str]:
-        """Addresses for the next chunk: round-robin start, recently unavailable ones last."""
+        """The addresses to try for the next chunk, from the next round-robin start, with the
+        recently unavailable addresses last."""
         start = next(self._turn) % len(self.addresses)
         order = self.addresses[start:] + self.addresses[:start]
         now = time.monotonic()
@@ -180,7 +183,7 @@ class RewardClient:
             round_, position = divmod(attempt, len(order))
             if round_ and not position:  # every address refused this chunk: back off
                 pause = min(self.max_backoff, self.backoff * 2 ** (round_ - 1))
-                pause *= random.uniform(0.5, 1.0)  # jitter: clients do not retry in lockstep
+                pause *= random.uniform(0.5, 1.0)  # jitter, so clients do not retry in lockstep
                 if time.monotonic() + pause > give_up:
                     break
                 time.sleep(pause)
@@ -191,7 +194,7 @@ class RewardClient:
                 response = call(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as error:
                 code, details = error.code(), error.details() or ""
-                if code not in RETRYABLE or "larger than max" in details:  # too big anywhere
+                if code not in RETRYABLE or "larger than max" in details:  # too big for all
                     raise RewardError(f"{address}: {code.name}: {details}", code, address) from None
                 refusals[address] = f"{code.name}: {details}"
                 if code is grpc.StatusCode.UNAVAILABLE:
@@ -235,8 +238,8 @@ class RewardClient:
 
 
 def _encode(samples: list, offset: int) -> bytes:
-    """Serialize a chunk. Dicts go to protobuf as they are (its C code converts them fastest);
-    a bad sample gets a ValueError that names it."""
+    """Serialize a chunk. Dicts go to protobuf as they are, because protobuf's C code converts
+    them fastest. A bad sample raises InvalidSample (a ValueError) that names the sample."""
     samples = [asdict(s) if isinstance(s, Sample) else s for s in samples]
     try:
         return pb.ScoreRequest(samples=samples).SerializeToString()
@@ -250,8 +253,8 @@ def _encode(samples: list, offset: int) -> bytes:
 
 
 def _what_is_wrong(sample, error: Exception) -> str:
-    """The field of `sample` that protobuf refused, and why (its own message, `bad argument
-    type for built-in operation`, names none)."""
+    """The field of `sample` that protobuf refused, and why. Protobuf's own message (`bad
+    argument type for built-in operation`) names no field."""
     if not isinstance(sample, Mapping):
         return f"a {type(sample).__name__}, not a dict of the sample's fields"
     for key, value in sample.items():

@@ -3,13 +3,14 @@
     front = await Front.open("0.0.0.0", 50051, backend_path, per_peer=64, total=4096)
     ...; front.close()
 
-gRPC Python bounds connections only in all (`grpc.max_allowed_incoming_connections`), so one
-peer holding 4096 idle connections would shut every other client out. With a TCP bind and a
-per-peer bound, gRPC listens on a Unix socket in a private directory instead, and the front
-accepts on the public address: a connection past `per_peer` from one peer (an IPv6 peer counts
-by its /64, which one host usually holds whole) or past `total` is reset at once, before a byte
-of it is read; every other one is relayed byte for byte to gRPC, which still does the TLS,
-HTTP/2, token and limits end to end. The front decodes nothing.
+gRPC Python bounds only the total number of connections
+(`grpc.max_allowed_incoming_connections`), so one peer holding 4096 idle connections would shut
+every other client out. With a TCP bind and a per-peer bound, gRPC listens on a Unix socket in
+a private directory instead, and the front accepts on the public address. A connection past
+`per_peer` from one peer, or past `total` in all, is reset at once, before any of its bytes is
+read. An IPv6 peer counts by its /64, which one host usually holds whole. Every other
+connection is relayed byte for byte to gRPC, which still does the TLS, HTTP/2, token and
+limits end to end. The front decodes nothing.
 """
 
 import asyncio
@@ -37,9 +38,10 @@ def peer_key(address: str) -> str:
 
 
 class _Side(asyncio.Protocol):
-    """One end of a relayed connection: what it receives is written to the other end, and it
-    stops reading while the other end's writes are backed up. Calls on the other end check it
-    is still open: uvloop (Ray's actors run it) raises where asyncio's own loop ignores."""
+    """One end of a relayed connection. What it receives is written to the other end, and it
+    stops reading while the writes of the other end are backed up. Every call on the other end
+    first checks that the other end is still open: uvloop (which Ray's actors run) raises where
+    asyncio's own loop ignores the call."""
 
     def __init__(self, other: "_Side | None" = None):
         self.transport: asyncio.Transport | None = None
@@ -58,7 +60,7 @@ class _Side(asyncio.Protocol):
             other.write(data)
 
     def eof_received(self) -> bool:
-        return False  # close this end; connection_lost closes the other once it has flushed
+        return False  # close this end; connection_lost closes the other end once it flushed
 
     def pause_writing(self) -> None:
         if other := self._other_open():
@@ -95,7 +97,8 @@ class Front:
         total: int,
         reuse_port: bool = False,
     ) -> "Front":
-        """Listen on every address `host` resolves to, all on one port (port 0: a free one)."""
+        """Listen on every address `host` resolves to, all on one port (port 0 picks a free
+        one)."""
         front = cls(backend_path, per_peer, total)
         try:
             for sock in _listening_sockets(host, port, reuse_port):
@@ -114,7 +117,7 @@ class Front:
 
     @property
     def connections(self) -> int:
-        return len(self._sides)  # the admitted ones still open
+        return len(self._sides)  # the admitted connections still open
 
     def _accepted(self) -> _Side:
         return _Client(self)
@@ -165,9 +168,9 @@ class Front:
 
 
 class _Client(_Side):
-    """The public end: admitted or reset on arrival, then joined to a new gRPC connection.
-    Bytes that arrive before the join (uvloop reads at once, whatever `pause_reading` said in
-    `connection_made`) wait here, at most HIGH_WATER of them."""
+    """The public end of a relayed connection. It is admitted or reset on arrival, then joined
+    to a new connection to gRPC. Bytes that arrive before the join wait here, at most HIGH_WATER
+    of them: uvloop reads at once, even after `pause_reading` in `connection_made`."""
 
     def __init__(self, front: Front):
         super().__init__()
@@ -182,7 +185,7 @@ class _Client(_Side):
             transport.abort()  # a reset: nothing read, nothing relayed
             return
         self.peer = peer
-        transport.pause_reading()  # until gRPC's end is there to take the bytes
+        transport.pause_reading()  # until the connection to gRPC can take the bytes
         asyncio.get_running_loop().create_task(self._join())
 
     def data_received(self, data: bytes) -> None:
@@ -218,8 +221,9 @@ class _Client(_Side):
 
 
 def _listening_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
-    """A bound socket per address of `host` ("" or "0.0.0.0" and "::" as gRPC takes them), the
-    later ones on the port the first got."""
+    """One bound socket per address of `host`, all on the port that the first socket got. An
+    empty host or "*" means every interface ("0.0.0.0" and "::"), as gRPC takes an empty
+    host."""
     infos = socket.getaddrinfo(
         None if host in ("", "*") else host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )

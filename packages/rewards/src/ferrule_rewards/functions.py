@@ -10,8 +10,8 @@ Two signatures, told apart by parameter names (checked when the function is load
                   def reward(samples: list[Sample]) -> list[float]
 Either may be `async def`. A reward is a number, or a dict with a "reward" number and other
 numbers as named sub-scores. A sample that raises or returns NaN gets its own status. The server
-runs scorers in processes of their own (child.py), which it kills and replaces when a sync call
-runs past `timeout`.
+runs each scorer in a process of its own (child.py), and kills and replaces that process when a
+sync call runs past `timeout`.
 """
 
 import asyncio
@@ -48,8 +48,8 @@ def load_function(spec: str) -> Callable:
 
 
 def signature_fields(fn: Callable) -> tuple[tuple[str, ...], bool, bool]:
-    """(the sample fields `fn` takes, whether it is per batch, whether to pass them by
-    position). TypeError naming the parameter when the signature fits neither form."""
+    """Return (the sample fields `fn` takes, whether it is per batch, whether to pass the fields
+    by position). Raise TypeError naming the parameter when the signature fits neither form."""
     name = getattr(fn, "__qualname__", repr(fn))
     params = list(inspect.signature(fn).parameters.values())
     if [p.name for p in params] == ["samples"]:
@@ -94,13 +94,14 @@ def _describe(error: BaseException) -> str:
 
 
 class FunctionScorer:
-    """Runs one reward function over batches of rows (tuples of `self.fields`), in the calling
-    process: in rlhf-rewards serve, a scoring process of child.py, which the server kills and
-    replaces when a sync call runs past `timeout` (`hang_after`). Nothing here can stop a sync
-    call, and nothing should try: a thread cannot be stopped, and a hang that holds the GIL
-    freezes every thread of its process. An async function's samples run concurrently on the
-    scorer's event loop and time out here: one loop for the scorer's life, so that what the
-    function binds to a loop (an aiohttp session, a client's connection pool) outlives a batch."""
+    """Runs one reward function over batches of rows (tuples of `self.fields`) in the calling
+    process. In rlhf-rewards serve, that is a scoring process of child.py, which the server
+    kills and replaces when a sync call runs past `timeout` (`hang_after`). Nothing here can stop
+    a sync call, and nothing should try: a thread cannot be stopped, and a hang that holds the
+    GIL freezes every thread of its process. An async function's samples run concurrently on the
+    scorer's event loop and time out here. The scorer keeps one loop for its whole life, so that
+    what the function binds to a loop (an aiohttp session, a client's connection pool) outlives
+    a batch."""
 
     def __init__(self, fn: Callable, *, timeout: float = 30.0):
         if not (timeout > 0 and math.isfinite(timeout)):
@@ -110,14 +111,15 @@ class FunctionScorer:
         self.fields, self.batched, self.positional = signature_fields(fn)
         self.is_async = _is_async(fn)
         # Seconds a process may go without starting another sample before the server takes it
-        # for hung. An async function times out on its own event loop; the margin is for that.
+        # for hung. An async function times out on its own event loop, and the margin lets
+        # that timeout fire first.
         self.hang_after = timeout + max(1.0, timeout / 10) if self.is_async else timeout
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def load(cls, spec: str, timeout: float = 30.0) -> "FunctionScorer":
-        """The scorer of `module:function` (picklable as a partial: what a scoring process
-        builds for itself)."""
+        """Build the scorer of `module:function`. A partial of this method pickles, so a
+        scoring process can receive it and build the scorer for itself."""
         return cls(load_function(spec), timeout=timeout)
 
     def score(self, rows: list[tuple], progress: Progress = NO_PROGRESS) -> Scores:
@@ -134,7 +136,7 @@ class FunctionScorer:
                 outputs = self._run(self._score_rows_async(rows))
             else:
                 outputs = self._score_rows(rows, progress)
-                if progress.takes_outputs:  # it has every result (see Progress)
+                if progress.takes_outputs:  # `progress` has every result (see Progress)
                     return scores
         if outputs is not None:
             collect(outputs, scores, self.timeout)
@@ -147,7 +149,7 @@ class FunctionScorer:
             start(index)
             try:
                 output = fn(*row) if positional else fn(**row)
-            except (Exception, SystemExit) as error:  # sys.exit: this sample's error too
+            except (Exception, SystemExit) as error:  # sys.exit also fails only this sample
                 output = error
             outputs.append(output)
             done(index, output)
@@ -219,7 +221,7 @@ def collect(outputs: list, scores: Scores, timeout: float) -> None:
             except (TypeError, ValueError) as error:
                 scores.fail(index, Status.INVALID_REWARD, str(error))
                 continue
-            except Exception as error:  # its __float__ raised, say: this sample's error only
+            except Exception as error:  # e.g. its __float__ raised: only this sample fails
                 scores.fail(index, Status.ERROR, f"checking its reward: {_describe(error)}")
                 continue
             if subs:
@@ -227,8 +229,8 @@ def collect(outputs: list, scores: Scores, timeout: float) -> None:
 
 
 def reward_of(output: object) -> tuple[float, dict[str, float]]:
-    """(reward, sub-scores) of what a function returned; TypeError or ValueError saying what is
-    wrong with it."""
+    """Return (reward, sub-scores) from what a function returned. Raise TypeError or ValueError
+    saying what is wrong with it."""
     if not isinstance(output, Mapping):
         return check_reward(output), {}
     if "reward" not in output:

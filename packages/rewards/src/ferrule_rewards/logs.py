@@ -1,14 +1,15 @@
-"""The server's log, which never blocks the server, and the output of its scoring processes,
-capped.
+"""The server's log, which never blocks the server, and the capped output of its scoring
+processes.
 
-    configure("info")                          # rlhf-rewards serve, and each of its workers
-    forward(read_fd, "scoring process 1234", max_bytes=1 << 20)    # a thread per process
+    configure("info")                    # in rlhf-rewards serve, and in each of its workers
+    forward(read_fd, "scoring process 1234", max_bytes=1 << 20)    # one thread per process
 
-A log line is queued and written to stderr by a thread of its own: when nobody reads the
+Each log line is queued, and a thread of its own writes it to stderr. When nobody reads the
 server's stderr (a full pipe), lines are dropped and counted, and the event loop goes on
-answering. A scoring process writes its stdout and stderr (a reward function's prints) into a
-pipe of its own that `forward` reads: its first `max_bytes` become log lines, the rest is read
-and thrown away, so a function that floods neither fills a disk nor blocks.
+answering. Each scoring process writes its stdout and stderr (a reward function's prints) into
+a pipe of its own, which `forward` reads. The first `max_bytes` of that output become log
+lines; the rest is read and thrown away. So a function that floods its output neither fills a
+disk nor blocks.
 """
 
 import atexit
@@ -25,8 +26,8 @@ log = logging.getLogger("ferrule_rewards.function")
 
 
 def configure(level: str, fmt: str = "%(asctime)s %(levelname)s %(name)s: %(message)s") -> None:
-    """Log to stderr at `level` through a bounded queue and a writer thread; at exit, queued
-    lines get DRAIN_SECONDS to be written (call `drain` where atexit does not run)."""
+    """Log to stderr at `level` through a bounded queue and a writer thread. At exit, queued
+    lines get DRAIN_SECONDS to be written; call `drain` where atexit does not run."""
     global _lines
     lines: queue.Queue = queue.Queue(QUEUED_LINES)
     writer = _Writer(fmt)
@@ -58,9 +59,9 @@ def drain(seconds: float = DRAIN_SECONDS) -> None:
 
 
 class _Writer:
-    """Writes each line to file descriptor 2 itself, holding no lock that the interpreter's
-    exit or logging.shutdown would wait for: a writer stuck on a full pipe blocks only itself,
-    and the process still exits."""
+    """Writes each line to file descriptor 2 directly. It holds no lock that the interpreter's
+    exit or logging.shutdown would wait for, so a writer stuck on a full pipe blocks only
+    itself, and the process still exits."""
 
     def __init__(self, fmt: str):
         self.formatter = logging.Formatter(fmt)
@@ -71,21 +72,22 @@ class _Writer:
             record = lines.get()
             try:
                 text = self.formatter.format(record) + "\n"
-                if self.dropped:  # say so once stderr is read again
+                if self.dropped:  # report the dropped lines once stderr is read again
                     dropped, self.dropped = self.dropped, 0
                     text = f"... {dropped} log line(s) dropped: stderr was not read\n" + text
                 data = text.encode(errors="replace")
                 while data:
                     data = data[os.write(2, data) :]
-            except OSError:  # stderr closed: nothing to tell
+            except OSError:  # stderr is closed: there is nowhere to report to
                 pass
             finally:
                 lines.task_done()
 
 
 def forward(fd: int, name: str, max_bytes: int) -> threading.Thread:
-    """A daemon thread that logs what the pipe `fd` carries, `max_bytes` of it at most, and
-    reads it until every writer has closed it (the process and its children are gone)."""
+    """Start a daemon thread that logs at most `max_bytes` of what the pipe `fd` carries. The
+    thread reads the pipe until every writer has closed it, that is, until the process and its
+    children are gone."""
     thread = threading.Thread(
         target=_forward, args=(fd, name, max_bytes), name=f"output of {name}", daemon=True
     )
@@ -98,7 +100,7 @@ def _forward(fd: int, name: str, max_bytes: int) -> None:
     with open(fd, "rb", buffering=0, closefd=True) as pipe:
         while chunk := pipe.read(1 << 16):
             if left <= 0:
-                continue  # past the cap: read, so that the writer never blocks, and drop
+                continue  # past the cap: keep reading so the writer never blocks, but drop
             chunk = partial + chunk[:left]
             left -= len(chunk) - len(partial)
             *lines, partial = chunk.split(b"\n")

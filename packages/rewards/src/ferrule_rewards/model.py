@@ -3,13 +3,14 @@
     scorer = ModelScorer("path/to/reward-model", device="auto", batch_size=32, batch_tokens=32768)
     scores = scorer.score([(prompt, response), ...])
 
-The model reads `prompt + response` as one string, exactly as sent (no special tokens are
-added: apply the chat template and end-of-sequence token the model was trained with before
-sending), and the reward is its single output logit (`num_labels=1`). Samples are sorted by
-length and scored in micro-batches of at most `batch_size` samples and `batch_tokens` tokens
-(samples x the longest one's tokens, what the padded forward holds; a longer sample goes
-alone). The server runs it in a scoring process of its own (child.py), one batch at a time.
-torch and transformers are imported here only, so the rest of the package runs without them.
+The model reads `prompt + response` as one string, exactly as sent. No special tokens are
+added, so apply the chat template and end-of-sequence token that the model was trained with
+before sending. The reward is the model's single output logit (`num_labels=1`). Samples are
+sorted by length and scored in micro-batches of at most `batch_size` samples and `batch_tokens`
+tokens. The tokens of a micro-batch are its samples times the longest sample's tokens, which is
+what the padded forward pass holds; a sample longer than `batch_tokens` goes alone. The server
+runs the scorer in a scoring process of its own (child.py), one batch at a time. torch and
+transformers are imported only in this module, so the rest of the package runs without them.
 """
 
 import math
@@ -48,7 +49,8 @@ STATS_FILE = "reward_stats.json"
 
 
 def _saved_moments(path: Path) -> tuple[float, float]:
-    """The mean and std saved beside the model (what --normalize divides by)."""
+    """The mean and std saved beside the model (--normalize subtracts the mean and divides by
+    the std)."""
     import json
 
     stats_path = path / STATS_FILE
@@ -150,8 +152,9 @@ class ModelScorer:
         return scores
 
     def _chunks(self, order: list[int], lengths: list[int]) -> list[list[int]]:
-        """`order` (shortest first) cut into forwards of at most batch_size samples and
-        batch_tokens padded tokens: the newest sample is the chunk's longest."""
+        """Cut `order` (shortest first) into forward passes of at most batch_size samples and
+        batch_tokens padded tokens. Each sample added to a chunk is the chunk's longest, so it
+        sets the padded size."""
         chunks: list[list[int]] = []
         for index in order:
             chunk = chunks[-1] if chunks else None

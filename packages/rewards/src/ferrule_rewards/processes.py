@@ -1,22 +1,24 @@
 """The scoring processes of one server: start them, hand each a request, watch it, replace it.
 
     pool = ScoringProcesses(partial(FunctionScorer.load, "my_rewards:score"), processes=2)
-    await pool.start()                       # ValueError when the scorer cannot be built
-    async with pool.process(deadline) as process:     # waits for a free one, up to deadline
+    await pool.start()                       # StartFailed when the scorer cannot be built
+    async with pool.process(deadline) as process:     # waits up to deadline for a free one
         response = await process.score(request_bytes, deadline)
     await pool.close()
 
-A request runs in a process of child.py, from its bytes to the response's, so that nothing a
-request or a reward function does can hold the server's event loop. The watchdog here kills
-the process and starts another when:
-- a sample runs past the scorer's `hang_after` (the sample gets TIMEOUT, the next process
-  scores the rest; those it had finished are read from its journal, never scored again);
-- the call's deadline passes (the client's, or the server's `call_timeout`): samples without a
+Each request runs in a process of child.py, from the request's bytes to the response's, so
+that nothing a request or a reward function does can hold the server's event loop. The
+watchdog in this module kills the process and starts another when:
+- a sample runs past the scorer's `hang_after`. The sample gets TIMEOUT, and the next process
+  scores the rest. The samples that the killed process had finished are read from its
+  journal and never scored again;
+- the call's deadline passes (the client's, or the server's `call_timeout`). Samples without a
   result get TIMEOUT;
-- the call is cancelled (its client went away): nobody waits for the work any more.
+- the call is cancelled because its client went away. Nobody waits for the work any more.
 A process that dies on a sample (a crash in C code, the kernel's OOM killer) fails that sample
 with ERROR, and the next process scores the rest. Results travel as encoded bytes (wire.chunk),
-which the server joins in order and never decodes: a huge result costs its event loop a copy.
+which the server joins in order and never decodes, so a huge result costs the server's event
+loop only a copy.
 """
 
 import asyncio
@@ -38,13 +40,14 @@ from ferrule_rewards.records import Status
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!i")  # multiprocessing.Connection's frame header
 _LONG_LENGTH = struct.Struct("!Q")
-RESTART_BACKOFF = (0.1, 5.0)  # seconds between failed starts of a process: first, most
+RESTART_BACKOFF = (0.1, 5.0)  # seconds between failed starts of a process: first, longest
 EXIT_WAIT = 0.5  # seconds a process whose socket closed gets to exit by itself
 KILL_RETRIES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)  # seconds before each new try at listing a tree
 
 
 class StartFailed(Exception):
-    """A scoring process could not build its scorer; `status` 2 when it was the arguments."""
+    """A scoring process could not build its scorer. `status` is 2 when the arguments were at
+    fault."""
 
     def __init__(self, message: str, status: int = 1):
         super().__init__(message)
@@ -52,9 +55,9 @@ class StartFailed(Exception):
 
 
 class CallFailed(Exception):
-    """The call gets no results: `code` names its gRPC status (DEADLINE_EXCEEDED when its
-    deadline passed before the server knew what the request held, or before a process was
-    free; RESOURCE_EXHAUSTED when a process died decoding the request)."""
+    """The call gets no results. `code` names the gRPC status: DEADLINE_EXCEEDED when the
+    deadline passed before the request was decoded or before a process was free,
+    RESOURCE_EXHAUSTED when a process died while decoding the request."""
 
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -75,13 +78,13 @@ class ScoringProcess:
         self.frames: asyncio.Queue = asyncio.Queue()
         self.writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
-        self.recycle = False  # it asked to be replaced after its answer
+        self.recycle = False  # the process asked to be replaced after its answer
         self.killed = False
-        self.frozen: OSError | None = None  # why its tree could not be listed (see kill)
+        self.frozen: OSError | None = None  # why the process tree could not be listed (see kill)
 
     @property
     def alive(self) -> bool:
-        """Running; asked without reaping it (see kill)."""
+        """Whether the process is running. Asking does not reap it (see kill)."""
         if self.killed or self.process is None or self.process.returncode is not None:
             return False
         try:
@@ -91,22 +94,24 @@ class ScoringProcess:
             return False
 
     async def start(self) -> dict:
-        """Start the process; its ready message, or StartFailed with what it said."""
+        """Start the process and return its ready message. Raise StartFailed, with what the
+        process said, when it cannot build its scorer or exits before it is ready."""
         self.killed, self.recycle = False, False
         ours, theirs = socket.socketpair()
         self.mark = child.Mark.create()
-        # Its stdout and stderr: a pipe of its own, read by logs.forward. On the server's
-        # stderr, a flood filled disks, and a reader that stopped froze the server.
+        # The process writes its stdout and stderr to a pipe of its own, read by logs.forward.
+        # When it wrote to the server's stderr, a flood filled disks, and a reader that stopped
+        # froze the server.
         output, output_end = os.pipe()
-        # A fresh interpreter, not multiprocessing: a fork of a process that runs gRPC is not
-        # safe, and multiprocessing's spawn runs the parent's __main__ again in the child.
+        # Start a fresh interpreter, not multiprocessing: a fork of a process that runs gRPC is
+        # not safe, and multiprocessing's spawn runs the parent's __main__ again in the child.
         try:
             self.process = subprocess.Popen(
                 [
                     sys.executable,
-                    # -P: not the working directory first on sys.path, where a `mmap.py`
-                    # would run in every scoring process; functions.py looks up the reward
-                    # module there itself.
+                    # -P: do not put the working directory first on sys.path, where a
+                    # `mmap.py` would run in every scoring process. functions.py looks up the
+                    # reward module there itself.
                     "-P",
                     "-m",
                     "ferrule_rewards.child",
@@ -114,13 +119,14 @@ class ScoringProcess:
                     str(self.mark.fd),
                 ],
                 pass_fds=(theirs.fileno(), self.mark.fd),
-                # Its own session and process group, so that a Ctrl-C at the terminal reaches
-                # the server alone, and kill() reaches the function's children once it is gone.
+                # A session and process group of its own: a Ctrl-C at the terminal then reaches
+                # the server alone, and kill() can reach the function's children through the
+                # group once the process is gone.
                 start_new_session=True,
                 stdout=output_end,
                 stderr=output_end,
             )
-        except BaseException:  # out of processes or descriptors: the pool retries, so leak none
+        except BaseException:  # out of processes or descriptors: the pool retries, so close all
             ours.close()
             os.close(output)
             raise
@@ -131,7 +137,8 @@ class ScoringProcess:
         reader, self.writer = await asyncio.open_connection(sock=ours)
         self.frames = asyncio.Queue()
         self._reading = asyncio.ensure_future(self._read(reader))
-        # What to build, pickled: from this process to its own child, never from the network.
+        # The pickled scorer factory goes from this process to its own child, never over the
+        # network.
         self._send(b"S", None, pickle.dumps(self.pool.make_scorer))
         kind, meta, _ = await self.frames.get()
         if kind == b"R":
@@ -142,7 +149,8 @@ class ScoringProcess:
         raise StartFailed(f"the scoring process {await self._exit()} before it was ready")
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        """Frames from the process into `self.frames`; (None, ...) when it has gone."""
+        """Put the process's frames into `self.frames`, then (None, None, None) once it has
+        gone."""
         try:
             while True:
                 (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
@@ -159,9 +167,10 @@ class ScoringProcess:
             self.writer.write(body)  # a memoryview or bytes: no copy of a large request
 
     async def score(self, body, deadline: float) -> bytes:
-        """The serialized ScoreResponse for a serialized ScoreRequest. wire.InvalidRequest when
-        it is not one; CallFailed when `deadline` (event loop time) passes before the
-        request was decoded; otherwise every sample has a result."""
+        """Score a serialized ScoreRequest and return the serialized ScoreResponse. Raises
+        wire.InvalidRequest when `body` is not a valid request, and CallFailed when `deadline`
+        (event loop time) passes before the request was decoded or a process dies while
+        decoding it. Otherwise every sample has a result."""
         job = _Job()
         try:
             while True:
@@ -179,7 +188,7 @@ class ScoringProcess:
                     await self._follow(job, deadline)
                 except _Done:
                     return job.response or job.in_order(self.pool.max_message_bytes)
-                # It was killed or died in a sample: a fresh process scores the rest.
+                # The process was killed or died in a sample: a fresh process scores the rest.
                 if not await self._restart_within(deadline, job):
                     return job.in_order(self.pool.max_message_bytes)
         except BaseException:  # cancelled (the client went away), or the request is invalid
@@ -188,8 +197,8 @@ class ScoringProcess:
             raise
 
     async def _restart_within(self, deadline: float, job: "_Job") -> bool:
-        """One try at a fresh process before `deadline`; when it fails, the samples without a
-        result fail, and the pool retries in the background once this call is done."""
+        """Try once to start a fresh process before `deadline`. When that fails, the samples
+        without a result fail, and the pool retries in the background once this call is done."""
         await self.stop()
         wait = deadline - asyncio.get_running_loop().time()
         try:
@@ -230,7 +239,7 @@ class ScoringProcess:
                 self.recycle = meta["recycle"]
                 if kind == b"D":
                     job.response = bytes(body)
-                else:  # it wrote them all before answering, and waits: safe to read
+                else:  # it wrote every result before answering and now waits: safe to read
                     job.results.update(journal.read(self.mark.fd))
                 raise _Done
             elif kind == b"I":
@@ -263,7 +272,8 @@ class ScoringProcess:
         if index == -1:  # the whole batch at once: a per-batch or async function
             job.fail_rest(Status.TIMEOUT, f"no rewards for the batch within {timeout:g}s")
             raise _Done
-        # setdefault: it may have finished, and written its result, just before the kill.
+        # setdefault: the sample may have finished, and its result been written, just before
+        # the kill.
         job.results.setdefault(
             index, wire.failure_chunk(Status.TIMEOUT, f"no reward within {timeout:g}s")
         )
@@ -275,8 +285,9 @@ class ScoringProcess:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             await loop.run_in_executor(None, self.process.wait, 1.0)
-        # A writer that still runs is never read; one frozen by kill (its tree could not be
-        # listed), which stopped well within the wait, is: at most once holds there too.
+        # The journal of a process that still runs is never read. A process frozen by kill()
+        # (its tree could not be listed) stopped well within the wait, so its journal is read:
+        # scoring stays at most once there too.
         if self.process.returncode is not None or self.frozen is not None:
             job.results.update(journal.read(self.mark.fd))
 
@@ -299,8 +310,9 @@ class ScoringProcess:
         job.results.setdefault(index, wire.failure_chunk(Status.ERROR, message))
 
     async def _exit(self) -> str:
-        """How the process ended, in words (it is killed first, with what it started, unless
-        it exits by itself within EXIT_WAIT: an `os._exit(3)` read as "killed by SIGKILL")."""
+        """Say in words how the process ended. The process and what it started are killed
+        first, unless the process exits by itself within EXIT_WAIT. Without that wait, an
+        `os._exit(3)` would read as "killed by SIGKILL"."""
         loop = asyncio.get_running_loop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             await loop.run_in_executor(None, self._wait_unreaped, EXIT_WAIT)
@@ -315,27 +327,28 @@ class ScoringProcess:
         return f"exited with status {code}"
 
     def _wait_unreaped(self, seconds: float) -> None:
-        """Wait up to `seconds` for the process to exit, without reaping it (kill needs its
-        pid, its group's id, not reused until then)."""
+        """Wait up to `seconds` for the process to exit, without reaping it: kill() needs the
+        pid, which is also its group's id, to stay unused until then."""
         deadline = time.monotonic() + seconds
         while self.alive and not self.killed and time.monotonic() < deadline:
             time.sleep(0.005)
 
     def kill(self) -> None:
-        """SIGKILL, the only way to stop a call that may hold the GIL, to the process and to
-        everything its function started (tree.py): children that called setsid through its
-        tree, and those orphaned when it died through its process group."""
+        """Send SIGKILL, the only way to stop a call that may hold the GIL, to the process and
+        to everything its function started (tree.py). Children that called setsid are reached
+        through the process tree, and children orphaned when the process died are reached
+        through its process group."""
         self.killed = True
-        # Only before it is reaped: until then its pid, which is its group's id, is not reused.
-        # So every wait for it comes after a kill.
+        # Kill only before the process is reaped: until then its pid, which is also its
+        # group's id, is not reused. So every wait for it comes after a kill.
         if self.process is None or self.process.returncode is not None:
             return
         pid = self.process.pid
         try:
             tree.kill_tree(pid)
         except OSError as error:
-            # /proc could not be listed: out of descriptors (EMFILE), say. Freeze the process
-            # and its group, which keeps its subtree in place (an orphan of it is re-parented
+            # /proc could not be listed, e.g. out of descriptors (EMFILE). Freeze the process
+            # and its group, which keeps the subtree in place (an orphan in it is re-parented
             # to the frozen process), and let stop() try again.
             self.frozen = error
             for send in (os.kill, os.killpg):
@@ -347,8 +360,9 @@ class ScoringProcess:
             os.killpg(pid, signal.SIGKILL)
 
     async def _kill_for_good(self) -> None:
-        """kill(), tried again while its tree cannot be listed; after KILL_RETRIES, SIGKILL the
-        process and its group (what left both with setsid is then missed)."""
+        """Call kill(), and call it again while the process tree cannot be listed. After
+        KILL_RETRIES, send SIGKILL to the process and its group only; a descendant that left
+        both with setsid is then missed."""
         self.kill()
         for delay in KILL_RETRIES:
             if self.frozen is None:
@@ -399,8 +413,8 @@ class _Job:
             self.results.setdefault(index, failed)
 
     def in_order(self, max_bytes: int) -> bytes:
-        """The ScoreResponse's bytes: the results' bytes in order, joined, none decoded; the
-        last ones an ERROR where the whole would be over `max_bytes` (wire.within)."""
+        """The ScoreResponse's bytes: the results' bytes joined in order, none decoded. Where
+        the whole would be over `max_bytes`, the last results become an ERROR (wire.within)."""
         for index in self.missing:
             self.results[index] = wire.MISSING_CHUNK
         chunks = [self.results[index] for index in range(self.n)]
@@ -421,7 +435,7 @@ class ScoringProcesses:
         if processes < 1:
             raise ValueError(f"scoring processes must be 1 or more, got {processes}")
         self.make_scorer, self.count, self.max_batch = make_scorer, processes, max_batch
-        self.max_log_bytes = max_log_bytes  # of each process's output that reaches the log
+        self.max_log_bytes = max_log_bytes  # bytes of each process's output that reach the log
         self.max_sub_scores, self.max_message_bytes = max_sub_scores, max_message_bytes
         self.name, self.timeout, self.hang_after, self.tick = "?", None, None, 1.0
         self.healthy = True
@@ -432,7 +446,8 @@ class ScoringProcesses:
         self._closed = False
 
     async def start(self) -> None:
-        """Start every process; StartFailed (with the first one's message) when one fails."""
+        """Start every process. When one fails, stop them all and raise the first failure
+        (StartFailed, with its message)."""
         processes = [ScoringProcess(self) for _ in range(self.count)]
         self._all = processes
         outcomes = await asyncio.gather(*(p.start() for p in processes), return_exceptions=True)
@@ -443,14 +458,15 @@ class ScoringProcesses:
         ready = outcomes[0]
         self.name, self.timeout = ready["name"], ready["timeout"]
         self.hang_after = ready["hang_after"]
-        if self.hang_after:  # how often the watchdog looks: a sample times out in 1-1.1x
+        if self.hang_after:  # watchdog period: a sample times out after 1-1.1x hang_after
             self.tick = self.hang_after / 10
         for process in processes:
             self._idle.put_nowait(process)
 
     @contextlib.asynccontextmanager
     async def process(self, deadline: float):
-        """A free process for one request, waiting for one up to `deadline` (loop time)."""
+        """Yield a free process for one request, waiting for one up to `deadline` (loop
+        time)."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -462,7 +478,7 @@ class ScoringProcesses:
                 ) from None
             if process.alive:
                 break
-            self._restart_later(process)  # it died while idle (the OOM killer, say)
+            self._restart_later(process)  # the process died while idle (the OOM killer, say)
         try:
             yield process
         finally:
@@ -484,14 +500,14 @@ class ScoringProcesses:
     async def restart(self, process: ScoringProcess) -> None:
         """Replace `process`'s child with a new one, retrying with backoff until one starts.
         While starts fail, the pool reports itself unhealthy (NOT_SERVING). Any failure is
-        retried, not only the scorer's (StartFailed), and so is stopping the old child: an
-        OSError here (out of file descriptors, say) would otherwise end the restart and lose
-        the process's slot for good; each failed child is reaped before the next try."""
+        retried, not only the scorer's (StartFailed), and so is stopping the old child.
+        Otherwise an OSError here (out of file descriptors, say) would end the restart and lose
+        the process's slot for good. Each failed child is reaped before the next try."""
         process.recycle = False
         delay = RESTART_BACKOFF[0]
         while not self._closed:
             try:
-                await process.stop()  # may fail too (out of descriptors): retried with the rest
+                await process.stop()  # may fail too (out of descriptors): retried with start
                 await process.start()
                 self._set_health(True)
                 return

@@ -44,9 +44,9 @@ class Sample:
 
 @dataclass(slots=True)
 class Scores:
-    """A backend's answer for one batch: a reward per sample, with the exceptions kept sparse
-    (most batches have no errors and no sub-scores, and building nothing for them is what
-    keeps the server fast)."""
+    """A backend's answer for one batch: a reward per sample, with errors and sub-scores kept
+    sparse, by index. Most batches have no errors and no sub-scores, and building nothing for
+    them is what keeps the server fast."""
 
     rewards: list[float]
     errors: dict[int, tuple[Status, str]] = field(default_factory=dict)  # index -> why
@@ -62,12 +62,13 @@ class Scores:
 
 
 class Progress:
-    """What a scorer tells its process about a batch while it scores it: which sample it has
-    started (`start`), and each output as it comes (`done`). The scoring process (child.py)
-    shares the first with the server, whose watchdog kills the process when one sample runs past
-    the timeout, and writes each output where the server finds it after a kill (journal.py), so
-    that a kill loses no finished work and no sample is scored twice.
-    This one does nothing: for scoring in the current process (tests, embedding)."""
+    """How a scorer reports on a batch while it scores it: `start` says which sample it has
+    started, and `done` hands over each output as it comes. The scoring process (child.py)
+    shares the started sample's index with the server, whose watchdog kills the process when one
+    sample runs past the timeout. The scoring process also writes each output to the journal
+    (journal.py), where the server finds it after a kill. So a kill loses no finished work, and
+    no sample is scored twice.
+    This base class does nothing. It serves scoring in the current process (tests, embedding)."""
 
     takes_outputs = False
     """True when `done` turns every output into its result itself (child.py's): a scorer whose
@@ -104,8 +105,8 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 
 
 def short_repr(value: object) -> str:
-    """A repr of `value` of bounded size and depth, for messages: `{value!r:.80}` builds the
-    whole repr first (a list nested 200,000 deep raised RecursionError)."""
+    """A repr of `value` with bounded size and depth, for messages. `{value!r:.80}` would build
+    the whole repr first (a list nested 200,000 deep raised RecursionError)."""
     try:
         return _REPR.repr(value)
     except Exception:
@@ -113,12 +114,13 @@ def short_repr(value: object) -> str:
 
 
 def check_reward(value: object, what: str = "reward") -> float:
-    """`value` as a finite float, or ValueError / TypeError saying what was wrong with it."""
+    """Return `value` as a finite float, or raise ValueError or TypeError saying what is wrong
+    with it."""
     if isinstance(value, str | bytes) or not hasattr(type(value), "__float__"):
         raise TypeError(f"{what} is {type(value).__name__} {short_repr(value)}, expected a number")
     try:
         number = float(value)
-    except OverflowError:  # an int beyond a float's range (10**400): that sample's error
+    except OverflowError:  # an int beyond a float's range (10**400) fails only its sample
         raise ValueError(
             f"{what} is {type(value).__name__} {str(value)[:10]}... ({len(str(value))} digits), "
             "too large for a float"

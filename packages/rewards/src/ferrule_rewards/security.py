@@ -1,4 +1,5 @@
-"""The reward server's names for ferrule-grpc-auth's settings (see that package)."""
+"""The reward server's values for the settings that ferrule-grpc-auth takes (see that
+package)."""
 
 TOKEN_ENV = "FERRULE_REWARDS_TOKEN"
 """Where the server and its clients read the bearer token when no --token-file is given."""

@@ -6,18 +6,19 @@
     with BackgroundServer(make_scorer) as server:        # tests, or embedding in a process
         RewardClient(server.address).score(samples)
 
-The server runs no reward function and decodes no request: it checks the token and the limits,
-hands the request's bytes to a scoring process (processes.py, child.py) and the answer's bytes
-back. So its event loop answers health checks and refusals within milliseconds whatever the
-requests hold or the function does. `make_scorer` (picklable) builds the scorer in each
-scoring process.
+The server runs no reward function and decodes no request. It checks the token and the
+limits, hands the request's bytes to a scoring process (processes.py, child.py), and passes the
+answer's bytes back. So its event loop answers health checks and refusals within milliseconds,
+whatever the requests hold or the function does. `make_scorer` (picklable) builds the scorer
+in each scoring process.
 
 `rlhf-rewards serve` (cli.py) calls `serve`, which drains on SIGTERM/SIGINT/SIGHUP: health turns
 NOT_SERVING, new calls are refused with UNAVAILABLE, and calls in flight finish within the grace
-period. With `--workers N`, workers.py runs N of these on one port. Every limit answers at once
-with a status (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), before the request's body is read; nothing
-waits in an unbounded queue. The body is read within the call's deadline before a scoring
-process is taken, so a slow sender never holds one.
+period. With `--workers N`, workers.py runs N of these servers on one port. Every limit answers
+at once with a status (RESOURCE_EXHAUSTED, INVALID_ARGUMENT), and nothing waits in an unbounded
+queue. The concurrency limit answers before any of the request's body is read. The body is
+read within the call's deadline before a scoring process is taken, so a slow sender never
+holds a scoring process.
 """
 
 import asyncio
@@ -47,7 +48,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 MAX_LOG_MB = 1024
 MAX_SUB_SCORES = 1_000_000
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each drains; SIGHUP exited 129
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # all drain (SIGHUP once exited 129)
 MAX_CONNECTIONS = 4096
 """Connections open at once; past it gRPC closes new ones. Each costs a descriptor, and the
 server needs some of its own to replace a scoring process (1020 idle connections under a
@@ -174,9 +175,9 @@ class RewardServer:
             await self.health.set(name, status)
 
     async def _score(self, requests, context: grpc.aio.ServicerContext) -> None:
-        """Score (registered as streaming both ways, which is the same on the wire as unary,
-        so that nothing of the request is read before the checks below pass, and the answer's
-        send can be awaited)."""
+        """The Score method. It is registered as streaming both ways, which is the same on the
+        wire as unary, so that nothing of the request is read before the checks below pass,
+        and so that sending the answer can be awaited."""
         if self.draining or not self.processes.healthy:
             why = "shutting down" if self.draining else "unable to start its scoring processes"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"reward server is {why}")
@@ -211,9 +212,10 @@ class RewardServer:
             self.busy -= 1
 
     async def _write(self, context: grpc.aio.ServicerContext, response: bytes, deadline):
-        """Send the answer, the call still counted (max_concurrency) until it is sent: a client
-        that never read its answers had ~50 of them held in memory against a limit of 32
-        (2.8 GiB). One that has not taken it by the deadline is cancelled."""
+        """Send the answer. The call still counts against max_concurrency until the answer is
+        sent: a client that never read its answers had ~50 of them held in memory against a
+        limit of 32 (2.8 GiB). A call whose client has not taken the answer by the deadline
+        (plus WRITE_GRACE) is cancelled."""
         wait = max(0.0, deadline - asyncio.get_running_loop().time()) + WRITE_GRACE
         try:
             await asyncio.wait_for(context.write(response), wait)
@@ -224,8 +226,8 @@ class RewardServer:
             raise asyncio.CancelledError from None  # its private ExecuteBatchError, logged loud
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
-        """The request's body, read before a scoring process is taken and within the call's
-        deadline: a client that sends it slowly, or never, holds one admission slot
+        """Read the request's body before a scoring process is taken, within the call's
+        deadline. A client that sends the body slowly, or never, holds one admission slot
         (max_concurrency) and no scoring process, and only until its deadline."""
         wait = deadline - asyncio.get_running_loop().time()
         try:
@@ -291,10 +293,10 @@ async def start(
     processes: int = 1,
     reuse_port: bool = False,
 ) -> RewardServer:
-    """Start `processes` scoring processes, each building its scorer with `make_scorer()`
-    (processes.StartFailed when they cannot), and serve on `bind` (port 0 picks a free port;
-    see `.address`). With `reuse_port`, it shares the port with other servers that set it
-    (the workers of workers.py)."""
+    """Start `processes` scoring processes, each of which builds its scorer with
+    `make_scorer()`, and serve on `bind` (port 0 picks a free port; see `.address`). Raises
+    processes.StartFailed when a scorer cannot be built. With `reuse_port`, the server shares
+    the port with other servers that set it (the workers of workers.py)."""
     raise_descriptor_limit()
     check_bind(
         bind,
@@ -341,8 +343,9 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
     reflection.enable_server_reflection(
         [SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server
     )
-    # Past gRPC's bound in all, a bound per peer needs our own accept: gRPC then listens on a
-    # Unix socket in a private directory and the front relays to it (front.py).
+    # gRPC bounds only the total number of connections. A bound per peer needs our own accept:
+    # gRPC then listens on a Unix socket in a private directory, and the front relays to it
+    # (front.py).
     front = limits.max_connections_per_peer > 0 and not bind.startswith("unix:")
     if front:
         server._backend_dir = tempfile.mkdtemp(prefix="ferrule-rewards-")
@@ -386,9 +389,9 @@ async def _serve_grpc(server: RewardServer, bind, token, tls, reuse_port) -> Rew
 async def serve(
     make_scorer, bind: str, *, grace: float = 30.0, address_file: str | None = None, **options
 ) -> int:
-    """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a log rotation), then drain
-    (the `rlhf-rewards serve` main loop). Returns
-    how many calls the grace period cut off."""
+    """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal, a log rotation), then drain.
+    This is the `rlhf-rewards serve` main loop. Returns how many calls the grace period cut
+    off."""
     server = await start(make_scorer, bind, **options)
     stop = stop_requested(STOP_SIGNALS)
     security = "TLS" if options.get("tls") else "plaintext"
@@ -417,9 +420,10 @@ def write_address(path: str, address: str) -> None:
 
 
 def stop_requested(signals: tuple[int, ...], watch: int | None = None) -> asyncio.Event:
-    """An event set at the first of `signals`, or once the file descriptor `watch` turns
-    readable (workers watch a pipe whose other end closes when the supervisor dies). Call it
-    before saying that the server serves: a signal that comes first would kill the process."""
+    """Return an event that is set at the first of `signals`, or once the file descriptor
+    `watch` turns readable (workers watch a pipe whose other end closes when the supervisor
+    dies). Call it before announcing that the server serves: a signal that arrives before the
+    handlers are set would kill the process."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in signals:

@@ -1,19 +1,21 @@
-"""A scoring process and everything it started, killed together: what a reward function forks
-or spawns (`os.fork`, `Popen(start_new_session=True)`, a daemon's double fork) dies with it.
+"""Kill a scoring process together with everything it started. Whatever a reward function
+forks or spawns (`os.fork`, `Popen(start_new_session=True)`, a daemon's double fork) dies with
+the scoring process.
 
-    become_subreaper()            # in the scoring process's reaper (child.py), first thing
-    kill_tree(pid)                # the server: the process and all its descendants
-    kill_tree(os.getpid(), include_root=False)   # the process, before it exits by itself
+    become_subreaper()            # first thing in the scoring process's reaper (child.py)
+    kill_tree(pid)                # in the server: the process and all its descendants
+    kill_tree(os.getpid(), include_root=False)   # a process's descendants, before it exits
 
-A scoring process is a child subreaper (PR_SET_CHILD_SUBREAPER): an orphan of its subtree is
-re-parented to it instead of init, so every process it started stays among its descendants in
-/proc whatever they do (setsid leaves a process group and a session, never the tree). A process
-group or session alone would miss `setsid`; a cgroup would need privileges or systemd's
-delegation, which a `pip install`ed server cannot count on. `kill_tree` stops each member with
-SIGSTOP and looks again until no new one appears (a stopped process cannot fork), then SIGKILLs
-them all. What this cannot reach: a server killed with SIGKILL itself (its scoring processes
-die with it, through PR_SET_PDEATHSIG, and their children are orphaned to init): run the server
-under systemd or in a container to cover that.
+A scoring process is a child subreaper (PR_SET_CHILD_SUBREAPER). When a process in its subtree
+is orphaned, the kernel re-parents it to the scoring process instead of init. So every process
+that the scoring process started stays among its descendants in /proc, whatever it does:
+setsid leaves a process group and a session, but never the tree. Killing a process group or a
+session alone would miss `setsid`. A cgroup would need privileges or systemd's delegation,
+which a `pip install`ed server cannot count on. `kill_tree` stops each member with SIGSTOP and
+lists the tree again until no new member appears (a stopped process cannot fork), then sends
+SIGKILL to them all. This cannot cover a server that is itself killed with SIGKILL. Its scoring
+processes die with it (through PR_SET_PDEATHSIG), but their children are orphaned to init. Run
+the server under systemd or in a container to cover that case.
 """
 
 import contextlib
@@ -26,13 +28,14 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 def become_subreaper() -> None:
-    """Adopt the orphans of this process's subtree (Linux 3.4+; elsewhere a no-op)."""
+    """Make this process adopt the orphans of its subtree (Linux 3.4+; a no-op elsewhere)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def descendants(pid: int) -> list[int]:
-    """The processes below `pid`, from /proc/PID/task/*/children (those alive as it is read)."""
+    """The pids of all processes below `pid`, read from /proc/PID/task/*/children. Only the
+    processes alive at the time of reading are found."""
     found, todo = [], [pid]
     while todo:
         children = _children(todo.pop())
@@ -42,9 +45,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def _children(pid: int) -> list[int]:
-    """The children of each of `pid`'s threads; none once it has exited. A process can exit
-    between being listed and being read: /proc then answers ENOENT or, while it is a zombie,
-    ESRCH. Any other error (EMFILE) is raised: a kill must not miss a process silently."""
+    """The children of each thread of `pid`, or [] once `pid` has exited. A process can exit
+    between being listed and being read. /proc then answers ENOENT, or ESRCH while the process
+    is a zombie. Any other error (EMFILE) is raised, because a kill must not miss a process
+    silently."""
     gone = (FileNotFoundError, ProcessLookupError)
     try:
         threads = os.listdir(f"/proc/{pid}/task")
@@ -58,7 +62,8 @@ def _children(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int, *, include_root: bool = True) -> int:
-    """SIGKILL `pid` (unless not `include_root`) and every process below it; how many."""
+    """Send SIGKILL to every process below `pid`, and to `pid` itself when `include_root`.
+    Returns how many processes were signalled."""
     stopped: set[int] = set()
     while True:
         members = descendants(pid) + ([pid] if include_root else [])

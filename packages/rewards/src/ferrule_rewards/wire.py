@@ -1,10 +1,12 @@
-"""The Score call's bytes: a ScoreRequest into rows for a scorer, and results into a
-ScoreResponse. This runs in the scoring processes (child.py), never on the server's event loop:
-decoding a large request takes seconds, and health checks must not wait for it.
+"""The bytes of the Score call: a ScoreRequest is decoded into rows for a scorer, and results
+are encoded into a ScoreResponse. This code runs in the scoring processes (child.py), never on
+the server's event loop: decoding a large request takes seconds, and health checks must not
+wait for it.
 
-A ScoreResponse's bytes are its results' bytes one after another (each a `results` field), so
-a scoring process encodes each result as a `chunk`, and the server puts chunks together in
-order without decoding any. `Budget` keeps the whole within the server's message limit.
+The bytes of a ScoreResponse are the bytes of its results one after another (each is a
+`results` field). So a scoring process encodes each result as a `chunk`, and the server joins
+the chunks in order without decoding any. `Budget` keeps the whole response within the
+server's message limit.
 """
 
 import struct
@@ -27,11 +29,13 @@ _CONTAINERS = {"metadata": dict, "prompt_token_ids": list, "response_token_ids":
 
 
 class InvalidRequest(ValueError):
-    """The request is not one the server scores: INVALID_ARGUMENT, with this message."""
+    """The server does not score this request: the call fails with INVALID_ARGUMENT and this
+    message."""
 
 
 def decode(body, max_batch: int) -> list:
-    """The samples of a serialized ScoreRequest; InvalidRequest saying what is wrong."""
+    """Return the samples of a serialized ScoreRequest, or raise InvalidRequest saying what is
+    wrong."""
     try:
         samples = pb.ScoreRequest.FromString(body).samples
     except DecodeError as error:
@@ -115,10 +119,11 @@ message limit (server.Limits)."""
 
 
 def within(chunks: list[bytes], max_bytes: int) -> list[bytes]:
-    """`chunks`, the last results longer than OVER_LIMIT_CHUNK replaced by it until the whole
-    takes at most `max_bytes`: every sample keeps a result, the late ones an ERROR. Budget
-    fails a huge result itself as it comes; this also covers what it does not see (the
-    server's TIMEOUT and ERROR results, samples without a response)."""
+    """Replace results longer than OVER_LIMIT_CHUNK with it, the last ones first, until
+    `chunks` take at most `max_bytes` in all. Every sample keeps a result, and the replaced ones
+    are an ERROR. Budget already fails a huge result as it comes; this function also covers
+    what Budget does not see (the server's TIMEOUT and ERROR results, samples without a
+    response)."""
     total, small = sum(map(len, chunks)), len(OVER_LIMIT_CHUNK)
     index = len(chunks)
     while total > max_bytes and index:
@@ -130,10 +135,11 @@ def within(chunks: list[bytes], max_bytes: int) -> list[bytes]:
 
 
 class Budget:
-    """What a response may still take: a result past `max_sub_scores` sub-scores is its
-    sample's INVALID_REWARD, and one that would take the response past `max_bytes` (counting
-    SMALL bytes for each of the `left` results still to come) its sample's ERROR. So a huge
-    result fails its own sample, never the whole call."""
+    """What a response may still take. A result with more than `max_sub_scores` sub-scores
+    becomes an INVALID_REWARD for its sample. A result that would take the response past
+    `max_bytes` becomes an ERROR for its sample; the check counts SMALL bytes for each of the
+    `left` results still to come. So a huge result fails its own sample, never the whole
+    call."""
 
     def __init__(self, max_bytes: int, max_sub_scores: int, left: int, used: int = 0):
         self.max_bytes, self.max_sub_scores = max_bytes, max_sub_scores

@@ -3,12 +3,13 @@
     supervise(partial(make_scorer, args), "127.0.0.1:50051", workers=4, grace=30, token=token)
 
 A Python process serves gRPC on one core. The supervisor (the calling process) holds the port
-and spawns N workers; each runs its own grpc.aio server on that port with SO_REUSEPORT, with
-its own scoring processes (`make_scorer` must pickle: a module-level function, or a partial of
-one), and the kernel spreads incoming connections over them. The supervisor logs `serving ... on HOST:PORT`
-once every worker accepts calls, drains them all on SIGTERM, SIGINT or SIGHUP, and replaces a worker
-that dies, unless the same one dies MAX_DEATHS times within DEATH_WINDOW seconds. Workers exit
-when the supervisor does, even when it is killed: each watches a pipe from it.
+and spawns N workers. Each worker runs its own grpc.aio server on that port with SO_REUSEPORT
+and has its own scoring processes, and the kernel spreads incoming connections over the
+workers. `make_scorer` must pickle: pass a module-level function, or a partial of one. The
+supervisor logs `serving ... on HOST:PORT` once every worker accepts calls, and drains them all
+on SIGTERM, SIGINT or SIGHUP. It replaces a worker that dies, unless the same worker slot dies
+MAX_DEATHS times within DEATH_WINDOW seconds. Workers exit when the supervisor does, even when
+it is killed, because each worker watches a pipe from it.
 """
 
 import asyncio
@@ -32,7 +33,7 @@ MAX_DEATHS, DEATH_WINDOW = 3, 60.0
 
 
 class WorkerFailed(Exception):
-    """A worker could not start, or kept dying. `status` is the exit status it asks for."""
+    """A worker could not start, or kept dying. `status` is the exit status to exit with."""
 
     def __init__(self, message: str, status: int = 1):
         super().__init__(message)
@@ -40,9 +41,10 @@ class WorkerFailed(Exception):
 
 
 def reserve_port(bind: str) -> socket.socket:
-    """A socket bound to `bind` (port 0: a free port) that the workers can join, held open
-    without listening. The bind itself is without SO_REUSEPORT, so that it fails when anything
-    holds the port: a busy port is an error here, as it is for a single server process."""
+    """Return a socket bound to `bind` (port 0 picks a free port) that the workers can join. It
+    is held open without listening. The bind itself is done without SO_REUSEPORT, so that it
+    fails when anything else holds the port: a busy port is an error here, as it is for a single
+    server process."""
     host, port = split_address(bind)
     sock = None
     try:
@@ -50,7 +52,8 @@ def reserve_port(bind: str) -> socket.socket:
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
         sock = socket.socket(family, kind)
-        # As gRPC does: connections of an earlier server in TIME_WAIT do not block the port.
+        # As gRPC does, so that connections of an earlier server in TIME_WAIT do not block the
+        # port.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # now workers may join
@@ -71,9 +74,10 @@ def supervise(
     address_file: str | None = None,
     **options,
 ) -> None:
-    """Serve with `workers` processes until SIGTERM or SIGINT, then drain them all. `options`
-    go to server.start in each worker (token, tls, limits). Raises WorkerFailed when a worker
-    fails before all serve, or keeps dying."""
+    """Serve with `workers` processes until SIGTERM, SIGINT or SIGHUP, then drain them all.
+    `options` (token, tls, limits) go to server.start in each worker. Raises WorkerFailed when a
+    worker fails before all workers serve, when one keeps dying, or when one does not stop
+    cleanly."""
     if bind.startswith("unix:"):
         raise ValueError(f"--workers > 1 needs a host:port to share, not {bind}")
     tls = options.get("tls")
@@ -87,7 +91,7 @@ def supervise(
     woken, wake = socket.socketpair()
     wake.setblocking(False)
     previous_fd = signal.set_wakeup_fd(wake.fileno())
-    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # as server.STOP_SIGNALS
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # = server.STOP_SIGNALS
     previous = {s: signal.signal(s, lambda *_: None) for s in stop_signals}
     pool = _Pool(make_scorer, address, workers, grace, log_level, options)
     pool.address_file = address_file
@@ -108,7 +112,8 @@ def supervise(
 
 
 class _Slot:
-    """One of the N worker places: its current process, and when earlier ones died."""
+    """One of the N worker slots: its current process, and when earlier processes in it
+    died."""
 
     def __init__(self, index: int):
         self.index = index
@@ -125,9 +130,9 @@ class _Pool:
         self.address, self.grace = address, grace
         self.secure = "TLS" if options.get("tls") else "plaintext"
         self.slots = [_Slot(index) for index in range(workers)]
-        self.serving = False  # every worker accepted calls once; the address was announced
+        self.serving = False  # True once every worker accepted calls and the address was told
         self.address_file: str | None = None
-        self.context = multiprocessing.get_context("spawn")  # never fork a process with gRPC
+        self.context = multiprocessing.get_context("spawn")  # never fork a process running gRPC
 
     def start(self, slot: _Slot) -> None:
         slot.pipe, child_end = self.context.Pipe()
@@ -147,14 +152,14 @@ class _Pool:
             pipes = {slot.pipe: slot for slot in self.slots if slot.pipe is not None}
             ends = {slot.process.sentinel: slot for slot in self.slots}
             ready_ones = wait([woken, *pipes, *ends])
-            if woken in ready_ones:  # first: a worker that exits now was stopped with us
+            if woken in ready_ones:  # first: a worker exiting now was stopped with the supervisor
                 signum = woken.recv(1)[0]
                 log.info("%s: stopping %d workers", signal.Signals(signum).name, len(ends))
                 return
             for ready in ready_ones:
                 if ready in ends:
                     self.replace(ends[ready])
-                elif pipes[ready].pipe is ready:  # not replaced a moment ago
+                elif pipes[ready].pipe is ready:  # the slot was not replaced a moment ago
                     self.hear(pipes[ready])
 
     def hear(self, slot: _Slot) -> None:
@@ -188,7 +193,7 @@ class _Pool:
 
     def replace(self, slot: _Slot) -> None:
         """A worker exited without being asked to: start another, or give up."""
-        while slot.pipe is not None and slot.pipe.poll():  # its last words
+        while slot.pipe is not None and slot.pipe.poll():  # what it sent before it exited
             self.hear(slot)
         slot.process.join()  # its sentinel may close a moment before it can be reaped
         code, pid = slot.process.exitcode, slot.process.pid
@@ -216,8 +221,9 @@ class _Pool:
         self.start(slot)
 
     def stop(self) -> list[int]:
-        """SIGTERM every worker (each drains), wait for them, kill those past grace + 10 s.
-        Returns the slots whose worker did not exit 0 (the grace period cut calls off)."""
+        """Send SIGTERM to every worker (each one drains), wait for them, and kill those still
+        running after grace + 10 s. Returns the indices of the slots whose worker did not exit
+        with status 0 (the grace period cut calls off)."""
         live = [slot for slot in self.slots if slot.process and slot.process.is_alive()]
         for slot in live:
             slot.process.terminate()
@@ -239,9 +245,9 @@ class _Pool:
 
 
 def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> None:
-    """A worker process: build the scorer, serve, tell the supervisor; drain on SIGTERM or
+    """A worker process: build the scorer, serve, and tell the supervisor. Drain on SIGTERM or
     when the supervisor's end of the pipe closes."""
-    # Ctrl-C and a terminal's hangup reach the supervisor too, which stops us.
+    # Ctrl-C and a terminal's hangup also reach the supervisor, which then stops this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logs.configure(log_level, f"%(asctime)s %(levelname)s %(name)s[worker {index}]: %(message)s")
@@ -249,7 +255,7 @@ def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> Non
 
     try:
         cut_off = asyncio.run(_serve(make_scorer, pipe, address, grace, options))
-    except StartFailed as error:  # the scorer could not be built: its own status
+    except StartFailed as error:  # the scorer could not be built: exit with its status
         _tell(pipe, "error", str(error), error.status)
         sys.exit(error.status)
     except (ValueError, TypeError, OSError) as error:  # bad arguments: exit 2, as cli.py does
@@ -258,7 +264,7 @@ def _worker(index, pipe, make_scorer, address, grace, log_level, options) -> Non
     except BaseException:
         _tell(pipe, "error", traceback.format_exc().rstrip(), 1)
         sys.exit(1)
-    finally:  # a multiprocessing child runs no atexit: the last log lines, written now
+    finally:  # a multiprocessing child runs no atexit, so write the last log lines now
         logs.drain()
     sys.exit(1 if cut_off else 0)
 

@@ -5,7 +5,7 @@
     samples = engine.generate(["2 + 2 ="], SamplingSettings(n=4, max_tokens=32))
 
 `TransformersEngine` (hf_engine.py) has the same interface without vLLM. Importing this package
-is cheap: vLLM, torch and transformers load when an engine starts.
+is cheap: vLLM, torch and transformers are imported only when an engine starts.
 """
 
 from importlib.metadata import PackageNotFoundError
@@ -28,8 +28,10 @@ except PackageNotFoundError:  # run from a source checkout on PYTHONPATH (the GP
 
 
 def __getattr__(name: str):
-    if name == "VLLMEngine":  # lazily: it imports vLLM only when an engine starts, but
-        from ferrule_rollout.vllm_engine import VLLMEngine  # keep the module itself light too
+    # Import the engine modules lazily. vllm_engine.py imports vLLM only when an engine starts,
+    # but keeping the module itself out of the package import keeps the import light too.
+    if name == "VLLMEngine":
+        from ferrule_rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine
     if name == "TransformersEngine":

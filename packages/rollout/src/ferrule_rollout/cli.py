@@ -18,13 +18,13 @@ import threading
 
 from ferrule_grpc_auth import add_server_options, check_bind, server_security
 from ferrule_rollout.security import TOKEN_ENV
-from ferrule_rollout.server import CONTROL_THREADS  # grpc only, as ferrule_grpc_auth
+from ferrule_rollout.server import CONTROL_THREADS  # imports grpc, but not vLLM or torch
 
-DEFAULT_BIND = "127.0.0.1:50052"  # the reward server's is 50051: both run side by side
+DEFAULT_BIND = "127.0.0.1:50052"  # the reward server uses 50051, so both can run side by side
 
 
 def _at_least(lowest: int):
-    """An argparse type: an int >= `lowest`, or a message that says so."""
+    """An argparse type that accepts an int >= `lowest` and otherwise says what is wrong."""
 
     def parse(text: str) -> int:
         try:
@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
     from ferrule_rollout.samples import RolloutError
     from ferrule_rollout.server import serve as start_server
 
-    try:  # before the engine loads: a refused address costs nothing
+    try:  # check the address before the engine loads, so that refusing it costs nothing
         token, tls = server_security(args, token_env=TOKEN_ENV)
         client_auth = tls is not None and tls.client_ca is not None
         check_bind(args.bind, token=token, client_auth=client_auth, token_env=TOKEN_ENV)

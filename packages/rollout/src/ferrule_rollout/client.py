@@ -1,4 +1,4 @@
-"""A Python client for `rlhf-rollout serve`: the VLLMEngine verbs over gRPC.
+"""A Python client for `rlhf-rollout serve`: the VLLMEngine methods over gRPC.
 
     client = RolloutClient("127.0.0.1:50052")
     client = RolloutClient("10.0.0.5:50052", token=token, tls_ca="ca.pem")   # a secured server

@@ -4,8 +4,9 @@
     engine = table.engine_class()(model, dtype="float32", **table.engine_options())
     samples = engine.generate(prompts, table.sampling(n=8))
 
-A ferrule_config `Table` (a pydantic model with a docstring under each field; unknown keys are
-errors); `ferrule_config.load_config` reads a whole file and reports every error at once.
+EngineConfig is a ferrule_config `Table`: a pydantic model with a docstring under each field, in
+which unknown keys are errors. `ferrule_config.load_config` reads a whole file and reports every
+error at once.
 """
 
 from typing import Literal
@@ -17,11 +18,12 @@ from ferrule_rollout.samples import SamplingSettings
 
 
 class EngineConfig(Table):
-    """The rollout engine's keys (ferrule-launcher's [rollout] adds the engines' roles)."""
+    """The rollout engine's keys. ferrule-launcher's [rollout] table adds the engines' roles."""
 
     backend: Literal["vllm", "transformers"] = "vllm"
-    """"vllm" (the default, and the engine for speed), or "transformers" (Hugging Face generate:
-    for machines without vLLM; no tensor parallelism; rows join and leave within a call only)."""
+    """"vllm" (the default, and the faster engine) or "transformers" (a plain Hugging Face model,
+    for machines without vLLM). The transformers engine has no tensor parallelism, and its rows
+    join and leave only within a call."""
 
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature (> 0; the trainer scores tokens under the same temperature)."""
@@ -32,56 +34,61 @@ class EngineConfig(Table):
     max_model_len: int = Field(128, ge=8)
     """Longest prompt + response the engine accepts."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Fraction of device memory for vLLM (of CPU memory on CPU; VLLM_CPU_KVCACHE_SPACE wins)."""
+    """Fraction of device memory for vLLM (of CPU memory on CPU, where VLLM_CPU_KVCACHE_SPACE
+    takes precedence)."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
-    """vLLM: devices each engine shards its model over (its workers are weight-sync receivers)."""
+    """vLLM: the number of devices each engine shards its model over. Each of the engine's
+    workers is a weight-sync receiver."""
     enforce_eager: bool | None = None
     """vLLM: no CUDA graphs (None: CUDA graphs on GPUs, eager elsewhere)."""
     enable_prefix_caching: bool = False
     """vLLM: reuse the KV cache of shared prompt prefixes (cleared on every weight update)."""
     sleep_between_phases: bool = False
     """Hybrid engine: free the engine's accelerator memory while the trainer trains on the same
-    GPUs, keeping its weights in host memory (vLLM sleep level 1), and take it back to generate."""
+    GPUs, and take the memory back to generate. The engine keeps its weights in host memory
+    meanwhile (vLLM sleep level 1)."""
     max_batch_size: int = Field(256, ge=1)
-    """transformers: most sequences decoding at once; a call of more queues the rest, which take
-    the rows of finished ones (vLLM schedules its own batches)."""
+    """transformers: the most sequences that decode at once. A call with more queues the rest,
+    and they take the rows of finished sequences (vLLM schedules its own batches)."""
     kv_cache_tokens: int = Field(0, ge=0)
-    """transformers: the KV cache's size in tokens, shared by the rows in pages of 64 slots
-    that each row takes as it grows and gives back when it ends (0: max_batch_size x
-    max_model_len, so no row ever waits). Smaller lets more rows run than a cache of
-    max_model_len a row would hold: at long caps most samples of a long-tailed batch are
-    short (at 1.5B and a 16,384 cap, 512 rows in the memory of 128: benchmarks/RESULTS.md,
-    issue 57). When the pages run out, the rows started last go back to the queue and run
-    again from their prompts (the same samples: draws are keyed). At least max_model_len."""
+    """transformers: the KV cache's size in tokens. The rows share it in pages of 64 slots: a
+    row takes pages as it grows and gives them back when it ends. 0 means max_batch_size x
+    max_model_len, so no row ever waits. A smaller cache runs more rows in the same memory than
+    max_model_len slots per row would, because at long caps most samples of a long-tailed batch
+    are short (at 1.5B and a 16,384 cap, 512 rows ran in the memory of 128:
+    benchmarks/RESULTS.md, issue 57). When the pages run out, the rows started last go back to
+    the queue and run again from their prompts. They give the same samples, because the draws
+    are keyed. Must be at least max_model_len."""
     compact_rows: bool = True
-    """transformers: once no prompt of a call waits and its running rows fit in 1/16 of the
-    rows, they move there and decode at that narrower shape (a step costs its rows' weight
-    reads whether they run or idle; a long-tailed batch spends most steps on a few long
-    responses: benchmarks/RESULTS.md, issue 57). Not in exact mode."""
+    """transformers: once no prompt of a call waits and the running rows fit in 1/16 of the
+    rows, move them into those rows and decode at that narrower shape. A step costs its rows'
+    weight reads whether the rows run or idle, and a long-tailed batch spends most steps on a
+    few long responses (benchmarks/RESULTS.md, issue 57). Not in exact mode."""
     exact: bool = False
     """transformers: batch-invariant numerics in the engine and in the trainer's policy and
-    reference (ferrule_rollout.exact), so the logprobs the engine samples with are bit for bit
-    the trainer's and no rollout correction is needed; generation is ~30% slower (measured at
-    1.5B on an H100, benchmarks/RESULTS.md). Needs top_p = 1 and no LoRA."""
+    reference (ferrule_rollout.exact). The logprobs that the engine samples with are then bit
+    for bit the trainer's, and no rollout correction is needed. Generation is ~30% slower
+    (measured at 1.5B on an H100, benchmarks/RESULTS.md). Needs top_p = 1 and no LoRA."""
     compile_decode: bool | Literal["auto"] = "auto"
-    """transformers on CUDA: decode steps and their log-softmax through torch.compile before
-    they are captured as CUDA graphs (at 1.5B a 512-row step 8.2 -> 5.6 ms on an H100), once the
-    one decode shape, max_batch_size rows x max_model_len slots, has compiled at the first call:
-    region by region, one compile serving every layer (~7 s at 1.5B on an H200; ~38 s for the
-    whole forward, as before 2026-11-30).
-    "auto": on unless exact (inductor reorders math) or
-    sleep_between_phases (each wake makes new graphs: not measured compiled)."""
+    """transformers on CUDA: run decode steps and their log-softmax through torch.compile
+    before they are captured as CUDA graphs (at 1.5B, a 512-row step went from 8.2 to 5.6 ms on
+    an H100). Every call then decodes at one shape, max_batch_size rows x max_model_len slots,
+    which compiles at the first call. It compiles region by region, so one compile serves every
+    layer (~7 s at 1.5B on an H200, against ~38 s for the whole forward before 2026-11-30).
+    "auto": on, unless exact is set (inductor reorders math) or sleep_between_phases is set
+    (each wake makes new graphs, which was not measured with compiling)."""
 
     reuse_cut_kv: bool = False
     """transformers, with [loop] partial_rollout: a cut sample's keys and values stay in its
-    row of the engine's KV cache, and the next step's call resumes it there instead of
+    row of the engine's KV cache, and the next step's call resumes the sample there instead of
     prefilling its prompt and tokens again. Those keys and values were computed under the
-    weights before the step's update (as PipelineRL's in-flight updates; AReaL recomputes them,
-    as this engine does without the key): the logprobs the engine records are the ones each
-    token was drawn with, which rollout correction uses. A call in between that does not
-    continue them (an evaluation) or a sleep loses them: they are then prefilled. With several
-    engines a continued sample is resumed only where the launcher's split of the call sends it
-    back to the engine that cut it (not routed: measured on one engine)."""
+    weights from before the step's update, as in PipelineRL's in-flight updates (AReaL
+    recomputes them, as this engine does without this key). The logprobs that the engine
+    records are the ones each token was drawn with, which is what rollout correction uses. A
+    call in between that does not continue the samples (an evaluation), or a sleep, loses the
+    kept keys and values, and the samples are then prefilled. With several engines, a sample is
+    resumed only when the launcher's split of the call sends it back to the engine that cut it
+    (samples are not routed there; measured on one engine)."""
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -1,23 +1,26 @@
 """The transformers engine's decode loop: a paged KV cache, decode steps replayed as CUDA graphs,
-sampling, logprobs and EOS / length stops on the device, the host reading every few steps.
+sampling, logprobs and EOS / length stops on the device, and host reads every few steps.
 
     decoder = Decoder(model, float_mask=False)     # TransformersEngine makes one per weight layout
     results = decoder.generate(prompts, limits, pad=0, keys=keys, ..., max_rows=256)
     tokens, logprobs, length, finish = results[0]    # finish: "stop", "length" or "abort"
 
-The model is a plain Hugging Face causal LM: its forward runs with a 4D attention mask we build and
-a cache object of ours (`SlabCache`), so any model whose attention layers call
-`past_key_values.update(...)` works. On CUDA each (rows bucket, slots) shape is captured once as a
-graph (compiled, there is one shape: the engine's most rows and longest sequence), and decode
-attention (kernels.py) reads each row's slots only as far as it has got, through the row's page
-table; on CPU the same steps run eagerly, attention through sdpa over the rows' pages gathered.
-Each row has its own next slot, so finished rows leave and queued prompts take their rows at the
-host's reads (continuous batching within a call); a row that holds nothing stays at slot 0.
-A row takes pages of the cache as it grows and gives them back when it ends, so a long-tailed
-batch's short rows leave the pool to its long ones: with `kv_tokens` below rows x the longest
-sequence, more rows run than a slab of max_model_len a row would hold, and when the pool runs
-out the rows started last go back to the queue (their draws are keyed, so they come out the
-same when they run again).
+The model is a plain Hugging Face causal LM. Its forward runs with a 4D attention mask that we
+build and with a cache object of ours (`SlabCache`), so any model whose attention layers call
+`past_key_values.update(...)` works. On CUDA, each (rows bucket, slots) shape is captured once as
+a graph. With compile_decode there is only one shape: the engine's most rows and longest
+sequence. Decode attention (kernels.py) reads each row's slots only as far as the row has got,
+through the row's page table. On CPU the same steps run eagerly, and attention runs through sdpa
+over the rows' gathered pages.
+
+Each row has its own next slot, so at the host's reads, finished rows leave and queued prompts
+take their rows (continuous batching within a call). A row that holds nothing stays at slot 0.
+A row takes pages of the cache as it grows and gives them back when it ends, so the short rows of
+a long-tailed batch leave the pool to its long rows. With `kv_tokens` below rows x the longest
+sequence, more rows run than a slab of max_model_len slots per row would hold. When the pool runs
+out, the rows started last go back to the queue. Their draws are keyed, so they come out the
+same when they run again.
+
 Sampling (sampling.py) draws one uniform per row and step from a hash of (the row's key, the
 step), so a seeded sample is the same whatever else is in the batch.
 """
@@ -34,26 +37,32 @@ from ferrule_rollout.sampling import sample, sampling_logprobs, uniforms
 READ_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
 SLOT_ALIGN = PAGE  # a view's slots per row, rounded up to whole pages (few graph shapes)
 KEPT_GRAPHS = 8  # captured (rows, slots) shapes kept; the oldest goes first
-NARROWER = 16  # the tail's compaction: its rows move into 1/16 of them (see _Rows.compact)
+NARROWER = 16  # tail compaction moves the running rows into 1/16 of the rows (_Rows.compact)
 FEWEST_ROWS = 8  # and never into fewer than this
-PREFILL_TOKENS = 16384  # a prefill group's most (padded) tokens: rows x the longest prompt
-# Prefill's attention kernels, cuDNN's left out: torch's first choice on Hopper, it builds a plan
-# for each new shape (76 ms each on an H200 against 2 ms for flash, the same speed after:
-# benchmarks/RESULTS.md, 2026-11-30), and prefill groups change shape with every call.
+PREFILL_TOKENS = 16384  # the most (padded) tokens in a prefill group: rows x the longest prompt
+# Prefill's attention kernels, without cuDNN's. cuDNN is torch's first choice on Hopper, but it
+# builds a plan for each new shape (76 ms each on an H200 against 2 ms for flash, and the same
+# speed after that: benchmarks/RESULTS.md, 2026-11-30). Prefill groups change shape every call.
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-PREFILL_SCORES = 1 << 24  # float masks: a prefill forward's most scores a head, rows x new x seen
+PREFILL_SCORES = 1 << 24  # float masks: most scores per head per prefill forward, rows x new x seen
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """One-token queries against the cache: with `slab_table` (SlabCache.paged_reads: `key` and
-    `value` are the layer's pools) kernels.decode_attention, which reads each row's pages only
-    up to `slab_slots` (each row's own, passed down by Decoder.forward); else sdpa over the
-    rows' slots gathered, the query heads grouped under their KV head ([rows, kv, group, dim]
-    against [rows, kv, slots, dim]), so the cache is read once rather than copied `group` times
-    first (HF's repeat_kv). Prefill: with `causal_prefill` (Decoder.forward's `causal`: right-padded prompts
-    attending to their own columns only) sdpa's causal kernels, no mask (flash on CUDA, see
-    PREFILL_BACKENDS: a call's prefill at 1.5B took 2.2 s where the mask took 3.8,
-    benchmarks/RESULTS.md); else HF's sdpa with the mask."""
+    """The engine's attention function, registered with transformers.
+
+    Decode (one-token queries against the cache):
+    - With `slab_table` (SlabCache.paged_reads, where `key` and `value` are the layer's pools),
+      run kernels.decode_attention. It reads each row's pages only up to the row's own entry of
+      `slab_slots`, which Decoder.forward passes down.
+    - Otherwise run sdpa over the rows' gathered slots, with the query heads grouped under their
+      KV head ([rows, kv, group, dim] against [rows, kv, slots, dim]). The cache is then read
+      once, rather than first copied `group` times (HF's repeat_kv).
+    Prefill:
+    - With `causal_prefill` (Decoder.forward's `causal`: right-padded prompts that attend to
+      their own columns only), run sdpa's causal kernels without a mask (flash on CUDA, see
+      PREFILL_BACKENDS). A call's prefill at 1.5B took 2.2 s this way, where the mask took 3.8
+      (benchmarks/RESULTS.md).
+    - Otherwise run HF's sdpa with the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     rows, heads, length, dim = query.shape
@@ -67,7 +76,7 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
     special = kw.get("sliding_window") or kw.get("softcap") or kw.get("s_aux") is not None
     if table is not None:
         if special or length != 1 or attention_mask.dtype != torch.bool:
-            raise RuntimeError(  # plain_attention decides before the first step: never here
+            raise RuntimeError(  # plain_attention rules this out before the first step
                 "paged decode attention got a query it does not cover (a sliding window, a "
                 "softcap, attention sinks or a float mask)"
             )
@@ -97,15 +106,16 @@ def plain_attention(config) -> bool:
 
 
 class SlabCache:
-    """The KV cache as HF attention layers see it (`update`): per layer a pool of pages for the
-    keys and one for the values, [pages, kv heads, PAGE, head dim] each, and a table [rows,
-    pages a row] naming the page that holds each row's slots PAGE * k .. PAGE * (k + 1). A row
-    takes pages as it grows (`cover`) and gives them back when it ends (`release`); page 0
-    belongs to no row: a table entry not yet given points at it, and what an idle row or a
-    captured graph writes there is never read. Each row has its own next slot (device
-    tensors), so a captured graph writes wherever each row has got to when it replays.
-    `pages`: the pool's size, fixed (the engine's kv_tokens); None: rows x the view's pages,
-    grown with the view, so that no row waits for a page."""
+    """The KV cache as HF attention layers see it (through `update`).
+
+    Each layer has a pool of pages for the keys and one for the values, each [pages, kv heads,
+    PAGE, head dim]. A table [rows, pages per row] names the page that holds each row's slots
+    PAGE * k to PAGE * (k + 1) - 1. A row takes pages as it grows (`cover`) and gives them back
+    when it ends (`release`). Page 0 belongs to no row: a table entry without a page points at
+    it, and nothing reads what an idle row or a captured graph writes there. Each row has its
+    own next slot (in device tensors), so a captured graph writes wherever each row has got to
+    when it replays. `pages` fixes the pool's size (the engine's kv_tokens). With None, the pool
+    holds rows x the view's pages and grows with the view, so that no row waits for a page."""
 
     def __init__(self, config, dtype, device, pages: int | None = None):
         heads = config.num_attention_heads
@@ -114,16 +124,16 @@ class SlabCache:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.dtype, self.device, self.fixed = dtype, device, pages
         self.keys, self.values = [], []  # per layer [pages, kv heads, PAGE, head dim]
-        self.table = torch.zeros((0, 0), dtype=torch.long, device=device)  # [rows, pages a row]
+        self.table = torch.zeros((0, 0), dtype=torch.long, device=device)  # [rows, pages per row]
         self.owned: list[list[int]] = []  # each row's pages, in slot order (host)
         self.free: list[int] = []  # pages no row holds
         self.rows = self.seen = self.pages = self.at = None  # set by `aim` before each forward
-        self.paged_reads = False  # decode: `update` gives the pools (Decoder sets it)
-        self.allocations = 0  # how often the pool was (re)allocated: what it held is gone
+        self.paged_reads = False  # decode: `update` returns the whole pools (Decoder sets this)
+        self.allocations = 0  # times the pool was (re)allocated, each time losing what it held
 
     def reserve(self, rows: int, length: int) -> bool:
-        """Room for `rows` rows of `length` slots (whole pages); True when the pool or the table
-        had to be reallocated, which loses what the pages held."""
+        """Make room for `rows` rows of `length` slots (whole pages). Return True when the pool
+        or the table had to be reallocated, which loses what the pages held."""
         width = length // PAGE
         pages = self.fixed or rows * width + 1  # unless fixed: every row can reach the end
         if self.fixed is not None and self.fixed < width + 1:
@@ -150,8 +160,8 @@ class SlabCache:
         return True
 
     def cover(self, wanted: dict[int, int], spare: int = 0) -> bool:
-        """Pages for each row r of `wanted` up to slot wanted[r] (exclusive); False, giving
-        none, when fewer than those and `spare` more are free."""
+        """Give each row r of `wanted` pages up to slot wanted[r] (exclusive). Return False,
+        giving no pages, when fewer pages are free than those plus `spare` more."""
         more = {r: -(-n // PAGE) - len(self.owned[r]) for r, n in wanted.items()}
         if sum(n for n in more.values() if n > 0) + spare > len(self.free):
             return False
@@ -176,8 +186,8 @@ class SlabCache:
             self.table[self._index(rows)] = 0
 
     def move(self, order: list[int]) -> None:
-        """Rows order[k] become rows k (the tail's compaction): their pages go with them, the
-        rows after them hold none."""
+        """Row order[k] becomes row k (the tail's compaction), and its pages go with it. The
+        rows after the moved ones hold no pages."""
         self.table[: len(order)] = self.table[self._index(order)]
         self.table[len(order) :] = 0
         moved = [self.owned[r] for r in order]
@@ -201,11 +211,11 @@ class SlabCache:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def aim(self, rows, slots, seen: int | None) -> None:
-        """Where the next forward writes. Decode (`rows` None): row r its one token at slots[r].
-        Prefill: rows `rows` their tokens at the shared `slots`. Its attention reads each row's
-        first `seen` slots (None: prefill's own tokens only). The pages and the offsets in them
-        are looked up here once for every layer (a decode step's three small kernels a layer
-        otherwise)."""
+        """Set where the next forward writes. Decode (`rows` None): row r writes its one token
+        at slots[r]. Prefill: rows `rows` write their tokens at the shared `slots`. The
+        forward's attention reads each row's first `seen` slots (None: only prefill's own
+        tokens). The pages and the offsets within them are looked up here once for every layer;
+        otherwise a decode step would run three small kernels per layer."""
         self.rows, self.seen, self.at = rows, seen, slots % PAGE
         if rows is None:
             self.pages = self.table[torch.arange(len(slots), device=slots.device), slots // PAGE]
@@ -214,9 +224,9 @@ class SlabCache:
             self.at = self.at[None, :]
 
     def update(self, key, value, layer_idx: int, *args, **kwargs):
-        """Write the layer's new keys and values where `aim` said; return what its attention
-        reads: the pools (decode with paged_reads), the new keys (causal prefill), else the
-        rows' first `seen` slots gathered."""
+        """Write the layer's new keys and values where `aim` said. Return what the layer's
+        attention reads: the pools (decode with paged_reads), the new keys and values (causal
+        prefill), or else the rows' first `seen` slots, gathered."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if key.shape[1] != self.kv_heads or key.shape[-1] != self.head_dim:
             raise RuntimeError(
@@ -250,10 +260,10 @@ class Step:
         self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
         self.pad_ok = torch.zeros((rows, length), dtype=torch.bool, device=device)
-        self.slot = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next one
-        # 1 for a row that holds a prompt, 0 for an idle one: an idle row stays at slot 0, so
-        # decode attention reads one slot of it, not the whole slab (at 1.5B, 256 rows and
-        # 4160 slots, idle rows at the end read 30 GB a step: most of a long-tailed batch's time)
+        self.slot = torch.zeros(rows, dtype=torch.long, device=device)  # each row's next slot
+        # 1 for a row that holds a prompt, 0 for an idle row. An idle row stays at slot 0, so
+        # decode attention reads one slot of it, not the whole slab. (At 1.5B, with 256 rows and
+        # 4160 slots, idle rows at the end read 30 GB a step: most of a long-tailed batch's time.)
         self.moving = torch.zeros(rows, dtype=torch.long, device=device)
         self.last = length - 1  # a row past its end stays here until the host's next read
         self.last_position = min(length, decoder.max_positions or length) - 1
@@ -266,9 +276,10 @@ class Step:
         return logits
 
     def capture(self, pool) -> None:
-        """Capture the step as a graph. Its runs write keys and values at the last slot of its
-        rows, which no sequence reaches (the slab has room for the longest, and the token a
-        sequence ends on is never fed), so a capture in the middle of a call loses nothing."""
+        """Capture the step as a graph. The warm-up and capture runs write keys and values at
+        the last slot of the step's rows. No sequence reaches that slot (the slab has room for
+        the longest, and the token that a sequence ends on is never fed), so a capture in the
+        middle of a call loses nothing."""
         self.slot.fill_(self.last)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -282,7 +293,8 @@ class Step:
         self.slot.zero_()
 
     def run(self, ids):
-        """The logits after feeding `ids` ([rows]) at each row's slot; advances each one."""
+        """Feed `ids` ([rows]) at each row's slot, advance each moving row, and return the
+        logits."""
         self.ids.copy_(ids[:, None])
         if self.graph is None:
             return self._run()
@@ -296,9 +308,10 @@ def bucket(rows: int) -> int:
 
 
 class Decoder:
-    """Generates for a batch of prompts on one model (see the module docstring). Make a new one
-    whenever the parameters move to new storage (sleep / wake): graphs read them in place.
-    `compile`: on CUDA, decode steps go through torch.compile before they are captured."""
+    """Generates for a batch of prompts on one model (see the module docstring). Make a new
+    Decoder whenever the parameters move to new storage (sleep / wake), because the graphs read
+    the parameters in place. With `compile` on CUDA, decode steps go through torch.compile
+    before they are captured."""
 
     def __init__(
         self,
@@ -317,7 +330,7 @@ class Decoder:
         first = next(model.parameters())
         self.device = first.device
         config = model.config.get_text_config()
-        pages = None if kv_tokens is None else -(-kv_tokens // PAGE) + 1  # and page 0
+        pages = None if kv_tokens is None else -(-kv_tokens // PAGE) + 1  # plus page 0
         self.cache = SlabCache(config, first.dtype, self.device, pages)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.float_mask, self.mask_dtype = float_mask, first.dtype
@@ -325,33 +338,34 @@ class Decoder:
         self.use_graphs = self.device.type == "cuda"
         self.steps: dict[tuple[int, int], Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # compile (CUDA only): decode steps through inductor, which fuses the norms, rotary and
-        # activation kernels between the GEMMs, region by region (regions.py: one compile serves
-        # every layer; seconds for each new shape)
+        # compile (CUDA only): run decode steps through inductor, which fuses the norm, rotary
+        # and activation kernels between the GEMMs. It compiles region by region (regions.py):
+        # one compile serves every layer, and each new shape takes seconds.
         compiled = compile and self.use_graphs and exact is None  # inductor reorders math
         self.regions = CompiledRegions(model) if compiled else None
         if not compiled:
             self.step_forward = self.forward
         elif self.regions:
             self.step_forward = self._compiled_forward
-        else:  # the model names no decoder layers: its whole forward, slow to compile
+        else:  # the model names no decoder layers: compile its whole forward, which is slow
             self.step_forward = torch.compile(self.forward, dynamic=False)
-        # and so every call decodes at one shape, `most` (the engine's most rows, its longest
-        # sequence): compiled once, by whichever call comes first (the held-out evaluation's
-        # few rows share the training steps' compile); idle rows cost their weights' reads only
+        # When compiled, every call decodes at one shape, `most` (the engine's most rows and its
+        # longest sequence). That shape compiles once, in whichever call comes first, so the
+        # held-out evaluation's few rows share the training steps' compile. Idle rows cost only
+        # their weight reads.
         self.one_shape = None
         if compiled and most is not None:
             self.one_shape = (bucket(most[0]), -(-most[1] // SLOT_ALIGN) * SLOT_ALIGN)
-        # and the decode loop's logprobs (cast, temperature, log_softmax: fused passes over
-        # [rows, vocabulary]); the inverse CDF's cumsum stays eager: inductor's split scan fails
-        # to generate code at 32 rows (torch 2.11)
+        # When compiled, the decode loop's logprobs are compiled too (cast, temperature,
+        # log_softmax: fused passes over [rows, vocabulary]). The inverse CDF's cumsum stays
+        # eager, because inductor's split scan fails to generate code at 32 rows (torch 2.11).
         self.logprobs_of = torch.compile(sampling_logprobs, dynamic=False) if compiled else None
-        # and draws without top-k / top-p through kernels.draw (not in exact mode: its logprobs
-        # are the trainer's to the bit)
+        # Draws without top-k / top-p go through kernels.draw, except in exact mode, whose
+        # logprobs must be the trainer's to the bit.
         self.kernels = self.use_graphs and exact is None and triton_available()
-        # and decode attention reads the pools through the table (kernels.decode_attention);
-        # else (CPU, exact mode, a float mask, attention it does not cover) each layer gathers
-        # the rows' pages for sdpa
+        # Decode attention reads the pools through the table (kernels.decode_attention).
+        # Otherwise (CPU, exact mode, a float mask, or attention that the kernel does not
+        # cover), each layer gathers the rows' pages for sdpa.
         cache = self.cache
         cache.paged_reads = (
             self.use_graphs
@@ -360,13 +374,14 @@ class Decoder:
             and plain_attention(config)
             and supports(config.num_attention_heads, cache.kv_heads, cache.head_dim)
         )
-        # the tail's rows move into 1 / `compact` of them (0: never; nor in exact mode)
+        # tail compaction moves the running rows into 1 / `compact` of the rows (0: never; never
+        # in exact mode either)
         self.compacts = compact if compact > 1 and exact is None else 0
         # partial rollouts: a cut row's keys and values stay in the slab, and the next call
-        # resumes it there if it continues that sequence (see `_claim`; not in exact mode)
+        # resumes the row there if it continues that sequence (see `_claim`; not in exact mode)
         self.reuse_cut = reuse_cut and exact is None
         self.parked: dict[tuple[int, ...], int] = {}  # a cut sequence -> the row that holds it
-        self.parked_view = None  # (slots a row, the slab's allocation) when they were parked
+        self.parked_view = None  # (slots per row, cache.allocations) when the rows were parked
         self.requeued = 0  # rows sent back to the queue for want of pages (_Rows.ahead)
 
     def release(self) -> None:
@@ -383,10 +398,13 @@ class Decoder:
             return self.forward(ids, positions, pad_ok, slots)
 
     def forward(self, ids, positions, pad_ok, slots, rows=None, last=None, causal=False):
-        """Logits of the last position. Decode (`rows` None): slots [rows], each row's next
-        slot. Prefill: slots [tokens], shared by the slab rows `rows` (pad_ok: theirs); `last`
-        (right-padded prompts): the logits of each row at its own last column instead;
-        `causal`: the tokens are the rows' first (slots 0..), so attention needs no mask."""
+        """Return the logits of the last position.
+
+        Decode (`rows` None): `slots` is [rows], each row's next slot.
+        Prefill: `slots` is [tokens], shared by the slab rows `rows`, and `pad_ok` is theirs.
+        With `last` (right-padded prompts), return each row's logits at its own last column
+        instead. With `causal`, the tokens are the rows' first tokens (slots 0..), so attention
+        needs no mask."""
         if causal:  # no [rows, tokens, slots] mask to build: HF passes a 4D one through unread
             mask = pad_ok[:, None, None, :]
         else:
@@ -398,15 +416,15 @@ class Decoder:
                 low = torch.finfo(self.mask_dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
                 mask.masked_fill_(~keep[:, None], low)
-        # attention reads pad_ok's width (the view's; exact mode's key slots), or causal
-        # prefill's own tokens only
+        # Attention reads pad_ok's width (the view's width, or exact mode's key slots), or only
+        # causal prefill's own tokens.
         self.cache.aim(rows, slots, None if causal else pad_ok.shape[1])
         extra, pick = self.extra, None
         if rows is None and self.cache.paged_reads:  # each row's pages up to its slot
             extra = dict(extra, slab_slots=slots, slab_table=self.cache.table[: len(slots)])
         if causal:
             extra = dict(extra, causal_prefill=True)
-        if last is not None:  # the distinct last columns through the LM head, then each row's
+        if last is not None:  # the distinct last columns go through the LM head, then each row's
             columns, pick = torch.unique(last, return_inverse=True)
             extra = dict(extra, logits_to_keep=columns) if self.extra else extra
             pick = pick if self.extra else last
@@ -424,7 +442,7 @@ class Decoder:
 
     def _step(self, rows: int, length: int) -> Step:
         if self.cache.reserve(rows, length):
-            self.steps.clear()  # they captured the old buffers; a pool no graph holds is gone
+            self.steps.clear()  # the graphs captured the old buffers; the old pool goes with them
             self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         step = self.steps.pop((rows, length), None)
         if step is None:
@@ -454,20 +472,25 @@ class Decoder:
         cut_below: int = 0,
         final: list[bool] | None = None,
     ):
-        """Sample up to limits[r] tokens after prompts[r]; returns per prompt (tokens, logprobs,
-        length, finish), finish "stop" (EOS or a stop string), "length" (its limit) or "abort"
-        (cut, below). At most `max_rows` run at once: at each host read (every `read_every`
-        steps) finished rows leave and queued prompts take their rows. `eos`: tokens that end a
-        row (None: ignore EOS). `stop_hit(tokens)`: checked on the host after each new token,
+        """Sample up to limits[r] tokens after prompts[r]. Return, per prompt, (tokens,
+        logprobs, length, finish), where finish is "stop" (EOS or a stop string), "length" (the
+        limit) or "abort" (cut, see below).
+
+        At most `max_rows` rows run at once. At each host read (every `read_every` steps),
+        finished rows leave and queued prompts take their rows. `eos` lists the tokens that end
+        a row (None: ignore EOS). `stop_hit(tokens)` is checked on the host for each new token,
         at those reads.
-        Partial rollouts: `carried[r]`, the last tokens of prompts[r] that an earlier call
-        generated (a cut sample continued): its draws go on from there and its stop strings see
-        them. `cut_below` > 0: at a read where no prompt waits, fewer than `cut_below` rows run
-        and none of them is `final`, the call ends and those rows return what they have,
-        "abort": a long-tailed batch's last rows would otherwise decode almost alone."""
-        # the slots the longest sequence needs: a continued sample's long prompt has a short
-        # limit (the widest prompt plus the largest limit asked 6.5k slots of a 4160-slot
-        # engine at 1.5B, and ran out of memory growing the slab)
+
+        Partial rollouts: `carried[r]` is the number of last tokens of prompts[r] that an
+        earlier call generated (a cut sample, continued). The sample's draws go on from there,
+        and its stop strings see those tokens. With `cut_below` > 0, the call ends at a read
+        where no prompt waits, fewer than `cut_below` rows run, and none of them is `final`.
+        Those rows then return what they have, as "abort". Otherwise a long-tailed batch's last
+        rows would decode almost alone."""
+        # The slots that the longest sequence needs, taking each sequence's prompt plus its own
+        # limit: a continued sample's long prompt has a short limit. (The widest prompt plus the
+        # largest limit asked for 6.5k slots of a 4160-slot engine at 1.5B, and ran out of
+        # memory growing the slab.)
         count = len(prompts)
         longest = max(len(p) + limit for p, limit in zip(prompts, limits, strict=True))
         running = min(count, max_rows or count)
@@ -483,7 +506,7 @@ class Decoder:
                 )
             length = self.exact.key_slots
         wanted = self._parked_rows(prompts)
-        if wanted:  # the parked rows' view: their slots a row, their rows among the first
+        if wanted:  # the parked rows' view: their slots per row, and enough rows to hold them
             length, widest = max(length, self.parked_view[0]), max(wanted.values()) + 1
             batch = max(batch, bucket(widest) if self.use_graphs else widest)
         state = _Rows(self, prompts, limits, keys, pad, batch, running, length, eos, stop_hit)
@@ -516,8 +539,9 @@ class Decoder:
         return state.results
 
     def _parked_rows(self, prompts: list[list[int]]) -> dict[int, int]:
-        """The prompts that continue a sequence the last call cut, and the row that holds its
-        keys and values: {prompt index: row} (a sequence asked twice: its first prompt)."""
+        """Find the prompts that continue a sequence that the last call cut. Return {prompt
+        index: row}, where the row holds that sequence's keys and values. A sequence asked for
+        twice maps only its first prompt."""
         if not self.parked:
             return {}
         parked, wanted = dict(self.parked), {}
@@ -528,12 +552,13 @@ class Decoder:
         return wanted
 
     def _claim(self, wanted: dict[int, int], length: int) -> dict[int, int]:
-        """The rows of `wanted` (_parked_rows) this call resumes: all of them while the slab is
-        the one they were written to, viewed at the same slots a row (generate widens its view
-        to their rows); none otherwise. Whatever this call does not continue is forgotten (its rows are
-        free to be overwritten). The keys and values were computed under the weights of the call
-        that cut them: a weight update in between does not recompute them (PipelineRL's
-        in-flight updates do the same; [rollout] reuse_cut_kv says so)."""
+        """Return the rows of `wanted` (from _parked_rows) that this call resumes. That is all
+        of them while the slab is the one they were written to, viewed at the same slots per row
+        (generate widens its view to their rows), and none otherwise. Whatever this call does
+        not continue is forgotten, and its rows are free to be overwritten. The keys and values
+        were computed under the weights of the call that cut them, and a weight update in
+        between does not recompute them. PipelineRL's in-flight updates do the same, and
+        [rollout] reuse_cut_kv documents it."""
         self.parked = {}
         if (length, self.cache.allocations) != self.parked_view:
             return {}
@@ -541,8 +566,8 @@ class Decoder:
 
 
 class _Rows:
-    """One `Decoder.generate` call's bookkeeping: the prompt each slab row holds and since which
-    step, every row's tokens by step, the prompts waiting for a row."""
+    """The bookkeeping of one `Decoder.generate` call: the prompt that each slab row holds and
+    the step where it started, every row's tokens by step, and the prompts waiting for a row."""
 
     def __init__(self, decoder, prompts, limits, keys, pad, batch, running, length, eos, stop_hit):
         dev = self.device = decoder.device
@@ -554,7 +579,7 @@ class _Rows:
         self.holder = [-1] * batch  # the prompt each row holds (-1: none)
         self.start = [0] * batch  # the step of its first token
         self.base = [0] * batch  # step t writes at slot base + t
-        self.walked = [0] * batch  # stop strings: its next step to walk on the host
+        self.walked = [0] * batch  # stop strings: the row's next step to walk on the host
         self.seen: list[list[int]] = [[] for _ in range(batch)]  # its tokens, for stop_hit
         self.stops: dict[int, int] = {}  # row -> its length at a stop string
         self.horizon = 0  # no row runs past this step
@@ -568,12 +593,13 @@ class _Rows:
         self.u = torch.zeros((batch, 0), dtype=torch.float64, device=dev)
 
     def partial(self, carried=None, cut_below: int = 0, final=None) -> None:
-        """Partial rollouts (Decoder.generate's `carried`, `cut_below`, `final`); none by default."""
+        """Set up partial rollouts (Decoder.generate's `carried`, `cut_below`, `final`); off by
+        default."""
         self.carried = carried or [0] * len(self.prompts)
         self.cut_below, self.final = cut_below, final or [False] * len(self.prompts)
 
     def grow(self, steps: int) -> None:
-        """Room for `steps` steps in the by-step tables (doubling)."""
+        """Make room for `steps` steps in the by-step tables (at least doubling them)."""
         have = self.tokens.shape[1]
         if have < steps:
             more = max(steps, 2 * have) - have
@@ -590,9 +616,10 @@ class _Rows:
             )
 
     def resume(self, t: int, claims: dict[int, int]) -> None:
-        """Rows that hold the keys and values of a sequence the last call cut take the prompts
-        that continue it (`claims`: Decoder._claim): no prefill. The sequence's last token,
-        drawn but not yet fed, goes in at step t + 1, which draws their first new token."""
+        """Rows that hold the keys and values of a sequence that the last call cut take the
+        prompts that continue it (`claims`, from Decoder._claim), with no prefill. The
+        sequence's last token, drawn but not yet fed, goes in at step t + 1, which draws the
+        row's first new token."""
         if not claims:
             return
         taken, rows, dev = list(claims), list(claims.values()), self.device
@@ -617,11 +644,11 @@ class _Rows:
         self.horizon = max(self.horizon, t + 1 + max(limits))
 
     def fill(self, t: int, sampling) -> None:
-        """Free rows take queued prompts: their prefill, and their first token as step t. A
-        group prefilled together is right-padded to its longest prompt: the prompts go in
-        groups of similar length, of at most PREFILL_TOKENS padded tokens (a continued sample's
-        prompt can be thousands of tokens long: padding 512 short prompts to its length ran out
-        of memory at 1.5B)."""
+        """Free rows take queued prompts: prefill them, and draw their first token as step t.
+        A group prefilled together is right-padded to its longest prompt, so the prompts go in
+        groups of similar length, of at most PREFILL_TOKENS padded tokens. (A continued sample's
+        prompt can be thousands of tokens long; padding 512 short prompts to its length ran out
+        of memory at 1.5B.)"""
         free = [r for r, held in enumerate(self.holder) if held < 0]
         taking = min(len(free), len(self.queue), self.running - len(self.holder) + len(free))
         if taking <= 0:
@@ -643,9 +670,9 @@ class _Rows:
             first = last
 
     def admit(self, rows: list[int], taken: list[int]) -> bool:
-        """Pages for rows `rows` to prefill prompts `taken` (right-padded to the longest) and
-        decode until the next read, if the pool has them with a page to spare for each row
-        already running; False, giving none, if not."""
+        """Give rows `rows` the pages to prefill prompts `taken` (right-padded to the longest)
+        and to decode until the next read. A fixed pool must also keep one spare page for each
+        row already running. Return False, giving no pages, when the pool lacks them."""
         width = max(len(self.prompts[i]) for i in taken)
         wanted = {
             r: self.reach(width, len(self.prompts[i])) for r, i in zip(rows, taken, strict=True)
@@ -655,14 +682,15 @@ class _Rows:
         return cache.cover(wanted, spare)
 
     def reach(self, width: int, slot: int) -> int:
-        """The slots a row needs until the next host read: those before `width`, and `slot`
-        (where it writes next) and the read_every after it, within the view."""
+        """Return the slots that a row needs until the next host read: those before `width`,
+        and `slot` (where the row writes next) with the read_every slots after it, within the
+        view."""
         return min(self.length, max(width, slot + self.read_every + 1))
 
     def ahead(self, t: int) -> None:
-        """After step t: pages for every running row until the next read. Where the pool has too
-        few, the rows started last go back to the queue (pages freed, tokens dropped: their
-        draws are keyed, so they come out the same when they run again)."""
+        """After step t, give every running row pages until the next read. When the pool has
+        too few, the rows started last go back to the queue, with their pages freed and their
+        tokens dropped. Their draws are keyed, so they come out the same when they run again."""
         cache = self.decoder.cache
         while True:
             held = [r for r, i in enumerate(self.holder) if i >= 0]
@@ -681,15 +709,16 @@ class _Rows:
         return len(group) * max(len(self.prompts[i]) for i in group) <= PREFILL_TOKENS
 
     def take(self, t: int, rows: list[int], taken: list[int], sampling) -> None:
-        """Rows `rows` take prompts `taken`: one prefill, and their first token as step t."""
+        """Rows `rows` take prompts `taken`: prefill them together, and draw their first token
+        as step t."""
         taking, group = len(rows), [self.prompts[i] for i in taken]
         width, dev = max(map(len, group)), self.device
         ids = torch.full((taking, width), self.pad, dtype=torch.long)
         positions = torch.zeros((taking, width), dtype=torch.long)
         for k, prompt in enumerate(group):
-            # right padding: a sequence's tokens sit at slots 0.. (as in the trainer's view, and
-            # attention within the prompt is plain causal); its pad columns are overwritten by
-            # the row's own next tokens before anything attends to them
+            # Right padding: a sequence's tokens sit at slots 0.. (as in the trainer's view, and
+            # attention within the prompt is plain causal). The row's own next tokens overwrite
+            # its pad columns before anything attends to them.
             ids[k, : len(prompt)] = torch.tensor(prompt)
             positions[k, : len(prompt)] = torch.arange(len(prompt))
         at = torch.tensor(rows, device=dev)
@@ -720,9 +749,10 @@ class _Rows:
         self.horizon = max(self.horizon, t + max(limits))
 
     def prefill(self, group, ids, positions, pad_ok, at, lengths):
-        """The group's forward into slots [0, width) of rows `at`, each distinct prompt once
-        (the n samples of a prompt share it: its other rows get copies); the logits of each
-        row's last prompt token (column lengths - 1: the prompts are right-padded)."""
+        """Run the group's forward into slots [0, width) of rows `at`, once for each distinct
+        prompt. The n samples of a prompt share its prefill: the prompt's other rows get copies
+        of its keys and values. Return the logits of each row's last prompt token (column
+        lengths - 1, since the prompts are right-padded)."""
         index: dict[tuple, int] = {}  # a distinct prompt -> its place among the prefilled
         firsts, where = [], []
         for k, prompt in enumerate(group):
@@ -741,7 +771,7 @@ class _Rows:
             logits = decoder.forward(
                 ids, positions, seen, slots, rows=at[once], last=last, causal=causal
             )
-        else:  # a float mask: in windows of columns, each attending to the slots before its end
+        else:  # a float mask: run windows of columns, each attending to the slots before its end
             step = max(1, min(width, PREFILL_SCORES // (len(firsts) * width)))
             for begin in range(0, width, step):
                 end = min(width, begin + step)
@@ -753,17 +783,17 @@ class _Rows:
                     rows=at[once],
                     last=(last - begin).clamp(0, end - begin - 1),
                 )
-                inside = ((last >= begin) & (last < end))[:, None]  # the rows whose last it has
+                inside = ((last >= begin) & (last < end))[:, None]  # rows whose last is in here
                 logits = got if begin == 0 else torch.where(inside, got, logits)
         if len(firsts) == len(group):
             return logits
         where = torch.tensor(where, device=dev)
-        self.decoder.cache.copy(at, at[once][where], width)  # from the row that holds its prompt
+        self.decoder.cache.copy(at, at[once][where], width)  # from the row that prefilled it
         return logits[where]
 
     def read(self, t: int, sampling) -> bool:
-        """After step t: stop strings, finished rows out, queued prompts in; False once all
-        prompts are done (or the call is cut)."""
+        """After step t, check stop strings, let finished rows leave and queued prompts enter.
+        Return False once all prompts are done (or the call is cut)."""
         ends = self.ends.tolist()
         held = [r for r, i in enumerate(self.holder) if i >= 0]
         if self.stop_hit is not None and held:
@@ -789,7 +819,7 @@ class _Rows:
         return any(i >= 0 for i in self.holder) or bool(self.queue)
 
     def leave(self, t: int, done: list[int], ends: list[int], cut: list[int] = ()) -> None:
-        """Rows `done` (ended by step t) and `cut` give their prompts' results and hold
+        """Rows `done` (ended by step t) and `cut` record their prompts' results, and hold
         nothing from now on."""
         rows = [*done, *cut]
         if not rows:
@@ -812,9 +842,9 @@ class _Rows:
         self.decoder.cache.release([r for r in rows if r not in kept])
 
     def park(self, cut: dict[int, int]) -> None:
-        """With the decoder's reuse_cut: the rows of `cut` ({row: prompt index}) keep the keys
-        and values of their sequences (prompt and tokens so far, all but the last token fed)
-        for the next call."""
+        """With the decoder's reuse_cut, the rows of `cut` ({row: prompt index}) keep the keys
+        and values of their sequences for the next call. These cover the prompt and the tokens
+        so far, all of which have been fed except the last token."""
         decoder = self.decoder
         if not decoder.reuse_cut:
             return
@@ -824,12 +854,12 @@ class _Rows:
 
     def compact(self) -> None:
         """Once no prompt waits and the rows still running fit in 1 / `compacts` of the rows,
-        they move to the first ones and decode at that shape from then on: a long-tailed batch
-        spends most of its steps on a few long responses, and a step costs its rows' weight
-        reads and sampling whether they run or idle. Each narrower width is a shape compiled
-        once (compile_decode) and captured, which the tails of later calls reuse; the rows move
-        again whenever 1 / `compacts` of them suffice, down to FEWEST_ROWS (at the engine's
-        NARROWER = 16: once, 512 rows into 32)."""
+        move them to the first rows and decode at that narrower shape from then on. A
+        long-tailed batch spends most of its steps on a few long responses, and a step costs its
+        rows' weight reads and sampling whether the rows run or idle. Each narrower width is a
+        shape that is compiled once (compile_decode) and captured, and the tails of later calls
+        reuse it. The rows move again whenever 1 / `compacts` of them suffice, down to
+        FEWEST_ROWS. (With the engine's NARROWER = 16, that happens once: 512 rows into 32.)"""
         rows, held = len(self.holder), [r for r, i in enumerate(self.holder) if i >= 0]
         fewer = rows // self.decoder.compacts
         if fewer < FEWEST_ROWS or not held or len(held) > fewer:
@@ -857,7 +887,8 @@ class _Rows:
         step.pad_ok[rows] = False
 
     def walk(self, t: int, held: list[int], ends: list[int]) -> None:
-        """Each running row's new tokens through stop_hit; a stop string ends the row there."""
+        """Pass each running row's new tokens through stop_hit. A stop string ends the row at
+        that token."""
         first = min(self.walked[r] for r in held)
         new, found = self.tokens[:, first : t + 1].tolist(), {}
         for r in held:

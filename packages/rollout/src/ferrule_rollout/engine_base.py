@@ -1,8 +1,9 @@
-"""What both engines write the same way: the version and pause state they report, resume,
-joining a weight-sync group (each engine's `_join` does the joining itself), episodes, health,
-`with`. Generation, pausing and loading weights differ (vLLM steps requests in a loop of its
-own and can freeze them mid-sample; the transformers engine runs one call at a time) and stay
-theirs (vllm_engine.py, hf_engine.py).
+"""Code that both engines share: the version and pause state they report, resume, joining a
+weight-sync group (each engine's `_join` does the joining itself), episodes, health, and `with`.
+
+Generation, pausing and loading weights differ between the engines, so each engine keeps its
+own (vllm_engine.py, hf_engine.py). vLLM steps requests in a loop of its own and can freeze them
+mid-sample; the transformers engine runs one call at a time.
 """
 
 import threading
@@ -13,30 +14,31 @@ from ferrule_rollout.samples import BadRequestError, RolloutError
 
 
 class EngineBase:
-    """What both engines write the same way, and the state it reads: a subclass calls
-    `super().__init__(model)` first, then guards that state with `_cv`, and says how many
-    samples run and wait (`_counts`), how many receivers it is (`_workers`) and how it joins a
-    weight-sync group (`_join`)."""
+    """The shared code of both engines, and the state that it reads.
+
+    A subclass calls `super().__init__(model)` first and guards that state with `_cv`. It
+    implements `_counts` (how many samples run and wait), `_workers` (how many weight-sync
+    receivers the engine is) and `_join` (how the engine joins a weight-sync group)."""
 
     def __init__(self, model: str):
         self.model = model
         self._cv = threading.Condition()  # guards the fields below
         self._version = 0  # the policy version of the weights
-        self._paused = False  # no new call starts
-        self._frozen = False  # running samples do not advance either (vLLM's "keep" pause)
+        self._paused = False  # True: no new call starts
+        self._frozen = False  # True: running samples do not advance either (vLLM's "keep" pause)
         self._closed = False
         self._broken = ""  # why the engine cannot generate ("" while healthy)
-        self._startup: dict[str, float] = {}  # seconds of the start by phase
+        self._startup: dict[str, float] = {}  # start-up seconds by phase
 
     def startup_seconds(self) -> dict[str, float]:
-        """Where this engine's start went, seconds by phase: "imports", then "weights" (the
+        """Seconds that this engine's start-up took, by phase: "imports", then "weights" (the
         transformers engine) or "engine" (vLLM's whole start: weights, profiling, KV cache,
         CUDA graphs)."""
         return {phase: round(seconds, 2) for phase, seconds in self._startup.items()}
 
     @property
     def version(self) -> int:
-        """The policy version of the current weights (0: as loaded at start)."""
+        """The policy version of the current weights (0 for the weights loaded at start)."""
         return self._version
 
     @property
@@ -44,7 +46,7 @@ class EngineBase:
         return self._paused
 
     def resume(self) -> None:
-        """Start the queued calls (and continue the frozen ones)."""
+        """Start the queued calls, and let the frozen ones continue."""
         with self._cv:
             self._paused = self._frozen = False
             self._cv.notify_all()
@@ -60,12 +62,14 @@ class EngineBase:
         secret: str | None = None,
         cancel: threading.Event | None = None,
     ) -> None:
-        """Join the trainer's weight-sync group (blocks until the sender is there too, at most
-        `timeout` seconds); a previous group is left first. An engine of several workers (vLLM
-        with tensor parallelism) is receivers `rank` .. `rank + workers - 1`, and
-        `num_receivers` counts every worker of every engine in the group. `secret`: the
-        group's, when its sender has one. Setting `cancel` (or closing the engine) gives up the
-        wait at once: JoinAbandoned, and no group is joined."""
+        """Join the trainer's weight-sync group, leaving any previous group first.
+
+        This blocks until the sender has joined too, for at most `timeout` seconds. An engine of
+        several workers (vLLM with tensor parallelism) takes receiver ranks `rank` .. `rank +
+        workers - 1`, and `num_receivers` counts every worker of every engine in the group.
+        `secret` is the group's secret, when its sender has one. Setting `cancel` (or closing
+        the engine) gives up the wait at once: the call raises JoinAbandoned, and no group is
+        joined."""
         from ferrule_rollout.joining import JoinAbandoned
 
         self._check_receivers(transport, rank, self._workers(), num_receivers)
@@ -80,26 +84,27 @@ class EngineBase:
             ) from err
 
     def _workers(self) -> int:
-        """How many weight-sync receivers this engine is (one per worker)."""
+        """The number of weight-sync receivers this engine is (one per worker)."""
         return 1
 
     def _join(self, group: WeightSyncGroup, given_up: Callable[[], bool]) -> None:
-        """Join `group` without holding what generation needs while peers are awaited, and
-        raise JoinAbandoned as soon as `given_up()` says so."""
+        """Join `group`. While waiting for peers, do not hold anything that generation needs.
+        Raise JoinAbandoned as soon as `given_up()` returns True."""
         raise NotImplementedError
 
     def run_episodes(self, environment, prompts, settings=None, **options):
-        """Multi-turn episodes of `environment` on this engine, one per prompt
-        (ferrule_rollout.episodes.run_episodes; a method so that a Ray actor can run them
-        next to its engine)."""
+        """Run multi-turn episodes of `environment` on this engine, one per prompt (see
+        ferrule_rollout.episodes.run_episodes). It is a method so that a Ray actor can run the
+        episodes next to its engine."""
         from ferrule_rollout.episodes import run_episodes
 
         return run_episodes(self, environment, prompts, settings, **options)
 
     @staticmethod
     def _check_receivers(transport: str, rank: int, workers: int, num_receivers: int) -> None:
-        """A weight-sync request names a known transport and receiver ranks rank .. rank +
-        workers - 1 (one per worker of this engine) within 1 .. num_receivers."""
+        """Check that a weight-sync request names a known transport, and that its receiver
+        ranks rank .. rank + workers - 1 (one per worker of this engine) lie within
+        1 .. num_receivers."""
         from ferrule_weightsync import TRANSPORTS
 
         if transport not in TRANSPORTS:
@@ -114,7 +119,7 @@ class EngineBase:
         )
 
     def _counts(self) -> tuple[int, int]:
-        """(samples running, samples queued), read under `_cv`."""
+        """Return (samples running, samples queued). The caller holds `_cv`."""
         raise NotImplementedError
 
     def health(self) -> dict:

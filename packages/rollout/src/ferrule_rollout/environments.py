@@ -6,8 +6,9 @@
 
     environment = load_environment("my_envs.py:Guess")      # or "package.module:Guess"
 
-Plain Python with no vLLM, torch or Ray in it. `episodes.run_episodes` makes one instance per
-episode and calls its methods from worker threads, so many episodes run at once; see README.md.
+This module is plain Python, with no vLLM, torch or Ray in it. `episodes.run_episodes` makes one
+environment instance per episode and calls its methods from worker threads, so many episodes run
+at once (see README.md).
 """
 
 import math
@@ -20,8 +21,8 @@ from ferrule_config.objects import load_object
 # renders with the tokenizer's chat template (see episodes.py for the rule).
 Observation = str | list[dict]
 
-# Why an episode failed: one metric per reason. The runner picks the env_* ones; an environment
-# raises EpisodeFailure with a tool_* one (ToolEnvironment does).
+# Why an episode failed, with one metric per reason. The runner sets the env_* reasons. An
+# environment raises EpisodeFailure with a tool_* reason (ToolEnvironment does).
 FAILURE_REASONS = (
     "env_error",  # reset / step raised
     "env_timeout",  # reset / step ran past the runner's step_timeout
@@ -33,7 +34,7 @@ FAILURE_REASONS = (
 
 
 class EnvironmentLoadError(ValueError):
-    """An environment spec that names no usable class; the message names the spec."""
+    """Raised for an environment spec that names no usable class. The message names the spec."""
 
 
 class EpisodeFailure(Exception):
@@ -65,7 +66,7 @@ class EpisodeBudget:
     max_turns: int = 8
     """Model turns (generate calls) per episode."""
     max_tokens: int = 1024
-    """Tokens after the first prompt: the model's and the observations' together."""
+    """Tokens after the first prompt, the model's and the observations' counted together."""
 
     def __post_init__(self):
         for name in ("max_turns", "max_tokens"):
@@ -75,31 +76,31 @@ class EpisodeBudget:
 
 
 class Environment:
-    """One episode's environment. Subclass it; the runner makes one instance per episode with
-    the keyword options of the run (`environment(**options)`).
+    """The environment of one episode. Subclass it. The runner makes one instance per episode,
+    with the run's keyword options (`environment(**options)`).
 
-    Methods are plain (not async) and may block: the runner calls each from a worker thread, with
-    a timeout, so a slow step holds only its own episode. Raise EpisodeFailure to fail the
-    episode with a reason; any other exception fails it as "env_error".
+    Methods are plain (not async) and may block. The runner calls each one from a worker thread,
+    with a timeout, so a slow step holds up only its own episode. Raise EpisodeFailure to fail
+    the episode with a reason; any other exception fails it as "env_error".
     """
 
     stop: tuple[str, ...] = ()
     """Strings that end a model turn (added to the run's stop strings), e.g. "</tool_call>"."""
 
     def reset(self, prompt, label: str, metadata: Mapping) -> Observation:
-        """Start the episode on a dataset row; return the first observation (the prompt the
+        """Start the episode on a dataset row. Return the first observation (the prompt that the
         model answers first)."""
         raise NotImplementedError
 
     def step(self, model_output: str) -> StepResult:
-        """Take the model's turn (its text, decoded from the tokens it generated); return the
-        next observation (None when the episode is over), this turn's reward and info."""
+        """Take the model's turn: its text, decoded from the tokens it generated. Return the next
+        observation (None when the episode is over), this turn's reward, and info."""
         raise NotImplementedError
 
 
 def check_observation(value, *, allow_none: bool) -> Observation | None:
-    """The value if it is an observation (text, or a non-empty list of {"role", "content"}
-    messages with string values), else TypeError saying what it was."""
+    """Return `value` if it is an observation: text, or a non-empty list of {"role", "content"}
+    messages with string values. Otherwise raise a TypeError that describes the value."""
     if value is None and allow_none:
         return None
     if isinstance(value, str):
@@ -123,7 +124,8 @@ def check_observation(value, *, allow_none: bool) -> Observation | None:
 
 
 def check_step_result(value) -> StepResult:
-    """`step`'s return value as a StepResult (a 3-tuple is accepted), else TypeError."""
+    """Return `step`'s return value as a checked StepResult (a 3-tuple is accepted too).
+    Otherwise raise TypeError."""
     if isinstance(value, tuple) and not isinstance(value, StepResult) and len(value) == 3:
         value = StepResult(*value)
     if not isinstance(value, StepResult):
@@ -146,10 +148,10 @@ def _describe_value(value) -> str:
 
 
 def load_environment(spec: str) -> type[Environment]:
-    """Import `module:Class` or `path/to/file.py:Class` (as reward functions are named); the
-    class must subclass Environment. Modules are looked up from the current directory first, as
-    `python -m` would (see ferrule_config.objects). EnvironmentLoadError naming the spec
-    otherwise."""
+    """Import `module:Class` or `path/to/file.py:Class` (the same form that names reward
+    functions). The class must subclass Environment. Modules are looked up from the current
+    directory first, as `python -m` would (see ferrule_config.objects). Raise
+    EnvironmentLoadError, naming the spec, when it names no such class."""
     try:
         target = load_object(spec, "environment", attribute="Class")
     except ValueError as error:

@@ -10,12 +10,12 @@ model's tokens exactly as generated (never decoded and re-encoded), and each lat
 tokenized on its own. `mask` is 1 on the model's tokens and 0 on the environment's.
 
 One thread (the caller's) drives every episode as a small state machine. Environment calls run
-in their own daemon threads with a deadline: a step that hangs fails its episode
-("env_timeout") and is abandoned, never joined. Turns waiting for the model are sent together
-as one generate call; an engine that batches across calls (VLLMEngine: one step loop serves
-every caller) gets a new call as soon as turns are waiting, and its samples come back as they
-finish, so a long generation or a slow environment holds only its own episode. The transformers
-engine runs calls one at a time, so there turns wait for the running call and go as one batch.
+in their own daemon threads with a deadline. A step that hangs fails its episode ("env_timeout")
+and is abandoned, never joined. Turns waiting for the model are sent together as one generate
+call. An engine that batches across calls (VLLMEngine, where one step loop serves every caller)
+gets a new call as soon as turns are waiting. Its samples come back as they finish, so a long
+generation or a slow environment holds up only its own episode. The transformers engine runs
+calls one at a time, so with it, turns wait for the running call and then go as one batch.
 """
 
 import queue
@@ -39,13 +39,13 @@ from ferrule_rollout.environments import (
 from ferrule_rollout.interface import Engine
 from ferrule_rollout.samples import BadRequestError, RolloutError, Sample, SamplingSettings
 
-_SENTINEL = "FERRULE_ASSISTANT_TURN"
-GATHER = 64  # turns that make a generate call without waiting for the event queue to drain  # stands for the model's text when rendering templates
+_SENTINEL = "FERRULE_ASSISTANT_TURN"  # stands for the model's text when rendering templates
+GATHER = 64  # this many waiting turns make a generate call before the event queue drains
 
 
 @dataclass
 class Episode:
-    """One finished episode. Lists after `prompt_ids` are aligned with `response_ids`."""
+    """One finished episode. `mask`, `logprobs` and `versions` are aligned with `response_ids`."""
 
     index: int
     """Position of its prompt in the call's `prompts`."""
@@ -83,11 +83,11 @@ class Episode:
         return sum(self.rewards)
 
     def sample(self) -> Sample:
-        """The episode as one Sample for scoring and training: the whole transcript after the
-        first observation is its response (`text` decoded from it), `mask` says which tokens
-        the model sampled, `version` is the oldest policy version among them, and
-        `turn_rewards` holds the rewards of the turns before the last, each at its turn's last
-        token (for the estimators with per-token rewards)."""
+        """Return the episode as one Sample for scoring and training. The whole transcript after
+        the first observation is the sample's response (`text` is decoded from it), and `mask`
+        says which tokens the model sampled. `version` is the oldest policy version among those
+        tokens. `turn_rewards` holds the rewards of the turns before the last, each at its
+        turn's last token (for the estimators with per-token rewards)."""
         model_versions = [v for v in self.versions if v >= 0]
         return Sample(
             prompt_index=self.index,
@@ -99,7 +99,7 @@ class Episode:
             version=min(model_versions, default=0),
             text=self.text,
             mask=list(self.mask),
-            # every reward but the last turn's, which the score carries
+            # every reward except the last turn's, which the score carries
             turn_rewards=list(zip(self.turn_ends, self.rewards[:-1], strict=False)),
         )
 
@@ -133,14 +133,17 @@ def run_episodes(
 ) -> list[Episode]:
     """Run one episode per prompt (repeat a prompt for several) and return them in order.
 
-    `engine`: anything with `generate(prompts, settings)` (and, used when present,
-    `generate_stream`) taking token-id prompts: VLLMEngine, TransformersEngine,
-    RolloutClient. `environment`: a class or a `module:Class` / `file.py:Class` spec, made once
-    per episode as `environment(**options)`. `settings`: each turn's sampling (n must be 1, and
-    seed None: one call serves many episodes, so a seed would repeat across them); a turn's
-    max_tokens is also cut to what the budget and the model's length leave. `tokenizer`: the
-    engine's by default. `step_timeout`: seconds for each reset / step. `max_calls_in_flight`:
-    generate calls at once (default: unlimited where `engine.continuous_batching`, else 1).
+    `engine`: anything with `generate(prompts, settings)` that takes token-id prompts
+        (`generate_stream` is used when present): VLLMEngine, TransformersEngine, RolloutClient.
+    `environment`: a class, or a `module:Class` / `file.py:Class` spec. It is instantiated once
+        per episode as `environment(**options)`.
+    `settings`: each turn's sampling. n must be 1 and seed None: one call serves many episodes,
+        so a seed would repeat across them. A turn's max_tokens is also cut to what the budget
+        and the model's length leave.
+    `tokenizer`: the engine's by default.
+    `step_timeout`: seconds for each reset / step.
+    `max_calls_in_flight`: generate calls at once (default: unlimited where
+        `engine.continuous_batching`, else 1).
     """
     env_class = load_environment(environment) if isinstance(environment, str) else environment
     settings = settings or SamplingSettings()
@@ -191,8 +194,9 @@ class _Runner:
         waiting: list[_State] = []  # turns ready for the model
         in_flight, active = 0, len(states)
         while active:
-            # Turns that become ready together go as one call: handle every event already
-            # queued before sending (a stream of events still sends once GATHER turns wait).
+            # Turns that become ready together go as one call, so handle every event already
+            # queued before sending. A steady stream of events still sends once GATHER turns
+            # wait.
             if self.events.empty() or len(waiting) >= GATHER:
                 while waiting and in_flight < self.max_calls:
                     in_flight += self._dispatch(waiting)
@@ -360,12 +364,14 @@ def observation_ids(
 ) -> list[int]:
     """The token ids of an observation, tokenized on its own.
 
-    Text: `tokenizer.encode(text)`, special tokens added only to the first (as the engine does
-    for a text prompt). Chat messages, with a chat template: for the first, the template of the
-    messages with the generation prompt; later, the text the template puts after a finished
-    assistant turn, for the messages and the next generation prompt, including the template's
-    end of the assistant's turn (minus its end-of-sequence token when the model ended there
-    itself, `after_eos`). Without a template: "role: content" lines, then "assistant:".
+    Text is encoded with `tokenizer.encode(text)`, with special tokens added only to the first
+    observation (as the engine does for a text prompt). Chat messages with a chat template: the
+    first observation is the template's rendering of the messages with the generation prompt. A
+    later one is the text that the template puts after a finished assistant turn, for the
+    messages and the next generation prompt. That text starts with the template's end of the
+    assistant's turn, minus its end-of-sequence token when the model generated that token itself
+    (`after_eos`). Without a template, messages become "role: content" lines, then
+    "assistant:".
     """
     tok = tokenizer
     if isinstance(observation, str):
@@ -395,7 +401,8 @@ def _eos_ids(tokenizer) -> set[int]:
 
 
 def failure_counts(episodes: Sequence[Episode]) -> dict[str, int]:
-    """Failed episodes by reason, every reason present (zeros too): one metric per reason."""
+    """Count failed episodes by reason, with every reason present (zeros too): one metric per
+    reason."""
     counts = Counter(e.failure for e in episodes if e.failure)
     return {reason: counts.get(reason, 0) for reason in FAILURE_REASONS}
 

@@ -1,26 +1,28 @@
-"""Exact mode: numerics that do not depend on the batch, so a token's logits are the same bits
+"""Exact mode: numerics that do not depend on the batch. A token's logits are then the same bits
 whether the engine computes them a step at a time (KV cache, any batch, any neighbours) or the
 trainer computes them in one teacher-forced forward over a padded batch.
 
     exact = ExactNumerics(key_slots=1024)
     exact.apply(model)     # the engine's model and the trainer's, before either runs
 
-Why they usually differ: a GEMM or a reduction picks its kernel, and with it the order of its
-additions, from the whole shape, and the shapes differ. Decode multiplies `rows` tokens, the
-trainer B x T; decode attends one query to a slab of slots, the trainer T queries to T keys; and
-left padding puts a sequence's tokens at different columns. So here every such operation runs on
-fixed shapes, and the rest (embeddings, rotary, activations, residuals) is per element already:
-- linear layers and norms on chunks of ROWS token rows (the last chunk padded with zeros);
-- attention one (sequence, KV head, query position) row at a time, in chunks of ROWS rows,
-  against that sequence's keys moved to slots 0.. and padded to the fixed `key_slots`, so that
-  a softmax always sums over the same slots in the same order.
-Both sides must use the same `key_slots`, dtype and weights; sampling must not reshape the
+Why they usually differ: a GEMM or a reduction picks its kernel from the whole shape, and the
+kernel fixes the order of its additions. The shapes differ between the two sides. Decode
+multiplies `rows` tokens, and the trainer multiplies B x T. Decode attends one query to a slab of
+slots, and the trainer attends T queries to T keys. Left padding also puts a sequence's tokens at
+different columns. So here every such operation runs on fixed shapes. The rest (embeddings,
+rotary, activations, residuals) is already per element:
+- linear layers and norms run on chunks of ROWS token rows (the last chunk padded with zeros);
+- attention runs one (sequence, KV head, query position) row at a time, in chunks of ROWS rows.
+  Each row attends to its sequence's keys, moved to slots 0.. and padded to the fixed
+  `key_slots`, so that a softmax always sums over the same slots in the same order.
+Both sides must use the same `key_slots`, dtype and weights. Sampling must not reshape the
 distribution (no top-k / top-p), since the trainer scores the policy's own softmax.
 
-Attention's backward (the trainer's) runs PyTorch's sdpa on the same inputs: gradients need
-only be correct, and the exact forward's per-chunk tensors need not be kept for it. It runs
-sdpa's math kernel, whose result does not change from run to run (the fused kernels' does on a
-GPU), so a run repeats itself bit for bit (its T x T scores are held per layer, one at a time).
+The trainer's attention backward runs PyTorch's sdpa on the same inputs. Gradients need only be
+correct, and this way the exact forward's per-chunk tensors need not be kept for the backward.
+The backward uses sdpa's math kernel, whose result does not change from run to run (the fused
+kernels' results do change on a GPU), so a run repeats itself bit for bit. The math kernel holds
+T x T scores for one layer at a time.
 """
 
 import torch
@@ -29,8 +31,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROWS = 256  # rows per fixed-shape call: one chunk holds a decode step of up to 256 sequences
-ATTENTION = "ferrule_exact"  # trainer side: any padding; keys moved to slots 0..
-SLAB_ATTENTION = "ferrule_exact_slab"  # engine side: keys already at slots 0..key_slots-1
+ATTENTION = "ferrule_exact"  # the trainer's side: any padding; keys are moved to slots 0..
+SLAB_ATTENTION = "ferrule_exact_slab"  # the engine's side: keys are already at slots 0..
 SLOT_ALIGN = 64
 
 
@@ -43,9 +45,9 @@ class ExactNumerics:
         self.key_slots = -(-key_slots // SLOT_ALIGN) * SLOT_ALIGN
 
     def apply(self, model: nn.Module, slab: bool = False) -> nn.Module:
-        """Route `model`'s linear layers, norms and attention through the fixed-shape versions
-        (in place; returns it). `slab`: the engine's decode, whose cache holds every sequence's
-        keys at slots 0..key_slots-1 already."""
+        """Route `model`'s linear layers, norms and attention through the fixed-shape versions,
+        in place, and return the model. Set `slab` for the engine's decode, whose cache already
+        holds every sequence's keys at slots 0..key_slots-1."""
         register()
         for module in model.modules():
             if _row_wise(module) and not hasattr(module, "_exact_forward"):
@@ -81,7 +83,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    def boolean_mask(*args, **kwargs):  # a 4D boolean mask always: never "None, use is_causal"
+    def boolean_mask(*args, **kwargs):  # always a 4D boolean mask, never None ("use is_causal")
         kwargs["allow_is_causal_skip"] = False
         return sdpa_mask(*args, **kwargs)
 
@@ -102,7 +104,7 @@ def _keep(mask, query, key) -> torch.Tensor:
 
 
 def slab_attention(module, query, key, value, attention_mask, scaling=None, **kw):
-    """The engine's side: keys and values are the slab's rows, [B, KV, key_slots, D], each
+    """The engine's side: keys and values are the slab's rows, [B, KV, key_slots, D], with each
     sequence's tokens at slots 0.. (the exact decoder never left-pads)."""
     slots = module.exact_key_slots
     if key.shape[2] != slots:
@@ -112,7 +114,7 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, **kw
 
 def exact_attention(module, query, key, value, attention_mask, scaling=None, **kw):
     """The trainer's side: [B, H, T, D] queries over [B, KV, T, D] keys with any left and right
-    padding; each sequence's keys move to slots 0.. and pad out to key_slots first."""
+    padding. Each sequence's keys are first moved to slots 0.. and padded out to key_slots."""
     keep = _keep(attention_mask, query, key)
     slots, length = module.exact_key_slots, key.shape[2]
     if length > slots:
@@ -146,7 +148,7 @@ def _attend(query, key, value, keep, scaling):
     group = heads // kv
     if scaling is None:
         scaling = dim**-0.5
-    # rows (b, kv, t): [N, G, D]; the keys of row r are those of sequence-head source[r]
+    # one row per (b, kv, t): [N, G, D]; row r attends to the keys of sequence-head source[r]
     q = query.view(b, kv, group, tq, dim).permute(0, 1, 3, 2, 4).reshape(-1, group, dim)
     keys, values = key.reshape(b * kv, slots, dim), value.reshape(b * kv, slots, dim)
     seen = keep[:, None].expand(b, kv, tq, slots).reshape(-1, slots)

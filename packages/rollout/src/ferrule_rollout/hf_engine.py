@@ -5,15 +5,15 @@
     engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
     engine.update_weights()         # waits for running calls, receives, loads; returns version
 
-The fallback for machines without vLLM (torch and transformers only). Each call runs through
-decode.py's loop, at most `max_batch_size` sequences at once with queued ones taking the rows of
-finished ones (the model's forward pass on a preallocated KV slab, CUDA graphs on GPUs, sampling
-and stopping on the device);
-sampling, logprobs and stopping are done there rather than by `model.generate`, so that they mean
-what vLLM's mean (processed logprobs, per-sample seeds, EOS kept in the tokens) whatever the
-defaults `generate` merges in from the checkpoint and its version, and no steps x batch x
-vocabulary scores are kept. Calls run one at a time; a weight update waits for the running
-one, so every sample comes from one policy version.
+This engine is the fallback for machines without vLLM (torch and transformers only). Each call
+runs through decode.py's loop, with at most `max_batch_size` sequences at once; queued sequences
+take the rows of finished ones. The loop runs the model's forward pass on a preallocated KV slab,
+with CUDA graphs on GPUs, and samples and stops on the device. Sampling, logprobs and stopping
+are done there rather than by `model.generate`, so that they mean what vLLM's mean (processed
+logprobs, per-sample seeds, EOS kept in the tokens), whatever defaults `generate` would merge in
+from the checkpoint and its version. No steps x batch x vocabulary scores are kept either. Calls
+run one at a time, and a weight update waits for the running call, so every sample comes from
+one policy version.
 """
 
 import inspect
@@ -43,7 +43,7 @@ from ferrule_rollout.sampling import sampling_logprobs
 
 logger = logging.getLogger(__name__)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PARAMETER_ALIGNMENT = 16  # bytes: where each parameter starts in the engine's one allocation
+PARAMETER_ALIGNMENT = 16  # bytes: the alignment of each parameter in the engine's allocation
 ATTENTION = "ferrule_slab"  # slab_attention, registered with transformers under this name
 __all__ = ["TransformersEngine", "lay_out", "sampling_logprobs"]
 KEEP_REFUSED = (
@@ -53,9 +53,10 @@ KEEP_REFUSED = (
 
 
 def lay_out(entries: list, device) -> list:
-    """Uninitialised tensors of the (shape, dtype) `entries`, in their order, one after another
-    in one allocation per dtype, each starting PARAMETER_ALIGNMENT bytes aligned (as kernels
-    expect; a model's tensors mostly fill whole multiples of it, so they lie end to end)."""
+    """Return uninitialised tensors for the (shape, dtype) `entries`. They lie in order, one
+    after another, in one allocation per dtype, and each starts aligned to PARAMETER_ALIGNMENT
+    bytes, as kernels expect. A model's tensors mostly fill whole multiples of the alignment, so
+    they lie end to end."""
     import torch
 
     starts, ends = [], {}  # each entry's start (elements); each dtype's end so far
@@ -71,7 +72,8 @@ def lay_out(entries: list, device) -> list:
 
 
 class ComputedStream:
-    """`generate_stream`'s result: the samples, already computed, with the stream's verbs."""
+    """The result of `generate_stream`: the samples, already computed, behind the stream's
+    methods."""
 
     def __init__(self, samples: list[Sample]):
         self._samples = iter(samples)
@@ -89,15 +91,16 @@ class ComputedStream:
 
 
 def extended(spans: list, version: int, start: int, count: int) -> list[VersionSpan]:
-    """`spans` with tokens [start, start + count) sampled by `version` (a run of one version
-    stays one span)."""
+    """Return `spans` extended with tokens [start, start + count) sampled by `version`. A run of
+    one version stays one span."""
     if spans and spans[-1].version == version:
         return [*spans[:-1], VersionSpan(version, spans[-1].start, start + count)]
     return [*spans, VersionSpan(version, start, start + count)]
 
 
 def _continued(prompts: Sequence, max_tokens: int) -> list[Continuation | None]:
-    """Each prompt's `Continuation`, else None; BadRequestError for one that cannot continue."""
+    """Return each prompt's `Continuation`, or None for a plain prompt. Raise BadRequestError
+    for a Continuation that cannot continue."""
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
         return []  # prompt_token_ids names what is wrong
     continued = []
@@ -118,7 +121,7 @@ def _continued(prompts: Sequence, max_tokens: int) -> list[Continuation | None]:
 
 
 def _checked_arguments(model, dtype, max_batch_size, exact: bool, compile_decode: bool) -> Path:
-    """The model's folder, once every argument is one the engine takes."""
+    """Check that the engine takes every argument, and return the model's folder."""
     path = Path(model).expanduser()
     if not path.is_dir():
         raise RolloutError(f"model path {str(model)!r} does not exist (or is not a folder)")
@@ -154,21 +157,25 @@ class TransformersEngine(EngineBase):
         compact_rows: bool = True,
         reuse_cut_kv: bool = False,
     ):
-        """Load `model` (a local Hugging Face model folder) on `device` ("auto": the current CUDA
-        device if there is one, else the CPU). dtype "auto" is bfloat16 on CUDA, float32 on CPU.
-        `compile_decode` (CUDA only): decode steps through torch.compile, then captured as
-        graphs as without it; faster, once the first call has compiled its step's regions
-        (seconds: decode.py, regions.py). Every call then decodes at one shape, max_batch_size
-        rows x max_model_len slots. `kv_cache_tokens`: the KV cache's size, in pages of 64 slots
-        that rows take as they grow (None: max_batch_size x max_model_len, which no call
-        outgrows); allocated at the first call, as vLLM's is; at least max_model_len.
-        `exact`: exact.py's batch-invariant numerics,
-        so a trainer that applies the same `exact_numerics` computes the very same logprobs
-        from the same weights (slower; no torch.compile). `compact_rows`: a call's last running
-        rows move into fewer once they fit 1/16 of them (decode.py's _Rows.compact).
+        """Load `model` (a local Hugging Face model folder) on `device`. "auto" means the current
+        CUDA device if there is one, else the CPU. dtype "auto" is bfloat16 on CUDA and float32
+        on CPU.
+
+        `compile_decode` (CUDA only): run decode steps through torch.compile, then capture them
+        as graphs as without it. This is faster once the first call has compiled its step's
+        regions, which takes seconds (decode.py, regions.py). Every call then decodes at one
+        shape, max_batch_size rows x max_model_len slots.
+        `kv_cache_tokens`: the KV cache's size, in pages of 64 slots that rows take as they
+        grow. None means max_batch_size x max_model_len, which no call outgrows. The cache is
+        allocated at the first call, as vLLM's is, and must hold at least max_model_len.
+        `exact`: exact.py's batch-invariant numerics. A trainer that applies the same
+        `exact_numerics` then computes the very same logprobs from the same weights (slower;
+        no torch.compile).
+        `compact_rows`: a call's last running rows move into fewer rows once they fit in 1/16
+        of them (decode.py's _Rows.compact).
         `reuse_cut_kv`: a call cut with `cut_below` leaves its cut samples' keys and values in
-        their rows, and the next call that continues them resumes them there, without a
-        prefill, even after a weight update (decode.py's Decoder._claim); not with `exact`."""
+        their rows. The next call that continues those samples resumes them there without a
+        prefill, even after a weight update (decode.py's Decoder._claim). Not with `exact`."""
         path = _checked_arguments(model, dtype, max_batch_size, exact, compile_decode)
         super().__init__(str(path))
         self._decoder = None  # made on first use, dropped whenever the parameters move
@@ -176,7 +183,7 @@ class TransformersEngine(EngineBase):
         config = self._model.config.get_text_config()
         self.max_model_len = self._fitting_length(config, max_model_len)
         self.exact_numerics = None
-        if exact:  # after max_model_len: the slab's slots follow from it
+        if exact:  # after max_model_len, because the slab's slots follow from it
             self.exact_numerics = ExactNumerics(self.max_model_len)
             self.exact_numerics.apply(self._model, slab=True)
             self._float_mask = False
@@ -202,14 +209,14 @@ class TransformersEngine(EngineBase):
         self._running = self._queued = 0  # samples of calls admitted / waiting out a pause
         self._dropped: dict[int, str] = {}  # parameters sleep(level=2) dropped, not yet reloaded
         self._asleep = 0  # the sleep level, 0 when awake
-        self._shapes: dict = {}  # of the parameters sleep(level=2) dropped
+        self._shapes: dict = {}  # shapes of the parameters that sleep(level=2) dropped
         self._can_sleep = self.device.type == "cuda"
         self._receiver = None
 
     def _load_model(
         self, path: Path, dtype: str, device: str, attn_implementation: str | None
     ) -> None:
-        """The device, the tokenizer and the model on the device, its start timed."""
+        """Set up the device, the tokenizer and the model on the device; time the start-up."""
         began = time.perf_counter()
         import torch
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
@@ -226,8 +233,8 @@ class TransformersEngine(EngineBase):
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            # Our masks are 4D: additive floats for "eager", booleans for sdpa, which is what
-            # every other choice (flash attention takes no such mask) runs as.
+            # Our masks are 4D: additive floats for "eager", and booleans for sdpa. Every other
+            # choice runs as sdpa, because flash attention takes no such mask.
             self._float_mask = attn_implementation == "eager"
             if attn_implementation not in (None, "eager", "sdpa"):
                 logger.info("attention %r: the engine runs sdpa instead", attn_implementation)
@@ -239,7 +246,7 @@ class TransformersEngine(EngineBase):
             )
             self._model = loaded.eval().requires_grad_(False)
             self._lay_out_parameters()
-            self._model.to(self.device)  # the buffers: the parameters are there already
+            self._model.to(self.device)  # moves the buffers; the parameters are there already
         except Exception as err:
             raise RolloutError(
                 f"could not load a transformers model from {self.model!r}: {err}"
@@ -247,7 +254,8 @@ class TransformersEngine(EngineBase):
         self._startup = {"imports": imported - began, "weights": time.perf_counter() - imported}
 
     def _fitting_length(self, config, max_model_len: int | None) -> int:
-        """max_model_len, within what the model's positions and attention allow."""
+        """Return max_model_len, checked against what the model's positions and attention
+        allow."""
         if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             raise RolloutError(
                 f"{self.model} has sliding-window attention layers, which the transformers "
@@ -263,8 +271,8 @@ class TransformersEngine(EngineBase):
         return length
 
     def _stop_and_pad_ids(self) -> tuple[set[int], int]:
-        """The tokens that end a sample (the tokenizer's and the generation config's, a list
-        counting too) and the one that pads."""
+        """Return the tokens that end a sample and the token that pads. The stop tokens are the
+        tokenizer's EOS and the generation config's (which may be a list)."""
         generation = getattr(self._model, "generation_config", None)
         eos = [self.tokenizer.eos_token_id, getattr(generation, "eos_token_id", None)]
         stops = {i for e in eos if e is not None for i in ([e] if isinstance(e, int) else e)}
@@ -276,10 +284,10 @@ class TransformersEngine(EngineBase):
     def generate(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> list[Sample]:
-        """Generate `settings.n` samples per prompt (one per `Continuation`: it continues a cut
-        sample); return them in prompt, then sample order. While the engine is paused the call
-        waits (nothing is lost). With `settings.cut_below` the call may end before its longest
-        samples do: those return unfinished (finish_reason "abort")."""
+        """Generate `settings.n` samples per prompt, and one per `Continuation` (which continues
+        a cut sample). Return them in prompt, then sample order. While the engine is paused, the
+        call waits, and nothing is lost. With `settings.cut_below`, the call may end before its
+        longest samples do, and those return unfinished (finish_reason "abort")."""
         settings = settings or SamplingSettings()
         continued = _continued(prompts, settings.max_tokens)
         if any(continued):
@@ -313,16 +321,17 @@ class TransformersEngine(EngineBase):
     def reseed(self, seed: int) -> None:
         """Draw the keys of unseeded samples afresh from `seed`. The launcher does so before each
         step's generation with [rollout] exact, so that a step's samples depend on the step and
-        the weights alone, not on what the engine generated before: a run resumed from a
-        checkpoint samples what the uninterrupted run did."""
+        the weights alone, not on what the engine generated before. A run resumed from a
+        checkpoint then samples what the uninterrupted run did."""
         with self._model_lock:
             self._rng.manual_seed(seed)
 
     def generate_stream(
         self, prompts: Sequence[Prompt], settings: SamplingSettings | None = None
     ) -> ComputedStream:
-        """`generate`, for callers written for VLLMEngine's stream: it computes every sample
-        first, then yields them (calls do not join a running one); `cancel()` drops the rest."""
+        """`generate` for callers written for VLLMEngine's stream. It computes every sample
+        first, then yields them (a call does not join a running one). `cancel()` drops the
+        rest."""
         return ComputedStream(self.generate(prompts, settings))
 
     def _generate(self, checked, rows, settings: SamplingSettings, continued) -> list[Sample]:
@@ -343,7 +352,7 @@ class TransformersEngine(EngineBase):
         ]
         stops, window = settings.stop, 4 * max(map(len, settings.stop), default=0) + 8
 
-        def stop_hit(tokens: list[int]) -> bool:  # decode only the tail: new in this token
+        def stop_hit(tokens: list[int]) -> bool:  # decode only the tail: a new stop ends there
             tail = self.tokenizer.decode(tokens[-window:], skip_special_tokens=True)
             return any(s in tail for s in stops)
 
@@ -401,8 +410,8 @@ class TransformersEngine(EngineBase):
         return samples
 
     def _text(self, token_ids: list[int], stopped: bool, settings: SamplingSettings) -> str:
-        """The response as vLLM writes it: without the EOS token's text, cut before a stop
-        string (the one that completes first)."""
+        """Return the response text as vLLM writes it: without the EOS token's text, and cut
+        before the stop string that completes first."""
         on_eos = stopped and not settings.ignore_eos and token_ids[-1] in self._eos
         text = self.tokenizer.decode(
             token_ids[:-1] if on_eos else token_ids, skip_special_tokens=True
@@ -413,8 +422,8 @@ class TransformersEngine(EngineBase):
     # -- pause, resume, weight updates -----------------------------------------------------
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
-        """Stop starting new calls (they wait, nothing is lost) and return once the running one
-        has finished on the current weights. Only "wait": see KEEP_REFUSED."""
+        """Stop starting new calls (they wait, and nothing is lost), and return once the running
+        call has finished on the current weights. Only "wait" mode exists: see KEEP_REFUSED."""
         if mode != "wait":
             raise BadRequestError(KEEP_REFUSED if mode == "keep" else f"unknown mode {mode!r}")
         with self._cv:
@@ -438,7 +447,7 @@ class TransformersEngine(EngineBase):
                 if self._receiver is not None:
                     self._receiver.close()
                     self._receiver = None
-            # Off the update lock, so that close() need not wait for the sender either.
+            # Join without the update lock, so that close() need not wait for the sender either.
             receiver = Joining(lambda: create_receiver(**options)).wait(given_up)
             with self._update_lock:
                 if self._closed:  # closed as the join completed: nothing will receive
@@ -449,10 +458,11 @@ class TransformersEngine(EngineBase):
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update and copy it into the model; return its version.
 
-        Waits for the running call to finish (new calls wait meanwhile), up to `timeout`
+        Wait for the running call to finish (new calls wait meanwhile), then up to `timeout`
         seconds for the sender to start. Names and shapes are checked against the model before
-        any data moves (a wrong one leaves the weights unchanged); a failure once data flows
-        leaves them partly replaced, and the engine refuses to generate until an update loads.
+        any data moves, so a wrong name or shape leaves the weights unchanged. A failure once
+        data flows leaves the weights partly replaced, and the engine refuses to generate until
+        an update loads.
         """
         if mode != "wait":
             raise BadRequestError(KEEP_REFUSED if mode == "keep" else f"unknown mode {mode!r}")
@@ -482,9 +492,9 @@ class TransformersEngine(EngineBase):
         targets = self._tensors()
         loaded = []
         try:
-            # Names and shapes are checked before any data moves. In place, a few copies per
-            # bucket (weightsync merges those that continue each other, as our parameters do;
-            # a tied weight is one tensor).
+            # Names and shapes are checked before any data moves. The update is copied in place,
+            # a few copies per bucket: weightsync merges copies that continue each other, as our
+            # parameters do, and a tied weight is one tensor.
             version = self._receiver.receive_into(targets, loaded, timeout)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -510,9 +520,9 @@ class TransformersEngine(EngineBase):
         }
 
     def weights_digest(self) -> str:
-        """`ferrule_weightsync.digest` of the tensors named by the last update (before any:
-        every parameter, tied ones once), as held: equal to the sender's digest of what it sent
-        exactly when every tensor arrived bit for bit in the same dtype."""
+        """Return `ferrule_weightsync.digest` of the tensors, as held, that the last update named
+        (before any update: every parameter, tied ones once). It equals the sender's digest of
+        what it sent exactly when every tensor arrived bit for bit in the same dtype."""
         from ferrule_weightsync import digest
 
         with self._model_lock:
@@ -523,10 +533,10 @@ class TransformersEngine(EngineBase):
     # -- sleep, health, shutdown -----------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Free the GPU between rollouts (waits for the running call; calls wait until
-        wake_up). Level 1 moves the weights to host memory; level 2 drops them, and after
-        wake_up the engine generates again once a weight update has loaded every parameter.
-        On CPU a no-op that says so."""
+        """Free the GPU between rollouts. This waits for the running call, and new calls wait
+        until wake_up. Level 1 moves the weights to host memory. Level 2 drops them; after
+        wake_up, the engine generates again once a weight update has loaded every parameter.
+        On CPU this is a no-op that logs so."""
         if level not in (1, 2):
             raise BadRequestError(f"sleep level must be 1 or 2, got {level!r}")
         if not self._can_sleep:
@@ -538,7 +548,7 @@ class TransformersEngine(EngineBase):
         with self._model_lock:
             if self._asleep:
                 return
-            self._drop_decoder()  # its KV slab and graphs: freed with the weights
+            self._drop_decoder()  # free its KV slab and graphs along with the weights
             if level == 1:
                 self._model.to("cpu")
             else:  # in place, parameter by parameter: `.to("meta")` would untie tied weights
@@ -565,8 +575,8 @@ class TransformersEngine(EngineBase):
         self.resume()
 
     def _drop_decoder(self) -> None:
-        """Free the decoder's KV slab and CUDA graphs now: its steps and it refer to each
-        other, so dropping the reference alone would leave them to the garbage collector."""
+        """Free the decoder's KV slab and CUDA graphs now. The decoder and its steps refer to
+        each other, so dropping the reference alone would leave them to the garbage collector."""
         if self._decoder is not None:
             self._decoder.release()
             self._decoder = None
@@ -574,10 +584,10 @@ class TransformersEngine(EngineBase):
     def _lay_out_parameters(self, empty: dict | None = None) -> None:
         """Put the parameters on the engine's device in one allocation per dtype, one after
         another in the model's order (tied ones once). A trainer's export comes in that order,
-        and a ZeRO-3 policy of one rank keeps it in one allocation too: its in-place CUDA IPC
-        update then loads with one copy (`Update.load_into` merges copies that continue each
-        other) instead of one per tensor. `empty`: the shapes of parameters to allocate
-        without copying (sleep level 2)."""
+        and a ZeRO-3 policy of one rank also keeps its parameters in one allocation. Its
+        in-place CUDA IPC update then loads with one copy instead of one per tensor
+        (`Update.load_into` merges copies that continue each other). `empty` gives the shapes
+        of parameters to allocate without copying (sleep level 2)."""
         self._drop_decoder()  # its graphs read the old storage
         params = list(self._model.named_parameters())
         entries = [(empty[name] if empty else p.shape, p.dtype) for name, p in params]

@@ -1,11 +1,11 @@
 """The one interface of ferrule-rollout's engines.
 
-    def rollout(engine: Engine, prompts):      # engine.VLLMEngine (vLLM) or
+    def rollout(engine: Engine, prompts):      # vllm_engine.VLLMEngine (vLLM) or
         return engine.generate(prompts)        # hf_engine.TransformersEngine (transformers)
 
-The launcher, the gRPC server and the episode runner use an engine only through `Engine`'s
-verbs, so either engine serves them. What the two engines write the same way is
-engine_base.py's `EngineBase`.
+The launcher, the gRPC server and the episode runner use an engine only through the methods of
+`Engine`, so either engine serves them. The code that the two engines share is in engine_base.py's
+`EngineBase`.
 """
 
 import threading
@@ -17,7 +17,8 @@ from ferrule_rollout.samples import Prompt, Sample, SamplingSettings
 
 
 class Stream(Protocol):
-    """`generate_stream`'s result: samples as they finish; `cancel()` drops the rest."""
+    """The result of `generate_stream`: it yields samples as they finish, and `cancel()` drops
+    the rest."""
 
     def __iter__(self) -> Iterator[Sample]: ...
 
@@ -75,8 +76,8 @@ class Engine(Protocol):
 
 @dataclass(frozen=True)
 class WeightSyncGroup:
-    """The trainer's weight-sync group an engine joins: where, which receiver rank, how long to
-    wait for the sender, and its secret."""
+    """The trainer's weight-sync group that an engine joins: its address, the engine's receiver
+    rank, how long to wait for the sender, and the group's secret."""
 
     transport: str
     host: str

@@ -1,13 +1,13 @@
-"""Joining a weight-sync group in a thread of its own, so that the wait for peers can be given up.
+"""Join a weight-sync group in a separate thread, so that the caller can stop waiting for peers.
 
     joining = Joining(lambda: create_receiver(...))      # starts at once
     receiver = joining.wait(given_up=lambda: cancel.is_set())   # or poll joining.done()
 
-Joining waits for the sender (and every other receiver) for up to the group's timeout. The
-caller must not hold anything meanwhile (the vLLM engine's lock: generation stopped for the
-whole wait), and must be able to leave when nobody wants the result any more (its gRPC client
-left, the server stops): the thread then runs out its timeout alone and closes the receiver
-if one comes after all.
+Joining waits up to the group's timeout for the sender and every other receiver. The caller
+must not hold any lock meanwhile: holding the vLLM engine's lock stopped generation for the whole
+wait. The caller must also be able to leave when nobody wants the result any more, for example
+when its gRPC client left or the server stops. The thread then waits out its timeout alone, and
+closes the receiver if one arrives after all.
 """
 
 import threading
@@ -21,7 +21,8 @@ class JoinAbandoned(Exception):
 
 
 class Joining:
-    """`connect()` running in a daemon thread; its receiver, its error, or abandoned."""
+    """Runs `connect()` in a daemon thread. It ends with a receiver, with connect()'s error, or
+    abandoned by the caller."""
 
     def __init__(self, connect: Callable[[], object]):
         self._done = threading.Event()
@@ -42,7 +43,7 @@ class Joining:
         else:
             with self._lock:
                 if self._abandoned:
-                    receiver.close()  # nobody will use it: leave the group at once
+                    receiver.close()  # nobody will use the receiver, so leave the group now
                 else:
                     self._receiver = receiver
         self._done.set()
@@ -51,13 +52,13 @@ class Joining:
         return self._done.is_set()
 
     def result(self):
-        """The receiver once joined (raises the join's error); call after `done()`."""
+        """Return the receiver, or raise the join's error. Call this only after `done()`."""
         if self._error is not None:
             raise self._error
         return self._receiver
 
     def abandon(self) -> None:
-        """Nobody wants the receiver: close it if it came, or as soon as it comes."""
+        """Give up the join: close the receiver now if it has arrived, or as soon as it does."""
         with self._lock:
             self._abandoned = True
             receiver, self._receiver = self._receiver, None
@@ -65,7 +66,8 @@ class Joining:
             receiver.close()
 
     def wait(self, given_up: Callable[[], bool]):
-        """The receiver, once joined; JoinAbandoned as soon as `given_up()` says so."""
+        """Wait for the join and return the receiver. Raise JoinAbandoned as soon as
+        `given_up()` returns True."""
         while not self._done.wait(POLL_SECONDS):
             if given_up():
                 self.abandon()

@@ -1,39 +1,42 @@
-"""The transformers engine's Triton kernels (CUDA): decode attention that reads only the slots a
-row has used, through its page table, and the decode loop's draw.
+"""The transformers engine's Triton kernels (CUDA): decode attention that reads, through a row's
+page table, only the slots that the row has used; and the decode loop's draw.
 
-    out = decode_attention(query, keys, values, visible, slots, table, scale)  # [rows, 1, heads, dim]
+    out = decode_attention(query, keys, values, visible, slots, table, scale)  # [rows,1,heads,dim]
     chosen, logprob = draw(logits, temperature, u)                             # [rows] each
 
-decode_attention: SDPA against a dense slab reads every slot of every row at each step, the
-empty ones included: at 1.5B, 512 rows and 576 slots that was 3.6 ms of a 10.2 ms step
+decode_attention: SDPA against a dense slab reads every slot of every row at each step, empty
+slots included. At 1.5B, with 512 rows and 576 slots, that took 3.6 ms of a 10.2 ms step
 (benchmarks/RESULTS.md, issue 42). Here one program per (row, KV head) walks the row's slots in
-blocks of PAGE up to its own next slot (`slots[r]`, where it just wrote), each block read from the
-page the row's table names (decode.py's SlabCache: pages of PAGE slots, so a short sequence holds
-few of them), so a row 100 tokens in reads 100 slots, whatever the view's length. The query
-heads of a KV head are its program's rows (grouped-query attention without copying the cache);
-softmax runs online in float32. Where the view has few rows (the tail's narrower rows, an
-evaluation's), each row's slots are split over programs of SPLIT slots, whose partial sums a
-second kernel combines (flash-decoding): one program walking a 16k-token row alone took most of
-a step. The op is registered with torch.library, so torch.compile (the engine's compile_decode)
-treats it as one opaque call, and a CUDA graph captures it with the slots and the table as
-device tensors: a replay reads as far as each row has got, from wherever its pages are.
+blocks of PAGE, up to the row's own next slot (`slots[r]`, where it just wrote). Each block is
+read from the page that the row's table names. (decode.py's SlabCache stores pages of PAGE slots,
+so a short sequence holds few of them.) A row 100 tokens in thus reads 100 slots, whatever the
+view's length. The query heads of a KV head are the rows of that head's program, which gives
+grouped-query attention without copying the cache. Softmax runs online in float32.
 
-draw: sampling.sample's inverse-CDF draw at temperature T without top-k / top-p, one program per
-row: a pass for the row's log-sum-exp, then a running sum up to the row's point. It reads the
-logits twice where the eager draw makes five float32 passes over [rows, vocabulary] (1.6 ms at
-512 rows x 151,936). Sums run in another order than torch's cumsum, so a draw at a CDF boundary
-may pick the neighbouring token (either is a correct draw; exact mode keeps the eager one).
+When the view has few rows (the tail's narrower rows, or an evaluation's rows), each row's slots
+are split over programs of SPLIT slots, and a second kernel combines their partial sums
+(flash-decoding). Without the split, one program walking a 16k-token row alone took most of a
+step. The op is registered with torch.library, so torch.compile (the engine's compile_decode)
+treats it as one opaque call. A CUDA graph captures it with the slots and the table as device
+tensors, so a replay reads as far as each row has got, from wherever its pages are.
 
-Triton is imported on first use: CPU-only installs never need it.
+draw: sampling.sample's inverse-CDF draw at temperature T without top-k / top-p, with one program
+per row. The program makes one pass for the row's log-sum-exp, then keeps a running sum up to the
+row's point. It reads the logits twice, where the eager draw makes five float32 passes over
+[rows, vocabulary] (1.6 ms at 512 rows x 151,936). Its sums run in a different order than
+torch's cumsum, so a draw at a CDF boundary may pick the neighbouring token. Either token is a
+correct draw; exact mode keeps the eager draw.
+
+Triton is imported on first use, so CPU-only installs never need it.
 """
 
 import functools
 
 import torch
 
-PAGE = 64  # slots a page of the KV cache holds, and a kernel block reads (one page each)
-SPLIT = 256  # slots per program where rows are split (decode_attention): whole pages
-MIN_PROGRAMS_PER_SM = 2  # fewer (row, KV head) programs than this per SM: rows are split
+PAGE = 64  # slots in a page of the KV cache; a kernel block reads one page
+SPLIT = 256  # slots per program when decode_attention splits rows (a whole number of pages)
+MIN_PROGRAMS_PER_SM = 2  # split rows below this many (row, KV head) programs per SM
 VOCAB_BLOCK = 2048  # vocabulary entries per iteration of the draw
 _kernel = _draw_kernel = None
 
@@ -47,8 +50,8 @@ def triton_available() -> bool:
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether decode_attention covers a model's attention: at most 16 query heads per KV head
-    (one tl.dot tile) and a power-of-two head size of 16 or more; and Triton is importable."""
+    """Whether decode_attention covers a model's attention. It needs at most 16 query heads per
+    KV head (one tl.dot tile), a power-of-two head size of 16 or more, and an importable Triton."""
     if heads % kv_heads or heads // kv_heads > 16 or head_dim & (head_dim - 1) or head_dim < 16:
         return False
     return triton_available()
@@ -79,7 +82,7 @@ def _build():
             mask=(g < GROUP)[:, None],
             other=0.0,
         )
-        best = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite: an all-masked block is no NaN
+        best = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # finite, so a masked block gives no NaN
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
         for start in range(begin, tl.minimum(begin + span, last + 1), PAGE):
@@ -105,14 +108,14 @@ def _build():
             )
             acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        if SPLITS == 1:  # the row's every slot: the output (0 where it sees none: an idle row)
+        if SPLITS == 1:  # one split holds all the row's slots: store the output (0 if it sees none)
             tl.store(
                 OUT + r * o_row + heads[:, None] * o_head + d[None, :],
                 (acc / tl.where(total > 0, total, 1.0)[:, None]).to(OUT.dtype.element_ty),
                 mask=(g < GROUP)[:, None],
             )
-        else:  # this split's partial sums (unnormalised), for `combine`; a split past the
-            # row's slot stores nothing and is never read
+        else:  # store this split's partial sums (unnormalised) for `combine`; a split past
+            # the row's slot stores nothing, and nothing reads it
             live = (g < GROUP) & (begin <= last)
             at = (r * GROUP * tl.num_programs(1) + heads) * SPLITS + split
             tl.store(BEST + at, best, mask=live)
@@ -165,10 +168,15 @@ def decode_attention(
     table: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [rows, heads, 1, dim]; keys, values [pages, kv heads, PAGE, dim] (last dim
-    contiguous); visible [rows, view slots] bool (what each row may attend to: its prompt
-    and tokens up to its slot); slots [rows] int64 (each row's last written slot); table
-    [rows, pages a row] int64, the page that holds each row's slots PAGE * k .. PAGE * (k + 1).
+    """Attention of each row's one new query token over the row's cached slots.
+
+    query: [rows, heads, 1, dim].
+    keys, values: [pages, kv heads, PAGE, dim], last dim contiguous.
+    visible: [rows, view slots] bool, the slots each row may attend to (its prompt and its
+        tokens up to its slot).
+    slots: [rows] int64, each row's last written slot.
+    table: [rows, pages per row] int64; table[r, k] is the page that holds row r's slots
+        PAGE * k to PAGE * (k + 1) - 1.
     Returns [rows, 1, heads, dim], as Hugging Face attention functions do."""
     global _kernel
     if _kernel is None:
@@ -181,11 +189,11 @@ def decode_attention(
     if rows == 0:
         return out
     visible = visible.view(torch.uint8) if visible.dtype == torch.bool else visible  # no copy
-    # from the shapes alone, so that a captured graph keeps its grid: few (row, KV head)
-    # programs leave most of the GPU idle while each walks its row, so each long row is split
-    # over several; many programs fill it already, and splitting them costs the partial sums'
-    # writes and dead programs (at 1.5B: 512 rows 1.5x slower, 16 rows at 16k slots 2.3x
-    # faster split; benchmarks/RESULTS.md, 2026-12-01)
+    # Decide from the shapes alone, so that a captured graph keeps its grid. A few (row, KV
+    # head) programs leave most of the GPU idle while each walks its row, so each long row is
+    # split over several programs. Many programs fill the GPU already, and splitting them costs
+    # the partial sums' writes and dead programs. At 1.5B, splitting made 512 rows 1.5x slower
+    # and 16 rows at 16k slots 2.3x faster (benchmarks/RESULTS.md, 2026-12-01).
     few = rows * kv < MIN_PROGRAMS_PER_SM * _multiprocessors(query.device)
     splits = -(-length // SPLIT) if few else 1
     split, span = splits > 1, SPLIT if splits > 1 else length
@@ -213,7 +221,7 @@ def decode_attention(
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    """The GPU's streaming multiprocessors (Triton's CPU interpreter: 4)."""
+    """The number of the GPU's streaming multiprocessors (4 under Triton's CPU interpreter)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -234,7 +242,8 @@ def _build_draw():
         r = tl.program_id(0).to(tl.int64)
         base = LOGITS + r * row
         j = tl.arange(0, BLOCK)
-        # the log-sum-exp of logits / T, per lane then across (finite start: -inf logits are 0)
+        # the log-sum-exp of logits / T, per lane, then across lanes (with a finite start,
+        # -inf logits add 0)
         best = tl.full([BLOCK], -1.0e30, tl.float32)
         total = tl.zeros([BLOCK], tl.float32)
         for start in range(0, vocab, BLOCK):
@@ -245,9 +254,9 @@ def _build_draw():
             best = new_best
         top = tl.max(best, axis=0)
         mass = tl.sum(total * tl.exp(best - top), axis=0)  # of exp(x / T - top)
-        # sampling.sample's point: u (1 - 2**-20) of the total mass, never the total itself
+        # sampling.sample's point: u * (1 - 2**-20) of the total mass, never the total itself
         point = (tl.load(U + r * u_row) * (1 - 2.0**-20)).to(tl.float32) * mass
-        chosen = vocab - 1  # as sample's clamp, should rounding leave the point past the end
+        chosen = vocab - 1  # like sample's clamp, in case rounding leaves the point past the end
         start = 0
         below = 0.0
         while start < vocab:
@@ -269,9 +278,10 @@ def _build_draw():
 
 
 def draw(logits: torch.Tensor, temperature: float, u: torch.Tensor):
-    """One token per row of `logits` ([rows, vocabulary], last dim contiguous) drawn from
-    softmax(logits / temperature) by inverse CDF at the row's uniform `u` (float64 [rows], any
-    stride), and its log-probability (float32): sampling.sample's draw without top-k / top-p."""
+    """Draw one token per row of `logits` ([rows, vocabulary], last dim contiguous) from
+    softmax(logits / temperature), by inverse CDF at the row's uniform `u` (float64 [rows], any
+    stride). Return the tokens and their log-probabilities (float32). This is sampling.sample's
+    draw without top-k / top-p."""
     global _draw_kernel
     if _draw_kernel is None:
         _draw_kernel = _build_draw()

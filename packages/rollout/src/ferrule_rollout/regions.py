@@ -1,20 +1,22 @@
-"""The decode step's compiled regions: torch.compile on the pieces of a decoder layer that every
-layer shares, instead of on the whole model's forward.
+"""Compiled regions for the decode step. torch.compile runs on the pieces of a decoder layer that
+every layer shares, instead of on the whole model's forward.
 
     regions = CompiledRegions(model)     # nothing compiles yet
     with regions.active():               # while a decode step is captured as a CUDA graph
         logits = decoder.forward(...)
 
-Compiling the whole forward traces all of its layers as one graph: at 1.5B (28 layers) the first
+Compiling the whole forward traces all of its layers as one graph. At 1.5B (28 layers) the first
 call took 37.7 s, most of a fresh start-up's evaluation. The layers share their code and shapes,
-so a region compiled once serves every layer: each layer's children except its attention (the
-MLP and the norms; the attention reads the KV slab by its layer's index, which would compile once
-a layer) and the final norm, plus the rotary embedding's function of the attention's module. On
-an H200 at 1.5B, 512 rows x 256 tokens: the first call 6.5 s, a decode call 1.38 s against the
-whole forward's 1.36 s (benchmarks/RESULTS.md, 2026-11-30). The regions are swapped in only
-while `active`: prefill, whose shapes change with every call, runs them eagerly. The layers are
-the classes the model lists in `_no_split_modules`; a model that lists none has no regions (the
-Decoder then compiles its whole forward, as before).
+so a region compiled once serves every layer. The regions are:
+- each layer's children except its attention, that is the MLP and the norms (the attention reads
+  the KV slab by its layer's index, so it would compile once per layer);
+- the final norm;
+- the rotary-embedding function that the attention's module calls.
+On an H200 at 1.5B with 512 rows x 256 tokens, the first call took 6.5 s, and a decode call took
+1.38 s against 1.36 s with the whole forward compiled (benchmarks/RESULTS.md, 2026-11-30). The
+regions are swapped in only while `active`. Prefill, whose shapes change with every call, runs
+the modules eagerly. The layers are the classes that the model lists in `_no_split_modules`. A
+model that lists none has no regions, and the Decoder then compiles its whole forward, as before.
 """
 
 import sys
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-ROTARY = "apply_rotary_pos_emb"  # what HF's Llama-family attention modules call by this name
+ROTARY = "apply_rotary_pos_emb"  # the rotary function's name in HF's Llama-family attention
 
 
 class CompiledRegions:
@@ -39,17 +41,19 @@ class CompiledRegions:
         if layers and isinstance(norm, torch.nn.Module):
             self.modules.append(norm)
         self._compiled = [torch.compile(m.forward, dynamic=False) for m in self.modules]
-        # the rotary function, in the namespace the attention looks it up in at each call
+        # Find the rotary function in the module namespace where the attention looks it up at
+        # each call.
         self._rotary = {}
         for layer in layers:
             attention = getattr(layer, "self_attn", None)
             home = sys.modules[type(attention).__module__].__dict__ if attention else {}
             if callable(home.get(ROTARY)) and id(home) not in self._rotary:
-                # made while another Decoder's regions are active: the eager function under them
+                # If another Decoder's regions are active now, the global is their compiled
+                # function: keep the eager function that it wraps.
                 original = getattr(home[ROTARY], "_torchdynamo_orig_callable", home[ROTARY])
                 self._rotary[id(home)] = (home, original, torch.compile(original, dynamic=False))
-        # dynamo may keep an entry for each module instance of one code: not an eager fallback
-        # at the 9th layer
+        # Dynamo may keep a cache entry for each module instance that runs the same code. Raise
+        # the limit so that the 9th layer does not fall back to eager.
         limit = torch._dynamo.config.cache_size_limit
         torch._dynamo.config.cache_size_limit = max(limit, 2 * len(self.modules) + 8)
 
@@ -58,9 +62,10 @@ class CompiledRegions:
 
     @contextmanager
     def active(self):
-        """The compiled regions in place of the eager ones, and the eager ones back after. The
-        rotary function is the attention module's global: another model of the same family in
-        this process would meet the compiled one meanwhile (it computes the same)."""
+        """Swap the compiled regions in for the eager ones, and restore the eager ones after.
+        The rotary function is a global of the attention's module. Meanwhile, another model of
+        the same family in this process would call the compiled function too, which computes
+        the same result."""
         kept = [m.__dict__.get("forward") for m in self.modules]
         for module, compiled in zip(self.modules, self._compiled, strict=True):
             module.forward = compiled

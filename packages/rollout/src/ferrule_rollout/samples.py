@@ -41,9 +41,10 @@ class SamplingSettings:
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (benchmarks use this)."""
     cut_below: int = 0
-    """Partial rollouts (the transformers engine only): > 0 ends the call once no prompt waits
-    and fewer than this many samples still run; those come back unfinished (finish_reason
-    "abort") for a later call to continue (`Continuation`). 0: every sample runs to its end."""
+    """Partial rollouts (the transformers engine only). A value > 0 ends the call once no
+    prompt waits and fewer than this many samples still run. Those samples come back unfinished
+    (finish_reason "abort"), and a later call can continue them (`Continuation`). 0 lets every
+    sample run to its end."""
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -80,9 +81,10 @@ Prompt = str | list[int]
 def prompt_token_ids(
     prompts: Sequence[Prompt], tokenizer, vocab_size: int, max_model_len: int
 ) -> list[list[int]]:
-    """Every prompt of a request as token ids (text is encoded with `tokenizer.encode`), checked
-    before any work starts: raises BadRequestError naming the first bad prompt. Both engines
-    call this, so they accept and refuse the same requests with the same messages."""
+    """Return every prompt of a request as token ids (text is encoded with `tokenizer.encode`).
+    The prompts are checked before any work starts, and a BadRequestError names the first bad
+    prompt. Both engines call this, so they accept and refuse the same requests with the same
+    messages."""
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
         raise BadRequestError("prompts must be a list of strings or of token-id lists")
     checked = []
@@ -110,8 +112,8 @@ def prompt_token_ids(
 
 
 def check_prompt_length(index: int, tokens: int, max_model_len: int) -> None:
-    """BadRequestError unless prompt `index`, `tokens` long, leaves room for one generated
-    token."""
+    """Raise BadRequestError unless prompt `index`, which is `tokens` long, leaves room for at
+    least one generated token."""
     if tokens >= max_model_len:
         raise BadRequestError(
             f"prompt {index} is {tokens} tokens long; the model's maximum length is "
@@ -142,13 +144,14 @@ class Sample:
     logprobs: list[float]
     """Log-probability of each sampled token under the distribution that drew it, from the
     weights that sampled it: softmax(logits / temperature), renormalised over the top-k / top-p
-    tokens when those are set (greedy: softmax(logits)). With top-k and top-p off, the quantity
-    the trainer's forward pass computes at the same temperature."""
+    tokens when those are set (greedy: softmax(logits)). With top-k and top-p off, this is the
+    quantity that the trainer's forward pass computes at the same temperature."""
     finish_reason: str
     """"stop" (EOS or a stop string), "length" (max_tokens or the model's length) or "abort"."""
     version: int
-    """Policy version of the weights that produced the sample; when an update landed mid-sample
-    (pause mode "keep"), the oldest contributing version, with the details in `versions`."""
+    """Policy version of the weights that produced the sample. When an update landed mid-sample
+    (pause mode "keep"), this is the oldest contributing version, and `versions` has the
+    details."""
     text: str = ""
     versions: list[VersionSpan] = field(default_factory=list)
     """The version of every stretch of tokens; one span unless an update landed mid-sample."""
@@ -159,17 +162,19 @@ class Sample:
     """Multi-turn episodes only: the rewards the environment gave before the episode's last
     turn, each as (index of that turn's last token in `token_ids`, reward)."""
     draw_key: int | None = None
-    """A cut sample's (finish_reason "abort", the transformers engine): the key of its random
-    draws, so that its continuation draws what one uninterrupted call would have."""
+    """Set on a cut sample (finish_reason "abort", transformers engine only): the key of its
+    random draws. Its continuation then draws what one uninterrupted call would have drawn."""
 
 
 @dataclass(frozen=True)
 class Continuation:
     """A prompt that continues a cut sample (finish_reason "abort") under the engine's current
-    weights: its prompt and tokens so far are prefilled, at most `max_tokens` minus those
-    tokens follow, and the sample returned holds them all (tokens, logprobs, version spans; its
-    `version` stays the oldest). One sample, whatever the call's n. `final`: it is not cut
-    again in this call (the caller's staleness bound). The transformers engine only."""
+    weights. The transformers engine only.
+
+    The sample's prompt and tokens so far are prefilled, and at most `max_tokens` minus those
+    tokens follow. The returned sample holds all of them (tokens, logprobs, version spans), and
+    its `version` stays the oldest one. A Continuation gives one sample, whatever the call's n.
+    With `final`, the sample is not cut again in this call (the caller's staleness bound)."""
 
     sample: Sample
     final: bool = False

@@ -1,9 +1,9 @@
-"""Sampling on the device: vLLM's processed logprobs, counter-based uniforms, inverse-CDF draws.
+"""Sampling on the device: vLLM's processed logprobs, counter-based uniforms and inverse-CDF draws.
 
     u = uniforms(keys, steps)                   # [rows, steps]: a row's draws depend on its key
     tokens, logprobs = sample(logits, temperature, top_k, top_p, u[:, t])
 
-decode.py calls these once per decode step; nothing here reads back to the host.
+decode.py calls these once per decode step. Nothing here copies results back to the host.
 """
 
 import torch
@@ -12,9 +12,10 @@ MASK32 = 0xFFFFFFFF
 
 
 def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
-    """Log-probabilities of the distribution a token is drawn from (vLLM's processed logprobs):
-    log_softmax(logits / temperature) over the top-k, then top-p, tokens; greedy (temperature
-    0): log_softmax(logits). Float32 whatever the model's dtype."""
+    """Return the log-probabilities of the distribution that a token is drawn from (vLLM's
+    processed logprobs). This is log_softmax(logits / temperature), kept to the top-k tokens and
+    then to the top-p tokens. Greedy sampling (temperature 0) uses log_softmax(logits). The
+    result is float32 whatever the model's dtype."""
     logits = logits.float()
     if temperature == 0:
         return torch.log_softmax(logits, dim=-1)
@@ -22,7 +23,7 @@ def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
     if 0 < top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if top_p < 1:  # as vLLM: drop the least likely tokens whose total mass is <= 1 - top_p
+    if top_p < 1:  # as vLLM does, drop the least likely tokens whose total mass is <= 1 - top_p
         ascending, order = scaled.sort(dim=-1)
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[:, -1] = False
@@ -31,19 +32,23 @@ def sampling_logprobs(logits, temperature: float, top_k: int, top_p: float):
 
 
 def _mix(x):
-    """A 32-bit integer hash of int64 values in [0, 2**32) (constants < 2**31: no overflow)."""
+    """A 32-bit integer hash of int64 values in [0, 2**32). The constants are < 2**31, so the
+    products do not overflow."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     x = ((x >> 16) ^ x) * 0x45D9F3B & MASK32
     return (x >> 16) ^ x
 
 
 def uniforms(keys, steps: int, first=None, device=None):
-    """[rows, steps] float64 uniforms in [0, 1): row r's draw at step t depends on keys[r] and t
-    only (a counter-based generator: no state to carry, the same in any batch and any chunk).
-    `first` (one per row): row r's draws are those of steps first[r] .. first[r] + steps - 1,
-    as a sample continued after first[r] tokens draws what one uninterrupted call would have.
-    Integer arithmetic only, so the same bits on any `device`: on the GPU's, a call at a 16k
-    cap does not wait for the CPU (512 rows x 16,384 steps take ~1 s there)."""
+    """Return [rows, steps] float64 uniforms in [0, 1). Row r's draw at step t depends only on
+    keys[r] and t. This is a counter-based generator: it carries no state, and a row gets the
+    same draws in any batch and any chunk.
+
+    `first` (one value per row) makes row r's draws those of steps first[r] .. first[r] +
+    steps - 1. A sample continued after first[r] tokens then draws what one uninterrupted call
+    would have drawn. The arithmetic is integer-only, so every `device` gives the same bits. On
+    the GPU, a call at a 16k cap therefore does not wait for the CPU (512 rows x 16,384 steps
+    take ~1 s on the CPU)."""
     keys = torch.as_tensor(keys, dtype=torch.long, device=device)
     row = _mix(_mix((keys & MASK32) ^ 0x6A09E667) ^ ((keys >> 32) & MASK32))
     at = torch.arange(steps, dtype=torch.long, device=device)[None, :]
@@ -56,10 +61,12 @@ def uniforms(keys, steps: int, first=None, device=None):
 
 
 def sample(logits, temperature: float, top_k: int, top_p: float, u, logprobs_of=None, kernel=False):
-    """One token per row and its logprob under `sampling_logprobs` (or `logprobs_of`, the same
-    function compiled), on the logits' device: greedy at temperature 0, else by inverse CDF at
-    the row's uniform `u` (float64 [rows]). `kernel` (CUDA): kernels.draw where neither top-k
-    nor top-p cuts (the same draw in fewer passes, rounded otherwise)."""
+    """Draw one token per row and return it with its logprob under `sampling_logprobs` (or
+    under `logprobs_of`, a compiled copy of that function). The work stays on the logits'
+    device. Temperature 0 is greedy; otherwise the token is drawn by inverse CDF at the row's
+    uniform `u` (float64 [rows]). With `kernel` (CUDA), kernels.draw makes the draw when neither
+    top-k nor top-p removes tokens. It is the same draw in fewer passes, with different
+    rounding."""
     if kernel and temperature > 0 and top_p >= 1 and not 0 < top_k < logits.shape[-1]:
         from ferrule_rollout.kernels import draw
 
@@ -69,7 +76,8 @@ def sample(logits, temperature: float, top_k: int, top_p: float, u, logprobs_of=
         chosen = logits.argmax(dim=-1)
     else:
         cdf = logprobs.exp().cumsum(dim=-1)
-        # u < 1 - 2**-20: never the total itself, so never a token of probability 0 after it
+        # Scale u below 1 - 2**-20 so that the point stays below the CDF's total. Then a token
+        # of probability 0 after the last likely token is never chosen.
         point = (u * (1 - 2.0**-20)).float()[:, None] * cdf[:, -1:]
         chosen = torch.searchsorted(cdf, point, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     return chosen, logprobs.gather(1, chosen[:, None])[:, 0]

@@ -1,5 +1,6 @@
-"""The rollout server's names for ferrule-grpc-auth's settings (see that package), apart from
-the server so that the CLI can name them without importing gRPC."""
+"""Names that the rollout server uses for its ferrule-grpc-auth settings (see that package).
+They live apart from server.py so that the CLI can use them without importing gRPC."""
 
 TOKEN_ENV = "FERRULE_ROLLOUT_TOKEN"
-"""Where the server and its clients read the bearer token when no --token-file is given."""
+"""The environment variable that the server and its clients read the bearer token from when no
+--token-file is given."""

@@ -1,29 +1,35 @@
-"""The gRPC front of a VLLMEngine (proto/ferrule/rollout/v1/rollout.proto).
+"""The gRPC front of a rollout engine, VLLMEngine or TransformersEngine
+(proto/ferrule/rollout/v1/rollout.proto).
 
     server, port = serve(engine, "127.0.0.1:50052")      # a started RolloutServer
     server, port = serve(engine, "0.0.0.0:50052", token=token, tls=TLS(cert, key, client_ca))
     server.stop(grace=5).wait()
 
 `rlhf-rollout serve` (cli.py) starts an engine and this server. Each call runs on a thread of the
-server's pool and blocks on the engine, which batches all calls together in its step loop. Bad
-input is INVALID_ARGUMENT with the engine's message; the server keeps serving. A call ends its
-samples when it ends: cancelled, or past its deadline (unary or streamed alike).
+server's pool and blocks on the engine. A VLLMEngine batches all calls together in its step loop;
+a TransformersEngine runs them one at a time. Bad input gets INVALID_ARGUMENT with the engine's
+message, and the server keeps serving. When a call ends early, because it was cancelled or passed
+its deadline, its samples end with it (unary or streamed alike).
 
-Limits, checked before any work: `max_request_sequences` (prompts x n of one call),
-`max_sequences_in_flight` (over every call at once; more is RESOURCE_EXHAUSTED, retry later),
-`max_prompt_bytes` (a prompt's text, before it is tokenized), the model's length (a token-id
-prompt, before its ids are read) and the generation calls at once (the pool less the
-CONTROL_THREADS kept for health and control calls, which never wait behind generation).
-A weight-sync join is given up when its call ends (client gone, deadline, server stopping).
+The server checks these limits before any work:
+- `max_request_sequences`: prompts x n of one call;
+- `max_sequences_in_flight`: sequences over every call at once (more gets RESOURCE_EXHAUSTED,
+  and the client should retry later);
+- `max_prompt_bytes`: a prompt's text, checked before it is tokenized;
+- the model's length: a token-id prompt, checked before its ids are read;
+- generation calls at once: the pool less the CONTROL_THREADS kept for health and control
+  calls, which never wait behind generation.
+A weight-sync join is given up when its call ends (the client left, the deadline passed, or the
+server is stopping).
 
-`stop(grace)` refuses new calls and ends generation in flight at once with UNAVAILABLE (a sample
-stream seldom finishes within a grace period, and its client can retry on another engine);
-other calls in flight (weight updates, pause) get `grace` seconds.
+`stop(grace)` refuses new calls and ends generation in flight at once with UNAVAILABLE. A sample
+stream seldom finishes within a grace period, and its client can retry on another engine. Other
+calls in flight (weight updates, pause) get `grace` seconds.
 
-Secure by default, as the reward server is (ferrule-grpc-auth): it listens on loopback unless
-clients must authenticate, with a token or mutual TLS. The token is checked on every call,
-weight updates, pause / resume and health included, before the call's request is read: whoever
-can update the weights decides what the engine generates.
+The server is secure by default, as the reward server is (ferrule-grpc-auth): it listens on
+loopback unless clients must authenticate, with a token or mutual TLS. The token is checked on
+every call, including weight updates, pause / resume and health, before the call's request is
+read. Whoever can update the weights decides what the engine generates.
 """
 
 import logging
@@ -48,11 +54,11 @@ from ferrule_rollout.security import TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 * 2**20  # a batch of long samples can exceed gRPC's 4 MB default
-# Handler threads kept for health and control calls (pause / resume, weight sync, sleep): with
-# every thread of the pool held by a Generate queued behind a pause, Resume itself queued
-# behind them (a deadlock without client deadlines). Generation calls get the rest of the pool;
-# past it they are refused RESOURCE_EXHAUSTED. 8 is more control calls than a trainer makes
-# at once, and leaves health answerable beside them.
+# Handler threads kept for health and control calls (pause / resume, weight sync, sleep).
+# Without them, when every thread of the pool was held by a Generate queued behind a pause,
+# Resume itself queued behind those calls (a deadlock without client deadlines). Generation
+# calls get the rest of the pool; past that, they are refused with RESOURCE_EXHAUSTED. 8 is more
+# control calls than a trainer makes at once, and leaves health answerable beside them.
 CONTROL_THREADS = 8
 STATUS = {
     "serving": pb.HealthResponse.SERVING,
@@ -71,10 +77,10 @@ def settings_from_proto(message: pb.SamplingSettings) -> SamplingSettings:
 def prompts_from_proto(
     prompts, max_prompt_bytes: int | None = None, max_model_len: int | None = None
 ) -> list:
-    """The request's prompts as text or lists of token ids. A text longer than
-    `max_prompt_bytes` is refused before the tokenizer sees it, and a token-id prompt of
-    `max_model_len` ids or more before its ids become a Python list (10^8 ids took 18 s and
-    2.5 GB to be refused at the engine's length check)."""
+    """Return the request's prompts as text or lists of token ids. A text longer than
+    `max_prompt_bytes` is refused before the tokenizer sees it. A token-id prompt of
+    `max_model_len` ids or more is refused before its ids become a Python list (10^8 ids took
+    18 s and 2.5 GB to be refused at the engine's length check)."""
     result = []
     for index, prompt in enumerate(prompts):
         if prompt.text and prompt.token_ids:
@@ -139,12 +145,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.max_generation_calls = max_generation_calls
         self._in_flight = 0
         self._calls = 0  # generation calls in flight, each holding a handler thread
-        self._streams: set = set()  # every call's samples still being generated
+        self._streams: set = set()  # the streams of calls still generating samples
         self._shutting_down = False
         self._lock = threading.Lock()
 
     def shut_down(self) -> None:
-        """Refuse new generation and end the streams in flight (their calls: UNAVAILABLE)."""
+        """Refuse new generation calls and end the streams in flight (their calls get
+        UNAVAILABLE)."""
         with self._lock:
             self._shutting_down = True
             streams = list(self._streams)
@@ -152,7 +159,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             stream.cancel()
 
     def _stream(self, request, context):
-        """The call's samples as they finish, within the limits; they end with the call."""
+        """Check the call against the limits, then yield its samples as they finish. The
+        samples end when the call ends."""
         max_model_len = getattr(self.engine, "max_model_len", None)
         prompts = prompts_from_proto(request.prompts, self.max_prompt_bytes, max_model_len)
         settings = settings_from_proto(request.sampling)
@@ -182,8 +190,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         stream = None
         try:
             stream = self.engine.generate_stream(prompts, settings)
-            # Runs when the call ends for any reason; a client that cancels (or whose deadline
-            # passes) aborts the samples still running. A no-op once all were sent.
+            # The callback runs when the call ends for any reason, so a client that cancels (or
+            # whose deadline passes) aborts the samples still running. It does nothing once all
+            # samples were sent.
             context.add_callback(stream.cancel)
             with self._lock:
                 self._streams.add(stream)
@@ -312,12 +321,13 @@ def serve(
     tls: TLS | None = None,
     **limits,
 ) -> tuple["RolloutServer", int]:
-    """Start serving `engine` on `bind` (port 0 picks a free one); return the server and port.
-    InsecureBindError, before anything listens, for an address beyond loopback where clients
-    need not authenticate (neither `token` nor `tls` with a client CA). `limits`:
-    RolloutServicer's max_request_sequences, max_sequences_in_flight, max_prompt_bytes.
-    `max_workers` handler threads: CONTROL_THREADS are kept for health and control calls, the
-    rest bound the generation calls at once."""
+    """Start serving `engine` on `bind` (port 0 picks a free port); return the server and port.
+
+    Before anything listens, raise InsecureBindError for an address beyond loopback where
+    clients need not authenticate (neither `token` nor `tls` with a client CA). `limits` are
+    RolloutServicer's max_request_sequences, max_sequences_in_flight and max_prompt_bytes. Of
+    the `max_workers` handler threads, CONTROL_THREADS are kept for health and control calls,
+    and the rest bound the number of generation calls at once."""
     if max_workers <= CONTROL_THREADS:
         raise ValueError(
             f"max_workers must be more than the {CONTROL_THREADS} threads kept for health and "
@@ -346,14 +356,15 @@ def serve(
 
 
 class RolloutServer:
-    """A started gRPC server and its servicer; `stop` ends generation before the grace."""
+    """A started gRPC server and its servicer. `stop` ends generation without waiting for the
+    grace period."""
 
     def __init__(self, server: grpc.Server, servicer: RolloutServicer):
         self.server, self.servicer = server, servicer
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Refuse new calls; generation in flight ends now with UNAVAILABLE, other calls get
-        `grace` seconds. The event is set once every call has ended."""
+        """Refuse new calls. Generation in flight ends now with UNAVAILABLE, and other calls get
+        `grace` seconds. The returned event is set once every call has ended."""
         stopped = self.server.stop(grace)
         self.servicer.shut_down()
         return stopped

@@ -8,18 +8,20 @@ The model calls a tool in its chat template's format (`tool_calls`; several call
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"}}</tool_call>
 
-anywhere in its turn: the Hermes format of the Qwen2.5 / Qwen3 templates (a turn stops at
-"</tool_call>"). Or the whole turn is the call as JSON, as the Llama 3.1+ templates
-(`{"name": ..., "parameters": {...}}`, after `<|python_tag|>`) and Mistral's (`[TOOL_CALLS]`
-then a list of `{"name": ..., "arguments": {...}}`) write it; those markers are special tokens
-that decoding drops, and either is accepted when present. Each result comes back as a {"role": "tool"} message, which the runner renders
-with the chat template (Qwen's wraps it in <tool_response>), or as "tool: RESULT" lines without
-one. A turn with no call is the final answer: the episode ends with `final_reward(answer)`.
+These tags may appear anywhere in the turn: this is the Hermes format of the Qwen2.5 / Qwen3
+templates (a turn stops at "</tool_call>"). Alternatively, the whole turn is the call as JSON, as
+the Llama 3.1+ templates write it (`{"name": ..., "parameters": {...}}`, after `<|python_tag|>`)
+and as Mistral's does (`[TOOL_CALLS]` then a list of `{"name": ..., "arguments": {...}}`). Those
+markers are special tokens that decoding drops, and either marker is accepted when present. Each
+result goes back as a {"role": "tool"} message, which the runner renders with the chat template
+(Qwen's template wraps it in <tool_response>), or as "tool: RESULT" lines when there is no
+template. A turn with no call is the final answer: the episode ends with `final_reward(answer)`.
 
-Tools run in worker processes by default: a call past `timeout` has its process killed, which
-stops even a hang that holds the GIL (a huge integer power, a C loop), where an abandoned thread
-would go on eating CPU and could stall every episode. Tools must then be importable module-level
-functions; `isolation = "thread"` allows closures and abandons a hung thread instead.
+Tools run in worker processes by default. A call past `timeout` has its process killed, which
+stops even a hang that holds the GIL (a huge integer power, a C loop). An abandoned thread would
+instead go on eating CPU and could stall every episode. In this mode, tools must be importable
+module-level functions. `isolation = "thread"` allows closures, and abandons a hung thread
+rather than killing a process.
 """
 
 import ast
@@ -40,13 +42,14 @@ from multiprocessing.connection import Connection
 from ferrule_rollout.environments import Environment, EpisodeFailure, StepResult
 
 CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")  # where decoding kept them
+JSON_MARKERS = ("<|python_tag|>", "[TOOL_CALLS]")  # stripped where decoding kept them
 
 
 def tool_calls(text: str) -> list[str] | None:
-    """The calls in a model turn, each as its JSON text, or None for a turn without any (the
-    final answer). Hermes tags anywhere in the turn; else a turn that is, whole, a JSON object
-    with "name" and "arguments" (or Llama's "parameters"), or a list of them (Mistral)."""
+    """Return the calls in a model turn, each as its JSON text, or None for a turn without calls
+    (the final answer). Calls are Hermes tags anywhere in the turn. Without tags, the whole turn
+    must be a JSON object with "name" and "arguments" (or Llama's "parameters"), or a list of
+    such objects (Mistral)."""
     tagged = CALL.findall(text)
     if tagged:
         return tagged
@@ -58,7 +61,7 @@ def tool_calls(text: str) -> list[str] | None:
     try:
         value = json.loads(body)
     except json.JSONDecodeError:
-        return None  # prose that starts with a bracket: an answer
+        return None  # prose that starts with a bracket is an answer
     calls = value if isinstance(value, list) else [value]
     if not calls or not all(isinstance(c, dict) and "name" in c for c in calls):
         return None
@@ -104,7 +107,8 @@ class ToolEnvironment(Environment):
         return StepResult([{"role": "tool", "content": a} for a in answers], 0.0)
 
     def call(self, text: str) -> str:
-        """Run one call (its JSON: `tool_calls`); its answer to the model."""
+        """Run one call, given as its JSON text (from `tool_calls`). Return the answer for the
+        model."""
         try:
             call = json.loads(text)
         except json.JSONDecodeError as err:
@@ -137,8 +141,9 @@ class ToolEnvironment(Environment):
 
 
 def run_tool(fn, arguments: dict, timeout: float, cap: int, isolation: str = "process"):
-    """(status, text): "ok" and the capped result, "model_error" and a ToolError's message, or a
-    failure reason ("tool_error", "tool_timeout", "tool_bad_output") and what happened."""
+    """Run one tool call and return (status, text). The status is "ok" with the capped result,
+    "model_error" with a ToolError's message, or a failure reason ("tool_error", "tool_timeout",
+    "tool_bad_output") with what happened."""
     if isolation == "thread":
         box = []
         thread = threading.Thread(target=lambda: box.append(_run(fn, arguments, cap)), daemon=True)
@@ -187,8 +192,8 @@ def _run(fn, arguments: dict, cap: int):
 
 
 def _find(module_name: str, file: str | None, qualname: str):
-    """A tool function in a tool process: by module name, else from its file (a module that
-    load_environment loaded from `path.py`)."""
+    """Find a tool function inside a tool process. Import it by module name, or else load it
+    from its file (for a module that load_environment loaded from `path.py`)."""
     if module_name not in sys.modules:
         try:
             importlib.import_module(module_name)
@@ -206,7 +211,8 @@ def _find(module_name: str, file: str | None, qualname: str):
 
 
 def _serve(fd: int) -> None:
-    """A tool process's loop: the parent's sys.path first, then (where, arguments, cap) calls."""
+    """The loop of a tool process. It receives the parent's sys.path first, then
+    (where, arguments, cap) calls."""
     conn = Connection(fd)
     sys.path[:] = conn.recv()
     while True:
@@ -229,9 +235,10 @@ def _serve(fd: int) -> None:
 
 
 class _Pool:
-    """Tool processes, started on demand as `python -c` children (no fork of a threaded parent,
-    and unlike multiprocessing's spawn no re-run of the caller's __main__), at most `size` at
-    once; one that timed out is killed, and a fresh one starts when needed."""
+    """Tool processes, at most `size` at once, started on demand as `python -c` children. This
+    avoids forking a threaded parent and, unlike multiprocessing's spawn, does not re-run the
+    caller's __main__. A process that timed out is killed, and a fresh one starts when
+    needed."""
 
     size = 4
 

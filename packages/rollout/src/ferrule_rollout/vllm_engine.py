@@ -5,12 +5,12 @@
     engine.init_weight_sync("broadcast", "10.0.0.1", 29600, rank=1, num_receivers=1)
     engine.update_weights()         # pauses, receives from the trainer, resumes; returns version
 
-One thread owns the vLLM `LLMEngine` (in-process by default) and runs its step loop; callers on
+One thread owns the vLLM `LLMEngine` (in-process by default) and runs its step loop. Callers on
 any thread queue requests and wait for their samples. Owning the loop is what makes pause and
-resume exact: while paused, new requests wait in our queue (nothing is lost); "wait" mode lets
-the requests already running finish on the old weights first, so every sample comes from one
-policy version; "keep" mode freezes them and they continue on the new weights, each sample then
-listing its version spans.
+resume exact. While the engine is paused, new requests wait in our queue, and nothing is lost.
+In "wait" mode, the requests already running first finish on the old weights, so every sample
+comes from one policy version. In "keep" mode, they are frozen and then continue on the new
+weights, and each such sample lists its version spans.
 """
 
 import itertools
@@ -151,10 +151,10 @@ class VLLMEngine(EngineBase):
     ):
         """Start vLLM on `model` (a local Hugging Face model folder).
 
-        `in_process` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
-        seconds to start instead of minutes on a small CPU machine. Tensor-parallel workers
-        always run in their own processes. `enforce_eager` None: CUDA graphs on CUDA GPUs, eager
-        elsewhere. `engine_kwargs` go to `vllm.EngineArgs` unchanged.
+        `in_process` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+        which starts in seconds instead of minutes on a small CPU machine. Tensor-parallel
+        workers always run in their own processes. With `enforce_eager` None, CUDA GPUs use CUDA
+        graphs and other devices run eagerly. `engine_kwargs` go to `vllm.EngineArgs` unchanged.
         """
         check_vllm_version(installed_vllm_version())
         path = Path(model).expanduser()
@@ -162,7 +162,8 @@ class VLLMEngine(EngineBase):
             raise RolloutError(f"model path {str(model)!r} does not exist")
         super().__init__(str(path) if path.exists() else str(model))
         self._prefix_caching = enable_prefix_caching
-        # Read by vLLM when the engine is created: set it for this engine, not the user's shell.
+        # vLLM reads this when the engine is created. Set it for this engine, whatever the
+        # user's shell says.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 
         began = time.perf_counter()
@@ -179,9 +180,10 @@ class VLLMEngine(EngineBase):
             enforce_eager = not current_platform.is_cuda()
         if tensor_parallel_size == 1 and in_process:
             engine_kwargs.setdefault("distributed_executor_backend", "uni")
-        # Sample logprobs under the distribution the tokens were drawn from (temperature, top-k,
-        # top-p applied): vLLM's default is the raw logits', which at temperature != 1 is not
-        # the behaviour policy a trainer's importance-sampling correction divides by.
+        # Return logprobs under the distribution that the tokens were drawn from (temperature,
+        # top-k and top-p applied). vLLM's default is the raw logits' logprobs, which at
+        # temperature != 1 are not the behaviour policy that a trainer's importance-sampling
+        # correction divides by.
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         imported = time.perf_counter()
         args = EngineArgs(
@@ -280,7 +282,7 @@ class VLLMEngine(EngineBase):
                 if self._closed:
                     return
             with self._engine_lock:
-                with self._cv:  # decide under the engine lock: an update may have come between
+                with self._cv:  # decide under the engine lock: an update may have come in between
                     admit = [] if self._paused else list(self._queue)
                     if admit:
                         self._queue.clear()
@@ -318,7 +320,7 @@ class VLLMEngine(EngineBase):
                 TokensPrompt(prompt_token_ids=request.prompt_ids),
                 request.params,
             )
-        except Exception as err:  # vLLM's own validation: this request only
+        except Exception as err:  # vLLM's own validation failed: fail this request only
             request.sink.put(BadRequestError(f"prompt {request.prompt_index}: {err}"))
             return
         with self._cv:
@@ -375,8 +377,9 @@ class VLLMEngine(EngineBase):
     # -- pause, resume, weight updates -----------------------------------------------------
 
     def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
-        """Stop starting new requests (they queue, nothing is lost). "wait": return once the
-        running ones have finished on the current weights; "keep": freeze them where they are."""
+        """Stop starting new requests; they queue, and nothing is lost. In "wait" mode, return
+        once the running requests have finished on the current weights. In "keep" mode, freeze
+        them where they are."""
         if mode not in PAUSE_MODES:
             raise BadRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cv:
@@ -395,14 +398,14 @@ class VLLMEngine(EngineBase):
         return self._engine.vllm_config.parallel_config.world_size
 
     def _join(self, group: WeightSyncGroup, given_up) -> None:
-        """Each worker joins in a thread of its own (weights.py): the engine lock is held only
-        for the calls that start and check the joins, never while the sender is awaited (the
-        lock held for the whole wait stopped generation for as long)."""
+        """Each worker joins in a thread of its own (weights.py). The engine lock is held only
+        for the calls that start and check the joins, never while waiting for the sender.
+        Holding the lock for the whole wait stopped generation for that long."""
         from ferrule_rollout.weights import joined
 
         with self._join_lock:  # one join at a time: each replaces the group
             with self._engine_lock:
-                self._engine.collective_rpc("shutdown_weight_transfer_engine")  # a previous group
+                self._engine.collective_rpc("shutdown_weight_transfer_engine")  # leave old group
                 self._weight_sync = ""
                 self._engine.collective_rpc(
                     "init_weight_transfer_engine", kwargs={"init_info": group.options()}
@@ -432,10 +435,11 @@ class VLLMEngine(EngineBase):
     def update_weights(self, mode: str = "wait", timeout: float | None = None) -> int:
         """Receive one update from the weight-sync group and load it; return its version.
 
-        Pauses first (unless already paused) with `mode` and resumes afterwards. Blocks until
-        the trainer sends (up to `timeout` seconds for it to start; then the weights are
-        unchanged and the engine serves on). A failure once data flows leaves the weights partly
-        replaced: the engine then refuses to generate until an update succeeds.
+        Pause first with `mode` (unless already paused), and resume afterwards. Block until the
+        trainer sends, waiting up to `timeout` seconds for it to start; after that timeout the
+        weights are unchanged and the engine keeps serving. A failure once data flows leaves the
+        weights partly replaced, and the engine then refuses to generate until an update
+        succeeds.
         """
         from ferrule_rollout.weights import received_version, weights_touched
 
@@ -456,7 +460,8 @@ class VLLMEngine(EngineBase):
                     except Exception as err:
                         message = f"weight update failed: {err}"
                         if any(self._engine.collective_rpc(weights_touched)):
-                            # Partly replaced weights: fail what waits rather than sample them.
+                            # The weights are partly replaced: fail every queued and running
+                            # request rather than sample from those weights.
                             self._fail_all(message)
                         raise RolloutError(message) from err
                     versions = set(self._engine.collective_rpc(received_version))
@@ -464,9 +469,10 @@ class VLLMEngine(EngineBase):
                         self._fail_all(f"workers loaded different versions {sorted(versions)}")
                         raise RolloutError(self._broken)
                     version = versions.pop()
-                    # Cached prefixes hold keys and values of the old weights; running requests
-                    # ("keep" mode) recompute theirs under the new ones. With neither, skip it:
-                    # it walks every KV block in Python (~10 ms of a 20 ms update of a tiny model).
+                    # Cached prefixes hold keys and values from the old weights, and running
+                    # requests ("keep" mode) recompute theirs under the new weights. With
+                    # neither, skip the reset: it walks every KV block in Python (~10 ms of a
+                    # 20 ms update of a tiny model).
                     if self._prefix_caching or self._engine.has_unfinished_requests():
                         self._engine.reset_prefix_cache(reset_running_requests=True)
                     self._engine.set_weight_version(str(version))
@@ -480,8 +486,8 @@ class VLLMEngine(EngineBase):
     # -- sleep, health, shutdown -----------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory between rollouts (drains running requests first). On CPU
-        vLLM has no sleep mode: a no-op that says so once."""
+        """Free accelerator memory between rollouts, after draining the running requests. On
+        CPU, vLLM has no sleep mode, so this is a no-op that logs one line saying so."""
         from vllm.platforms import current_platform
 
         if not current_platform.is_sleep_mode_available():

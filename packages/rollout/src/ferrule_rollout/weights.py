@@ -2,12 +2,13 @@
 
 vLLM 0.32 drives weight updates through a registered `WeightTransferEngine` in every worker:
 `init_transfer_engine` (once), then per update `start_weight_update`, `update_weights`,
-`finish_weight_update`. This one opens a ferrule-weightsync receiver (gloo broadcast or shared
-memory on CPU, NCCL or CUDA IPC on GPU) and loads what arrives through vLLM's layerwise reload
-path, the one that works on every platform (plain `load_weights` after start-up fails on CPU,
-whose backend repacks linear weights). It is registered under the backend name "ferrule" in each
-vLLM process by the `vllm.general_plugins` entry point `register` (see pyproject.toml), so
-tensor-parallel workers in their own processes find it too. `engine.VLLMEngine` drives it.
+`finish_weight_update`. FerruleWeightTransferEngine opens a ferrule-weightsync receiver (gloo
+broadcast or shared memory on CPU, NCCL or CUDA IPC on GPU). It loads what arrives through vLLM's
+layerwise reload path, because that path works on every platform: plain `load_weights` after
+start-up fails on CPU, whose backend repacks linear weights. The `vllm.general_plugins` entry
+point `register` (see pyproject.toml) registers the engine under the backend name "ferrule" in
+each vLLM process, so tensor-parallel workers in their own processes find it too.
+`vllm_engine.VLLMEngine` drives it.
 """
 
 from dataclasses import dataclass
@@ -78,8 +79,8 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         options["secret"] = init_info.secret
         if init_info.transport == "broadcast":  # the ipc receiver maps buffers where they live
             options["device"] = self.device
-        # In a thread, so that this worker keeps stepping while the sender is awaited; the
-        # engine asks `joined` until it has, and `shutdown` gives the join up.
+        # Join in a thread, so that this worker keeps stepping while it waits for the sender.
+        # The engine calls `joined` until the join has completed, and `shutdown` gives it up.
         self.joining = Joining(
             lambda: create_receiver(
                 init_info.transport,
@@ -109,14 +110,16 @@ class FerruleWeightTransferEngine(WeightTransferEngine[FerruleInitInfo, FerruleU
         self.touched = True
         initialize_layerwise_reload(self.model)
         # Layerwise reload keeps the tensors it is given until their whole layer has arrived
-        # (q, k and v fill one fused parameter), while weightsync refills a bucket's buffer once
-        # the loop moves past that bucket: hand it copies, freed as soon as each layer is processed.
+        # (q, k and v fill one fused parameter). But weightsync refills a bucket's buffer once
+        # the loop moves past that bucket. So hand the reload copies, which are freed as soon as
+        # each layer is processed.
         self.model.load_weights((name, tensor.clone()) for name, tensor in update)
         self.version = update.version
 
     def update_weights(self, update_info: dict) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which fails without an
-        # accelerator; on a GPU the receiver already synchronised the copies it handed out.
+        # The base class's version ends with torch.accelerator.synchronize(), which fails
+        # without an accelerator. On a GPU the receiver already synchronised the copies it
+        # handed out.
         self.receive_weights(self.parse_update_info(update_info))
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -163,7 +166,8 @@ def _refresh_tied_lm_heads(model: torch.nn.Module) -> None:
 
 
 def joined(worker) -> bool:
-    """Run in every worker by `collective_rpc`: has its join completed? Raises its error."""
+    """Run in every worker by `collective_rpc`. Return whether the worker's join has completed,
+    and raise the join's error if it failed."""
     engine = worker.weight_transfer_engine
     if engine.joining is None:
         if engine.receiver is None:
@@ -178,12 +182,14 @@ def joined(worker) -> bool:
 
 
 def received_version(worker) -> int:
-    """Run in every worker by `collective_rpc`: the version of the last update it loaded."""
+    """Run in every worker by `collective_rpc`. Return the version of the last update that the
+    worker loaded."""
     return worker.weight_transfer_engine.version
 
 
 def weights_touched(worker) -> bool:
-    """Run in every worker by `collective_rpc`: did the failed update change any weights?"""
+    """Run in every worker by `collective_rpc`. Return whether the failed update changed any of
+    the worker's weights."""
     return worker.weight_transfer_engine.touched
 
 

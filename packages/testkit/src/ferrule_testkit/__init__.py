@@ -1,7 +1,8 @@
-"""ferrule-testkit: deterministic tiny tokenizers and language models for tests, benchmarks and examples.
+"""ferrule-testkit: deterministic tiny tokenizers and language models for tests and benchmarks.
 
-Development only; not a dependency of any published package. Importing it is cheap: torch,
-tokenizers and transformers load when a model is first built.
+The kit also serves the examples. It is for development only and is not a dependency of any
+published package. Importing it is cheap: torch, tokenizers and transformers are loaded only
+when a model is first built.
 """
 
 from ferrule_testkit.corpus import synthetic_corpus

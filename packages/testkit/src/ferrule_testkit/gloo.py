@@ -1,5 +1,5 @@
-"""A torch.distributed group of worker processes on CPU, as the trainer's multi-process tests
-start one:
+"""Start a torch.distributed group of worker processes on CPU, the way the trainer's
+multi-process tests do:
 
     run_ranks([sys.executable, "worker.py", model_path, out_dir], world=2)
 """
@@ -16,8 +16,9 @@ def free_port() -> int:
 
 
 def run_ranks(args: list[str], world: int, timeout: float = 300) -> None:
-    """Runs `args` as ranks 0..world-1 of one group (gloo, DeepSpeed's CPU accelerator, one
-    thread each) and waits; a rank that fails shows its output's end."""
+    """Run `args` as ranks 0..world-1 of one group (gloo, DeepSpeed's CPU accelerator, one
+    thread each) and wait for them. If a rank fails, the assertion error shows the end of its
+    output."""
     env = dict(
         os.environ,
         DS_ACCELERATOR="cpu",

@@ -44,7 +44,7 @@ SPECS = {
     ),
 }
 # A real size for GPU tests and benchmarks: tiny_model("qwen2", vocab_size=QWEN25_VOCAB,
-# **QWEN25_1_5B) is shaped as Qwen2.5-1.5B (random weights, the kit's tokenizer).
+# **QWEN25_1_5B) has the shape of Qwen2.5-1.5B, with random weights and the kit's tokenizer.
 QWEN25_1_5B = dict(
     hidden_size=1536,
     intermediate_size=8960,
@@ -57,9 +57,10 @@ QWEN25_1_5B = dict(
     tie_word_embeddings=True,
 )
 QWEN25_VOCAB = 151_936
-# The larger Qwen2.5 shapes (their config.json's widths; untied heads and a 152,064-token
-# vocabulary): tiny_model("qwen2", vocab_size=QWEN25_LARGE_VOCAB, dtype="bfloat16", **QWEN25_7B).
-# 14B and 32B are for the memory plan's sizing (their config alone, `shape_config`).
+# The larger Qwen2.5 shapes, with the widths from their config.json, untied heads and a
+# 152,064-token vocabulary:
+# tiny_model("qwen2", vocab_size=QWEN25_LARGE_VOCAB, dtype="bfloat16", **QWEN25_7B).
+# 14B and 32B only size the memory plan, from their config alone (`shape_config`).
 QWEN25_LARGE_VOCAB = 152_064
 _QWEN25_LARGE = dict(
     max_position_embeddings=32768,
@@ -161,10 +162,11 @@ def tiny_model(
 
     `overrides` change config fields (for example `num_hidden_layers=4`); they are part of the
     cache key. `vocab_size` pads the embedding and head to a real vocabulary (151,936 for
-    Qwen2.5) while the tokenizer stays small, so that benchmarks pay a real LM head; the tokens
-    past the tokenizer's are never in a prompt, but the model can sample them.
-    `dtype` "bfloat16" saves half the bytes (a 7B model: 15 GB instead of 30) and initialises on
-    the GPU when there is one (a 7B model's random init takes minutes on a CPU).
+    Qwen2.5) while the tokenizer stays small, so that benchmarks pay for a real LM head. Token
+    ids beyond the tokenizer's vocabulary never appear in a prompt, but the model can sample
+    them. `dtype` "bfloat16" saves half the bytes (a 7B model takes 15 GB instead of 30) and
+    initialises on the GPU when there is one (a 7B model's random init takes minutes on a
+    CPU).
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -193,7 +195,7 @@ def tiny_model(
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         del model
-        if on == "cuda":  # the caller measures the GPU next: 15 GB of a 7B stayed cached here
+        if on == "cuda":  # the caller measures the GPU next; 15 GB of a 7B stayed cached here
             torch.cuda.empty_cache()
 
     if vocab_size is not None:
@@ -203,7 +205,7 @@ def tiny_model(
         if vocab_size < size:
             raise ValueError(f"vocab_size {vocab_size} is smaller than the kit tokenizer's {size}")
     key = {"seed": seed, "spec": spec, "tokenizer": tokenizer_dir.name}
-    if vocab_size is not None:  # only then: the default models keep their cached builds
+    if vocab_size is not None:  # only if set, so the default models keep their cached builds
         key["vocab_size"] = vocab_size
     if dtype != "float32":
         key["dtype"] = dtype
@@ -214,9 +216,9 @@ QWEN25_SHAPES = {"1.5b": QWEN25_1_5B, "7b": QWEN25_7B, "14b": QWEN25_14B, "32b":
 
 
 def shape_config(name: str) -> Path:
-    """A folder holding only the config.json of a Qwen2.5 shape ("1.5b", "7b", "14b", "32b"):
-    what the memory plan reads (`rlhf-launch CONFIG --plan` sizes a run from it, weights
-    counted from the widths). No weights: it cannot be trained or served."""
+    """A folder holding only the config.json of a Qwen2.5 shape ("1.5b", "7b", "14b", "32b").
+    The memory plan reads it: `rlhf-launch CONFIG --plan` sizes a run from it, counting the
+    weights from the widths. The folder has no weights, so it cannot be trained or served."""
     if name not in QWEN25_SHAPES:
         raise ValueError(f"unknown shape {name!r}; choose one of {sorted(QWEN25_SHAPES)}")
     vocab = QWEN25_VOCAB if name == "1.5b" else QWEN25_LARGE_VOCAB

@@ -4,10 +4,11 @@
     rows = policy_reversal_pairs("examples/tiny/model", 4096, seed=1)   # on a policy's samples
     rows = reversal_sft_rows(19200, seed=7)   # [{"prompt", "response"}, ...]: the task as SFT data
 
-The prompt is the tiny example's ("Reverse the string abc. Answer:"); the chosen response the
-reversed word (" cba"); the rejected one, half the time, the same letters in another order, and
-otherwise the reversal of another word. Deterministic for a seed. policy_reversal_pairs makes
-pairs on a policy's own samples instead (classic RLHF's data: what a reward model will score).
+The prompt is the tiny example's ("Reverse the string abc. Answer:"), and the chosen response
+is the reversed word (" cba"). Half the time, the rejected response has the same letters in
+another order; otherwise it is the reversal of another word. The rows are deterministic for a
+seed. policy_reversal_pairs makes pairs from a policy's own samples instead, as in classic
+RLHF, where the reward model scores what the policy writes.
 """
 
 import itertools
@@ -36,8 +37,9 @@ def reversal_pairs(count: int, seed: int) -> list[dict]:
 
 
 def reversal_sft_rows(count: int, seed: int, *, exclude=(), length: int = 3) -> list[dict]:
-    """The task as SFT data (`rlhf-train sft`): random words (letters may repeat), the answer
-    being the reversal, never a prompt in `exclude`. Deterministic for a seed."""
+    """The task as SFT data (`rlhf-train sft`). The prompts use random words (letters may
+    repeat) and never one in `exclude`; the response is the reversed word. Deterministic for a
+    seed."""
     rng, excluded, rows = random.Random(seed), set(exclude), []
     while len(rows) < count:
         word = "".join(rng.choice(LETTERS) for _ in range(length))
@@ -48,8 +50,9 @@ def reversal_sft_rows(count: int, seed: int, *, exclude=(), length: int = 3) -> 
 
 
 def in_place(response: str, answer: str) -> float:
-    """The fraction of the answer's characters the response has in place (ferrule-rewards'
-    `builtin.char_match`, which the testkit does not depend on): 1.0 only for the answer."""
+    """The characters that the response has in the right place, as a fraction of the longer of
+    the response and the answer (both stripped). This matches ferrule-rewards'
+    `builtin.char_match`, which the testkit does not depend on. Only the answer scores 1.0."""
     response, answer = response.strip(), answer.strip()
     hits = sum(a == b for a, b in zip(response, answer, strict=False))
     return hits / max(len(response), len(answer), 1)
@@ -70,20 +73,22 @@ def policy_reversal_pairs(
     edit_weights: tuple[float, ...] = (1, 2, 1),
     gold_fraction: float = 0.5,
 ) -> list[dict]:
-    """Preference pairs on a policy's own samples, as classic RLHF collects them: a reward model
-    trained on these scores what the policy writes, not only hand-made mistakes.
+    """Preference pairs from a policy's own samples, as classic RLHF collects them. A reward
+    model trained on these scores what the policy writes, not only hand-made mistakes.
 
         rows = policy_reversal_pairs("examples/tiny/model", 4096, seed=1, exclude=held_out)
 
     Prompts are the tiny example's ("Reverse the string abc. Answer:", letters may repeat),
-    never one in `exclude`. For each, the policy at `model_path` writes `samples` responses at
-    each temperature (Hugging Face `generate`, `max_tokens` new tokens, as the launcher's
-    engines do). Each of `per_prompt` pairs is then, with probability `edit_fraction`, the
-    correct answer (" cba") over the answer with one letter changed (at a position drawn with
-    `edit_weights`: a 2-layer scorer learns the middle letter last); otherwise, with
-    probability `gold_fraction`, the answer over a wrong sample, and else the sample with more
-    letters in place (`in_place`) over one with fewer. Deterministic for a seed (on one torch
-    version and device).
+    never one in `exclude`. For each prompt, the policy at `model_path` writes `samples`
+    responses at each temperature (Hugging Face `generate`, `max_tokens` new tokens, as the
+    launcher's engines do). Then `per_prompt` pairs are made, each in one of three ways:
+    - with probability `edit_fraction`, the correct answer (" cba") is chosen over the answer
+      with one letter changed. The position is drawn with `edit_weights`, because a 2-layer
+      scorer learns the middle letter last.
+    - otherwise, with probability `gold_fraction`, the answer is chosen over a wrong sample.
+    - else, of two samples, the one with more letters in place (`in_place`) is chosen over
+      the one with fewer.
+    Deterministic for a seed (on one torch version and device).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,17 +1,18 @@
 """The trainer's view of rollout samples, for tests and benchmarks that compare the two.
 
-    theirs = teacher_forced_logprobs(model, samples, micro_batch=16, temperature=1.0)
+    trainer_logprobs = teacher_forced_logprobs(model, samples, micro_batch=16, temperature=1.0)
 
 A plain transformers model scores each sample's tokens the way ferrule-trainer lays out and
-scores a batch (batch.py, sequences.py): prompts left-padded and responses right-padded so every response
-starts at one column, positions counted over real tokens, micro-batches of other samples,
-log_softmax(logits / temperature) in float32. A test of the rollout engine can then compare its
-logprobs with the trainer's without importing the trainer.
+scores a batch (batch.py, sequences.py). Prompts are left-padded and responses right-padded, so
+every response starts at the same column. Positions count only real tokens. Samples are scored
+together in micro-batches, and the logprobs are log_softmax(logits / temperature) in float32. A
+test of the rollout engine can then compare its logprobs with the trainer's without importing
+the trainer.
 """
 
 
 def teacher_forced_logprobs(model, samples, micro_batch: int = 16, temperature: float = 1.0):
-    """Per sample, a float32 CPU tensor of its tokens' logprobs under `model`."""
+    """One float32 CPU tensor per sample: the logprobs of its response tokens under `model`."""
     import torch
 
     device = next(model.parameters()).device

@@ -65,11 +65,11 @@ def answered(call: Callable[[object], bool], items: Iterable, workers: int) -> t
 
 
 class Watch:
-    """Until `stop()`: `health()` every `health_every` seconds (its latency in `health_ms`, its
-    failures in `health_failures`), `normal()` every `normal_every` seconds (the seconds of
-    those that succeed in `normal_s`, the rest in `normal_failures`), and the memory of
-    `server_pid` and of its process tree (`peak_server_rss`, `peak_tree_rss`; every process
-    seen in `seen`)."""
+    """Runs in background threads until `stop()`. It calls `health()` every `health_every`
+    seconds; latencies go to `health_ms` and failures to `health_failures`. It calls `normal()`
+    every `normal_every` seconds; the durations of successful calls go to `normal_s` (in
+    seconds) and failures to `normal_failures`. It also tracks the memory of `server_pid` and
+    of its process tree (`peak_server_rss`, `peak_tree_rss`), and every process seen (`seen`)."""
 
     def __init__(
         self,
@@ -144,11 +144,12 @@ def run_attacks(
     after: Callable[[Attack, dict], None],
     settle: float = 0.5,
 ) -> list[dict]:
-    """Each attack in turn while `watch` runs (after `settle` seconds of it alone), then
-    `watch.stop()`: a row per attack of what it got answered and what the well-behaved client
-    saw meanwhile. `after(attack, row)` adds the suite's own figures to the row once the attack
-    has returned (is the server idle again?); the client's figures are read after it, so they
-    include its wait."""
+    """Run each attack in turn while `watch` runs, after letting `watch` run alone for
+    `settle` seconds; then call `watch.stop()`. Returns one row per attack: how many of the
+    attack's calls were answered, and what the well-behaved client saw meanwhile. Once an
+    attack has returned, `after(attack, row)` adds the suite's own figures to the row (is the
+    server idle again?). The client's figures are read after `after` returns, so they include
+    its wait."""
     rows = []
     try:
         time.sleep(settle)

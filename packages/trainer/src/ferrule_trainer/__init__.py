@@ -1,12 +1,13 @@
 """ferrule-trainer: DeepSpeed training for the PPO family (PPO, GRPO, REINFORCE++, RLOO), SFT,
 reward models and DPO, with weights exported for sync.
 
-The names another package needs to drive training come from the package itself:
+Other packages import the names they need to drive training from the package itself:
 
     from ferrule_trainer import Actor, EpochPlan, PolicyLoss, RLStep, TrainerConfig
 
-Each is imported on first use, so `import ferrule_trainer` stays light (no torch, no
-DeepSpeed); the modules behind them, and the RL math modules, can be imported as well.
+Each name is imported on first use, so `import ferrule_trainer` stays light (no torch, no
+DeepSpeed). The modules that define these names, and the RL math modules, can also be imported
+directly.
 """
 
 import importlib
@@ -97,7 +98,7 @@ def __getattr__(name: str):
     if home is None:
         raise AttributeError(f"module 'ferrule_trainer' has no attribute {name!r}")
     value = getattr(importlib.import_module(f"ferrule_trainer.{home}"), name)
-    globals()[name] = value  # imported once
+    globals()[name] = value  # cached: later lookups of the name skip __getattr__
     return value
 
 

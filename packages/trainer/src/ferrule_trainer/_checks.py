@@ -1,13 +1,14 @@
-"""Argument checks shared by the RL math modules: errors that name the argument and its shape.
+"""Argument checks shared by the RL math modules. Each error names the argument and its shape.
 
-Shape checks read metadata only, so they cost nothing on GPU (no device sync).
+Shape checks read only metadata, so they cost nothing on GPU (no device sync).
 """
 
 import torch
 
 
 def check_per_token(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
-    """`mask` is (batch, response_len) and every tensor given (None skipped) has its shape."""
+    """Checks that `mask` is (batch, response_len) and that every given tensor has the same
+    shape (tensors that are None are skipped)."""
     if mask.dim() != 2:
         raise ValueError(f"mask must be (batch, response_len), got shape {tuple(mask.shape)}")
     for name, tensor in tensors.items():
@@ -19,7 +20,7 @@ def check_per_token(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
 
 
 def check_sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> None:
-    """`scores` is (batch,) with one value per row of the (batch, response_len) `mask`."""
+    """Checks that `scores` is (batch,), one value per row of the (batch, response_len) `mask`."""
     check_per_token(mask)
     if scores.dim() != 1 or scores.shape[0] != mask.shape[0]:
         raise ValueError(
@@ -29,7 +30,8 @@ def check_sequence_scores(scores: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 def check_groups(scores: torch.Tensor, group_size: int) -> None:
-    """`scores` splits into contiguous groups of `group_size` >= 2 samples of one prompt."""
+    """Checks that `scores` splits into contiguous groups of `group_size` samples of one prompt,
+    with `group_size` >= 2."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(
             f"group_size must be an int >= 2 (samples per prompt; a group of one has no "
@@ -43,5 +45,5 @@ def check_groups(scores: torch.Tensor, group_size: int) -> None:
 
 
 def valid_tokens(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as bool: a float mask of 0/1 and a bool mask mean the same."""
+    """Returns the mask as bool. A float mask of 0/1 and a bool mask mean the same thing."""
     return mask if mask.dtype == torch.bool else mask != 0

@@ -42,9 +42,9 @@ class Actor(TrainedModel):
     train=False builds the reference policy: no optimizer, ZeRO-3 sharding if zero_stage is 3,
     a full copy per rank otherwise. temperature is the rollout's sampling temperature: log-probs
     are computed under softmax(logits / temperature), as the sampler drew the tokens.
-    compile_layers: the decoder layers through torch.compile (CUDA, ZeRO 0-2; see
-    engine.compile_decoder_layers). sequence_parallel: ranks that share each sequence
-    (sequence_parallel.py; consecutive ranks form a group and are given the same rows).
+    compile_layers runs the decoder layers through torch.compile (CUDA, ZeRO 0-2; see
+    engine.compile_decoder_layers). sequence_parallel is the number of ranks that share each
+    sequence (sequence_parallel.py); consecutive ranks form a group and are given the same rows.
     """
 
     def __init__(
@@ -119,10 +119,10 @@ class Actor(TrainedModel):
         temperature: float | None = None,
     ) -> torch.Tensor:
         """(B, R) log-probabilities of the response tokens (the reference's or the old policy's),
-        on the host, 0 on padding; the forward passes go as `plan` says (rows and tokens at a
-        time, packed or not; see sequences.forward_in_micro_batches).
-        `temperature`: of the softmax (None: the rollout's, as the sampler drew the tokens;
-        1.0: the model's own distribution, what DPO compares)."""
+        on the host, 0 on padding. The forward passes follow `plan`: how many rows and tokens at
+        a time, and whether packed (see sequences.forward_in_micro_batches). `temperature` is
+        the softmax's: None uses the rollout's, as the sampler drew the tokens, and 1.0 gives
+        the model's own distribution, which is what DPO compares."""
         was_training = self.engine.training
         self.engine.eval()
         temperature = self.temperature if temperature is None else temperature
@@ -146,19 +146,21 @@ class Actor(TrainedModel):
     def warm_up(
         self, tokens: int, packed: bool = False, entropy: bool = False, score: bool = True
     ) -> float:
-        """Runs the passes of a step on a made-up batch of two rows of `tokens` / 2 (the step's
-        micro-batch size, below), so that layers compiled on their first call (compile_layers)
-        compile now, while the caller has other work, rather than in the first step: with
-        `score`, the scoring pass (`logprobs`); on a trained model, the training forward
-        (`packed`, `entropy`: as the step's) and its backward through every layer.
+        """Runs the passes of a step on a made-up batch of two rows of `tokens` / 2 tokens each
+        (the step's micro-batch size; see below). Layers compiled on their first call
+        (compile_layers) then compile now, while the caller has other work, rather than in the
+        first step. With `score`, it runs the scoring pass (`logprobs`). On a trained model it
+        runs the training forward (`packed` and `entropy` as in the step) and its backward
+        through every layer.
 
-        Nothing the step uses changes: the backward is `torch.autograd.grad` to one parameter of
-        the first layer, which puts no gradient in any `.grad` (DeepSpeed's reduction hooks run
-        only where one accumulates), and no optimizer state moves. Inductor specialises a
-        layer's graph on whether its tokens x hidden size is small (measured at 1.5B: below
-        5,242,880 elements, ~3.4k tokens) and the LM head's on being a chunk of a longer row, so
-        the made-up batch has the micro-batch's size (at a real budget of thousands of tokens,
-        more than one head chunk of response). Returns its seconds."""
+        Nothing that the step uses changes. The backward is `torch.autograd.grad` to one
+        parameter of the first layer, which puts no gradient in any `.grad` (DeepSpeed's
+        reduction hooks run only where a gradient accumulates), and no optimizer state moves.
+        Inductor specialises a layer's graph on whether its tokens x hidden size is small
+        (measured at 1.5B: below 5,242,880 elements, ~3.4k tokens), and the LM head's graph on
+        being a chunk of a longer row. So the made-up batch has the micro-batch's size (at a
+        real budget of thousands of tokens, that is more than one head chunk of response).
+        Returns the seconds it took."""
         import time
 
         began = time.perf_counter()
@@ -197,20 +199,21 @@ class Actor(TrainedModel):
         loss: PolicyLoss = PolicyLoss(),
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the PPO clipped loss (`loss`: its settings) over this rank's
-        micro-batches (`packed`: each forward packs its micro-batch's rows without padding,
-        `sequences.packed_inputs`).
+        """One optimizer step of the PPO clipped loss over this rank's micro-batches; `loss`
+        holds the loss's settings. With `packed`, each forward packs its micro-batch's rows
+        without padding (`sequences.packed_inputs`).
 
         Each micro-batch (a Batch) holds old_logprobs and advantages, ref_logprobs when
         kl_coef > 0, and optionally is_weights (rollout / trainer importance weights). The loss
         is aggregated over the valid tokens (or sequences) of the whole step on all ranks, so the
         split into micro-batches and ranks does not change the gradient.
 
-        Without old_logprobs the step is on-policy: the batch's only optimizer step, so this
-        forward runs at the weights that would have computed them, and its own log-probabilities
-        (detached) are the old ones; no separate forward pass. The step then also reports what
-        the caller would have computed from them, over all ranks: "vllm_kl" (k3 of the engine's
-        rollout_logprobs, when given) and "kl" (k1 to ref_logprobs, when given).
+        Without old_logprobs the step is on-policy. It is then the batch's only optimizer step,
+        so this forward runs at the same weights that would have computed old_logprobs, and its
+        own log-probabilities (detached) serve as the old ones, with no separate forward pass.
+        The step then also reports, over all ranks, what the caller would have computed from
+        old_logprobs: "vllm_kl" (k3 of the engine's rollout_logprobs, when given) and "kl" (k1
+        to ref_logprobs, when given).
         """
         if not self.train:
             raise RuntimeError("train_step on a frozen Actor (train=False, e.g. the reference)")
@@ -249,13 +252,13 @@ class Actor(TrainedModel):
                 **counts,
             )
             total = pg.loss
-            # token means over this rank's step: optimizer_step averages over micro-batches
+            # token means over this rank's step (optimizer_step averages over micro-batches)
             weight = mask.sum() * len(micro_batches) / max(own_tokens, 1)
             metrics = {
                 "clip_fraction": pg.clip_fraction * weight,
                 "approx_kl": pg.approx_kl * weight,
             }
-            if on_policy:  # this rank's token sums over the step's global count, summed below
+            if on_policy:  # this rank's token sums / the step's global count; ranks summed below
                 share = len(micro_batches) / tokens
                 if micro_batch.rollout_logprobs is not None:
                     k3 = kl_estimate(micro_batch.rollout_logprobs, old, mask, kind="k3")
@@ -278,7 +281,7 @@ class Actor(TrainedModel):
             return total, metrics
 
         metrics = engine.optimizer_step(self.engine, micro_batches, loss_fn, self._copies)
-        for key in ("vllm_kl", "kl"):  # global means: every rank's sum over the global count
+        for key in ("vllm_kl", "kl"):  # global means: the sum of every rank's share
             if key in metrics:
                 metrics[key] = float(self._global_sum(metrics[key]))
         metrics["tokens"] = float(tokens)
@@ -307,10 +310,10 @@ class Actor(TrainedModel):
     def preference_epochs(
         self, batch: Batch, plan: EpochPlan, loss: PreferenceLoss
     ) -> dict[str, float]:
-        """DPO on preference pairs (iterative DPO): `rl.ppo_epochs` of `preference_step`, its
-        mini- and micro-batches cut at whole pairs. `batch` (this rank's share) holds each pair's
-        chosen response in an even row and its rejected one in the next, and ref_logprobs: the
-        frozen reference's, at temperature 1."""
+        """DPO on preference pairs (iterative DPO): `rl.ppo_epochs` of `preference_step`, with
+        mini- and micro-batches cut at whole pairs. `batch` is this rank's share. Each pair's
+        chosen response is in an even row and its rejected response in the next row. `batch`
+        also holds ref_logprobs: the frozen reference's log-probabilities at temperature 1."""
         rows = batch.rows
         if rows % 2:
             raise ValueError(f"preference pairs take two rows each, got {rows} rows")
@@ -326,10 +329,10 @@ class Actor(TrainedModel):
         loss: PreferenceLoss,
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of DPO (pairwise.dpo_loss; `loss`: its settings) over the pairs of
-        `micro_batches` (see preference_epochs), the mean over the step's pairs on all ranks;
-        loss.nll_coef > 0 adds the chosen responses' mean NLL per token (RPO), which keeps DPO
-        from lowering the chosen responses' own likelihood."""
+        """One optimizer step of DPO (pairwise.dpo_loss, with `loss` as its settings) over the
+        pairs of `micro_batches` (laid out as in preference_epochs). The loss is the mean over
+        the step's pairs on all ranks. loss.nll_coef > 0 adds the chosen responses' mean NLL per
+        token (RPO), which keeps DPO from lowering the chosen responses' own likelihood."""
         kind = loss.kind
         for micro_batch in micro_batches:
             micro_batch.require("ref_logprobs")
@@ -350,7 +353,7 @@ class Actor(TrainedModel):
                 sums[0::2], sums[1::2], ref[0::2], ref[1::2],
                 beta=loss.beta, kind=kind, label_smoothing=loss.label_smoothing,
             )  # fmt: skip
-            # means over the rank's pairs: optimizer_step averages over micro-batches
+            # means over this rank's pairs (optimizer_step averages over micro-batches)
             share = len(micro_batches) / own_pairs
             metrics = {
                 "accuracy": out.correct.float().sum() * share,
@@ -364,7 +367,8 @@ class Actor(TrainedModel):
     def _response_logprobs(
         self, micro_batch: Batch, temperature: float = 1.0, packed: bool = False, entropy=False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """sequences.response_logprobs of the engine, or its sequence-parallel form."""
+        """sequences.response_logprobs of the engine, or sp.response_logprobs when this rank
+        is in a sequence group."""
         if self.sequence_group is None:
             return response_logprobs(
                 self.engine, micro_batch, temperature, packed=packed, entropy=entropy
@@ -399,8 +403,9 @@ class Actor(TrainedModel):
         return self._export(dtype).specs()
 
     def weights_digest(self, dtype: torch.dtype | None = None) -> str:
-        """`ferrule_weightsync.digest` of `export_weights(dtype)`: an engine that loaded every
-        tensor of the last sync as sent reports the same. Every rank calls it (ZeRO-3 gathers)."""
+        """`ferrule_weightsync.digest` of `export_weights(dtype)`. An engine that loaded every
+        tensor of the last sync as sent reports the same digest. Every rank must call it, since
+        ZeRO-3 gathers."""
         from ferrule_weightsync import digest
 
         return digest(self.export_weights(dtype))
@@ -412,8 +417,9 @@ class Actor(TrainedModel):
         return self._export(dtype).weights(bucket_bytes)
 
     def export_in_place(self, dtype: torch.dtype | None = None) -> bool:
-        """Whether `export_weights(dtype)` yields this rank's own parameter memory, nothing
-        gathered, cast or merged: a CUDA IPC sender may let engines read it where it lies."""
+        """Whether `export_weights(dtype)` yields this rank's own parameter memory, with nothing
+        gathered, cast or merged. If so, a CUDA IPC sender may let engines read that memory
+        where it lies."""
         return self._export(dtype).in_place
 
     def take_part_in_export(
@@ -424,7 +430,7 @@ class Actor(TrainedModel):
         self._export(dtype).take_part(bucket_bytes)
 
     def _export(self, dtype: torch.dtype | None) -> export.WeightExport:
-        # worked out once per dtype: a sync after every step would redo it each time
+        # built once per dtype; a sync after every step would otherwise redo it each time
         if dtype not in self._exports:
             self._exports[dtype] = export.WeightExport(self.module, dtype)
         return self._exports[dtype]

@@ -6,12 +6,12 @@
 Every estimator returns (batch, response_len) advantages, 0 on padding, ready for
 `losses.policy_loss`. Conventions:
 - `mask` marks valid response tokens (bool or 0/1). It may have holes (tool output in a
-  multi-turn response): the recursions step from one valid token to the next valid one.
+  multi-turn response); the recursions then step from one valid token to the next valid one.
 - `scores` are sequence-level rewards, (batch,).
 - Groups are contiguous: rows [k*n, (k+1)*n) are the n = group_size samples of prompt k, the
   order in which rollout returns n samples per prompt.
-Compute advantages over the whole rollout batch at once: the group and batch statistics are
-wrong if computed per micro-batch. Inputs are detached: advantages never carry a gradient.
+Compute advantages over the whole rollout batch at once, because the group and batch statistics
+are wrong when computed per micro-batch. Inputs are detached, so advantages never carry a gradient.
 """
 
 from typing import NamedTuple
@@ -47,8 +47,8 @@ def gae(
         delta_t = r_t + gamma V_{t+1} - V_t
         A_t = delta_t + gamma lam A_{t+1}          returns_t = A_t + V_t
 
-    t and t+1 are consecutive *valid* tokens; after the last valid token V = A = 0 (the episode
-    ends). lam = 1 gives the Monte-Carlo return minus V; lam = 0 the one-step TD error.
+    t and t+1 are consecutive *valid* tokens. After the last valid token, V = A = 0 (the episode
+    ends). lam = 1 gives the Monte-Carlo return minus V, and lam = 0 gives the one-step TD error.
     rewards: per-token, (batch, response_len), e.g. from `reward_shaping.token_rewards`.
     values: the critic's V(s_t) for the same tokens.
     """
@@ -83,14 +83,15 @@ def discounted_returns(
 def normalize_advantages(
     advantages: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(A - mean) / sqrt(max(var, eps)) over every valid token of the batch (population
-    variance), 0 on padding: the advantage normalisation of PPO implementations and of
-    REINFORCE++.
+    """Computes (A - mean) / sqrt(max(var, eps)) over every valid token of the batch (population
+    variance), with 0 on padding. This is the advantage normalisation of PPO implementations and
+    of REINFORCE++.
 
-    Two guards for batches whose advantages are (nearly) all equal, where naive code turns
-    rounding noise into advantages of size ~1: the mean is taken relative to one of the values
-    (`_centered`), so equal values centre to exactly 0; and the variance is floored at eps
-    (as OpenRLHF does), so ~1-ulp differences stay ~1e-4 times smaller after scaling, not ~1.
+    When a batch's advantages are (nearly) all equal, naive code turns rounding noise into
+    advantages of size ~1. Two guards prevent this. First, the mean is taken relative to one of
+    the values (the first valid one, as in `_center_groups`), so equal values centre to exactly
+    0. Second, the variance is floored at eps (as OpenRLHF does), so differences of ~1 ulp stay
+    ~1e-4 times smaller after scaling instead of growing to ~1.
     """
     check_per_token(mask, advantages=advantages)
     valid = valid_tokens(mask)
@@ -166,9 +167,10 @@ def grpo(
 
 def dr_grpo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
-    Perspective"): A_i = s_i - mean(group), GRPO without the division by the group's std, which
-    up-weighs prompts that are too easy or too hard. The paper's other fix, no division by the
-    response length, is the loss aggregation: "token-mean" or "seq-mean-token-sum".
+    Perspective"): A_i = s_i - mean(group). This is GRPO without the division by the group's
+    std, which up-weighs prompts that are too easy or too hard. The paper's other fix, dropping
+    the division by the response length, lives in the loss aggregation: "token-mean" or
+    "seq-mean-token-sum".
     """
     check_sequence_scores(scores, mask)
     return _broadcast_to_tokens(_center_groups(scores.detach().float(), group_size), mask)
@@ -189,7 +191,7 @@ def rloo(scores: torch.Tensor, mask: torch.Tensor, *, group_size: int) -> torch.
 
 
 def _center_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Each score minus its group's mean, (batch,), computed relative to the group's first
+    """Returns each score minus its group's mean, (batch,), computed relative to the group's first
     score: s_i - mean = (s_i - s_0) - mean_j (s_j - s_0). Equal scores then centre to exactly 0.
     The naive s_i - mean(s) does not: 0.1 is not exact in binary, so the mean of eight float32
     0.1s misses 0.1 by an ulp, and GRPO's division by a ~0 std blows that ulp up to ~0.01-0.2."""

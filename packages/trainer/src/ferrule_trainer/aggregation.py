@@ -29,7 +29,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def sequences_with_tokens(mask: torch.Tensor) -> int:
-    """Rows of `mask` with at least one valid token: the sequences the seq-mean modes count."""
+    """The number of rows of `mask` with at least one valid token. These are the sequences that
+    the seq-mean modes count."""
     return int(valid_tokens(mask).any(-1).sum())
 
 
@@ -41,28 +42,29 @@ def aggregate_loss(
     num_tokens: int | float | torch.Tensor | None = None,
     num_sequences: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The loss of this micro-batch as its share of the optimizer step's loss.
+    """Returns this micro-batch's share of the optimizer step's loss.
 
     With l_it the loss of token t of sequence i, m_it the mask and |o_i| = sum_t m_it:
 
     - "token-mean" (default; DAPO, Yu et al. 2025, "token-level policy gradient loss"):
       sum_it m_it l_it / num_tokens, num_tokens = valid tokens in the whole optimizer step.
     - "seq-mean-token-mean" (the GRPO paper, Shao et al. 2024): sum_i (sum_t m_it l_it / |o_i|)
-      / num_sequences, over the sequences with a valid token (|o_i| > 0; as OpenRLHF and verl:
-      a row with none, a response masked whole, is no sample of the step). Tokens of long
-      responses weigh less; Liu et al. 2025 (Dr. GRPO) show that this biases training towards
-      long wrong answers.
+      / num_sequences, where only sequences with a valid token count (|o_i| > 0). As in OpenRLHF
+      and verl, a row without a valid token (a response masked whole) is not a sample of the
+      step. Tokens of long responses weigh less; Liu et al. 2025 (Dr. GRPO) show that this
+      biases training towards long wrong answers.
     - "seq-mean-token-sum": sum_it m_it l_it / num_sequences. Dr. GRPO (Liu et al. 2025) divides
-      each response's token sum by one constant (the generation budget) instead of |o_i|; that is
-      this mode divided by the constant, which the caller may apply as a loss or lr scale.
+      each response's token sum by one constant (the generation budget) instead of by |o_i|.
+      That equals this mode divided by the constant, which the caller may apply as a loss or lr
+      scale.
 
-    num_tokens / num_sequences: the counts over every micro-batch and data-parallel rank of the
-    step (an int, or a tensor after all-reduce); sequences count only with a valid token
-    (`sequences_with_tokens`). When None, this micro-batch's own count is used, which is right
-    only when the step is this one micro-batch on one rank. Summing this function
-    over the step's micro-batches and ranks gives the step's loss; data-parallel gradient
-    averaging and DeepSpeed's default division by the accumulation steps scale it down, so the
-    caller multiplies by (data-parallel size x accumulation steps) to undo both.
+    num_tokens / num_sequences are the counts over every micro-batch and data-parallel rank of
+    the step (an int, or a tensor after all-reduce). A sequence counts only if it has a valid
+    token (`sequences_with_tokens`). When a count is None, this micro-batch's own count is used,
+    which is right only when the step is this one micro-batch on one rank. Summing this function
+    over the step's micro-batches and ranks gives the step's loss. Data-parallel gradient
+    averaging and DeepSpeed's default division by the accumulation steps both scale that loss
+    down, so the caller multiplies by (data-parallel size x accumulation steps) to undo both.
     Mode names follow verl's `loss_agg_mode`.
     """
     check_per_token(mask, per_token_loss=per_token_loss)

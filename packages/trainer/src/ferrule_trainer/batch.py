@@ -1,22 +1,22 @@
-"""The trainer's batches: `Batch`, the RL layout and the per-token tensors a step adds, and
-`SequenceBatch`, whole right-padded sequences for `rlhf-train sft | rm | dpo`.
+"""The trainer's batches. `Batch` holds the RL layout and the per-token tensors that a step adds.
+`SequenceBatch` holds whole right-padded sequences for `rlhf-train sft | rm | dpo`.
 
-    batch = rl.build_batch(samples, pad_id)                 # input_ids, attention_mask, response_mask
+    batch = rl.build_batch(samples, pad_id)  # input_ids, attention_mask, response_mask
     batch = batch.replace(advantages=adv, old_logprobs=old)  # checked against the layout
     shards = batch.split(batch.rows // ranks); part = batch.take([0, 3]); batch.to("cuda")
 
-Sequences are prompt + response, left-padded prompts followed by right-padded responses (as
-rollout engines return them), so every response starts at the same column, T - R:
+Each sequence is a prompt followed by its response. Prompts are left-padded and responses are
+right-padded (as rollout engines return them), so every response starts at the same column, T - R:
 
     input_ids       (B, T)  token ids
     attention_mask  (B, T)  1 for real tokens, 0 for padding (left or right)
     response_mask   (B, R)  1 for response tokens that count in the loss
 
 The per-token tensors (B, R) line up with the last R columns of input_ids, as in OpenRLHF's
-`action_mask` and the losses' `mask`. A batch pickles as its tensors (it crosses Ray between
-the launcher and the ranks).
+`action_mask` and the losses' `mask`. A batch pickles as its tensors, since it crosses Ray
+between the launcher and the ranks.
 
-The offline trainers' sequences are whole and right-padded, their loss mask as wide as they are:
+The offline trainers' sequences are whole and right-padded, with a loss mask of the same width:
 
     batch = sft.collate(examples, pad_id)                     # input_ids, attention_mask, loss_mask
     pairs = preference.pair_batch(tokenizer, pairs, 512, 0)   # (2B, T) and margin (B,)
@@ -104,7 +104,7 @@ class Batch:
         )
 
     def require(self, *names: str) -> None:
-        """Raises, naming them, where the per-token tensors `names` are missing."""
+        """Raises a ValueError that names the tensors among `names` that the batch lacks."""
         missing = [name for name in names if vars(self)[name] is None]
         if missing:
             raise ValueError(
@@ -112,7 +112,8 @@ class Batch:
             )
 
     def replace(self, **tensors: torch.Tensor | None) -> "Batch":
-        """A batch with these fields set (None: removed), checked against the layout."""
+        """Returns a copy with these fields set (None removes a field), checked against the
+        layout."""
         return dataclasses.replace(self, **tensors)
 
     def split(self, size: int) -> list["Batch"]:
@@ -124,9 +125,9 @@ class Batch:
         ]
 
     def take(self, rows: list[int]) -> "Batch":
-        """The batch of `rows`, without the columns that are padding in all of them: the
-        prompt columns left of its longest prompt and the response columns right of its
-        longest response (per-token tensors lose the same response columns)."""
+        """Returns the batch of `rows`, without the columns that are padding in all of those
+        rows: the prompt columns left of their longest prompt and the response columns right of
+        their longest response. The per-token tensors lose the same response columns."""
         index = torch.tensor(rows, dtype=torch.long)
         picked = {k: v[index] for k, v in self._tensors().items()}
         part = Batch(**picked)
@@ -147,11 +148,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class SequenceBatch:
-    """Whole sequences, right-padded, as the offline trainers read them (SFT; reward models and
-    DPO on pairs, the B / 2 chosen sequences first, then the rejected ones in the same order).
-    Their forwards pass no attention mask: under causal attention no real token sees the padding
-    behind it, and without a mask sdpa runs its causal kernel (`sequences.model_inputs`). A
-    reward model's score is read at the last token that is not `pad_token_id`, as before."""
+    """Whole right-padded sequences, as the offline trainers read them (SFT; reward models and
+    DPO on pairs: the B / 2 chosen sequences first, then the rejected ones in the same order).
+    The forward passes on these batches take no attention mask: under causal attention no real
+    token sees the padding behind it, and without a mask sdpa runs its causal kernel
+    (`sequences.model_inputs`). A reward model's score is still read at the last token that is
+    not `pad_token_id`."""
 
     input_ids: torch.Tensor
     """(B, T) token ids of prompt + response."""
@@ -184,7 +186,7 @@ class SequenceBatch:
 
     @property
     def pairs(self) -> int:
-        """Of a pair batch: its preference pairs (rows / 2)."""
+        """The number of preference pairs in a pair batch (rows / 2)."""
         return self.rows // 2
 
     def to(self, device: torch.device | str) -> "SequenceBatch":

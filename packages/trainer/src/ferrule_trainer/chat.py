@@ -2,19 +2,21 @@
 
     text = prompt_text(tokenizer, [{"role": "user", "content": "2 + 2?"}], where="data.jsonl:3")
 
-A prompt that is a string is used as it is. A prompt that is a list of messages ({"role": ...,
-"content": ...} each, as the tokenizer's chat template takes them) is rendered with that template
-and the generation prompt of the assistant's turn, so the response (SFT's target, DPO's chosen
-and rejected, or what the rollout engines generate) follows it directly. SFT (sft.py), reward
-models and DPO (preference.py) and rlhf-launch's datasets all call this.
+A prompt that is a string is used as it is. A prompt that is a list of messages (each one
+{"role": ..., "content": ...}, the form the tokenizer's chat template takes) is rendered with
+that template, followed by the generation prompt that opens the assistant's turn. The response
+(SFT's target, DPO's chosen and rejected responses, or what the rollout engines generate) then
+follows the rendered prompt directly. SFT (sft.py), reward models and DPO (preference.py), and
+rlhf-launch's datasets all call this function.
 """
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def prompt_text(tokenizer, prompt, where: str) -> str:
-    """`prompt` as the text a model reads; ValueError naming `where` when it is neither a string
-    nor a list of messages, or when the tokenizer has no chat template for messages."""
+    """Returns `prompt` as the text the model reads. Raises a ValueError naming `where` when
+    `prompt` is neither a string nor a list of messages, or when `prompt` is a list of messages
+    and the tokenizer has no chat template."""
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list) or not prompt:

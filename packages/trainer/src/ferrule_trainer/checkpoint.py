@@ -5,9 +5,10 @@
     client_state = load_state(engine, "out/state")                    # latest tag by default
 
 Both are collective under ZeRO-3: every rank calls them. `save_hf` streams the exported weights
-(export.py: HF names, LoRA merged) into safetensors shards on rank 0, so no rank holds more than
-a shard. `save_state` is DeepSpeed's own checkpoint (sharded weights, optimizer, scheduler) plus
-each rank's RNG states and the caller's step and data position.
+(export.py: HF names, LoRA merged) to rank 0, which copies each tensor to host memory and writes
+the safetensors shards once the stream ends, so rank 0's host memory holds the whole model at
+that point. `save_state` is DeepSpeed's own checkpoint (sharded weights, optimizer, scheduler),
+plus each rank's RNG states and the caller's step and data position.
 """
 
 import contextlib
@@ -68,7 +69,7 @@ def save_hf(
         if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
-        # safetensors refuses tensors that share storage; own copies on the CPU never do
+        # safetensors refuses tensors that share storage; a fresh copy on the CPU never does
         shards[-1][name] = tensor.detach().to("cpu", copy=True).contiguous()
         shard_bytes += tensor.nbytes
     if rank == 0:
@@ -88,9 +89,10 @@ def save_hf(
 
 
 def save_adapter(module: torch.nn.Module, path: str | os.PathLike) -> bool:
-    """The LoRA adapter of a peft-wrapped `module`, as peft saves it (adapter_config.json,
-    adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, path)`. Collective
-    under ZeRO-3 (the adapter's shards are gathered); returns False for a model without one."""
+    """Saves the LoRA adapter of a peft-wrapped `module` as peft saves it (adapter_config.json,
+    adapter_model.safetensors), loadable with `PeftModel.from_pretrained(base, path)`. It is
+    collective under ZeRO-3, since the adapter's shards are gathered. Returns False for a model
+    without an adapter."""
     if not hasattr(module, "peft_config"):
         return False
     import deepspeed
@@ -127,11 +129,13 @@ def _rng_file(directory: Path, tag: str) -> Path:
 
 @dataclass(frozen=True)
 class SavedState:
-    """What `save_state` wrote: its tag, and this rank's seconds by part: `weights` and
-    `optimizer` (writing DeepSpeed's model-states and ZeRO optimizer-states files; without ZeRO
-    the optimizer is inside the model states, so all of it counts as weights; at 1.5B nearly all
-    of a checkpoint is the fp32 master weights and Adam moments) and `total` (the whole save,
-    with gathering the states, the RNG file and the barrier)."""
+    """What `save_state` wrote: the checkpoint's tag, and this rank's seconds by part.
+
+    `weights` and `optimizer` time the writes of DeepSpeed's model-states and ZeRO
+    optimizer-states files. Without ZeRO the optimizer is inside the model states, so all of
+    that time counts as weights. At 1.5B nearly all of a checkpoint is the fp32 master weights
+    and Adam moments. `total` is the whole save, including gathering the states, the RNG file
+    and the barrier."""
 
     tag: str
     seconds: dict[str, float]
@@ -143,11 +147,11 @@ def save_state(
     """Saves everything needed to continue exactly: DeepSpeed's checkpoint (weights, optimizer,
     lr scheduler) under the tag `step{step}`, this rank's RNG states, and `client_state` (for
     example data_position: how many samples or batches the data loader has handed out).
-    `latest` in the directory names the tag."""
+    The `latest` file in the directory names the tag."""
     began = time.perf_counter()
     directory = Path(directory)
     tag = f"step{step}"
-    # under one key: DeepSpeed returns its own entries beside ours on load
+    # Our entries go under one key, because on load DeepSpeed returns its own entries beside ours.
     state = {"ferrule": dict(client_state, step=step)}
     with _timed_writes(engine) as seconds:
         engine.save_checkpoint(str(directory), tag=tag, client_state=state)
@@ -165,7 +169,8 @@ def save_state(
 @contextlib.contextmanager
 def _timed_writes(engine):
     """Seconds spent in the checkpoint engine's writes (DeepSpeed's pluggable file writer), by
-    file: `*optim_states.pt` is the optimizer's, the rest the weights'."""
+    file: writes of `*optim_states.pt` count as the optimizer's, all other writes as the
+    weights'."""
     seconds = {"weights": 0.0, "optimizer": 0.0}
     writer = engine.checkpoint_engine
     save = writer.save
@@ -182,7 +187,7 @@ def _timed_writes(engine):
     try:
         yield seconds
     finally:
-        del writer.save  # the instance attribute: the class's method shows again
+        del writer.save  # without the instance attribute, the class's method applies again
 
 
 def load_state(engine, directory: str | os.PathLike, *, tag: str | None = None) -> dict[str, Any]:

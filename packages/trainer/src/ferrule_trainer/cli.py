@@ -4,8 +4,9 @@
     rlhf-train rm config.toml         # a Bradley-Terry reward model on preference pairs (rm.py)
     rlhf-train dpo config.toml        # DPO / IPO / conservative DPO on preference pairs (dpo.py)
 
-Runs in one process by default; under torchrun or the deepspeed launcher every rank runs it.
-A bad config or data file exits with status 2, naming the file, the table and key or the line.
+The command runs in one process by default. Under torchrun or the deepspeed launcher, every rank
+runs it. A bad config or data file makes it exit with status 2 and an error that names the file
+and either the table and key or the line.
 """
 
 import argparse
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         module.train(config)
-    except ValueError as error:  # the data: a line that is not JSON, a missing key, too few rows
+    except ValueError as error:  # bad data: a line that is not JSON, a missing key, too few rows
         print(f"rlhf-train {args.command}: {error}", file=sys.stderr)
         return 2
     return 0

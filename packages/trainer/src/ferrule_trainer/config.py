@@ -93,16 +93,17 @@ class TrainerConfig(Table):
     """Data-parallel ranks of the reference (kl_coef > 0); with zero_stage = 3 its weights are
     sharded over them, so a large reference needs no single device's memory. "auto": on GPUs
     where the reference shares the policy's bundles (placement "colocate_all" or "colocate"),
-    one beside each policy rank, so that each GPU scores its own samples; otherwise 1."""
+    one beside each policy rank, so that each GPU scores its own samples; otherwise one
+    sequence group (sequence_parallel ranks)."""
     sequence_parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Ranks that share each sequence (DeepSpeed-Ulysses style: ferrule_trainer's
-    sequence_parallel.py). The policy's ranks, and the reference's, form groups of this many
-    consecutive ranks; a group's ranks take the same rows, each running the model on 1/N of
-    every row's positions, so a sequence's activations are split N ways; the critic's ranks the
-    same. ranks, reference_ranks and [critic] ranks must be multiples of it, and so must the
-    model's attention heads. Its layers run uncompiled ([model] compile_layers is not applied).
-    "auto": 1 on CPU; on GPUs the memory plan's choice, more than 1 only where no plan of one
-    rank a sequence fits."""
+    sequence_parallel.py). The ranks of the policy, the reference and the critic form groups of
+    this many consecutive ranks. A group's ranks take the same rows, and each runs the model on
+    1/N of every row's positions, so a sequence's activations are split N ways. ranks,
+    reference_ranks, [critic] ranks and the model's attention heads must be multiples of it.
+    Above 1, the layers run uncompiled ([model] compile_layers is not applied). "auto": 1 on
+    CPU; on GPUs the memory plan's choice, above 1 only where no plan with one rank per
+    sequence fits."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -113,18 +114,19 @@ class TrainerConfig(Table):
     """Sequences per forward pass of the old-policy, reference and value passes, at most (None:
     micro_batch_size). The logits of a pass grow with it: rows x response length x vocabulary."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
-    """Tokens per forward/backward of the policy and the critic, at most: each mini-batch's
-    sequences are sorted by length into micro-batches whose rows x padded length (or, packed,
-    whose tokens) stay within it, up to micro_batch_size rows. Activations grow with tokens,
-    not rows: 64 rows of ~270 tokens (17k) ran a 1.5B policy out of memory on an H100 beside
-    its engine, 16 rows (4.3k) fit. A sequence longer than this goes alone. The loss is the
-    same however the step is split. "auto": on GPUs the largest that fits the memory plan
-    (`rlhf-launch --plan`), elsewhere 8192. "none": micro_batch_size rows in batch order."""
+    """The most tokens per forward/backward of the policy and the critic. Each mini-batch's
+    sequences are sorted by length into micro-batches of up to micro_batch_size rows, whose
+    rows x padded length (or, packed, whose tokens) stay within this budget. Activations grow
+    with tokens, not rows: 64 rows of ~270 tokens (17k) ran a 1.5B policy out of memory on an
+    H100 beside its engine, while 16 rows (4.3k) fit. A sequence longer than this goes alone.
+    The loss is the same however the step is split. "auto": on GPUs the largest that fits the
+    memory plan (`rlhf-launch --plan`), elsewhere 8192. "none": micro_batch_size rows in batch
+    order."""
     forward_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
-    """Tokens per forward pass of the old-policy, reference and value passes, at most, as
-    micro_batch_tokens (None: micro_batch_tokens); forward_batch_size rows at most. "auto": on
-    GPUs what the memory plan fits (a smaller pass of the reference can spare offloading the
-    policy between phases), elsewhere None."""
+    """The most tokens per forward of the old-policy, reference and value passes, counted as for
+    micro_batch_tokens (None: micro_batch_tokens), in at most forward_batch_size rows. "auto":
+    on GPUs what the memory plan fits (a smaller reference pass can spare offloading the policy
+    between phases), elsewhere None."""
     pack_sequences: bool = False
     """Pack each micro-batch's sequences into one row without padding, within
     micro_batch_tokens / forward_batch_tokens real tokens: positions restart at 0 with each
@@ -167,12 +169,12 @@ class TrainerConfig(Table):
     overlong_penalty: float = Field(1.0, ge=0)
     """The largest overlong penalty."""
     truncated_score: float | None = None
-    """The score of a response cut off at max_tokens (finish reason "length"), instead of what
-    the reward function gave it and of the overlong penalty (None: not replaced)."""
+    """The score given to a response cut off at max_tokens (finish reason "length"), in place of
+    both the reward function's score and the overlong penalty (None: not replaced)."""
     ratio_level: Literal["token", "sequence"] = "token"
-    """The PPO ratio per token, or per response: "sequence" is GSPO (use clip_low / clip_high
-    ~3e-4 / 4e-4, as in its paper); it brings agg_mode = "seq-mean-token-mean", and refuses
-    another."""
+    """The PPO ratio per token, or per response. "sequence" is GSPO (use clip_low / clip_high
+    ~3e-4 / 4e-4, as in its paper); it sets agg_mode = "seq-mean-token-mean" and refuses any
+    other agg_mode."""
     rollout_correction: Literal["none", "tis", "icepop"] = "none"
     """Weight each token's loss by pi_trainer / pi_engine of the sampled token, because the
     engine's and the trainer's probabilities differ: "tis" truncates the ratio to [tis_floor,
@@ -247,14 +249,14 @@ class TrainerConfig(Table):
 
     @property
     def reference_ranks_auto(self) -> bool:
-        """Whether reference_ranks was left "auto" (now one sequence group: sequence_parallel
-        ranks; ferrule-launcher places GPU runs)."""
+        """Whether reference_ranks was left "auto". It now holds one sequence group
+        (sequence_parallel ranks); ferrule-launcher places GPU runs."""
         return self._reference_ranks_auto
 
     @model_validator(mode="after")
     def _cpu_defaults(self):
-        """ "auto" keys take what a run without GPUs uses (the launcher plans GPU runs): the
-        stage follows the offloads the user chose, everything else is off."""
+        """Sets the "auto" keys to what a run without GPUs uses (the launcher plans GPU runs):
+        the ZeRO stage follows the offloads the user chose, and everything else is off."""
         offloads = [self.offload_optimizer, self.offload_params, self.offload_between_phases]
         defaults = {
             "micro_batch_tokens": 8192,
@@ -268,7 +270,7 @@ class TrainerConfig(Table):
         }
         auto = frozenset(key for key in AUTO_KEYS if getattr(self, key) == "auto")
         for key in auto:
-            object.__setattr__(self, key, defaults[key])  # frozen: this is its validation
+            object.__setattr__(self, key, defaults[key])  # frozen, but this is its own validation
         self._auto = auto
         self._reference_ranks_auto = self.reference_ranks == "auto"
         if self._reference_ranks_auto:  # one sequence group
@@ -278,10 +280,11 @@ class TrainerConfig(Table):
     @model_validator(mode="before")
     @classmethod
     def _gspo_aggregation(cls, data):
-        """GSPO is a per-sequence objective: its loss is the mean over sequences of each one's
-        token mean, which is where it agrees exactly with OpenRLHF's and verl's GSPO (value and
-        gradient, checked on 100 seeds); under the default token-mean it does not (1.03 in
-        value, 0.77 in gradient on the same inputs). Choosing it brings that aggregation."""
+        """GSPO is a per-sequence objective: its loss is the mean over sequences of each
+        sequence's token mean. With that aggregation it agrees exactly with OpenRLHF's and
+        verl's GSPO (value and gradient, checked on 100 seeds); under the default token-mean it
+        does not (1.03 in value, 0.77 in gradient on the same inputs). So ratio_level =
+        "sequence" brings that aggregation as agg_mode's default."""
         if isinstance(data, dict) and data.get("ratio_level") == "sequence":
             data = {"agg_mode": GSPO_AGG_MODE, **data}
         return data
@@ -340,7 +343,8 @@ class TrainerConfig(Table):
         return self
 
     def offload_problems(self) -> list[tuple[str, str]]:
-        """What the offloads need of the ZeRO stage (the memory plan skips choices with any)."""
+        """The offloads' requirements on the ZeRO stage that this config breaks (the memory plan
+        skips choices with any)."""
         problems = []
         if self.offload_params and self.zero_stage != 3:
             problems.append(("offload_params", "needs zero_stage = 3 (only ZeRO-3 shards them)"))
@@ -384,10 +388,11 @@ class TrainerConfig(Table):
         return multiple
 
     def needs_old_logprobs(self) -> bool:
-        """Whether the RL step needs the policy's log-probabilities before it trains ("old"):
-        a batch trained in more than one optimizer step, rollout correction's weights and a KL
-        penalty in the reward read them. Otherwise the first training forward runs at the same
-        weights and `Actor.train_step` takes them from it, saving a forward pass per step."""
+        """Whether the RL step needs the policy's log-probabilities from before it trains
+        ("old"). They are read by a batch trained in more than one optimizer step, by rollout
+        correction's weights and by a KL penalty in the reward. Otherwise the first training
+        forward runs at the same weights, and `Actor.train_step` takes them from that forward,
+        saving a forward pass per step."""
         return (
             self.epochs * self.mini_batches > 1
             or self.rollout_correction != "none"
@@ -426,8 +431,9 @@ class TrainerConfig(Table):
         )
 
     def policy_loss(self, kl_coef: float | None = None) -> PolicyLoss:
-        """The policy loss's settings; its KL term only when the loss carries it (kl_in =
-        "loss"), at `kl_coef` (the adaptive controller's, None: this table's)."""
+        """The policy loss's settings. The KL term is included only when the loss carries it
+        (kl_in = "loss"), with coefficient `kl_coef` (the adaptive controller's; None: this
+        table's)."""
         in_loss = self.kl_in == "loss"
         return PolicyLoss(
             clip_low=self.clip_low,

@@ -6,11 +6,11 @@
     metrics = critic.train_epochs(batch, EpochPlan(epochs=2, mini_batches=4), ValueLoss())
 
 The critic is the policy's architecture with a linear value head on the last hidden state
-(`AutoModelForTokenClassification`, one label): started from a causal LM checkpoint the head is
-new, started from a saved critic it is the trained one, and started from a reward model
-(`rlhf-train rm`; the launcher's `[critic] init = "reward_model"`) it takes that model's body
-and scalar head. Reward models are trained by rm.py and served by ferrule-rewards (its `model`
-backend), not run here.
+(`AutoModelForTokenClassification`, one label). Started from a causal LM checkpoint, the critic
+gets a new head. Started from a saved critic, it keeps the trained head. Started from a reward
+model (`rlhf-train rm`; the launcher's `[critic] init = "reward_model"`), it takes that model's
+body and scalar head. Reward models are trained by rm.py and served by ferrule-rewards (its
+`model` backend); they are not run here.
 """
 
 import os
@@ -31,8 +31,9 @@ from ferrule_trainer.trained import TrainedModel
 
 
 class Critic(TrainedModel):
-    """Values per response token and clipped value-loss train steps (see losses.value_loss).
-    sequence_parallel: ranks that share each sequence, as Actor's."""
+    """Computes values per response token and takes train steps of the clipped value loss (see
+    losses.value_loss). `sequence_parallel` is the number of ranks that share each sequence, as
+    in `Actor`."""
 
     def __init__(
         self,
@@ -85,8 +86,8 @@ class Critic(TrainedModel):
         batch: Batch,
         plan: ForwardPlan = ForwardPlan(),
     ) -> torch.Tensor:
-        """(B, R) values of the states before each response token, on the host; the forward
-        passes go as `plan` says, as `Actor.logprobs`'s do."""
+        """Returns the (B, R) values of the states before each response token, on the host. The
+        forward passes follow `plan`, as in `Actor.logprobs`."""
         self.engine.eval()
         try:
             return forward_in_micro_batches(
@@ -107,8 +108,9 @@ class Critic(TrainedModel):
         loss: ValueLoss = ValueLoss(),
         packed: bool = False,
     ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (`loss`: its settings); the micro-batches
-        carry old_values and returns (`packed`: as `Actor.train_step`)."""
+        """Takes one optimizer step of the clipped value loss with the settings in `loss`. The
+        micro-batches must carry old_values and returns. `packed` works as in
+        `Actor.train_step`."""
         for micro_batch in micro_batches:
             micro_batch.require("old_values", "returns")
         micro_batches = [mb.to(engine.device()) for mb in micro_batches]
@@ -130,7 +132,8 @@ class Critic(TrainedModel):
                 num_tokens=tokens,
                 num_sequences=sequences,
             )
-            # a token mean over this rank's step: optimizer_step averages over micro-batches
+            # weighted so that optimizer_step's average over micro-batches is a token mean over
+            # this rank's step
             weight = micro_batch.response_mask.sum() * len(micro_batches) / max(own_tokens, 1)
             return result.loss, {"value_clip_fraction": result.clip_fraction * weight}
 
@@ -143,8 +146,8 @@ class Critic(TrainedModel):
         return sp.response_values(self.engine, micro_batch, self.sequence_group, packed=packed)
 
     def train_epochs(self, batch: Batch, plan: EpochPlan, loss: ValueLoss) -> dict[str, float]:
-        """PPO epochs (`rl.ppo_epochs`, as `plan` says) of `train_step` with `loss` over this
-        rank's share of one rollout batch."""
+        """Runs PPO epochs of `train_step` with `loss` (`rl.ppo_epochs`, as `plan` says) over
+        this rank's share of one rollout batch."""
 
         def step(micro_batches: list[Batch], packed: bool) -> dict[str, float]:
             return self.train_step(micro_batches, loss, packed)

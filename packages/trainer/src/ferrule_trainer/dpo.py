@@ -14,12 +14,13 @@
     [output]
     dir = "out/dpo"                 # out/dpo/model: the policy; out/dpo/state: resumable
 
-The reference's log-probabilities of each micro-batch are computed with the batch, by a frozen
-copy of the starting model (no optimizer; ZeRO-3 shards it like the policy). The loss is the
-mean over the step's pairs of pairwise.dpo_loss on the summed log-probabilities of the response
-tokens (IPO: their mean per token), plus nll_coef times the mean NLL per chosen response token.
-Metrics: the loss, accuracy (chosen reward > rejected), the reward margin, chosen / rejected
-rewards and log-probabilities; on the held-out pairs every [eval] every steps and at the end.
+The reference log-probabilities of each micro-batch are computed together with the policy's,
+by a frozen copy of the starting model (no optimizer; ZeRO-3 shards it like the policy). The loss
+is pairwise.dpo_loss on the summed log-probabilities of the response tokens (IPO: their mean per
+token), averaged over the step's pairs, plus nll_coef times the mean NLL per chosen response
+token. The metrics are the loss, accuracy (chosen reward > rejected), the reward margin, and the
+chosen / rejected rewards and log-probabilities. They are also computed on the held-out pairs
+every [eval] every steps and at the end.
 """
 
 from pathlib import Path
@@ -77,15 +78,17 @@ class DPOConfig(Table):
 
 def response_logprobs(model, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows,) the summed log-probability of each sequence's response tokens, and their count."""
-    logits = model_forward(model, dict(input_ids=batch.input_ids)).logits[:, :-1]  # SequenceBatch
+    # no attention mask (see SequenceBatch)
+    logits = model_forward(model, dict(input_ids=batch.input_ids)).logits[:, :-1]
     per_token = token_logprobs(logits, batch.input_ids[:, 1:])
     mask = batch.loss_mask[:, 1:].float()
     return (per_token * mask).sum(-1), mask.sum(-1)
 
 
 def dpo_pair_loss(policy, reference, micro_batch: SequenceBatch, step_pairs: int, d: DPOLossConfig):
-    """A micro-batch's share of the step's DPO loss (the mean over the step's `step_pairs`
-    pairs), and its metrics. `policy` and `reference` are the models (DeepSpeed engines)."""
+    """Returns a micro-batch's share of the step's DPO loss (the mean over the step's
+    `step_pairs` pairs) and the micro-batch's metrics. `policy` and `reference` are the models
+    (DeepSpeed engines)."""
     with torch.no_grad():
         reference.eval()
         ref_sums, counts = response_logprobs(reference, micro_batch)
@@ -96,7 +99,7 @@ def dpo_pair_loss(policy, reference, micro_batch: SequenceBatch, step_pairs: int
     out = dpo_loss(pc, pr, rc, rr, beta=d.beta, kind=d.loss, label_smoothing=d.label_smoothing)
     loss = out.loss.sum() / step_pairs
     chosen_sums, rejected_sums = chosen_and_rejected(sums)
-    if d.nll_coef:  # per pair: the chosen response's mean NLL per token; over the step's pairs
+    if d.nll_coef:  # each chosen response's mean NLL per token, averaged over the step's pairs
         chosen_nll = -chosen_sums / chosen_and_rejected(counts)[0].clamp(min=1)
         loss = loss + d.nll_coef * chosen_nll.sum() / step_pairs
     metrics = {

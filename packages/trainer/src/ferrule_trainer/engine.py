@@ -70,10 +70,11 @@ def init_distributed() -> None:
     if torch.distributed.is_initialized():
         return
     if on_cpu():
-        # DeepSpeed's CPU backend compiles a shared-memory all-reduce op on first use (a C++
-        # toolchain, ~25 s on two cores, once per virtualenv) under a lock file in
-        # ~/.cache/torch_extensions that a killed build leaves behind, after which every later
-        # start waits on it forever. gloo does the same reduction; our CPU groups are small.
+        # On first use, DeepSpeed's CPU backend compiles a shared-memory all-reduce op (with a
+        # C++ toolchain, ~25 s on two cores, once per virtualenv) under a lock file in
+        # ~/.cache/torch_extensions. A killed build leaves the lock file behind, and every later
+        # start then waits on it forever. gloo does the same reduction, and our CPU groups are
+        # small.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     backend = "gloo" if on_cpu() else "nccl"
     with _timed("distributed"):
@@ -119,10 +120,11 @@ def deepspeed_config(
     offload_params: bool = False,
     max_grad_norm: float = 1.0,
 ) -> dict[str, Any]:
-    """The DeepSpeed config dict for one engine. Micro-batching is ours (see `optimizer_step`),
-    so DeepSpeed sees one micro-batch per step and we mark the accumulation boundary ourselves.
-    A frozen engine (`train` False) has no optimizer to offload, and below ZeRO-3 it runs at
-    stage 0: each rank holds a whole copy (ZeRO-3 keeps it sharded)."""
+    """The DeepSpeed config dict for one engine. We do the micro-batching (see
+    `optimizer_step`), so DeepSpeed sees one micro-batch per step and we mark the accumulation
+    boundary ourselves. A frozen engine (`train` False) has no optimizer to offload. Below
+    ZeRO-3 it runs at stage 0, where each rank holds a whole copy; under ZeRO-3 it stays
+    sharded."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if not train:
@@ -156,9 +158,10 @@ def deepspeed_config(
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        # DeepSpeed's bf16 overflow check scans every gradient (six kernels each, then a host
-        # sync): 45 of the 68 ms optimizer step of a 0.5B Qwen2 on one H100. bf16 needs no loss
-        # scaling, and `optimizer_step` skips an update whose gradient norm is not finite.
+        # DeepSpeed's bf16 overflow check scans every gradient (six kernels per gradient, then
+        # a host sync); it took 45 of the 68 ms optimizer step of a 0.5B Qwen2 on one H100.
+        # bf16 needs no loss scaling, and `optimizer_step` skips an update whose gradient norm
+        # is not finite.
         "bf16": {"enabled": dtype == "bfloat16", "check_grad_overflow": False},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -204,11 +207,11 @@ def load_model(
     kind: "causal-lm" (actor, reference), "value" (critic: one value per token, a linear head on
     the last hidden state, `AutoModelForTokenClassification` with one label) or "reward" (one
     score per sequence, `AutoModelForSequenceClassification` with one label).
-    lora_rank > 0 wraps the model with peft LoRA adapters on `lora_targets`; only they train.
-    `prepare(model)` runs on the loaded model before checkpointing, LoRA and DeepSpeed (the
-    launcher passes ferrule-rollout's exact numerics this way, so the trainer imports none).
-    compile_layers: each decoder layer through torch.compile (see `compile_decoder_layers`); on
-    CUDA below ZeRO-3 only, elsewhere the layers run as they are.
+    lora_rank > 0 wraps the model with peft LoRA adapters on `lora_targets`; only the adapters
+    train. `prepare(model)` runs on the loaded model before checkpointing, LoRA and DeepSpeed
+    (the launcher passes ferrule-rollout's exact numerics this way, so the trainer imports none
+    of ferrule-rollout). compile_layers runs each decoder layer through torch.compile (see
+    `compile_decoder_layers`), on CUDA below ZeRO-3 only; elsewhere the layers run as they are.
     """
     torch_dtype = check_dtype(dtype)
     with _timed("imports"):  # transformers' auto classes import lazily, on first use (~1.5 s)
@@ -260,20 +263,21 @@ def load_model(
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """torch.compile each decoder layer (the classes the model lists in `_no_split_modules`), in
-    place; returns how many. Inductor fuses the norms, rotary, activation and residual kernels
-    between the matmuls: at 1.5B on an H100 those small kernels took as long as the matmuls, and
-    compiled layers made a training step 18% faster (benchmarks/train_phase_gpu.py). Each layer
-    compiles on its first call, for any length (dynamic shapes); the forwards give it inputs of
-    one form (`sequences.model_inputs`), else it would recompile for each new one. ZeRO-3 is
-    left out (not tried): its hooks gather every layer's weights inside the forward, which
-    dynamo would have to break around."""
+    """Runs torch.compile on each decoder layer (the classes the model lists in
+    `_no_split_modules`), in place, and returns how many layers it compiled. Inductor fuses the
+    norms, rotary, activation and residual kernels between the matmuls: at 1.5B on an H100 those
+    small kernels took as long as the matmuls, and compiled layers made a training step 18%
+    faster (benchmarks/train_phase_gpu.py). Each layer compiles on its first call, for any
+    length (dynamic shapes). The forwards give the layers inputs of one form
+    (`sequences.model_inputs`); otherwise a layer would recompile for each new form. ZeRO-3 is
+    left out (not tried): its hooks gather every layer's weights inside the forward, and dynamo
+    would have to break the graph around them."""
     import torch._dynamo
 
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
-    # every layer instance has its own guards on the one forward's code: an entry each with
-    # gradients and without (the scoring passes)
+    # every layer instance has its own guards on the shared forward code: one cache entry per
+    # layer with gradients and one without (the scoring passes)
     limit = torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = max(limit, 2 * len(layers) + 8)
     for layer in layers:
@@ -363,15 +367,15 @@ def build_engine(
 def adam_params(*, cpu: bool, zero_stage: int, offloaded: bool, **hyper) -> dict[str, Any]:
     """The params of DeepSpeed's "AdamW" optimizer (`hyper`: lr, betas, eps, weight_decay).
 
-    torch's own AdamW on the CPU accelerator, and on GPUs under ZeRO 0-2 as torch's fused kernel.
-    Left to itself DeepSpeed picks its FusedAdam there, a CUDA extension that ninja compiles the
-    first time on each machine (tens of seconds of start-up; our GPU machines start fresh every
-    time); torch's steps as fast (57.4k against 56.9k tok/s, 0.5B ZeRO-2 bf16 on an H100,
-    benchmarks/RESULTS.md). ZeRO-3 keeps FusedAdam: its `offload_states` (the hybrid engine's
-    offload between phases) accepts no other optimizer (deepspeed/runtime/zero/stage3.py).
-    States offloaded to the host keep DeepSpeed's CPU Adam (its own compiled op): ZeRO-Offload
-    has its own paths for it, and DeepSpeed calls any other optimizer there "poor performance"
-    (`zero_force_ds_cpu_optimizer`)."""
+    The CPU accelerator uses torch's own AdamW, and so do GPUs under ZeRO 0-2, as torch's fused
+    kernel. Left to itself, DeepSpeed would pick its FusedAdam on GPUs: a CUDA extension that
+    ninja compiles the first time on each machine, costing tens of seconds of start-up (our GPU
+    machines start fresh every time). torch's AdamW steps as fast (57.4k against 56.9k tok/s,
+    0.5B ZeRO-2 bf16 on an H100, benchmarks/RESULTS.md). ZeRO-3 keeps FusedAdam, because its
+    `offload_states` (the hybrid engine's offload between phases) accepts no other optimizer
+    (deepspeed/runtime/zero/stage3.py). Optimizer states offloaded to the host keep DeepSpeed's
+    CPU Adam (its own compiled op): ZeRO-Offload has its own code paths for it, and DeepSpeed
+    calls any other optimizer there "poor performance" (`zero_force_ds_cpu_optimizer`)."""
     if cpu:
         return dict(hyper, torch_adam=True)
     if offloaded or zero_stage == 3:
@@ -398,22 +402,24 @@ def optimizer_step(
     `loss_fn(micro_batch)` returns (loss, metrics): the micro-batch's share of the step's loss,
     already divided by the step's global count (see aggregation.aggregate_loss), so that the sum
     over micro-batches and ranks is the step's loss. DeepSpeed averages gradients over ranks,
-    so the share is multiplied by the world size before backward; no accumulation-step scaling,
-    since we mark the accumulation boundary ourselves. Returns the step's loss (summed over
-    ranks), the mean of each metric over micro-batches, the gradient norm and the learning rate.
+    so the share is multiplied by the world size before backward. There is no scaling by
+    accumulation steps, since we mark the accumulation boundary ourselves. Returns the step's
+    loss (summed over ranks), the mean of each metric over micro-batches, the gradient norm and
+    the learning rate.
 
-    Every rank runs as many backward passes as the rank with most micro-batches: under ZeRO-2
-    each backward reduces gradients across ranks, under ZeRO-3 each forward gathers parameters,
-    and token budgets give ranks different counts (one more pass on one rank: a mismatched
-    collective, which gloo aborts and NCCL waits on forever). A rank with fewer repeats its last
-    micro-batch with its loss times zero: no gradient, no metric.
+    Every rank runs as many backward passes as the rank with the most micro-batches. Under
+    ZeRO-2 each backward reduces gradients across ranks, and under ZeRO-3 each forward gathers
+    parameters, but token budgets give ranks different counts of micro-batches. One more pass
+    on one rank would be a mismatched collective, which gloo aborts and NCCL waits on forever.
+    So a rank with fewer micro-batches repeats its last one with its loss times zero, which
+    adds no gradient and no metric.
 
-    An update whose gradients hold a NaN or an inf is skipped on every rank, nothing changed
-    (`_update_unless_nonfinite`): the result says "skipped" 1.0 (else 0.0) and "nonfinite",
-    where `nonfinite.locate` found the values to arise.
+    An update whose gradients hold a NaN or an inf is skipped on every rank, with nothing
+    changed (`_update_unless_nonfinite`). The result then has "skipped" 1.0 (else 0.0) and
+    "nonfinite": where `nonfinite.locate` found the values to arise.
 
-    `copies`: how many ranks hold each rank's loss (a sequence group's ranks all compute their
-    group's, sequence_parallel.py): the reported loss counts it once.
+    `copies` is how many ranks hold the same loss (all ranks of a sequence group compute their
+    group's loss, sequence_parallel.py); the reported loss counts that loss once.
     """
     if not micro_batches:
         raise ValueError("optimizer_step needs at least one micro-batch")
@@ -460,13 +466,14 @@ def optimizer_step(
 
 
 def _update_unless_nonfinite(engine, own_norm: float | None) -> bool:
-    """engine.step(), unless the step's gradients hold a NaN or an inf; returns whether the
-    update was applied. A skipped update changes nothing (weights, optimizer states, the
-    learning-rate schedule) and drops the gradients: DeepSpeed's own overflow path, which it
-    takes by itself under ZeRO-3, in its ZeRO-0 bf16 optimizer and in fp32 under ZeRO-1/2.
-    In bf16 under ZeRO-1/2 its overflow scan is off (`deepspeed_config`): the norm it takes for
-    clipping is taken first here, and a bad one turns the scan on for this step alone. In fp32
-    under ZeRO-0 it calls torch's optimizer as it is: `own_norm` decides."""
+    """Runs engine.step() unless the step's gradients hold a NaN or an inf, and returns whether
+    the update was applied. A skipped update changes nothing (weights, optimizer states, the
+    learning-rate schedule) and drops the gradients. That is DeepSpeed's own overflow path,
+    which DeepSpeed takes by itself under ZeRO-3, in its ZeRO-0 bf16 optimizer and in fp32
+    under ZeRO-1/2. In bf16 under ZeRO-1/2 the overflow scan is off (`deepspeed_config`), so
+    the norm that DeepSpeed takes for clipping is taken here first, and a non-finite norm turns
+    the scan on for this step alone. In fp32 under ZeRO-0 DeepSpeed calls torch's optimizer as
+    it is, so `own_norm` decides."""
     if own_norm is not None:
         if not nonfinite.is_finite(own_norm):
             engine.zero_grad()

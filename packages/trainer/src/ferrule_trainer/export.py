@@ -4,23 +4,25 @@
     for name, tensor in export_weights(engine.module, dtype=torch.bfloat16):
         ...                                                          # every rank iterates
     exporter = WeightExport(engine.module, torch.bfloat16)           # after every step: the
-    sender.send(exporter.weights(), specs=exporter.specs())          # layout worked out once
+    sender.send(exporter.weights(), specs=exporter.specs())          # layout is worked out once
 
-Names are the ones in the model's Hugging Face checkpoint (`model.layers.0.self_attn.q_proj.weight`),
-which vLLM's `load_weights` accepts; tied weights appear once. LoRA adapters are merged into the
-base weights (W + B A * scale) on the fly, so inference engines load a plain model and never see
-peft names. Under ZeRO-3 the parameters are gathered in buckets laid out as
-ferrule-weightsync's `plan_buckets(specs, bucket_bytes)` lays them out: one all-gather per
-bucket (and dtype) of each rank's partitions as they lie, then every piece moved to its place in
-one bucket buffer, which a broadcast sender of the same bucket size sends without packing; none
-of DeepSpeed's per-parameter bookkeeping (an earlier export measured 6x faster than
-`GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py). LoRA layers under ZeRO-3
-go through `GatheredParameters`. Every rank of the group must take part, since the gathers are
-collectives: by iterating the stream to its end, or, where it sends nothing, by
+Names are the ones in the model's Hugging Face checkpoint
+(`model.layers.0.self_attn.q_proj.weight`), which vLLM's `load_weights` accepts; tied weights
+appear once. LoRA adapters are merged into the base weights (W + B A * scale) on the fly, so
+inference engines load a plain model and never see peft names.
+
+Under ZeRO-3 the parameters are gathered in buckets, laid out as ferrule-weightsync's
+`plan_buckets(specs, bucket_bytes)` lays them out. Each bucket takes one all-gather (per dtype)
+of each rank's partitions as they lie. Then every piece is moved to its place in one bucket
+buffer, which a broadcast sender with the same bucket size sends without packing. None of
+DeepSpeed's per-parameter bookkeeping is involved (an earlier export measured 6x faster than
+`GatheredParameters` on 2 x H100, benchmarks/weightsync_zero3.py). LoRA layers under ZeRO-3 go
+through `GatheredParameters`. Since the gathers are collectives, every rank of the group must
+take part: by iterating the stream to its end or, on a rank that sends nothing, by calling
 `WeightExport.take_part`, which lays nothing out. A consumer that pulls bucket k+1 while bucket
-k is on the wire (ferrule-weightsync's senders do) overlaps the gather with the transfer. The
-yielded tensors may be the (detached) parameters themselves: copy what you keep past the next
-optimizer step.
+k is on the wire (as ferrule-weightsync's senders do) overlaps the gather with the transfer. The
+yielded tensors may be the (detached) parameters themselves, so copy whatever you keep past the
+next optimizer step.
 """
 
 import itertools
@@ -122,25 +124,26 @@ def _plain_item(name: str, param: torch.nn.Parameter, dtype: torch.dtype | None)
 
 class WeightExport:
     """`export_weights` / `weight_specs` of one module at one dtype, for a trainer that exports
-    after every step: the list of tensors (a walk over `named_modules`, milliseconds of host
-    time), the buckets and each bucket's gather layout are worked out once, on first use. The
-    module's structure must not change afterwards (its weights may, and ZeRO-3 partitions are
-    read at every export)."""
+    after every step. The list of tensors (a walk over `named_modules`, milliseconds of host
+    time), the buckets and each bucket's gather layout are worked out once, on first use. After
+    that the module's structure must not change. Its weights may change, since ZeRO-3
+    partitions are read at every export."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype | None = None):
         self.items = _items(module, dtype)
         self.sharded = any(hasattr(p, "ds_id") for item in self.items for p in item.params)
         self._plans: dict[int, list[_BucketPlan]] = {}
-        # Whether `weights()` yields the module's own memory: nothing gathered (no ZeRO-3, or
-        # ZeRO-3 of one rank), cast or merged. A sender may then let receivers read it where
-        # it lies (ferrule-weightsync's `IpcSender.send(..., in_place=True)`), as long as the
-        # module does not change until that send returns.
+        # Whether `weights()` yields the module's own memory, with nothing gathered (no ZeRO-3,
+        # or ZeRO-3 over one rank), cast or merged. If so, a sender may let receivers read that
+        # memory where it lies (ferrule-weightsync's `IpcSender.send(..., in_place=True)`), as
+        # long as the module does not change until the send returns.
         self.in_place = all(self._source(item) is not None for item in self.items)
         self._specs = tuple(TensorSpec(item.name, item.shape, item.dtype) for item in self.items)
 
     def _source(self, item: _Item) -> torch.Tensor | None:
-        """The memory `item`'s tensor is a view of, where it is one: a plain parameter already
-        in the export dtype, whole (its one partition under ZeRO-3 of one rank)."""
+        """The memory that `item`'s tensor is a view of, or None if it is not a view. It is one
+        when the item is a plain parameter, already in the export dtype, held whole (under
+        ZeRO-3 over one rank: its one partition)."""
         source = item.plain
         if self.sharded and source is not None:
             whole = hasattr(source, "ds_tensor") and _world(source) == 1
@@ -149,15 +152,16 @@ class WeightExport:
 
     def _in_place_views(self) -> list[tuple[str, torch.Tensor]]:
         """Every item's tensor where it lies: a view of its parameter, or of its one ZeRO-3
-        partition (a policy of one rank holds it whole)."""
+        partition (with one rank, that partition holds the whole parameter)."""
         if self.sharded:
             return [(item.name, _whole(item.plain, item.shape)) for item in self.items]
         return [(item.name, item.plain.detach()) for item in self.items]
 
     def specs(self) -> tuple[TensorSpec, ...]:
-        """TensorSpecs of the export, in its order; metadata only, so a weightsync sender can
-        announce the update before the first gather. The same tuple every time: a sender
-        compares it with the last one's, and the same objects compare at once."""
+        """The TensorSpecs of the export, in export order. They are metadata only, so a
+        weightsync sender can announce the update before the first gather. The same tuple is
+        returned every time: a sender compares it with the previous update's specs, and
+        identical objects compare at once."""
         return self._specs
 
     def weights(
@@ -180,8 +184,8 @@ class WeightExport:
             yield from plan.export()
 
     def take_part(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """This rank's share of an export that other ranks keep (the ones that send), with
-        their `bucket_bytes`: ZeRO-3's gathers need every rank, but one that sends nothing
+        """Takes this rank's part in an export that other ranks (the ones that send) keep; pass
+        their `bucket_bytes`. ZeRO-3's gathers need every rank, but a rank that sends nothing
         needs none of the weights, so nothing is laid out here. A no-op without ZeRO-3."""
         if self.sharded:
             for plan in self._bucket_plans(bucket_bytes):
@@ -221,7 +225,7 @@ class _BucketPlan:
     """One export bucket under ZeRO-3, laid out as ferrule-weightsync lays out a bucket of the
     same size (`plan_buckets`). A bucket of plain parameters is gathered by `_GatherGroup`s
     (one per dtype) straight into one buffer in that layout, which a broadcast sender with the
-    same bucket size then sends as it is, with no packing copy; a bucket holding LoRA layers
+    same bucket size then sends as it is, with no packing copy. A bucket holding LoRA layers
     goes through DeepSpeed's `GatheredParameters`."""
 
     def __init__(self, items: list[_Item], bucket: Bucket):
@@ -265,16 +269,17 @@ class _BucketPlan:
         yield from tensors
 
     def take_part(self) -> None:
-        """The bucket's collectives, keeping nothing."""
+        """Runs the bucket's collectives and keeps nothing."""
         if self.plain and self.world > 1:
             for group in self.groups:
                 group.gather()
-            # Wait for them before queueing the next bucket's. Queued early, a gather spins on
-            # this rank's GPU until the sending rank joins it, and an engine in another process
-            # on that GPU (a broadcast's receiver) waits for its time slices: with 512 MB
-            # buckets on 2 x H200 the update measured 0.63 of a raw broadcast with the wait,
-            # 0.50-0.51 without (benchmarks/weightsync_zero3.py). Small buckets, whose
-            # broadcasts end within a time slice, lose more by the wait than they gain.
+            # Wait for these gathers before queueing the next bucket's. A gather queued early
+            # spins on this rank's GPU until the sending rank joins it, and meanwhile an engine
+            # in another process on that GPU (a broadcast's receiver) waits for its time
+            # slices. With 512 MB buckets on 2 x H200 the update measured 0.63 of a raw
+            # broadcast with the wait, and 0.50-0.51 without it (benchmarks/weightsync_zero3.py).
+            # Small buckets, whose broadcasts end within a time slice, lose more by the wait
+            # than they gain.
             if self.groups[0].device.type == "cuda":
                 torch.cuda.current_stream(self.groups[0].device).synchronize()
         elif not self.plain:
@@ -290,15 +295,15 @@ class _BucketPlan:
 class _GatherGroup:
     """The ZeRO-3 parameters of one bucket that share a partition dtype and an export dtype.
 
-    One all-gather per group: each rank's partitions, end to end (where DeepSpeed keeps them,
-    else joined by one copy), are gathered rank after rank, and one multi-tensor copy moves
-    every rank's piece of every parameter to its place in the bucket buffer (cutting
-    DeepSpeed's padding off, and casting if the dtypes differ). That buffer is laid out as
-    ferrule-weightsync's sender lays out the bucket, so the sender broadcasts it as it is; the
-    per-parameter gathers before this (one coalesced call) went into a layout of their own,
-    which the sender then copied into its bucket. Where the pieces go is worked out once; the
-    buffer is new at every export (a consumer may keep a bucket's tensors while the next one
-    is gathered)."""
+    Each group takes one all-gather. Each rank's partitions, end to end (as DeepSpeed keeps
+    them, else joined by one copy), are gathered rank after rank. Then one multi-tensor copy
+    moves every rank's piece of every parameter to its place in the bucket buffer, cutting off
+    DeepSpeed's padding and casting if the dtypes differ. The buffer is laid out as
+    ferrule-weightsync's sender lays out the bucket, so the sender broadcasts it as it is. (The
+    per-parameter gathers used before this, in one coalesced call, went into a layout of their
+    own, which the sender then copied into its bucket.) Where the pieces go is worked out once.
+    The buffer is new at every export, because a consumer may keep a bucket's tensors while the
+    next bucket is gathered."""
 
     def __init__(self, params, dtype: torch.dtype, starts: list[int], length: int):
         self.params, self.dtype = params, dtype
@@ -314,8 +319,8 @@ class _GatherGroup:
         numels = [p.ds_numel for p in params]
         self.row = sum(parts)
         self.shapes = [p.ds_shape for p in params]
-        # rank r holds elements [r * part, (r + 1) * part) of each flat parameter, the last
-        # ones padding: its piece of the parameter proper is `size` elements long
+        # rank r holds elements [r * part, (r + 1) * part) of each flat parameter, and the last
+        # elements are padding; rank r's piece of the parameter proper is `size` elements long
         pieces = [
             [
                 (p, min(part, max(0, numel - r * part)))
@@ -328,8 +333,9 @@ class _GatherGroup:
             [n for p, size in mine for n in (size, parts[p] - size)] for mine in pieces
         ]
         self.keep = [[2 * p for p, size in mine if size] for mine in pieces]
-        # the bucket buffer (as `dtype` elements), split into gaps, each parameter's pieces rank
-        # after rank, and the rest; `places` are its pieces' indices in row order
+        # the bucket buffer (in `dtype` elements), split into the gap before each parameter,
+        # that parameter's pieces rank after rank, and the rest at the end; `places` holds the
+        # split indices of the pieces, in row order
         splits = []
         index_of = {}
         cursor = 0
@@ -345,8 +351,9 @@ class _GatherGroup:
         self.starts, self.numels = starts, numels
 
     def _row(self) -> torch.Tensor:
-        """This rank's partitions of the group, end to end: a view where they already lie so in
-        memory (DeepSpeed keeps them in one flat buffer, in parameter order), else a copy."""
+        """This rank's partitions of the group, end to end: a view where they already lie end to
+        end in memory (DeepSpeed keeps them in one flat buffer, in parameter order), else a
+        copy."""
         # ds_tensor is read at every export: DeepSpeed may swap it (offload and reload)
         partitions = [p.ds_tensor.reshape(-1) for p in self.params]
         row = _end_to_end(partitions)
@@ -355,14 +362,14 @@ class _GatherGroup:
         return row if row.device == self.device else row.to(self.device)
 
     def gather(self) -> torch.Tensor:
-        """Every rank's row, rank after rank (the all-gather, nothing laid out)."""
+        """The all-gather alone: every rank's row, rank after rank, with nothing laid out."""
         rows = torch.empty(self.world * self.row, dtype=self.partition_dtype, device=self.device)
         _all_gather(rows, self._row(), self.process_group)
         return rows
 
     def gather_into(self, buffer: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Gathers the group into `buffer` (the bucket's bytes); {id(param): its full tensor,
-        a view of `buffer`}."""
+        """Gathers the group into `buffer` (the bucket's bytes). Returns {id(param): the
+        parameter's full tensor, a view of `buffer`}."""
         rows = self.gather()
         sources = [
             piece
@@ -382,7 +389,7 @@ class _GatherGroup:
 
 
 def _end_to_end(partitions: list[torch.Tensor]) -> torch.Tensor | None:
-    """The (flat) partitions as one flat tensor with no copy, where they lie one right after
+    """The (flat) partitions as one flat tensor, without a copy, when they lie one right after
     another in one storage; else None."""
     offsets = list(itertools.accumulate((p.nbytes for p in partitions), initial=0))
     span = lying_in_one_buffer(partitions, offsets[:-1], offsets[-1])
@@ -410,6 +417,7 @@ def _all_gather(output: torch.Tensor, row: torch.Tensor, process_group) -> None:
     """output = every rank's row, rank after rank (NCCL and gloo)."""
     import torch.distributed as dist
 
-    # the name from torch 2.13 on (the GPU machines have 2.11), and the one before it
+    # all_gather_single is the name from torch 2.13 on (the GPU machines have 2.11), and
+    # all_gather_into_tensor the name before it
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, row, group=process_group)

@@ -1,6 +1,6 @@
-"""The prompt group: one prompt's samples and their scores, the unit every group-relative
-decision is made on (GRPO's advantages, DAPO's filter, the staleness bound, trimming to the
-ranks' multiple, best / worst ranking).
+"""The prompt group: one prompt's samples and their scores. Every group-relative decision is
+made per group: GRPO's advantages, DAPO's filter, the staleness bound, trimming to a multiple of
+the ranks, and best / worst ranking.
 
     groups = Group.split(samples, scores, 8, prompts)  # the engines' order: prompt, then sample
     kept = [g for g in groups if g.staleness(step) <= 1]
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Group:
     samples: tuple
-    scores: tuple[float, ...]  # shaped: what the step trains on
+    scores: tuple[float, ...]  # the shaped scores that the step trains on
     prompt: object = None
     """Whatever the caller keeps with the group (the launcher's Problem); the trainer does not
     look at it."""
@@ -30,8 +30,9 @@ class Group:
     def split(
         cls, samples: Sequence, scores: Sequence[float], n: int, prompts: Sequence | None = None
     ) -> list["Group"]:
-        """Groups of `n` consecutive samples (and their scores), one per prompt of `prompts`
-        when given: the order the engines return, prompt then sample."""
+        """Cuts the samples and their scores into groups of `n` consecutive samples. This is the
+        order the engines return: prompt, then sample. `prompts`, when given, has one prompt per
+        group."""
         if len(scores) != len(samples):
             raise ValueError(f"{len(samples)} samples but {len(scores)} scores")
         cut = chunks(samples, n)
@@ -48,12 +49,13 @@ class Group:
         return len(self.samples)
 
     def staleness(self, step: int) -> int:
-        """Policy versions between its oldest sample and the one step `step` trains (the
-        samples of step `step` come from versions up to step - 1)."""
+        """The number of policy versions between the group's oldest sample and the policy that
+        step `step` trains. The samples of step `step` come from versions up to step - 1, so a
+        sample of version step - 1 has staleness 0."""
         return step - 1 - min(sample.version for sample in self.samples)
 
     def best(self) -> int:
-        """The index of its highest-scored sample (the first of equals)."""
+        """The index of the group's highest-scored sample (the first one among equals)."""
         return max(range(self.size), key=self.scores.__getitem__)
 
     def worst(self) -> int:
@@ -61,8 +63,8 @@ class Group:
 
 
 def chunks(items: Sequence, n: int) -> list[Sequence]:
-    """`items` cut into consecutive runs of `n` (a group's worth of anything the engines return
-    in prompt then sample order: samples, scores, episodes)."""
+    """Cuts `items` into consecutive runs of `n`. Each run is one group's worth of anything the
+    engines return in prompt-then-sample order (samples, scores, episodes)."""
     if n < 1 or len(items) % n:
         raise ValueError(f"{len(items)} items do not make groups of {n}")
     return [items[start : start + n] for start in range(0, len(items), n)]

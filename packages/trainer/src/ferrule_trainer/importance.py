@@ -6,8 +6,8 @@
 vLLM and the trainer compute different probabilities for the same tokens with the same weights
 (other kernels, other precision, MoE routing), so a batch that looks on-policy is slightly
 off-policy. Both corrections weight each token's loss by the ratio pi_trainer / pi_rollout of
-the sampled token, computed before the update (old_logprobs); they differ in what they do with
-extreme ratios. The weights are constants: no gradient flows through them.
+the sampled token, computed before the update (old_logprobs). They differ in what they do with
+extreme ratios. The weights are constants, so no gradient flows through them.
 """
 
 import math
@@ -21,7 +21,7 @@ from ferrule_trainer.aggregation import masked_mean
 
 class ImportanceWeights(NamedTuple):
     weights: torch.Tensor  # (batch, response_len), detached, 0 on padding
-    fraction: torch.Tensor  # valid tokens whose ratio was truncated (TIS) or masked (ICEPOP)
+    fraction: torch.Tensor  # share of valid tokens with a truncated (TIS) or masked (ICEPOP) ratio
 
 
 def truncated_is_weights(
@@ -38,8 +38,8 @@ def truncated_is_weights(
         w_t = min(pi_trainer(a_t) / pi_rollout(a_t), cap)      (max(., floor) with a floor)
 
     Truncating only from above bounds the variance and keeps every token in the gradient;
-    the paper uses cap = 2. A floor keeps tokens the trainer finds far less likely than the
-    engine did from vanishing from the gradient. `fraction` is the share of valid tokens whose
+    the paper uses cap = 2. A floor keeps a token that the trainer finds far less likely than
+    the engine did from vanishing from the gradient. `fraction` is the share of valid tokens whose
     ratio was outside [floor, cap].
     """
     ratio, valid = _ratio(trainer_logprobs, rollout_logprobs, mask)
@@ -65,10 +65,10 @@ def icepop_weights(
 
         w_t = k_t if low <= k_t <= high else 0,    k_t = pi_trainer(a_t) / pi_rollout(a_t)
 
-    Tokens where the two engines disagree badly are dropped from the gradient instead of being
-    truncated, since their gradient is mostly noise from the mismatch; the others get the plain
-    IS weight. The defaults [0.5, 5] are the blog's. `fraction` is the share of valid tokens
-    masked out.
+    Tokens on which the two engines disagree badly are dropped from the gradient instead of
+    being truncated, since their gradient is mostly noise from the mismatch. The other tokens
+    get the plain IS weight. The defaults [0.5, 5] are the blog's. `fraction` is the share of
+    valid tokens masked out.
     """
     ratio, valid = _ratio(trainer_logprobs, rollout_logprobs, mask)
     if not 0 <= low < high:
@@ -86,15 +86,15 @@ def sequence_mask(
     low: float,
     high: float,
 ) -> torch.Tensor:
-    """Which sequences to keep, (batch,) bool: those whose geometric-mean ratio
+    """Returns which sequences to keep, (batch,) bool: those whose geometric-mean ratio
 
         rho_i = exp(mean_t log(pi_trainer(a_t) / pi_rollout(a_t)))     over i's valid tokens
 
-    lies in [low, high]. A token-level weight cannot tell one long response the two engines
-    disagree on throughout from a few bad tokens; the per-token mean of the log-ratio can, and
-    it does not shrink with length as the product of ratios would. Multiply it into the token
-    weights to drop whole sequences (verl's "sequence-level masking", and GSPO's reasoning that
-    the sequence is the unit of a reward)."""
+    lies in [low, high]. A token-level weight cannot tell a long response that the two engines
+    disagree on throughout from a response with a few bad tokens. The per-token mean of the
+    log-ratio can, and unlike the product of ratios it does not shrink with length. Multiply the
+    mask into the token weights to drop whole sequences (verl's "sequence-level masking"; GSPO
+    likewise argues that the sequence is the unit of a reward)."""
     if not 0 <= low < 1 < high:
         raise ValueError(f"sequence_mask needs 0 <= low < 1 < high, got low={low}, high={high}")
     check_per_token(mask, trainer_logprobs=trainer_logprobs, rollout_logprobs=rollout_logprobs)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 
 def records(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-blank line; a line that is not a JSON object is a
-    ValueError naming the file and the line."""
+    """Yields (line number, object) for each non-blank line. A line that is not a JSON object
+    raises a ValueError naming the file and the line."""
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():

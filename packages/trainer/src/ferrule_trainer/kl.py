@@ -12,10 +12,10 @@ from pi, and r = pi_ref(a) / pi(a) = exp(-x):
     k2 = x^2 / 2            biased (tiny when pi is close to pi_ref), low variance, >= 0
     k3 = (r - 1) - log r    unbiased, low variance, >= 0
 
-As a loss term the gradient matters, not the value (Tang & Munos 2025, "On a few pitfalls in KL
-divergence gradient estimation for RL"): on-policy, grad E[k2] is the gradient of KL(pi || pi_ref),
+As a loss term, the gradient matters, not the value (Tang & Munos 2025, "On a few pitfalls in KL
+divergence gradient estimation for RL"). On-policy, grad E[k2] is the gradient of KL(pi || pi_ref),
 grad E[k3] is the gradient of the forward KL(pi_ref || pi) (GRPO's choice), and grad E[k1] is zero
-in expectation, so k1 belongs in the reward, not in the loss.
+in expectation. So k1 belongs in the reward, not in the loss.
 """
 
 import torch
@@ -40,15 +40,15 @@ def kl_estimate(
     logprobs:          log pi of the sampled tokens (the policy the samples came from).
     ref_logprobs:      log pi_ref of the same tokens.
     kind:              "k1", "k2" or "k3" (formulas in the module docstring, after Schulman 2020).
-    max_abs_estimate:  clamp each token's estimate to [-c, c] (k2 and k3 are >= 0, so to c).
-                       k3 grows like exp(-x) where the policy gives a token far less mass than
-                       the reference does: at x = -29 it is ~4e12, and one such token decides a
-                       batch's loss. Capping the estimate bounds every token's share; a capped
-                       token adds c and no gradient, as a token past PPO's ratio clip does.
-                       With c = 10 the cap starts at x ~ -2.6 for k3 (past x ~ 11 on the other
-                       side), at |x| ~ 4.47 for k2, at |x| = 10 for k1. OpenRLHF caps the same
-                       way. (Clamping x instead, then exponentiating, still lets one token add
-                       e^c ~ 22000 with a gradient of -e^c.) None: no cap.
+    max_abs_estimate:  clamps each token's estimate to [-c, c] (k2 and k3 are >= 0, so only to
+                       c). k3 grows like exp(-x) where the policy gives a token far less mass
+                       than the reference does. At x = -29 it is ~4e12, and one such token
+                       decides a batch's loss. Capping the estimate bounds every token's share:
+                       a capped token adds c and no gradient, like a token past PPO's ratio clip.
+                       With c = 10, the cap starts at x ~ -2.6 for k3 (and past x ~ 11 on the
+                       other side), at |x| ~ 4.47 for k2, and at |x| = 10 for k1. OpenRLHF caps
+                       the same way. (Clamping x instead and then exponentiating still lets one
+                       token add e^c ~ 22000, with a gradient of -e^c.) None: no cap.
     """
     check_per_token(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     if kind not in KL_ESTIMATORS:
@@ -60,8 +60,10 @@ def kl_estimate(
     if max_abs_estimate is not None:
         if max_abs_estimate <= 0:
             raise ValueError(f"max_abs_estimate must be > 0, got {max_abs_estimate}")
-        # Past |x| = 20 every estimate is capped for any c below e^20 - 21 ~ 5e8; bounding x
-        # there keeps exp() finite, so the capped tokens' zero gradient is 0, not 0 * inf = NaN.
+        # Bounding x to +-20 keeps exp() finite, so a capped token's zero gradient is 0, not
+        # 0 * inf = NaN. Past |x| = 20 a token's estimate is then its value at |x| = 20 (k1:
+        # +-20, k2: 200, k3: 19 above and e^20 - 21 ~ 5e8 below), with no gradient, and a c
+        # below that value caps it to c.
         log_ratio = log_ratio.clamp(-_MAX_ABS_LOG_RATIO, _MAX_ABS_LOG_RATIO)
     if kind == "k1":
         estimate = log_ratio
@@ -87,8 +89,8 @@ def kl_loss(
 ) -> torch.Tensor:
     """KL(pi || pi_ref) as a loss term: `kl_estimate` reduced by `aggregation.aggregate_loss`.
 
-    GRPO (Shao et al. 2024) adds beta * mean k3 to the loss instead of penalising the reward;
-    the caller multiplies by its coefficient. `logprobs` must carry the gradient.
+    GRPO (Shao et al. 2024) adds beta * mean k3 to the loss instead of penalising the reward.
+    The caller multiplies the result by its coefficient. `logprobs` must carry the gradient.
     """
     per_token = kl_estimate(
         logprobs, ref_logprobs, mask, kind=kind, max_abs_estimate=max_abs_estimate

@@ -4,10 +4,10 @@
     vl = value_loss(values, old_values, returns, mask, num_tokens=step_tokens)
     loss = pg.loss + vf_coef * vl.loss - entropy_coef * entropy_bonus(entropy, mask, ...)
 
-Every loss takes the (batch, response_len) `mask` of valid response tokens and reduces with
-`aggregation.aggregate_loss` (agg_mode, num_tokens, num_sequences are passed through to it).
-Padding never reaches the result or its gradient, whatever it holds. The statistics are means
-over this micro-batch's valid tokens, detached, for logging.
+Every loss takes the (batch, response_len) `mask` of valid response tokens and reduces the
+per-token losses with `aggregation.aggregate_loss` (agg_mode, num_tokens and num_sequences are
+passed through to it). Padding never reaches the result or its gradient, whatever values it
+holds. The statistics are detached means over this micro-batch's valid tokens, for logging.
 """
 
 from typing import NamedTuple
@@ -17,7 +17,7 @@ import torch
 from ferrule_trainer._checks import check_per_token, valid_tokens
 from ferrule_trainer.aggregation import aggregate_loss, masked_mean
 
-# exp() of a larger log-ratio overflows to inf, and inf * 0 is NaN in the backward pass even on
+# exp() of a large log-ratio overflows to inf, and inf * 0 is NaN in the backward pass, even on
 # the branch that min/max did not pick. A ratio of e^20 is far outside any clip range.
 _MAX_LOG_RATIO = 20.0
 
@@ -63,16 +63,16 @@ def policy_loss(
     far above 1 ("Mastering Complex Control in MOBA Games with Deep RL", Ye et al. 2019).
     is_weights: per-token rollout/trainer correction weights from `importance` (treated as
     constants); a weight of 0 removes the token from the gradient but not from num_tokens.
-    ratio_level "sequence" is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"):
-    every token of a response takes the response's geometric-mean ratio
-    s = exp(mean_t log r_t), clipped as a whole, in the GSPO-token form
-    s_t = sg[s] pi(a_t) / sg[pi(a_t)]: the value is s, the gradient s grad log pi(a_t). One
+    ratio_level "sequence" is GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization").
+    Every token of a response takes the response's geometric-mean ratio
+    s = exp(mean_t log r_t), which is clipped for the response as a whole. The GSPO-token form
+    s_t = sg[s] pi(a_t) / sg[pi(a_t)] has the value s and the gradient s grad log pi(a_t). One
     token's noise no longer decides a clip; the paper's clip ranges are ~3e-4 / 4e-4, not 0.2.
-    It is a per-sequence objective: with agg_mode "seq-mean-token-mean" (what [trainer]
-    ratio_level = "sequence" brings) it agrees with OpenRLHF's and verl's GSPO exactly. Every
-    log-ratio, a sequence's mean included, is clamped to +-_MAX_LOG_RATIO before exp, so that
-    one far-off sequence cannot overflow the loss; OpenRLHF clamps none and verl only from
-    above (at +10): they agree with this one wherever |mean log-ratio| <= 10.
+    GSPO is a per-sequence objective: with agg_mode "seq-mean-token-mean" (which [trainer]
+    ratio_level = "sequence" brings) it agrees exactly with OpenRLHF's and verl's GSPO. Every
+    log-ratio, including a sequence's mean, is clamped to +-_MAX_LOG_RATIO before exp, so that
+    one far-off sequence cannot overflow the loss. OpenRLHF clamps none, and verl clamps only
+    from above (at +10), so both agree with this function wherever |mean log-ratio| <= 10.
     """
     check_per_token(
         mask,
@@ -150,9 +150,9 @@ def value_loss(
     squared_error = (values - returns).square()
     clip_active = torch.zeros_like(valid)
     if clip is not None:
-        # the value itself clamped into old +- clip, as verl does: inside the range it is
-        # `values` exactly, so no rounding tie counts an unclipped token as clipped
-        # (old + (v - old).clamp(...) is not always v when the two differ in magnitude)
+        # Clamp the value itself into old +- clip, as verl does. Inside the range the result is
+        # exactly `values`, so no rounding tie counts an unclipped token as clipped.
+        # (old + (v - old).clamp(...) is not always v when the two differ in magnitude.)
         values_clipped = torch.clamp(values, old_values - clip, old_values + clip)
         clipped_error = (values_clipped - returns).square()
         clip_active = clipped_error > squared_error
@@ -171,8 +171,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax over the last dimension: H = logsumexp(z) - sum_v softmax(z)_v z_v.
 
     The same as -sum p log p, written so that large logits do not overflow. (batch, len, vocab)
-    logits give (batch, len). Upcasts to float32, which copies the logits: for long responses and
-    large vocabularies call it on chunks of the sequence. Logits must be finite.
+    logits give (batch, len). It upcasts to float32, which copies the logits, so for long
+    responses and large vocabularies call it on chunks of the sequence. Logits must be finite.
     """
     logits = logits.float()
     probs = torch.softmax(logits, dim=-1)
@@ -189,8 +189,8 @@ def entropy_bonus(
 ) -> torch.Tensor:
     """Mean policy entropy over the step's response tokens, to be subtracted (times a coefficient)
     from the loss to reward exploration (Mnih et al. 2016, A3C; Schulman et al. 2017, PPO).
-    `entropy`: (batch, response_len), each token's (`token_entropy`, or
-    `sequences.response_logprobs(..., entropy=True)`, which never holds the whole logits)."""
+    `entropy` is (batch, response_len), one value per token, from `token_entropy` or from
+    `sequences.response_logprobs(..., entropy=True)` (which never holds the whole logits)."""
     if entropy.shape != mask.shape:
         raise ValueError(
             f"entropy must be (batch, response_len) like mask {tuple(mask.shape)}, "

@@ -5,26 +5,27 @@
                              checkpointing=True, tokens=8192, response_share=0.75)
     peak / 2**30                                        # ~38 GiB: what the allocator reserves
 
-The figures are what torch's caching allocator reserves at the phase's peak (the CUDA context,
-~0.5 GiB per process, comes on top; launcher/plan.py adds it). They follow from where the
+The figures are what torch's caching allocator reserves at the phase's peak. The CUDA context
+(~0.5 GiB per process) comes on top; launcher/plan.py adds it. The figures follow from where the
 bytes go, with coefficients fitted to peaks measured at 1.5B on an H100 (benchmarks/
-memory_gpu.py, benchmarks/RESULTS.md), and are checked against new measurements by
-packages/trainer/tests/test_memory_gpu.py:
+memory_gpu.py, benchmarks/RESULTS.md), and packages/trainer/tests/test_memory_gpu.py checks them
+against new measurements:
 - training state per parameter: bf16 weights (2 bytes), DeepSpeed's fp32 master weights and Adam
-  moments (12), fp32 gradients (4), each divided over the ranks by the ZeRO stage that shards
-  it; with bf16, the bf16 gradients besides (2; under ZeRO-1 and 2 measured 4, with
-  DeepSpeed's contiguous gradient buffer, on every rank).
+  moments (12) and fp32 gradients (4). Each is divided over the ranks by the ZeRO stage that
+  shards it. With bf16, the bf16 gradients come on top (2 bytes; under ZeRO-1 and 2, 4 bytes
+  were measured on every rank, with DeepSpeed's contiguous gradient buffer).
 - activations per token of a micro-batch: each decoder layer keeps ~30 hidden widths and ~6.7
-  MLP widths of bytes for backward, or, with gradient checkpointing, its 2-byte input and one
-  layer's worth while it recomputes.
-- the LM head: `sequences.response_logprobs` runs it on HEAD_CHUNK response tokens at a time,
-  so its logits, their float32 copy and the cross-entropy's log-softmax take a fixed
-  HEAD_CHUNK x vocabulary x ~16 bytes while training (recomputed in backward) and ~6 without
-  gradients, plus the head's inputs per response token. A pass without gradients holds one
-  layer's MLP widths per token at a time. Under ZeRO-3 the logits are held whole:
-  ~12 bytes x vocabulary per response token in training and ~9.4 without gradients, which with
-  a 150k vocabulary is larger than the whole body under checkpointing.
-Pure Python (json only): the launcher plans before any process or torch starts.
+  MLP widths of bytes for backward. With gradient checkpointing, each layer keeps only its
+  2-byte input, plus one layer's activations while that layer recomputes.
+- the LM head: `sequences.response_logprobs` runs the head on HEAD_CHUNK response tokens at a
+  time. The head's logits, their float32 copy and the cross-entropy's log-softmax therefore take
+  a fixed HEAD_CHUNK x vocabulary x ~16 bytes while training (recomputed in backward) and ~6
+  without gradients, plus the head's inputs per response token. A pass without gradients holds
+  one layer's MLP widths per token at a time. Under ZeRO-3 the logits are held whole: ~12 bytes
+  x vocabulary per response token in training and ~9.4 without gradients. With a 150k
+  vocabulary, that is more than the whole body takes under checkpointing.
+The module is pure Python (json and struct only), because the launcher plans before any process
+or torch starts.
 """
 
 import json
@@ -60,11 +61,12 @@ class ModelShape:
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelShape":
-        """From a Hugging Face folder: config.json, and the parameter count from the safetensors
-        headers (their first bytes) when there are any, else counted from the config."""
+        """Reads the shape from a Hugging Face folder's config.json. The parameter count comes
+        from the safetensors headers (their first bytes) when the folder has any safetensors
+        files; otherwise it is counted from the config."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
-        config = config.get("text_config", config)  # multimodal configs nest the LM's
+        config = config.get("text_config", config)  # multimodal configs nest the LM's config
         try:
             hidden, layers = config["hidden_size"], config["num_hidden_layers"]
             vocab = config["vocab_size"]
@@ -126,10 +128,10 @@ def training_state(
     offload_params: bool = False,
     lora: bool = False,
 ) -> tuple[int, int]:
-    """One rank's (resident, gradients) bytes of a trained model: weights and optimizer states,
-    held throughout; gradients, which fill as backward frees the activations (so the peak is
-    the larger of resident + activations and resident + gradients). LoRA: the frozen weights
-    (its adapters and their states are small)."""
+    """One rank's (resident, gradients) bytes of a trained model. The resident bytes are the
+    weights and optimizer states, held throughout. The gradients fill as backward frees the
+    activations, so the peak is the larger of resident + activations and resident + gradients.
+    With LoRA, only the frozen weights count (the adapters and their states are small)."""
     p, weight = shape.parameters, bytes_per(dtype)
     if lora:
         return p * weight, 0
@@ -156,9 +158,9 @@ def frozen_weights(shape: ModelShape, dtype: str, zero_stage: int = 0, ranks: in
 
 
 def zero3_gathered(shape: ModelShape, dtype: str) -> int:
-    """ZeRO-3's whole parameters while a pass uses them: the largest (the embedding, which the
-    LM head may share) twice over, as the one in use and the one fetched ahead, and the
-    prefetch bucket."""
+    """The whole parameters that ZeRO-3 holds while a pass uses them: the largest one (the
+    embedding, which the LM head may share) twice over, once in use and once fetched ahead,
+    plus the prefetch bucket."""
     return bytes_per(dtype) * (2 * shape.vocab * shape.hidden + ZERO3_PREFETCH)
 
 
@@ -170,8 +172,9 @@ def train_activations(
     checkpointing: bool,
     whole_logits: bool = False,
 ) -> int:
-    """What one micro-batch of `tokens` (padded) tokens keeps for backward, of which
-    `response_share` go through the LM head (`whole_logits`: its logits held whole, ZeRO-3)."""
+    """The bytes that one micro-batch of `tokens` (padded) tokens keeps for backward. The
+    `response_share` of the tokens goes through the LM head; with `whole_logits` (ZeRO-3) the
+    head's logits are held whole."""
     layer = BODY_HIDDEN * shape.hidden + BODY_MLP * shape.intermediate
     body = (2 * shape.hidden * shape.layers + layer) if checkpointing else layer * shape.layers
     if whole_logits:
@@ -184,8 +187,9 @@ def train_activations(
 def forward_activations(
     shape: ModelShape, tokens: int, response_share: float, *, whole_logits: bool = False
 ) -> int:
-    """A pass without gradients (old log-probs, the reference, values): one layer's output at a
-    time, and the LM head's logits: a chunk's, or (`whole_logits`) every response token's."""
+    """The bytes of a pass without gradients (old log-probs, the reference, values): one
+    layer's output at a time, plus the LM head's logits for one chunk, or for every response
+    token with `whole_logits`."""
     if whole_logits:
         return int(tokens * (8 * shape.hidden + HEAD_FORWARD * shape.vocab * response_share))
     chunk = HEAD_CHUNK_FORWARD * shape.vocab * min(HEAD_CHUNK, tokens)

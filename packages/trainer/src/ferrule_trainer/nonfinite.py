@@ -2,12 +2,13 @@
 
     where = locate(engine, micro_batches, loss_fn)   # after a skipped step, on every rank
     guard = SkippedSteps(limit=3, role="policy")
-    guard.count(step, metrics)   # raises NonFiniteGradientError at the limit's skip in a row
+    guard.count(step, metrics)   # raises NonFiniteGradientError at `limit` skips in a row
 
-`engine.optimizer_step` skips an update whose gradients hold a NaN or an inf (no weight,
-optimizer state or learning-rate schedule changes) and asks `locate` where it came from: the
-step's micro-batches are replayed one at a time, each forward and backward outside DeepSpeed's
-gradient hooks, to find the first whose gradients are not finite and the parameters they reach.
+`engine.optimizer_step` skips an update whose gradients hold a NaN or an inf, so no weight,
+optimizer state or learning-rate schedule changes. It then asks `locate` where the bad values
+came from. `locate` replays the step's micro-batches one at a time, each forward and backward
+outside DeepSpeed's gradient hooks, to find the first micro-batch whose gradients are not finite
+and the parameters those gradients reach.
 """
 
 import contextlib
@@ -19,7 +20,7 @@ import torch
 
 DEFAULT_LIMIT = 3  # skipped steps in a row that stop a run ([trainer] max_skipped_steps)
 
-# The advice of the message a run stops with: what helps against which cause.
+# Advice for the message that a stopped run gives: which fix helps against which cause.
 ADVICE = (
     "a NaN that a finite loss gives is a kernel's (try [model] compile_layers = false, or "
     "another attn_implementation); an inf from large updates calls for a lower learning_rate, "
@@ -32,10 +33,11 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 def locate(engine, micro_batches: Sequence[Any], loss_fn: Callable) -> str:
-    """Where this rank's non-finite gradients arise, in words ("" when its replay of the step's
-    micro-batches gives finite gradients). Every rank of the group calls it (the answers are
-    gathered); under ZeRO-3 nothing is replayed, since each forward gathers parameters in step
-    with the other ranks and the parameters hold only this rank's shard."""
+    """Describes in words where the non-finite gradients arise ("" when replaying the step's
+    micro-batches gives finite gradients). Every rank of the group calls it; with several ranks
+    the answers are gathered, and the result lists each rank's non-empty answer. Under ZeRO-3
+    nothing is replayed, since each forward gathers parameters in step with the other ranks and
+    the parameters hold only this rank's shard."""
     own = "" if engine.zero_optimization_stage() == 3 else _replay(engine, micro_batches, loss_fn)
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return own
@@ -46,10 +48,11 @@ def locate(engine, micro_batches: Sequence[Any], loss_fn: Callable) -> str:
 
 @contextlib.contextmanager
 def _plain_forward(engine):
-    """Calls of `engine` run its module alone. DeepSpeed's own forward hooks the outputs so that
-    any backward through them enters its reduction (and, at ZeRO-0, refuses all but its own
-    `engine.backward`); a replay must reach none of that."""
-    engine.__dict__["forward"] = engine.module  # not nn.Module's setattr: it would register it
+    """Inside this context, calling `engine` runs only its module. DeepSpeed's own forward hooks
+    the outputs so that any backward through them enters DeepSpeed's gradient reduction (and,
+    at ZeRO-0, refuses any backward but its own `engine.backward`). A replay must trigger none
+    of that."""
+    engine.__dict__["forward"] = engine.module  # nn.Module's setattr would register a submodule
     try:
         yield
     finally:
@@ -64,7 +67,7 @@ def _replay(engine, micro_batches: Sequence[Any], loss_fn: Callable) -> str:
         where = f"micro-batch {index + 1} of {len(micro_batches)}"
         if not torch.isfinite(loss).all():
             return f"{where}: the loss itself is {_kind(loss)}"
-        # autograd.grad accumulates into no .grad: DeepSpeed's gradient hooks stay quiet
+        # autograd.grad accumulates into no .grad, so DeepSpeed's gradient hooks stay quiet
         grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
         bad = [
             (name, _kind(grad))
@@ -103,10 +106,12 @@ def _kind(tensor: torch.Tensor) -> str:
 
 
 class SkippedSteps:
-    """Counts one role's steps whose update was skipped and stops the run at `limit` in a row.
+    """Counts one role's steps whose update was skipped, and stops the run once `limit` steps
+    in a row were skipped.
 
-    `metrics` are a training call's ("skipped": how many of its optimizer updates were skipped,
-    "nonfinite": where the values arose); a step counts as skipped when any update was."""
+    `count` reads a training call's `metrics`: "skipped" (how many of its optimizer updates were
+    skipped) and "nonfinite" (where the values arose). A step counts as skipped when any of its
+    updates was."""
 
     def __init__(self, limit: int, role: str, key: str = "[trainer] max_skipped_steps"):
         self.limit, self.role, self.key = limit, role, key

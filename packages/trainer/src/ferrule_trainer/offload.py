@@ -1,5 +1,5 @@
-"""Hybrid engine: move a trained engine's states off the accelerator while the rollout engines use
-it, and back before the next train step.
+"""Hybrid engine: moves a trained engine's states off the accelerator while the rollout engines
+use the accelerator, and moves them back before the next train step.
 
     offload_states(engine)      # after train_step and the weight export
     ...                         # vLLM generates on the same GPU
@@ -7,14 +7,15 @@ it, and back before the next train step.
 
 ZeRO 1-3 engines use DeepSpeed's own `offload_states` (optimizer states, fp32 master weights,
 low-precision weights and gradient buffers to pinned host memory). On the CPU accelerator every
-state already lives in host memory, so both calls return at once: the same loop runs in CI.
+state already lives in host memory, so both calls return at once, and the same loop runs in CI.
 """
 
 from ferrule_trainer.engine import on_cpu
 
 
 def offload_states(engine) -> None:
-    """Moves the engine's states to host memory (a no-op on CPU and when already offloaded)."""
+    """Moves the engine's states to host memory. It is a no-op on CPU, when the states are
+    already offloaded, and when DeepSpeed's ZeRO offload already keeps them on the host."""
     if on_cpu() or getattr(engine, "_ferrule_offloaded", False):
         return
     stage = engine.zero_optimization_stage()

@@ -3,10 +3,10 @@
     rm = reward_model_loss(chosen_scores, rejected_scores, margin=margins)    # rm.py
     dpo = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=0.1)  # dpo.py
 
-Every argument is a (pairs,) tensor; each loss returns per-pair losses (mean them, or divide
-their sum by the step's pair count, as the trainers do) and detached per-pair statistics.
-Everything is computed with logsigmoid, never log(1 + exp(x)) or log(sigmoid(x)):
-those give inf or -inf once |x| passes ~88 in float32, and a NaN gradient with them.
+Every argument is a (pairs,) tensor. Each loss returns per-pair losses and detached per-pair
+statistics; take the mean of the losses, or divide their sum by the step's pair count as the
+trainers do. Everything is computed with logsigmoid, never with log(1 + exp(x)) or
+log(sigmoid(x)): those give inf or -inf once |x| passes ~88 in float32, and then a NaN gradient.
 """
 
 from typing import NamedTuple
@@ -27,7 +27,7 @@ class RewardModelLoss(NamedTuple):
 class DPOLoss(NamedTuple):
     loss: torch.Tensor  # (pairs,), carries the gradient
     chosen_reward: torch.Tensor  # (pairs,) beta * (log pi - log pi_ref) of the chosen response
-    rejected_reward: torch.Tensor  # (pairs,) the same of the rejected one
+    rejected_reward: torch.Tensor  # (pairs,) the same for the rejected response
     correct: torch.Tensor  # (pairs,) 1.0 where the chosen reward is the larger
 
 
@@ -38,10 +38,11 @@ def reward_model_loss(
     kind: str = "sigmoid",
     margin: torch.Tensor | float | None = None,
 ) -> RewardModelLoss:
-    """Bradley-Terry: -log sigmoid(chosen - rejected - margin) per pair ("sigmoid", as in
-    InstructGPT; the margin as in Llama 2). "log_exp", log(1 + exp(rejected - chosen + margin)),
-    is the same function written the other way, offered under the name other projects use; both
-    are computed as -logsigmoid here, finite at any score (naive log(1 + exp(x)) is not)."""
+    """The Bradley-Terry loss -log sigmoid(chosen - rejected - margin) per pair ("sigmoid", as in
+    InstructGPT; the margin is Llama 2's). "log_exp", log(1 + exp(rejected - chosen + margin)),
+    is the same function written the other way, offered under the name other projects use. Both
+    are computed here as -logsigmoid, which is finite at any score (naive log(1 + exp(x)) is
+    not)."""
     if kind not in RM_LOSSES:
         raise ValueError(f"kind must be one of {RM_LOSSES}, got {kind!r}")
     difference = chosen.float() - rejected.float()

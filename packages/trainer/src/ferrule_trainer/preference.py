@@ -1,13 +1,13 @@
 """Preference pairs for reward-model training and DPO (rm.py, dpo.py): the [data] table, reading,
-tokenizing, batching, and the training loop both share.
+tokenizing and batching, and the training loop that both trainers share.
 
     pairs = load_pairs("pairs.jsonl", config.data)     # {"prompt", "chosen", "rejected"} per line
     batch = pair_batch(tokenizer, pairs[:8], max_length=512, pad_id=0)
     # a batch.SequenceBatch: input_ids (2B, T), the B chosen sequences then the B rejected ones
 
 A sequence is the prompt followed by the response, tokenized as one text without special
-tokens (as ferrule-rewards' model backend scores them), cut to max_length; its loss_mask
-marks the response's tokens (what DPO's log-probabilities sum over). The order of the pairs in
+tokens (as ferrule-rewards' model backend scores them) and cut to max_length. Its loss_mask
+marks the response's tokens, which DPO's log-probabilities sum over. The order of the pairs in
 each epoch is seeded by (seed, epoch), so a resumed run continues with the same batches.
 """
 
@@ -63,8 +63,9 @@ class Pair:
 
 
 def load_pairs(path: str | Path, data: PreferenceDataConfig, tokenizer=None) -> list[Pair]:
-    """The pairs of a JSONL file; an error names the line and the key that is missing or wrong.
-    A prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
+    """Reads the pairs of a JSONL file. An error names the line and the key that is missing or
+    wrong. A prompt may be chat messages, which are rendered with `tokenizer`'s chat template
+    (chat.py)."""
     pairs = []
     for number, record in records(path):
         for key in (data.chosen_key, data.rejected_key):
@@ -89,8 +90,8 @@ def _sequence(tokenizer, prompt: str, response: str, max_length: int) -> tuple[l
 
 
 def pair_batch(tokenizer, pairs: list[Pair], max_length: int, pad_id: int) -> SequenceBatch:
-    """The pairs' sequences right-padded, (2B, T), the chosen ones first; their loss_mask marks
-    the responses; margin (B,)."""
+    """Returns the pairs' sequences right-padded, (2B, T), with the chosen sequences first. The
+    loss_mask marks the responses, and margin is (B,)."""
     return _collate_pairs([_pair(tokenizer, p, max_length) for p in pairs], pairs, pad_id)
 
 
@@ -129,10 +130,12 @@ def train_pairs(
     evaluate,
     log,
 ) -> list[float]:
-    """The loop of rm.py and dpo.py: seeded epochs of [train] batch_size pairs split over the
-    ranks and into micro-batches, `pair_loss(micro_batch, step_pairs)` -> (the micro-batch's
-    share of the step's loss, metrics), resumable state every [output] save_every steps,
-    `evaluate()` -> metrics every [eval] every steps and at the end. Returns each step's loss."""
+    """The training loop of rm.py and dpo.py. Each step takes [train] batch_size pairs in a
+    seeded epoch order and splits them over the ranks and into micro-batches.
+    `pair_loss(micro_batch, step_pairs)` returns (the micro-batch's share of the step's loss,
+    metrics). Resumable state is saved every [output] save_every steps and at the end.
+    `evaluate()` returns metrics every [eval] every steps; the callers evaluate at the end.
+    Returns each step's loss."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     t, out = config.train, Path(config.output.dir)
     if t.batch_size % (t.micro_batch_size * world):
@@ -163,7 +166,8 @@ def train_pairs(
         ]
         micro_batches = [mb.to(engine.device()) for mb in micro_batches]
 
-        # metrics: means over the rank's pairs (optimizer_step averages over micro-batches)
+        # weighted so that optimizer_step's average over micro-batches is a mean over the
+        # rank's pairs
         share = len(micro_batches) / len(chosen)
 
         def loss_fn(micro_batch, share=share):

@@ -1,7 +1,7 @@
-"""How the RL step reaches the models: `Ranks`, the data-parallel ranks of the policy, the
-reference or the critic driven as one (ferrule-launcher's Ray groups), or `LocalRanks` around
-one in-process `Actor` / `Critic` (tests, notebooks, examples/rl_in_one_file.py). Every call
-returns a `Pending`, so passes of models in different processes run at the same time.
+"""How the RL step reaches the models. `Ranks` drives the data-parallel ranks of the policy, the
+reference or the critic as one (ferrule-launcher's Ray groups). `LocalRanks` wraps one in-process
+`Actor` or `Critic` (tests, notebooks, examples/rl_in_one_file.py). Every call returns a
+`Pending`, so the passes of models in different processes run at the same time.
 """
 
 from collections.abc import Callable
@@ -15,9 +15,9 @@ Pending = Callable[[], object]
 
 
 class Ranks(Protocol):
-    """The data-parallel ranks of the policy, the reference or the critic, driven as one: a
-    batch is split into equal contiguous shards, one per rank, and the results put back in
-    order (log-probabilities, values) or, for training, the first rank's global metrics."""
+    """The data-parallel ranks of the policy, the reference or the critic, driven as one. A
+    batch is split into equal contiguous shards, one per rank. The results come back in order
+    (log-probabilities, values); a training call returns the first rank's global metrics."""
 
     size: int
 

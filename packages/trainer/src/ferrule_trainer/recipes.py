@@ -1,16 +1,17 @@
-"""What a step trains on its prompt groups: one class per recipe ([loop] algorithm), each with
-its own settings (a table of config.py) and its own state across steps.
+"""How a step trains on its prompt groups. There is one class per recipe ([loop] algorithm), each
+with its own settings (a table of config.py) and its own state across steps.
 
     PolicyGradient(step)             # "rl": advantages by [trainer] estimator, PPO epochs
                                      #   of the policy (and the critic)
     RejectionSampling(step, RejectionSamplingConfig(chosen_min_reward=0.5))  # SFT on best-of-n
     IterativeDPO(step, IterativeDPOConfig(beta=0.1))     # DPO on each prompt's best vs worst
 
-`step` is the `RLStep` that owns them (what they read of it: `Owner`): its models (`policy`,
-`reference`, `critic_ranks`), [trainer] and [critic] tables, pad id and skipped-step counters.
-A recipe's `train(step_number, groups, on_chosen)` returns the step's metrics; `state()` and
-`restore()` carry what it keeps between steps across a resume. A new recipe is a class here,
-its settings table in config.py, an entry in RECIPES and a field of the launcher's Config.
+`step` is the `RLStep` that owns the recipe. `Owner` lists what a recipe reads of it: its models
+(`policy`, `reference`, `critic_ranks`), its [trainer] and [critic] tables, the pad id and the
+skipped-step counters. A recipe's `train(step_number, groups, on_chosen)` returns the step's
+metrics. `state()` and `restore()` carry what the recipe keeps between steps across a resume.
+A new recipe needs a class here, its settings table in config.py, an entry in RECIPES and a
+field of the launcher's Config.
 """
 
 import math
@@ -146,12 +147,13 @@ class PolicyGradient:
                 )
         result["dropped_stale_groups"] = dropped
         result["staleness"] = sum(number - 1 - x.version for x in samples) / len(samples)
-        result["time/forward"] = forward_seconds  # of time/train: reference, old logprobs, values
+        # the scoring passes (reference, old logprobs, values), a part of time/train
+        result["time/forward"] = forward_seconds
         return result
 
     def _score(self, batch):
-        """(old log-probs, reference log-probs, values), each None where not needed; the three
-        passes run at once where the models live in different processes."""
+        """Returns (old log-probs, reference log-probs, values), each None where not needed.
+        The three passes run at the same time when the models live in different processes."""
         s, t = self.step, self.step.trainer
         forward = t.forward_plan()  # rows and tokens per pass
         pending = {}
@@ -166,13 +168,13 @@ class PolicyGradient:
 
 
 def _ranked(groups: Sequence[Group], floor: float | None) -> list[Group]:
-    """The groups whose best sample by score reaches `floor` (all without one)."""
+    """The groups whose best score reaches `floor` (all groups when `floor` is None)."""
     return [g for g in groups if floor is None or reaches(g.scores[g.best()], floor)]
 
 
 class RejectionSampling:
-    """SFT on the best sample of each prompt (by score), [trainer] epochs x mini_batches
-    optimizer steps; on_chosen gets the samples it trains on."""
+    """SFT on the best-scored sample of each prompt, for [trainer] epochs x mini_batches
+    optimizer steps. `on_chosen` receives the samples that the step trains on."""
 
     def __init__(self, step: Owner, settings: RejectionSamplingConfig):
         self.step, self.settings = step, settings
@@ -201,9 +203,9 @@ class RejectionSampling:
 
 
 class IterativeDPO:
-    """Each prompt's best and worst sample by score as a preference pair (prompts whose samples
-    all scored the same give none), [trainer] epochs x mini_batches DPO optimizer steps against
-    the reference (the starting model)."""
+    """DPO on each prompt's best and worst sample by score as a preference pair; prompts whose
+    samples all scored the same give no pair. It runs [trainer] epochs x mini_batches DPO
+    optimizer steps against the reference (the starting model)."""
 
     def __init__(self, step: Owner, settings: IterativeDPOConfig):
         if step.reference is None:
@@ -239,6 +241,6 @@ class IterativeDPO:
         return result
 
 
-# a recipe's settings -> the recipe ("rl" has none: RLStep's recipe=None)
+# settings class -> recipe class ("rl" has no settings class: RLStep takes recipe=None)
 RECIPES = {RejectionSamplingConfig: RejectionSampling, IterativeDPOConfig: IterativeDPO}
 RecipeSettings = RejectionSamplingConfig | IterativeDPOConfig | None

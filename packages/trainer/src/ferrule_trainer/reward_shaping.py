@@ -4,8 +4,8 @@
     scores = clip_rewards(normalize_rewards(scores, moments=moments), low=-5.0, high=5.0)
     rewards = token_rewards(scores, mask, kl=kl, kl_coef=0.05)   # per token, for GAE/REINFORCE++
 
-Pure functions: the running statistics are a value that the caller keeps (and checkpoints; its
-fields are plain floats), never state hidden in here.
+These are pure functions. The running statistics are a value that the caller keeps and
+checkpoints (its fields are plain Python numbers), never state hidden in this module.
 """
 
 from typing import NamedTuple
@@ -24,11 +24,12 @@ class RunningMoments(NamedTuple):
 
 
 def update_moments(moments: RunningMoments, scores: torch.Tensor) -> RunningMoments:
-    """`moments` merged with a new batch of scores.
+    """Returns `moments` merged with a new batch of scores.
 
     Chan, Golub & LeVeque (1979) parallel update: with delta = mean_b - mean_a and n = n_a + n_b,
     mean = mean_a + delta n_b / n and M2 = M2_a + M2_b + delta^2 n_a n_b / n (M2 = var * count).
-    Exact for any split of the data into batches, and stable where sum(x^2) - n mean^2 is not.
+    The result is exact for any split of the data into batches, and it is stable where
+    sum(x^2) - n mean^2 is not.
     """
     scores = scores.detach().double().flatten()
     n_b = scores.numel()
@@ -46,14 +47,15 @@ def update_moments(moments: RunningMoments, scores: torch.Tensor) -> RunningMome
 def normalize_rewards(
     scores: torch.Tensor, *, moments: RunningMoments | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(s - mean) / sqrt(max(var, eps)), with mean and (population) variance from `moments`,
-    or from this batch when None. Equal scores give exactly 0 (the batch mean is taken relative
-    to one of the scores) and the variance floor keeps ulp-sized spreads from being blown up.
+    """Returns (s - mean) / sqrt(max(var, eps)). The mean and (population) variance come from
+    `moments`, or from this batch when `moments` is None. Equal scores give exactly 0 (the batch
+    mean is taken relative to one of the scores), and the variance floor keeps ulp-sized spreads
+    from being blown up.
 
     Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences") shift and scale
     the reward model to mean 0, std 1. OpenRLHF does the same with a fixed mean and std saved
-    from the reward model's evaluation set; running moments instead follow the scores the
-    policy actually earns, as it moves, and need no reward model (rule rewards have no
+    from the reward model's evaluation set. Running moments instead follow the scores that the
+    policy actually earns as it changes, and they need no reward model (rule rewards have no
     evaluation set). A stable scale keeps the KL coefficient and the value loss meaningful
     across reward models.
     """
@@ -70,8 +72,8 @@ def normalize_rewards(
 
 
 def clip_rewards(scores: torch.Tensor, *, low: float, high: float) -> torch.Tensor:
-    """Scores clamped to [low, high]: one outlier of a reward model (or a bug in a reward
-    function) must not dominate the batch's advantages or blow up the critic's targets."""
+    """Clamps scores to [low, high], so that one outlier of a reward model (or a bug in a reward
+    function) cannot dominate the batch's advantages or blow up the critic's targets."""
     if not low < high:
         raise ValueError(f"clip_rewards needs low < high, got low={low}, high={high}")
     return scores.clamp(low, high)
@@ -85,15 +87,16 @@ def token_rewards(
     kl_coef: float = 0.0,
     turn_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token rewards: the sequence score on the last valid token, and the KL penalty
-    -kl_coef * kl_t on every valid token; (batch, response_len), 0 on padding.
+    """Returns per-token rewards, (batch, response_len), 0 on padding: the sequence score on the
+    last valid token, and the KL penalty -kl_coef * kl_t on every valid token.
 
         r_t = -kl_coef kl_t + [t is the last valid token] s
 
-    turn_rewards (batch, response_len): rewards earned before the end (a multi-turn episode's
-    turns, each on its turn's last token; `rl.turn_rewards`). They stay where they are and the
-    last valid token carries the score minus their row's sum, so each row still adds up to its
-    score (whatever shaping changed the score by lands at the end).
+    turn_rewards, (batch, response_len), holds rewards earned before the end: in a multi-turn
+    episode, each turn's reward sits on that turn's last token (`rl.turn_rewards`). These
+    rewards stay where they are, and the last valid token carries the score minus the row's sum
+    of turn rewards. So each row still adds up to its score, and whatever shaping changed the
+    score by lands at the end.
 
     The KL-penalised reward of Ziegler et al. 2019 and InstructGPT (Ouyang et al. 2022), used
     by PPO (with `advantages.gae`) and REINFORCE++. kl: per-token estimates from
@@ -123,9 +126,10 @@ def token_rewards(
 def shape_scores(
     scores: torch.Tensor, moments: RunningMoments, *, norm: str, clip: float | None
 ) -> tuple[torch.Tensor, RunningMoments]:
-    """The scores an RL step trains on, and the running moments after it: normalised by
-    `norm` ("none", "batch": this batch's mean and std, "running": every score so far, this
-    batch's included), then clipped to [-clip, clip] (None: no clip)."""
+    """Returns the scores an RL step trains on and the running moments after this batch. The
+    scores are normalised by `norm` ("none"; "batch": this batch's mean and std; "running": the
+    moments of every score so far, this batch's included), then clipped to [-clip, clip] (None:
+    no clip)."""
     if norm == "running":
         moments = update_moments(moments, scores)
         scores = normalize_rewards(scores, moments=moments)

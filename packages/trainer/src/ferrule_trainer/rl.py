@@ -6,9 +6,10 @@
     actor.train_epochs(policy_batch(batch, old, advantages, ref, 0.0), EpochPlan(), PolicyLoss())
     critic.train_epochs(critic_batch(batch, values, returns), EpochPlan(), ValueLoss())  # "gae"
 
-Whoever drives the loop (ferrule-launcher) moves these batches between processes; what is in them
-and what is done with them is decided here. Samples are plain objects with `prompt_token_ids`
-and `token_ids` (ferrule-rollout's `Sample`, or anything shaped like it). Imports torch only.
+The process that drives the loop (ferrule-launcher) moves these batches between processes;
+this module decides what the batches hold and what is done with them. Samples are plain objects
+with `prompt_token_ids` and `token_ids` (ferrule-rollout's `Sample`, or anything shaped like it).
+Imports torch only.
 """
 
 from collections.abc import Callable, Sequence
@@ -54,10 +55,11 @@ __all__ = [
 
 
 def build_batch(samples: Sequence, pad_id: int) -> Batch:
-    """input_ids, attention_mask and response_mask from samples: left-padded prompts and
-    right-padded responses, so every response starts at the same column. A sample's `mask`
-    (multi-turn episodes: 0 on the tokens an environment inserted) is its response_mask; those
-    tokens are attended to but get no loss, no KL and no advantage."""
+    """Builds input_ids, attention_mask and response_mask from samples. Prompts are left-padded
+    and responses right-padded, so every response starts at the same column. A sample's `mask`,
+    where it has one, becomes its response_mask. In multi-turn episodes the mask is 0 on the
+    tokens an environment inserted: those tokens are attended to but get no loss, no KL and no
+    advantage."""
     prompt_len = max(len(s.prompt_token_ids) for s in samples)
     response_len = max(max(len(s.token_ids) for s in samples), 1)
     rows = len(samples)
@@ -84,9 +86,9 @@ def build_batch(samples: Sequence, pad_id: int) -> Batch:
 
 
 def turn_rewards(samples: Sequence, batch: Batch) -> torch.Tensor | None:
-    """The rewards samples earned before their end (multi-turn episodes' `turn_rewards`:
-    (token index, reward) pairs) in the layout of `batch.response_mask`, for `estimate`;
-    None when no sample has any."""
+    """The rewards that samples earned before their end, in the layout of
+    `batch.response_mask`, for `estimate`. They come from each sample's `turn_rewards`
+    (multi-turn episodes: (token index, reward) pairs). None when no sample has any."""
     if not any(getattr(s, "turn_rewards", None) for s in samples):
         return None
     out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
@@ -116,11 +118,12 @@ def rollout_correction(
     batch: Batch,
     correction: Correction = Correction(),
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Per-token weights for the policy loss that correct for the engine's and the trainer's
-    probabilities of the same tokens differing ("tis", "icepop": `importance`), times a
-    sequence mask when `correction.sequence_mask` = (low, high); None when neither is on.
-    Metrics, every step: "vllm_kl", the k3 estimate of KL(engine || trainer) per token (the
-    samples come from the engine), and what the correction changed."""
+    """Per-token weights for the policy loss, and metrics. The weights correct for the engine
+    and the trainer giving the same tokens different probabilities ("tis", "icepop": see
+    `importance`), and are multiplied by a sequence mask when `correction.sequence_mask` =
+    (low, high). They are None when neither is on. The metrics, returned every step, are
+    "vllm_kl" (the k3 estimate of KL(engine || trainer) per token, since the samples come from
+    the engine) and the fractions of tokens and sequences that the correction changed."""
     c, kind = correction, correction.kind
     mask = batch.response_mask
     metrics = {
@@ -151,11 +154,12 @@ def rollout_correction(
 
 
 def keep_groups(scores: torch.Tensor, group_size: int, low: float, high: float) -> list[int]:
-    """DAPO's dynamic sampling (Yu et al. 2025): the prompt groups whose mean score lies strictly
-    between low and high. With 0/1 rewards and (0, 1), the groups that were all wrong or all
-    right go: every sample of theirs has advantage 0 under a group estimator, so they would only
-    shrink the batch's gradient. The mean is taken relative to the group's first score, so an
-    all-equal group's mean is its value exactly, and a bound equal to that value drops it."""
+    """DAPO's dynamic sampling (Yu et al. 2025): the indices of the prompt groups whose mean
+    score lies strictly between low and high. With 0/1 rewards and bounds (0, 1), this drops the
+    groups whose samples were all wrong or all right. Under a group estimator every sample of
+    such a group has advantage 0, so the group would only shrink the batch's gradient. The mean
+    is taken relative to the group's first score, so the mean of an all-equal group is exactly
+    that score, and a bound equal to the score drops the group."""
     grouped = scores.detach().float().reshape(-1, group_size)
     means = grouped[:, 0] + (grouped - grouped[:, :1]).mean(-1)
     # Compared as float32 tensors: the bounds round as the scores did (0.1 == float32 0.1).
@@ -163,8 +167,9 @@ def keep_groups(scores: torch.Tensor, group_size: int, low: float, high: float) 
 
 
 def trim_groups(groups: Sequence[T], group_size: int, multiple: int) -> list[T]:
-    """The first prompt groups whose samples make a multiple of `multiple` rows (every rank of
-    every group takes an equal share of every mini-batch: `TrainerConfig.batch_multiple`)."""
+    """The first prompt groups, as many as make a multiple of `multiple` rows, so that every
+    rank of the policy, the reference and the critic takes an equal share of every mini-batch
+    (`TrainerConfig.batch_multiple`)."""
     keep = list(groups)
     while len(keep) * group_size % multiple:
         keep.pop()
@@ -176,7 +181,7 @@ class EstimatorInputs:
     """What an estimator may use beyond the scores and the response mask."""
 
     group_size: int
-    values: torch.Tensor | None  # the critic's ("gae")
+    values: torch.Tensor | None  # the critic's values ("gae")
     kl: torch.Tensor | None  # per-token KL to the reference, with kl_in = "reward"
     kl_coef: float
     gamma: float
@@ -209,9 +214,10 @@ def _group(estimator: Callable) -> Callable:
     return lambda scores, mask, x: (estimator(scores, mask, group_size=x.group_size), None)
 
 
-# [trainer] estimator -> (scores, response mask, inputs) -> (advantages, returns or None);
-# returns are the critic's targets ("gae" only). A new estimator is one entry here and its name
-# in config.ESTIMATORS.
+# Maps each [trainer] estimator to a function
+# (scores, response mask, inputs) -> (advantages, returns or None).
+# The returns are the critic's targets ("gae" only). To add an estimator, add an entry here and
+# its name to config.ESTIMATORS.
 ESTIMATORS: dict[str, Callable] = {
     "gae": _gae,
     "grpo": _group(adv.grpo),
@@ -239,12 +245,13 @@ def estimate(
     lam: float = 0.95,
     turn_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(advantages, returns) for `estimator` (one of ESTIMATORS); returns is None except for
-    "gae" (the critic's target). With kl_in = "reward" the KL of the rollout policy to the
-    reference is a per-token reward penalty (PPO, REINFORCE++); otherwise the loss carries it.
-    turn_rewards (multi-turn episodes, `turn_rewards(samples, batch)`): the estimators with
-    per-token rewards ("gae", "reinforce_plus_plus") credit each turn's reward at its own turn;
-    the group estimators use the scores (each episode's total) alone."""
+    """(advantages, returns) for `estimator`, one of ESTIMATORS. returns is None except for
+    "gae", where it is the critic's target. With kl_in = "reward" (and kl_coef > 0), the KL of
+    the rollout policy to the reference is a per-token reward penalty (PPO, REINFORCE++);
+    otherwise the loss carries it. `turn_rewards` comes from multi-turn episodes
+    (`turn_rewards(samples, batch)`). The estimators with per-token rewards ("gae",
+    "reinforce_plus_plus") credit each turn's reward at its own turn; the group estimators use
+    only the scores (each episode's total)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; estimators are {sorted(ESTIMATORS)}")
     mask = batch.response_mask
@@ -299,15 +306,17 @@ def ppo_epochs(
     plan: EpochPlan,
     unit: int = 1,
 ) -> dict[str, float]:
-    """`plan.epochs` passes over `batch`, `plan.mini_batches` optimizer steps each, every step
-    `train_step(micro_batches, packed)` over the mini-batch in micro-batches of at most
-    `plan.micro_batch_size` rows (None: one); returns each metric's mean over the steps
-    ("skipped": how many updates were skipped for non-finite gradients; "nonfinite": where, when
-    any). With `plan.micro_batch_tokens`, each mini-batch's rows are sorted by length into
-    micro-batches of at most that many tokens: `sequences.plan_micro_batches`.
-    `plan.pack_sequences`: each micro-batch is one row without padding (packed=True). The step's
-    loss is aggregated over the whole mini-batch's counts, so the split does not change it.
-    `unit`: rows that stay together in every mini- and micro-batch (2: preference pairs)."""
+    """Runs `plan.epochs` passes over `batch`, each taking `plan.mini_batches` optimizer steps.
+    Each step calls `train_step(micro_batches, packed)` on one mini-batch, split into
+    micro-batches of at most `plan.micro_batch_size` rows (None: one micro-batch). With
+    `plan.micro_batch_tokens`, each mini-batch's rows are sorted by length into micro-batches of
+    at most that many tokens (`sequences.plan_micro_batches`). With `plan.pack_sequences`, each
+    micro-batch is one row without padding (packed=True). The step's loss is aggregated over the
+    counts of the whole mini-batch, so the split does not change it. `unit` is the number of
+    rows that stay together in every mini- and micro-batch (2: preference pairs).
+
+    Returns each metric's mean over the steps, except "skipped" (how many updates were skipped
+    for non-finite gradients) and "nonfinite" (where the non-finite gradients were, if any)."""
     size = max(batch.rows // unit // plan.mini_batches, 1) * unit
     micro = max((plan.micro_batch_size or size) // unit, 1) * unit
     packed = plan.pack_sequences
@@ -321,7 +330,7 @@ def ppo_epochs(
         return [mini.take(taken) for taken in rows]
 
     totals: dict[str, float] = {}
-    where: list[str] = []  # each skipped update's non-finite gradients, located
+    where: list[str] = []  # where each skipped update's non-finite gradients were
     steps = 0
     for _ in range(plan.epochs):
         for mini in batch.split(size):

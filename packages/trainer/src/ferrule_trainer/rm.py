@@ -12,12 +12,12 @@
     [output]
     dir = "out/rm"                  # out/rm/model: the reward model; out/rm/state: resumable
 
-The model is `AutoModelForSequenceClassification` with one label: the score of a sequence is
-the head at its last token, as ferrule-rewards' model backend reads it (`rlhf-rewards serve
---model out/rm/model`). The loss is the mean over the step's pairs of -log sigmoid(chosen -
+The model is `AutoModelForSequenceClassification` with one label. The score of a sequence is
+the head's output at its last token, as ferrule-rewards' model backend reads it (`rlhf-rewards
+serve --model out/rm/model`). The loss is the mean over the step's pairs of -log sigmoid(chosen -
 rejected - margin). Every [eval] every steps and at the end, the held-out pairs give the
-pairwise accuracy and the mean margin; at the end the mean and standard deviation of every
-held-out score are saved beside the model (reward_stats.json), for normalising at serving time.
+pairwise accuracy and the mean margin. At the end, the mean and standard deviation of all
+held-out scores are saved beside the model (reward_stats.json), for normalising at serving time.
 """
 
 import json
@@ -90,7 +90,8 @@ class RewardModel(TrainedModel):
         self.pad_id = self.engine.module.config.pad_token_id
 
     def scores(self, batch: SequenceBatch) -> torch.Tensor:
-        """(rows,) the score of each sequence (the head at its last non-padding token)."""
+        """(rows,) the score of each sequence: the head's output at its last non-padding
+        token."""
         output = model_forward(self.engine, dict(input_ids=batch.input_ids))  # see SequenceBatch
         return output.logits[:, 0].float()
 

@@ -1,33 +1,34 @@
-"""Sequence parallelism: the N ranks of a sequence group share every sequence of their batch,
-each running the model on 1/N of its positions (the DeepSpeed-Ulysses layout).
+"""Sequence parallelism (the DeepSpeed-Ulysses layout): the N ranks of a sequence group share
+every sequence of their batch, and each rank runs the model on 1/N of each sequence's positions.
 
     group = SequenceGroup.split(2)       # every rank calls it; ranks 0-1, 2-3, ... form groups
-    install(model, group)                # its attention now spans the group
+    install(model, group)                # the model's attention now spans the group
     logprobs, _ = response_logprobs(model, batch, temperature=1.0, group=group)
 
 Every rank of a group holds the same batch. Embeddings, norms, MLPs and the LM head work per
-position, so each rank runs them on its own contiguous slice of the columns (its positions keep
-their global position ids). Attention needs every position: in each layer an all-to-all turns
-(all heads, the rank's 1/N of the positions) into (1/N of the heads, all positions), the rank
-attends over the whole sequence with its heads, and a second all-to-all turns the result back.
-Activations per rank, the largest memory of a long sequence, are 1/N of one rank's; each layer
-sends 4 activations' worth of 1/N of the sequence to the other ranks.
+position, so each rank runs them on its own contiguous slice of the columns; those positions keep
+their global position ids. Attention needs every position. In each layer, an all-to-all turns
+(all heads, the rank's 1/N of the positions) into (1/N of the heads, all positions). The rank
+then attends over the whole sequence with its heads, and a second all-to-all turns the result
+back. Activations, the largest use of memory for a long sequence, are 1/N per rank of what one
+rank alone would hold. Each layer sends 4 activations' worth of 1/N of the sequence to the other
+ranks.
 
 Why this layout rather than ring attention: it uses any attention kernel unchanged (sdpa here),
-needs no per-block softmax rescaling, and its communication is two all-to-alls a layer instead
-of N - 1 ring steps; the cost is that the heads (after repeating the key/value heads) must
-divide by N. Padded rows (each row's tokens from column 0, padding after them:
-`sequences.padded_inputs`) take sdpa's causal kernels; packed rows take the whole sequence's
-mask, T x T booleans and sdpa's memory-efficient kernel, which at tens of thousands of tokens
-costs memory the plan does not count.
+it needs no per-block softmax rescaling, and it communicates with two all-to-alls per layer
+instead of N - 1 ring steps. The cost is that the number of heads (after the key/value heads are
+repeated) must divide by N. Padded rows use sdpa's causal kernels; in them each row's tokens
+start at column 0 and padding follows (`sequences.padded_inputs`). Packed rows need a mask of the
+whole sequence, T x T booleans, and so use sdpa's memory-efficient kernel; at tens of thousands
+of tokens this costs memory that the memory plan does not count.
 
-The response log-probabilities each rank computes for its positions are gathered so that every
-rank of the group holds all of them, and every rank computes the same loss from them. The
-gather's backward keeps only the rank's own slice of the gradient: the ranks together
-backpropagate one copy of the loss, so the sum over a group's ranks of their parameter gradients
-is the gradient of its batch, as one rank would have it. DeepSpeed then averages over all ranks,
-groups included, so callers count each group's tokens once (`engine.global_sum` / N) and leave
-the loss's world-size factor as it is.
+Each rank computes the response log-probabilities at its own positions. They are gathered so
+that every rank of the group holds all of them, and every rank computes the same loss from them.
+The gather's backward keeps only the rank's own slice of the gradient, so the ranks together
+backpropagate one copy of the loss: the sum of the group's parameter gradients over its ranks is
+the gradient of the group's batch, as one rank would compute it. DeepSpeed then averages
+gradients over all ranks, the other groups' included. So callers count each group's tokens once
+(`engine.global_sum` / N) and leave the loss's world-size factor as it is.
 """
 
 from dataclasses import dataclass
@@ -41,12 +42,13 @@ from ferrule_trainer.batch import Batch
 ATTENTION = "ferrule_sequence_parallel"
 """The attention implementation name registered with transformers for a model that `install`
 shares sequences of."""
-_GROUPS: dict[int, "SequenceGroup"] = {}  # id(a model's config) -> its group (`install`)
+_GROUPS: dict[int, "SequenceGroup"] = {}  # id(model config) -> the group `install` set
 
 
 @dataclass(frozen=True)
 class SequenceGroup:
-    """The ranks that share each sequence: `size` of them, this one `rank` among them."""
+    """The ranks that share each sequence: there are `size` of them, and this process is rank
+    `rank` among them."""
 
     size: int
     rank: int
@@ -54,8 +56,8 @@ class SequenceGroup:
 
     @classmethod
     def split(cls, size: int) -> "SequenceGroup":
-        """Groups of `size` consecutive ranks over the whole world; this rank's. Every rank must
-        call it (creating a process group is collective)."""
+        """Splits the whole world into groups of `size` consecutive ranks and returns this rank's
+        group. Every rank must call it, because creating a process group is a collective."""
         world, rank = dist.get_world_size(), dist.get_rank()
         if size < 1 or world % size:
             raise ValueError(f"sequence_parallel = {size} does not divide the {world} ranks")
@@ -80,7 +82,9 @@ def check_model(config, size: int) -> None:
     from ferrule_trainer.sequences import _LOGIT_TRANSFORMS
 
     changed = [key for key in _LOGIT_TRANSFORMS if getattr(config, key, None)]
-    if changed:  # the head runs apart from the model on each rank's positions, as a plain linear
+    # Each rank runs the LM head apart from the model, as a plain linear layer on its own
+    # positions, so a transform of the logits after the head would not be applied.
+    if changed:
         raise ValueError(
             f"sequence_parallel does not support a model whose logits {changed[0]} changes"
         )
@@ -95,9 +99,9 @@ def response_logprobs(
     packed: bool = False,
     entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What `sequences.response_logprobs` returns, (B, R) and the same on every rank of `group`,
-    each rank running the model on 1/N of the positions (padded rows or, with `packed`, the
-    rows packed into one)."""
+    """Returns what `sequences.response_logprobs` returns: (B, R) tensors, the same on every
+    rank of `group`. Each rank runs the model on 1/N of the positions, of the padded rows or,
+    with `packed`, of the rows packed into one."""
     from ferrule_trainer.sequences import _bypassed, chunked_head_logprobs
 
     if temperature <= 0:
@@ -114,17 +118,17 @@ def response_logprobs(
 
 
 def response_values(model, batch: Batch, group: SequenceGroup, *, packed: bool = False):
-    """What `sequences.response_values` returns (a critic's), 0 at padding, (B, R) and the same
-    on every rank of `group`."""
+    """Returns what `sequences.response_values` returns for a critic: (B, R) values, 0 at
+    padding, the same on every rank of `group`."""
     shards = _Shards(batch, group, packed)
-    values = shards.forward(model)[..., 0]  # the value head's one label
+    values = shards.forward(model)[..., 0]  # the value head has one label
     return shards.gathered(values[shards.needed_here].float())
 
 
 class _Shards:
-    """A batch laid out for a sequence group: the whole sequence's ids, positions and mask, the
-    positions whose output is read for each response token (`index`, into the flattened rows),
-    and this rank's slice of the columns."""
+    """A batch laid out for a sequence group. It holds the ids, positions and mask of the whole
+    sequence; `index`, the positions (into the flattened rows) whose output is read for each
+    response token; and `mine`, this rank's slice of the columns."""
 
     def __init__(self, batch: Batch, group: SequenceGroup, packed: bool):
         from ferrule_trainer.sequences import packed_inputs, padded_inputs
@@ -133,7 +137,7 @@ class _Shards:
         if packed:
             ids, positions, index = packed_inputs(batch)
             self.ids, self.positions, self.mask = _packed_to(group.size, ids, positions)
-        else:  # each row's tokens from column 0: causal attention needs no mask
+        else:  # each row's tokens start at column 0, so causal attention needs no mask
             self.ids, index = padded_inputs(batch, align=group.size)
             self.positions = torch.arange(self.ids.shape[1], device=device).expand_as(self.ids)
             self.mask = None
@@ -144,13 +148,13 @@ class _Shards:
         self.mine = slice(group.rank * width, (group.rank + 1) * width)
         needed = torch.zeros(self.ids.numel(), dtype=torch.bool, device=device)
         needed = needed.scatter_(0, index.flatten(), True).view(self.ids.shape)
-        self.needed_here = needed[:, self.mine]  # the only positions a head's output is read at
+        self.needed_here = needed[:, self.mine]  # where the head's output is read
         self.targets_here = self.ids.roll(-1, dims=1)[:, self.mine]  # p predicts token p + 1
         self.real = batch.attention_mask[:, -batch.response_len :].bool()
 
     def forward(self, model) -> torch.Tensor:
-        """The output at this rank's positions, (rows, width, ...), of a model whose attention
-        `install` made this group's."""
+        """The model's output at this rank's positions, (rows, width, ...). `install` must have
+        given the model this group's attention."""
         from ferrule_trainer.sequences import model_forward
 
         inputs = dict(
@@ -161,7 +165,8 @@ class _Shards:
         return model_forward(model, inputs).logits
 
     def gathered(self, needed_values: torch.Tensor) -> torch.Tensor:
-        """(B, R) from the values at this rank's needed positions: every rank's, 0 at padding."""
+        """Gathers every rank's values at its needed positions into one (B, R) tensor, 0 at
+        padding."""
         placed = needed_values.new_zeros(self.needed_here.shape, dtype=torch.float32)
         placed = placed.masked_scatter(self.needed_here, needed_values.float())
         whole = _GatherColumns.apply(placed, self.group)  # (rows, T)
@@ -170,9 +175,10 @@ class _Shards:
 
 
 def _packed_to(size: int, ids, positions):
-    """Packed ids and positions with columns added on the right to a multiple of `size`, a
-    document of their own (as sequences.ALIGN's are), and the (1, 1, T, T) boolean mask of the
-    whole sequence: causal within each document, a new one wherever the positions restart."""
+    """Pads packed ids and positions on the right to a multiple of `size` columns; the added
+    columns form a document of their own (as sequences.ALIGN's padding does). Also returns the
+    (1, 1, T, T) boolean mask of the whole sequence. The mask is causal within each document,
+    and a new document starts wherever the positions restart."""
     extra = -ids.shape[1] % size
     ids = F.pad(ids, (0, extra))
     positions = torch.cat([positions, torch.arange(extra, device=ids.device)[None]], 1)
@@ -185,8 +191,8 @@ def _packed_to(size: int, ids, positions):
 
 class _GatherColumns(torch.autograd.Function):
     """(rows, T / N) on each rank -> (rows, T), the ranks' slices side by side. Backward keeps
-    this rank's slice of the gradient: every rank computes the same loss from the gathered
-    tensor, and the group backpropagates it once (see the module's docstring)."""
+    only this rank's slice of the gradient: every rank computes the same loss from the gathered
+    tensor, so the group backpropagates that loss once (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -202,13 +208,14 @@ class _GatherColumns(torch.autograd.Function):
 
 
 def install(model, group: SequenceGroup) -> None:
-    """Every attention of `model` becomes `_attention` over `group`, for good: a checkpointed
-    layer runs its forward again in backward, after any `with` block around the forward would
-    have ended. Refuses a model whose heads do not split over the group (`check_model`)."""
+    """Replaces every attention of `model` with `_attention` over `group`, permanently. A `with`
+    block would not do: a checkpointed layer runs its forward again in backward, after any
+    `with` block around the forward has ended. Refuses a model whose heads do not split over the
+    group (`check_model`)."""
     from transformers import AttentionInterface, PretrainedConfig
 
     AttentionInterface.register(ATTENTION, _attention)
-    configs = {}  # the model's and any sub-model's (a peft wrapper's is the base model's)
+    configs = {}  # of the model and any sub-model (a peft wrapper's is the base model's)
     for module in model.modules():
         config = getattr(module, "config", None)
         if isinstance(config, PretrainedConfig):
@@ -220,12 +227,13 @@ def install(model, group: SequenceGroup) -> None:
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' attention-function signature: query (B, H, T / N, D), key and value
-    (B, KV, T / N, D) of this rank's positions; attention_mask the whole sequence's
-    (B, 1, T, T), or None: causal. Returns (B, T / N, H, D) and no weights."""
+    """An attention function with transformers' signature. query is (B, H, T / N, D), and key
+    and value are (B, KV, T / N, D), all at this rank's positions. attention_mask is the whole
+    sequence's (B, 1, T, T) mask, or None for causal attention. Returns (B, T / N, H, D) and no
+    weights."""
     group = _GROUPS[id(module.config)]
     repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:  # the key/value heads repeated to the query heads, so that all split by N
+    if repeats > 1:  # repeat the key/value heads to the query heads, so that all split by N
         key, value = (x.repeat_interleave(repeats, dim=1) for x in (key, value))
     query, key, value = (_heads_to_positions(x, group) for x in (query, key, value))
     output = F.scaled_dot_product_attention(
@@ -260,8 +268,9 @@ def _positions_to_heads(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Piece j of dim 0 to rank j of the group, piece i of the result from rank i. Its backward
-    is the same exchange of the gradients (torch's differentiable one is deprecated in 2.13)."""
+    """Sends piece j of dim 0 to rank j of the group; piece i of the result comes from rank i.
+    The backward is the same exchange of the gradients (torch's differentiable all-to-all is
+    deprecated in 2.13)."""
 
     @staticmethod
     def forward(ctx, pieces: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -274,7 +283,7 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchanged(pieces: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
-    pieces = pieces.contiguous()  # a gradient may come strided: the exchange reads memory
+    pieces = pieces.contiguous()  # a gradient may arrive strided; the exchange reads memory
     received = torch.empty_like(pieces)
     dist.all_to_all_single(received, pieces, group=group.group)
     return received

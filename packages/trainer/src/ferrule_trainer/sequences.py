@@ -1,15 +1,17 @@
 """The forward passes that read responses out of an RL batch (the layout of batch.py), and the
 micro-batches they run in.
 
-Micro-batches by tokens: `plan_micro_batches` sorts rows by length into groups within a token
-budget (`group_by_length`, which SFT, RM and DPO use too), `Batch.take` cuts a group out
-without its shared padding, `packed_inputs` lays a group out as one row without padding;
-`forward_in_micro_batches` runs a forward over them in row order.
+Micro-batches by tokens: `plan_micro_batches` sorts rows by length into groups that fit a token
+budget (with `group_by_length`, which SFT, RM and DPO use too). `Batch.take` cuts a group out
+without the padding its rows share, and `packed_inputs` lays a group out as one row without
+padding. `forward_in_micro_batches` runs a forward over the groups and returns the results in
+the batch's row order.
 
 Token budgets give data-parallel ranks different numbers of micro-batches. Where every pass is a
 collective (ZeRO-2 reduces gradients after every backward, ZeRO-3 gathers parameters in every
-forward), `most_over_ranks` gives the count that every rank runs: a rank with fewer repeats its
-last micro-batch for nothing until it has as many passes as the rank with most.
+forward), every rank must run the same number of passes, and `most_over_ranks` gives that count.
+A rank with fewer micro-batches repeats its last one, to no effect, until it has run as many
+passes as the rank with the most.
 """
 
 import functools
@@ -24,19 +26,20 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.losses import token_entropy
 from ferrule_trainer.memory import HEAD_CHUNK
 
-# Set on a model by engine.compile_decoder_layers: response_logprobs compiles the head's softmax.
+# engine.compile_decoder_layers sets this on a model; response_logprobs then compiles the LM
+# head's softmax.
 COMPILED_HEAD = "ferrule_compiled_head"
-# Compiled layers specialise on whether the length is a multiple of 8 (inductor's alignment) and
-# on a single row (and on whether there is an attention mask: model_inputs never passes one):
-# each new case recompiled every layer, ~9 s at 1.5B, whenever it first turned up.
+# Compiled layers specialise on whether the length is a multiple of 8 (inductor's alignment), on
+# whether there is a single row, and on whether there is an attention mask (model_inputs never
+# passes one). Each new case recompiled every layer, ~9 s at 1.5B, the first time it turned up.
 ALIGN = 8
 # Model settings that change the logits after the LM head; such models take the whole-logits path.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def most_over_ranks(count: int, device: torch.device) -> int:
-    """The largest `count` over the ranks of the default group (`count` itself without one).
-    Every rank must call it: it is a collective."""
+    """The largest `count` over the ranks of the default process group (`count` itself when
+    there is no group). Every rank must call it, because it is a collective."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return count
     most = torch.tensor(count, device=device)
@@ -52,12 +55,14 @@ def group_by_length(
     rows_per_item: int = 1,
     packed: bool = False,
 ) -> list[list[int]]:
-    """Items (sequences, or pairs of them) grouped into micro-batches by a token budget: sorted
-    by length, longest first, at most `max_items` to a group, and a group's padded size, rows x
-    the sum over an item's parts (a left-padded prompt, a right-padded response) of the longest
-    part in the group, within `max_tokens`; `packed`: its real tokens (rows x an item's parts)
-    within it, first fit. An item over the budget goes alone. Sorting keeps items of like
-    length together, so little of the budget goes to padding. Returns item indices."""
+    """Groups items (sequences, or pairs of them) into micro-batches by a token budget, and
+    returns each group's item indices. Items are sorted by length, longest first, and a group
+    holds at most `max_items`. An item has parts (a left-padded prompt, a right-padded
+    response). A group's padded size is its rows x the sum over parts of the group's longest
+    such part, and it must stay within `max_tokens`. With `packed`, the group's real tokens
+    (summed over its items: rows x the item's parts) must stay within the budget instead, and
+    each item goes to the first group it fits in. An item over the budget goes alone.
+    Sorting keeps items of similar length together, so little of the budget goes to padding."""
     if max_tokens < 1 or max_items < 1:
         raise ValueError(f"max_tokens and max_items must be >= 1, got {max_tokens}, {max_items}")
     order = sorted(range(len(sizes)), key=lambda i: (-sum(sizes[i]), i))
@@ -78,7 +83,7 @@ def group_by_length(
             room[fit] -= size
         return groups
     widest: tuple[int, ...] = ()
-    for i in order:  # in sorted order: a new group where the next item would pass the budget
+    for i in order:  # in sorted order: a new group where the next item would exceed the budget
         wider = tuple(map(max, widest, sizes[i])) if widest else sizes[i]
         rows = rows_per_item * (len(groups[-1]) + 1) if groups else 0
         if not groups or len(groups[-1]) >= max_items or rows * sum(wider) > max_tokens:
@@ -97,10 +102,11 @@ def plan_micro_batches(
     packed: bool = False,
     unit: int = 1,
 ) -> list[list[int]]:
-    """The rows of each micro-batch of `batch` by a token budget:
-    `group_by_length` of its rows' prompt and response lengths, at most `max_rows` rows each; a
-    group's padded size is what `Batch.take` cuts out, its packed size what `packed_inputs` lays out.
-    `unit` rows stay together, in order (2: preference pairs)."""
+    """The rows of each micro-batch of `batch` under a token budget: `group_by_length` of the
+    rows' prompt and response lengths, with at most `max_rows` rows per micro-batch. A group's
+    padded size is the size of what `Batch.take` cuts out, and its packed size is the size of
+    what `packed_inputs` lays out. Each `unit` consecutive rows stay together, in order
+    (2: preference pairs)."""
     prompt, response = (x.view(-1, unit).amax(-1).clamp(min=1).tolist() for x in batch.lengths())
     groups = group_by_length(
         list(zip(prompt, response, strict=True)),
@@ -121,13 +127,14 @@ def forward_in_micro_batches(
     packed: bool = False,
     lockstep: bool = False,
 ) -> torch.Tensor:
-    """`forward(micro_batch)` over micro-batches of `size` rows (None: all at once) on `device`,
-    concatenated on the host. A forward's activations and logits scale with its rows: a whole
-    rank's shard at once can be far larger than the device. With `max_tokens`, the micro-batches
-    are `plan_micro_batches` of that budget (`packed`: one row each, `forward` packs it), each
-    trimmed by `Batch.take`; the (B, R) result comes back in the batch's row order, 0 on padding.
-    `lockstep` (ZeRO-3, whose forward gathers parameters from every rank): every rank of the
-    group calls this together, and runs as many forwards as the rank with most."""
+    """Runs `forward(micro_batch)` on `device` over micro-batches of `size` rows (None: all rows
+    at once) and concatenates the results on the host. A forward's activations and logits scale
+    with its rows, so a rank's whole shard at once can be far larger than the device's memory.
+    With `max_tokens`, the micro-batches are `plan_micro_batches` of that budget, each trimmed
+    by `Batch.take` (with `packed`, `forward` packs each one into one row). The (B, R) result
+    comes back in the batch's row order, 0 on padding. With `lockstep` (ZeRO-3, whose forward
+    gathers parameters from every rank), every rank of the group calls this together and runs
+    as many forwards as the rank with the most."""
     rows = batch.rows
     if max_tokens is None:
         micro_batches = batch.split(size or rows)
@@ -152,9 +159,10 @@ def forward_in_micro_batches(
 
 
 def _response_positions(batch: Batch):
-    """Each row's real tokens in order (a flat tensor, row-major: its prompt, then its response),
-    how many each row has, and (B, R) the position within its row whose output predicts each
-    response token (padding: any position of the row)."""
+    """Returns three things: every row's real tokens in order (a flat tensor, row-major: each
+    row's prompt, then its response); how many real tokens each row has; and (B, R), for each
+    response token, the position within its row whose output predicts it (for padding, some
+    position of the row)."""
     attention = batch.attention_mask.bool()
     lengths = attention.sum(-1)
     prompt, _ = batch.lengths()
@@ -165,8 +173,9 @@ def _response_positions(batch: Batch):
 
 def packed_inputs(batch: Batch) -> tuple[torch.Tensor, ...]:
     """The rows of `batch` packed without padding: (1, N) input ids of every row's real tokens
-    back to back, (1, N) position ids that restart at 0 with each row, and the (B, R) indices
-    into the N positions of those whose output predicts each response token (padding: any).
+    back to back, (1, N) position ids that restart at 0 with each row, and (B, R) indices into
+    the N positions: for each response token, the position whose output predicts it (for
+    padding, any position).
 
     Given position ids and no attention mask, transformers' sdpa and eager attention build a
     document mask from the restarts (`masking_utils.find_packed_sequence_indices`) and flash
@@ -182,24 +191,25 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
     predicts each response token (packed: into the one row of `packed_inputs`; else into each
     row).
 
-    Not packed, each row's real tokens start at column 0 and its padding follows them, and there
-    is no attention mask: under causal attention no real token sees the padding behind it, and
-    positions count from 0 in every row, transformers' default. So sdpa runs its causal kernel
-    (flash) with no mask to build or read. Batch.py's layout (prompts left-padded, so that the
-    responses share columns) would need a mask, and with a mask sdpa runs a slower kernel: the
-    memory-efficient one, or cuDNN's, which builds a plan for each new shape and whose backward
-    put NaN into the gradients of queries that saw no key (an H200; issue 56). At 1.5B over a
-    long-tailed step's micro-batches (~400k tokens) forward and backward took 9.95 s against
-    13.3 s (cuDNN, masked) and 13.7 s (memory-efficient).
+    When not packed, each row's real tokens start at column 0, padding follows them, and there
+    is no attention mask. Under causal attention no real token sees the padding behind it, and
+    positions count from 0 in every row, which is transformers' default. So sdpa runs its causal
+    kernel (flash) with no mask to build or read. Batch.py's layout (prompts left-padded, so
+    that the responses share columns) would need a mask, and with a mask sdpa runs a slower
+    kernel: the memory-efficient one, or cuDNN's. cuDNN's kernel builds a plan for each new
+    shape, and its backward put NaN into the gradients of queries that saw no key (on an H200;
+    issue 56). At 1.5B, over a long-tailed step's micro-batches (~400k tokens), forward and
+    backward took 9.95 s this way, against 13.3 s (cuDNN, masked) and 13.7 s
+    (memory-efficient).
 
-    For a model with compiled layers (`compiled_head`) every pass has the same form: padding
-    brings the length to a multiple of ALIGN, and a single row gets a second of one token
+    For a model with compiled layers (`compiled_head`), every pass has the same form: padding
+    brings the length to a multiple of ALIGN, and a single row gets a second row, all padding
     (callers keep the first `batch.rows` rows of the output)."""
     aligned = compiled_head(model)
     if packed:
         ids, positions, index = packed_inputs(batch)
         if aligned:
-            tail = ALIGN - ids.shape[1] % ALIGN  # at least one: a document of its own
+            tail = ALIGN - ids.shape[1] % ALIGN  # at least one column, a document of its own
             ids = F.pad(ids, (0, tail))
             positions = torch.cat([positions, torch.arange(tail, device=ids.device)[None]], 1)
         return dict(input_ids=ids, position_ids=positions, index=index)
@@ -209,9 +219,10 @@ def model_inputs(model, batch: Batch, packed: bool = False) -> dict[str, torch.T
 
 
 def padded_inputs(batch: Batch, align: int = 1, rows: int | None = None):
-    """(rows, T) input ids, each row's real tokens from column 0 and padding (0) after them, T
-    the longest row's length rounded up to a multiple of `align`; rows past the batch's are all
-    padding. And (B, R) the position in its row whose output predicts each response token."""
+    """(rows, T) input ids and (B, R) indices. In the ids, each row's real tokens start at
+    column 0 and padding (0) follows them. T is the longest row's length rounded up to a
+    multiple of `align`, and rows past the batch's rows are all padding. The indices give, for
+    each response token, the position in its row whose output predicts it."""
     tokens, lengths, index = _response_positions(batch)
     width = int(lengths.max())
     width += -width % align
@@ -223,9 +234,9 @@ def padded_inputs(batch: Batch, align: int = 1, rows: int | None = None):
 
 def response_logits(model, batch: Batch, packed: bool = False) -> torch.Tensor:
     """(B, R, vocab) logits that predict the R response tokens. Only the positions from the
-    first one read onwards go through the LM head (`logits_to_keep`): with a 150k vocabulary the
-    full logits would be the largest tensor of the step. `packed`: one forward of
-    `packed_inputs(batch)`, no padding."""
+    first one read onwards go through the LM head (`logits_to_keep`), because with a 150k
+    vocabulary the full logits would be the largest tensor of the step. With `packed`, this is
+    one forward of `packed_inputs(batch)`, with no padding."""
     inputs = model_inputs(model, batch, packed)
     index = inputs.pop("index")
     if packed:
@@ -242,14 +253,15 @@ TRAIN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 
 
 def without_cudnn():
-    """A checkpoint's `context_fn`: its forward and its recomputation on TRAIN_BACKENDS."""
+    """A checkpoint's `context_fn`: runs both its forward and its recomputation on
+    TRAIN_BACKENDS."""
     return sdpa_kernel(TRAIN_BACKENDS), sdpa_kernel(TRAIN_BACKENDS)
 
 
 def model_forward(model, inputs: dict, **kwargs):
-    """`model(**inputs)` without a cache, its attention on TRAIN_BACKENDS. A backward runs the
-    kernels its forward chose; gradient checkpointing's recomputation, which runs after this
-    returns, sets them again (`without_cudnn` in engine.load_model)."""
+    """Runs `model(**inputs)` without a cache, with its attention on TRAIN_BACKENDS. A backward
+    runs the kernels that its forward chose. Gradient checkpointing's recomputation runs after
+    this returns, so it sets the backends again (`without_cudnn` in engine.load_model)."""
     with sdpa_kernel(TRAIN_BACKENDS):
         return model(**inputs, **kwargs, use_cache=False)
 
@@ -258,13 +270,14 @@ def response_logprobs(
     model, batch: Batch, temperature: float = 1.0, *, packed: bool = False, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, R) float32 log p(token) of the response tokens under softmax(logits / temperature),
-    and with `entropy` each position's entropy of that softmax (else None); 0 at padding.
+    and, with `entropy`, the entropy of that softmax at each position (else None); 0 at padding.
 
-    The same values as `token_logprobs(response_logits(...))`, without ever holding the logits
-    of the pass: the model runs with its LM head bypassed, and the head then runs on HEAD_CHUNK
-    real response tokens at a time. With gradients on, each chunk is checkpointed: backward
-    recomputes its logits (one more head matmul, ~5% of a 1.5B model's step) instead of keeping
-    them, which would be ~12 bytes x vocabulary per response token (1.8 MB at 151,936).
+    These are the same values as `token_logprobs(response_logits(...))`, but the logits of the
+    whole pass are never held: the model runs with its LM head bypassed, and then the head runs
+    on HEAD_CHUNK real response tokens at a time. With gradients on, each chunk is checkpointed:
+    backward recomputes the chunk's logits (one more head matmul, ~5% of a 1.5B model's step)
+    instead of keeping them, which would cost ~12 bytes x vocabulary per response token
+    (1.8 MB at 151,936).
     Where `_chunkable` says no (ZeRO-3, logit softcapping), the logits are held whole."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -286,9 +299,10 @@ def response_logprobs(
 
 
 def chunked_head_logprobs(model, hidden, tokens, temperature: float, entropy: bool):
-    """log p(tokens) (and the entropies, else an empty tensor) of the LM head's softmax at the
-    head's inputs `hidden` (N, hidden), HEAD_CHUNK rows at a time, each chunk checkpointed
-    while gradients are on. Where `_chunkable` says no, in one call and kept for backward."""
+    """log p(tokens) under the LM head's softmax, and the entropies (else an empty tensor),
+    given the head's inputs `hidden` (N, hidden). The head runs on HEAD_CHUNK rows at a time,
+    and each chunk is checkpointed while gradients are on. Where `_chunkable` says no, the head
+    runs in one call and its output is kept for backward."""
     head = model.get_output_embeddings()
     if not _chunkable(model, head):
         return _head_logprobs(head, hidden, tokens, temperature, entropy)
@@ -306,10 +320,11 @@ def chunked_head_logprobs(model, hidden, tokens, temperature: float, entropy: bo
 
 
 def _chunkable(model, head) -> bool:
-    """Whether `response_logprobs` may run the LM head on its own. Not for models that change the
-    logits after the head (softcapping, scaling), and not under ZeRO-3, where the head's weight
-    is gathered only inside its own call and the checkpointed chunks' recomputation trips over
-    its hooks when the head is frozen (LoRA): there the logits of a pass are held whole."""
+    """Whether `response_logprobs` may run the LM head on its own. It may not for models that
+    change the logits after the head (softcapping, scaling). Nor may it under ZeRO-3: there the
+    head's weight is gathered only inside the head's own call, and when the head is frozen
+    (LoRA) the recomputation of the checkpointed chunks trips over ZeRO-3's hooks. In those
+    cases the logits of a pass are held whole."""
     config = getattr(model, "config", None)
     if head is None or any(getattr(config, key, None) for key in _LOGIT_TRANSFORMS):
         return False
@@ -328,9 +343,10 @@ def _head_logprobs(head, rows, tokens, temperature: float, entropy: bool):
 @functools.cache
 def _compiled_head_logprobs():
     """`_head_logprobs` through torch.compile, for models whose decoder layers are compiled
-    (engine.compile_decoder_layers marks them): eager, the cast, the log-softmax and its
-    gradient are each a float32 pass over [chunk, vocabulary], ~7 GB a 1,024-token chunk at
-    151,936 with the recomputation; inductor fuses them around the head's matmul."""
+    (engine.compile_decoder_layers marks them). Run eagerly, the cast, the log-softmax and its
+    gradient are each a float32 pass over [chunk, vocabulary]: ~7 GB for a 1,024-token chunk at
+    a vocabulary of 151,936, counting the recomputation. Inductor fuses them around the head's
+    matmul."""
     return torch.compile(_head_logprobs, dynamic=True)
 
 
@@ -341,10 +357,11 @@ def compiled_head(model) -> bool:
 
 @contextmanager
 def _bypassed(head: torch.nn.Module):
-    """`head` returns its input while inside: the model's forward gives the hidden states the
-    head would see, at the positions `logits_to_keep` selects. Calling the module (rather than
-    skipping it) keeps its hooks, e.g. ZeRO-3's parameter gathering; a forward already replaced
-    on the instance (exact mode) is put back after."""
+    """Inside this context `head` returns its input, so the model's forward gives the hidden
+    states that the head would see, at the positions that `logits_to_keep` selects. The module
+    is still called (rather than skipped), so its hooks still run, e.g. ZeRO-3's parameter
+    gathering. If the instance's forward was already replaced (exact mode), that forward is put
+    back afterwards."""
     own = head.__dict__.get("forward")
     head.forward = _identity
     try:
@@ -376,7 +393,7 @@ def token_logprobs(
 
 def response_values(model, batch: Batch, packed: bool = False) -> torch.Tensor:
     """(B, R) critic values: the value of the state before each response token, read at the same
-    positions as the logits that predict it. `packed`: as `response_logits`."""
+    positions as the logits that predict it. `packed`: as in `response_logits`."""
     inputs = model_inputs(model, batch, packed)
     index = inputs.pop("index")
     values = model_forward(model, inputs).logits[..., 0]

@@ -1,6 +1,6 @@
-"""The settings a training verb takes, each a frozen dataclass passed whole from the RL step to
-the rank that uses it (through Ray when the ranks are remote), so a renamed field fails where
-it is built, not on a remote actor:
+"""The settings that the training verbs take. Each is a frozen dataclass, passed whole from the
+RL step to the rank that uses it (through Ray when the ranks are remote), so a renamed field
+fails where the settings are built, not on a remote actor:
 
     plan, loss = trainer.epoch_plan(), trainer.policy_loss()    # TrainerConfig builds them
     metrics = actor.train_epochs(batch, plan, loss)
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """How one batch is trained (`rl.ppo_epochs`): `epochs` passes over it, `mini_batches`
-    optimizer steps each, every step in micro-batches of at most `micro_batch_size` rows (None:
-    the whole mini-batch) and, with `micro_batch_tokens`, rows sorted by length into at most that
-    many tokens each; `pack_sequences`: each micro-batch one row without padding."""
+    """How one batch is trained (`rl.ppo_epochs`): `epochs` passes over the batch, with
+    `mini_batches` optimizer steps per pass. Each step runs in micro-batches of at most
+    `micro_batch_size` rows (None: the whole mini-batch). With `micro_batch_tokens`, rows are
+    sorted by length into micro-batches of at most that many tokens each. With
+    `pack_sequences`, each micro-batch is one row without padding."""
 
     epochs: int = 1
     mini_batches: int = 1
@@ -34,8 +35,9 @@ class EpochPlan:
 @dataclass(frozen=True)
 class ForwardPlan:
     """How a batch goes through a forward pass without gradients (`Actor.logprobs`,
-    `Critic.values`): `micro_batch_size` rows at a time (None: all), with `micro_batch_tokens`
-    rows sorted by length within that many tokens each, `packed`: without padding."""
+    `Critic.values`): `micro_batch_size` rows at a time (None: all rows). With
+    `micro_batch_tokens`, rows are sorted by length into micro-batches of at most that many
+    tokens each. With `packed`, micro-batches have no padding."""
 
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = None
@@ -44,10 +46,11 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The clipped policy loss of `Actor.train_step` (losses.policy_loss): the ratio's clip
-    range [1 - clip_low, 1 + clip_high], the dual clip of negative advantages (None: off), how
-    token losses aggregate, the KL penalty in the loss (kl_coef 0: none, or it is in the
-    reward), per-token or per-sequence (GSPO) ratios, and the entropy bonus."""
+    """Settings of the clipped policy loss of `Actor.train_step` (losses.policy_loss): the
+    ratio's clip range [1 - clip_low, 1 + clip_high], the dual clip for negative advantages
+    (None: off), how token losses aggregate, the KL penalty in the loss (kl_coef 0: no penalty
+    in the loss, or the KL is in the reward), per-token or per-sequence (GSPO) ratios, and the
+    entropy bonus."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28
@@ -62,8 +65,8 @@ class PolicyLoss:
 
 @dataclass(frozen=True)
 class ValueLoss:
-    """The critic's loss (`Critic.train_step`): values clipped to `clip` around the old ones
-    (None: unclipped), token losses aggregated by `agg_mode`."""
+    """Settings of the critic's loss (`Critic.train_step`). Values are clipped to within `clip`
+    of the old values (None: unclipped), and token losses are aggregated by `agg_mode`."""
 
     clip: float | None = 0.2
     agg_mode: str = "token-mean"
@@ -71,8 +74,8 @@ class ValueLoss:
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """DPO on preference pairs (`Actor.preference_step`, pairwise.dpo_loss): `beta`, the loss's
-    `kind` ("sigmoid", "ipo", ...), label smoothing, and `nll_coef` > 0 adds the chosen
+    """Settings of DPO on preference pairs (`Actor.preference_step`, pairwise.dpo_loss): `beta`,
+    the loss `kind` ("sigmoid", "ipo", ...) and label smoothing. `nll_coef` > 0 adds the chosen
     responses' mean NLL per token (RPO)."""
 
     beta: float
@@ -83,9 +86,10 @@ class PreferenceLoss:
 
 @dataclass(frozen=True)
 class Correction:
-    """Rollout correction (`rl.rollout_correction`): `kind` "none", "tis" (truncated importance
-    weights in [tis_floor, tis_cap]) or "icepop" (tokens outside [icepop_low, icepop_high]
-    masked), and a sequence mask (low, high) on the geometric-mean ratio, None: off."""
+    """Rollout correction (`rl.rollout_correction`): `kind` is "none", "tis" (truncated
+    importance weights in [tis_floor, tis_cap]) or "icepop" (tokens with a ratio outside
+    [icepop_low, icepop_high] are masked). `sequence_mask` is a (low, high) bound on each
+    sequence's geometric-mean ratio (None: off)."""
 
     kind: str = "none"
     tis_cap: float = 2.0

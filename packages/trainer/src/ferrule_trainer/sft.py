@@ -9,11 +9,12 @@
     [output]
     dir = "out/sft"                 # out/sft/model: the result; out/sft/state: resumable state
 
-The loss is the cross-entropy of the response tokens (and the end-of-sequence token that
-closes them) averaged over all response tokens of the optimizer step on all ranks. Each epoch
-shuffles with seed + epoch; a restart with `resume = true` continues from the last saved state
-(weights, optimizer, scheduler, RNG and data position) and gives the same losses as a run that
-was never interrupted. Run it on more processes with any launcher that sets RANK / WORLD_SIZE.
+The loss is the cross-entropy of the response tokens (and of the end-of-sequence token that
+closes them), averaged over all response tokens of the optimizer step on all ranks. Each epoch's
+shuffle is seeded by (seed, epoch). A restart with `resume = true` continues from the last saved
+state (weights, optimizer, scheduler, RNG and data position) and gives the same losses as a run
+that was never interrupted. To run on more processes, use any launcher that sets RANK /
+WORLD_SIZE.
 """
 
 import time
@@ -34,7 +35,8 @@ from ferrule_trainer.sequences import group_by_length, model_forward
 
 
 class SFTModelConfig(ModelConfig):
-    """[model] of `rlhf-train sft`, `rm` and `dpo`: the model, and how DeepSpeed holds and trains it."""
+    """[model] of `rlhf-train sft`, `rm` and `dpo`: the model, and how DeepSpeed holds and
+    trains it."""
 
     dtype: TrainDType = "bfloat16"
     """"bfloat16" or "float32" (use float32 on CPUs without bf16 instructions)."""
@@ -114,8 +116,9 @@ class SFTConfig(Table):
 def load_examples(
     path: str | Path, prompt_key: str, response_key: str, tokenizer=None
 ) -> list[tuple[str, str]]:
-    """(prompt, response) pairs; an error names the line that lacks a key or is not JSON. A
-    prompt may be chat messages, rendered with `tokenizer`'s chat template (chat.py)."""
+    """Reads (prompt, response) pairs. An error names the line that lacks a key or is not JSON.
+    A prompt may be chat messages, which are rendered with `tokenizer`'s chat template
+    (chat.py)."""
     examples = []
     for number, record in records(path):
         if not isinstance(record.get(response_key), str) or prompt_key not in record:
@@ -153,9 +156,10 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> Sequenc
 def micro_batch_groups(
     sizes: list[tuple[int, ...]], train: SFTTrainConfig, rows_per_item: int = 1
 ) -> list[list[int]]:
-    """The micro-batches of a rank's share of a step, as indices of its items (sequences; rm,
-    dpo: pairs of `rows_per_item` rows): by [train] micro_batch_tokens
-    (`sequences.group_by_length` of the items' `sizes`), else micro_batch_size in order."""
+    """Splits a rank's share of a step into micro-batches, each a list of item indices. An item
+    is a sequence, or for rm and dpo a pair of `rows_per_item` rows. With [train]
+    micro_batch_tokens, `sequences.group_by_length` groups the items by their `sizes`;
+    otherwise the items are cut into runs of micro_batch_size, in order."""
     size = train.micro_batch_size
     if train.micro_batch_tokens is None:
         return [list(range(i, min(i + size, len(sizes)))) for i in range(0, len(sizes), size)]

@@ -2,17 +2,18 @@
 trained, metrics out.
 
     step = RLStep(trainer, critic, group_size=8, pad_id=0, policy=ranks, reference=ref_ranks)
-    scores, penalties = step.shape(samples, rewards, max_tokens=256)   # each draw's rewards
-    groups = step.keep(Group.split(samples, scores, 8))   # DAPO's filter's groups (all without)
+    scores, penalties = step.shape(samples, rewards, max_tokens=256)   # each draw's rewards, shaped
+    groups = step.keep(Group.split(samples, scores, 8))   # DAPO's filter (all groups when off)
     metrics = step.train(5, groups)                                    # PPO epochs, or a recipe
     saved = step.state(); step.restore(saved)                          # across a resume
 
-It owns what every step decides whatever it trains: score shaping (truncated and overlong
-responses), which prompt groups are kept (DAPO's filter), the counters of steps skipped for
-non-finite gradients; and it hands the groups to its recipe (recipes.py): `PolicyGradient`
-(the PPO family: staleness, advantages by estimator, rollout correction, the adaptive KL
-coefficient, PPO epochs), or, with `recipe` settings, `RejectionSampling` or `IterativeDPO`.
-Whoever drives the run decides when; it reaches the models only through `Ranks` (ranks.py).
+RLStep owns the decisions that every step makes, whatever it trains: score shaping (truncated
+and overlong responses), which prompt groups are kept (DAPO's filter), and the counters of steps
+skipped for non-finite gradients. It hands the groups to its recipe (recipes.py):
+`PolicyGradient` (the PPO family: staleness, advantages by estimator, rollout correction, the
+adaptive KL coefficient, PPO epochs), or, with `recipe` settings, `RejectionSampling` or
+`IterativeDPO`. Whoever drives the run decides when each call happens. RLStep reaches the models
+only through `Ranks` (ranks.py).
 """
 
 from collections.abc import Callable, Sequence
@@ -45,15 +46,16 @@ class RLStep:
         """trainer, critic: the [trainer] and [critic] tables. group_size: samples per prompt
         (every batch is whole groups, in prompt then sample order). recipe: None for the PPO
         family ([trainer] estimator), or a recipe's settings (`RejectionSamplingConfig`,
-        `IterativeDPOConfig`). max_staleness: how many versions older than the last a sample
-        may be. keep_group_mean: DAPO's filter's bounds on a group's mean score."""
+        `IterativeDPOConfig`). max_staleness: how many policy versions older than the latest a
+        sample may be. keep_group_mean: the (low, high) bounds of DAPO's filter on a group's
+        mean score."""
         if (critic is None) != (critic_ranks is None):
             raise ValueError("a critic needs both its [critic] table and its ranks")
         self.trainer, self.critic = trainer, critic
         self.group_size, self.pad_id = group_size, pad_id
         self.policy, self.reference, self.critic_ranks = policy, reference, critic_ranks
         self.max_staleness, self.keep_group_mean = max_staleness, keep_group_mean
-        # steps skipped in a row for non-finite gradients, each role's, up to max_skipped_steps
+        # per role, the steps skipped in a row for non-finite gradients (up to max_skipped_steps)
         self.skips = {
             role: SkippedSteps(trainer.max_skipped_steps, role) for role in ("policy", "critic")
         }
@@ -78,9 +80,10 @@ class RLStep:
     def shape(
         self, samples: Sequence, rewards: Sequence[float], *, max_tokens: int
     ) -> tuple[list[float], list[float]]:
-        """The scores a step trains on, and each sample's overlong penalty: a truncated
-        response (finish_reason "length") scores [trainer] truncated_score when that is set;
-        the others get DAPO's overlong penalty when [trainer] overlong_buffer is set."""
+        """Returns the scores a step trains on and each sample's overlong penalty. A truncated
+        response (finish_reason "length") scores [trainer] truncated_score when that is set.
+        The other responses get DAPO's overlong penalty when [trainer] overlong_buffer is
+        set."""
         t, scores = self.trainer, list(rewards)
         penalties = [0.0] * len(samples)
         if t.overlong_buffer is not None:
@@ -96,8 +99,9 @@ class RLStep:
         return scores, penalties
 
     def keep(self, groups: Sequence[Group]) -> list[Group]:
-        """The prompt groups to train on: with keep_group_mean = (low, high), those whose mean
-        score lies strictly between (DAPO's dynamic sampling, `rl.keep_groups`); all without."""
+        """Returns the prompt groups to train on. With keep_group_mean = (low, high), these are
+        the groups whose mean score lies strictly between low and high (DAPO's dynamic sampling,
+        `rl.keep_groups`); without it, all groups."""
         self._check_sizes(groups)
         if self.keep_group_mean is None or not groups:
             return list(groups)
@@ -121,8 +125,8 @@ class RLStep:
         groups: Sequence[Group],
         on_chosen: Callable[[list[tuple[Group, int]]], None] | None = None,
     ) -> dict:
-        """Train on a rollout batch's prompt groups for RL step `step` (their samples come from
-        policy versions up to step - 1) by the recipe. on_chosen: rejection sampling hands it
-        the samples it trains on, each as (its group, its index in the group)."""
+        """Trains on a rollout batch's prompt groups for RL step `step`, using the recipe. The
+        samples come from policy versions up to step - 1. Rejection sampling calls `on_chosen`
+        with the samples it trains on, each as (group, index of the sample in the group)."""
         self._check_sizes(groups)
         return self.recipe.train(step, groups, on_chosen)

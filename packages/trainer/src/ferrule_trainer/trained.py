@@ -1,6 +1,6 @@
 """What the actor, the critic and the reward model share: how their DeepSpeed engine is built,
-checkpoints, the hybrid engine's offload and the sequence group they may share each sequence
-with."""
+checkpoints, the hybrid engine's offload, and the sequence group of ranks that may share each
+sequence."""
 
 import os
 from collections.abc import Callable, Sequence
@@ -17,7 +17,7 @@ from ferrule_trainer.offload import offload_states, reload_states
 
 class TrainedModel:
     """Mixed into a class that sets `engine` (a DeepSpeed engine) and `model_path` (the model
-    directory it was loaded from, whose tokenizer goes along with saved models)."""
+    directory it was loaded from; its tokenizer is saved with the model)."""
 
     engine: Any
     model_path: str
@@ -47,11 +47,12 @@ class TrainedModel:
         compile_layers: bool = False,
         prepare: Callable[[torch.nn.Module], Any] | None = None,
     ) -> None:
-        """Load the model of `model_path` and wrap it in its DeepSpeed engine (`self.engine`),
-        the steps every trained model takes in this order: the DeepSpeed config (ZeRO-3 needs
-        it while loading), the model (engine.load_model: `kind`, LoRA, checkpointing, compiled
-        layers), the sequence group's attention where there is one, then the engine with its
-        optimizer and schedule (none where `train` is False)."""
+        """Loads the model at `model_path` and wraps it in a DeepSpeed engine (`self.engine`).
+        Every trained model takes these steps in this order: build the DeepSpeed config (ZeRO-3
+        needs it while loading), load the model (engine.load_model: `kind`, LoRA,
+        checkpointing, compiled layers), install the sequence group's attention if there is a
+        group, then build the engine with its optimizer and schedule (neither when `train` is
+        False)."""
         self.model_path = str(model_path)
         ds_config = engine.deepspeed_config(
             zero_stage=zero_stage,
@@ -95,15 +96,16 @@ class TrainedModel:
         return compiled_head(self.engine)
 
     def _join_sequence_group(self, size: int, compile_layers: bool) -> None:
-        """With `size` > 1: this rank's group of `size` consecutive ranks, which share each
-        sequence (sequence_parallel.py); every rank calls it, before the model is built."""
+        """With `size` > 1, joins this rank's group of `size` consecutive ranks, which share
+        each sequence (sequence_parallel.py). Every rank calls it, before the model is built."""
         if size > 1 and compile_layers:
             raise ValueError("sequence_parallel > 1 does not run with compile_layers yet")
         self.sequence_group = sp.SequenceGroup.split(size) if size > 1 else None
 
     @property
     def _copies(self) -> int:
-        """How many ranks hold each of this rank's rows: its sequence group's."""
+        """How many ranks hold each of this rank's rows: the size of its sequence group (1
+        without one)."""
         return 1 if self.sequence_group is None else self.sequence_group.size
 
     def _global_sum(self, value) -> torch.Tensor:
@@ -111,16 +113,17 @@ class TrainedModel:
         return engine.global_sum(value) / self._copies
 
     def save_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """The model as a Hugging Face directory (LoRA merged), with the tokenizer; with LoRA,
-        the adapter itself too, under path/adapter (for `PeftModel.from_pretrained`)."""
+        """Saves the model as a Hugging Face directory (LoRA merged), with the tokenizer. With
+        LoRA, the adapter itself is also saved, under path/adapter (for
+        `PeftModel.from_pretrained`)."""
         checkpoint.save_hf(self.engine.module, path, dtype=dtype, tokenizer_from=self.model_path)
         checkpoint.save_adapter(self.engine.module, os.path.join(path, "adapter"))
 
     def save_state(
         self, directory: str | os.PathLike, *, step: int, **client_state: Any
     ) -> checkpoint.SavedState:
-        """Resumable training state (weights, optimizer, scheduler, RNG, step, data position);
-        returns its tag and this rank's seconds by part."""
+        """Saves the resumable training state (weights, optimizer, scheduler, RNG, step, data
+        position); returns the checkpoint's tag and this rank's seconds by part."""
         return checkpoint.save_state(self.engine, directory, step=step, **client_state)
 
     def load_state(self, directory: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
@@ -128,8 +131,9 @@ class TrainedModel:
         return checkpoint.load_state(self.engine, directory, tag=tag)
 
     def startup_seconds(self) -> dict[str, float]:
-        """Where this process's start went, seconds by phase (`engine.startup_seconds`: in a
-        process that built only this model, its start)."""
+        """Where this process's startup time went, in seconds by phase
+        (`engine.startup_seconds`). In a process that built only this model, that is the
+        model's startup."""
         return process_startup()
 
     def offload(self) -> None:
@@ -141,8 +145,9 @@ class TrainedModel:
         reload_states(self.engine)
 
     def release_cache(self) -> None:
-        """Gives the allocator's cached blocks back to the GPU: what the last training phase's
-        activations reserved (tens of GiB at 1.5B without checkpointing) would otherwise stay
-        this process's while the engines sharing the GPU wake and generate. A no-op on CPU."""
+        """Gives the allocator's cached blocks back to the GPU. Otherwise the memory that the
+        last training phase's activations reserved (tens of GiB at 1.5B without checkpointing)
+        would stay with this process while the engines sharing the GPU wake and generate. A
+        no-op on CPU."""
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

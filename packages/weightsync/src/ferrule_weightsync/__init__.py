@@ -2,15 +2,17 @@
 
     from ferrule_weightsync import create_sender, create_receiver
 
-Two transports with the same verbs (`send`, `receive`, `close`): "broadcast" (NCCL on GPUs, gloo
-on CPU; one sender to N receivers on any hosts) and "ipc" (CUDA IPC on a GPU, shared memory on
-CPU; colocated processes). Depends on torch only. The sender's `close` ends the stream: each
-receiver's `receive` then returns None. See examples/weightsync/ for a complete sender and
-receiver; pass the same `secret=` to every rank to authenticate the group.
+There are two transports, and both have the same methods (`send`, `receive`, `close`):
+"broadcast" uses NCCL on GPUs and gloo on CPU, and sends from one sender to N receivers on any
+hosts; "ipc" uses CUDA IPC on a GPU and shared memory on CPU, for colocated processes. The
+package depends on torch only. The sender's `close` ends the stream, after which each
+receiver's `receive` returns None. See examples/weightsync/ for a complete sender and receiver.
+To authenticate the group, pass the same `secret=` to every rank.
 
-A producer that gathers or lays out the weights itself (a ZeRO-3 trainer's export) can match a
-sender's buckets: `plan_buckets(specs, bucket_bytes)` is the sender's layout, and a bucket
-whose tensors `lying_in_one_buffer` finds back to back in one buffer is sent without packing.
+A producer that gathers or lays out the weights itself (such as a ZeRO-3 trainer's export) can
+match the sender's buckets. `plan_buckets(specs, bucket_bytes)` returns the layout the sender
+uses. When `lying_in_one_buffer` finds a bucket's tensors back to back in one buffer, the
+sender sends that buffer as it is, without packing.
 """
 
 from importlib.metadata import PackageNotFoundError
@@ -42,7 +44,8 @@ TRANSPORTS = ("broadcast", "ipc")
 
 
 def create_sender(transport: str, host: str, port: int, num_receivers: int, **options):
-    """The trainer's end: `BroadcastSender` or `IpcSender` (same arguments, same `send`)."""
+    """Create the trainer's end of the group: a `BroadcastSender` or an `IpcSender`. Both take
+    the same required arguments and have the same `send`."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
     cls = BroadcastSender if transport == "broadcast" else IpcSender
@@ -50,7 +53,8 @@ def create_sender(transport: str, host: str, port: int, num_receivers: int, **op
 
 
 def create_receiver(transport: str, host: str, port: int, rank: int, num_receivers: int, **options):
-    """An inference worker's end: `BroadcastReceiver` or `IpcReceiver` (same `receive`)."""
+    """Create an inference worker's end of the group: a `BroadcastReceiver` or an
+    `IpcReceiver`. Both have the same `receive`."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown weight-sync transport {transport!r}; choose one of {TRANSPORTS}")
     cls = BroadcastReceiver if transport == "broadcast" else IpcReceiver

@@ -8,19 +8,23 @@
     for name, tensor in update: ...
 
 The group is created from a TCP store at host:port, never from the default process group, so it
-lives happily inside a DeepSpeed trainer. NCCL for CUDA devices, gloo for CPU: the same code runs
-in CI. The sender packs bucket k+1 while bucket k is on the wire (NCCL runs on its own
-high-priority stream, so the next bucket's packing never delays its launch), and each receiver
-posts the next bucket before handing bucket k to its consumer. A bucket whose tensors already
-lie in one buffer in the bucket's layout goes from that memory, unpacked: a tensor of at least
-half a bucket (an embedding, say), which gets a bucket of its own, or a trainer's export that
-gathers into buffers laid out by `plan_buckets` at `sender.bucket_bytes` (ferrule-trainer's
-ZeRO-3 export does).
-NCCL spreads one broadcast over its own channels; gloo moves one broadcast over one TCP
-connection, at what one core can copy, so the gloo group opens `streams` connections, each with
-its own thread, and keeps that many buckets on the wire at once (one buffer more than that on
-each side). An update ends with a one-number all-reduce on the same group, which says whether
-any receiver failed: no round trip through the store when all went well.
+works inside a DeepSpeed trainer. The group uses NCCL for CUDA devices and gloo for CPU, so the
+same code runs in CI.
+
+The sender packs bucket k+1 while bucket k is on the wire. NCCL runs on its own high-priority
+stream, so packing the next bucket never delays a broadcast's launch. Each receiver posts the
+next bucket before it hands bucket k to its consumer. A bucket whose tensors already lie in one
+buffer, in the bucket's layout, is sent from that memory without packing. Examples are a tensor
+of at least half a bucket (an embedding, say), which gets a bucket of its own, and a trainer's
+export that gathers into buffers laid out by `plan_buckets` at `sender.bucket_bytes`, as
+ferrule-trainer's ZeRO-3 export does.
+
+NCCL spreads one broadcast over its own channels. gloo moves one broadcast over one TCP
+connection, only as fast as one core can copy. So the gloo group opens `streams` connections,
+each with its own thread, and keeps that many buckets on the wire at once (each side has one
+buffer more than that). An update ends with a one-number all-reduce on the same group, which
+says whether any receiver failed, so no round trip through the store is needed when all went
+well.
 """
 
 import contextlib
@@ -46,16 +50,18 @@ from ferrule_weightsync.update import (
     open_update,
 )
 
-# Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets 0.87-0.89 of a raw
-# broadcast, 256 MB 0.84, 1 GB no better; buckets ramping up from 16 or 64 MB were slower.
+# Measured on 2 x H200 (3 GB update, before packing by memcpy): 512 MB buckets reached 0.87-0.89
+# of a raw broadcast's throughput, 256 MB buckets 0.84, and 1 GB buckets no better. Buckets
+# ramping up from 16 or 64 MB were slower.
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-# gloo, measured with 200 MB to 2 receivers: on 64 host cores 4 connections and 16 MB buckets
-# move an update 1.25-1.4x as fast as one raw broadcast of a flat buffer, one connection 0.6-0.7x
-# (the packing copy then slows the only send), 2, 6 or 8 connections 1.1x; 16 and 32 cores gave
-# 1.4-2.1x. On 2 cores, where the copies alone fill the CPU, the connections change nothing.
+# gloo, measured with 200 MB sent to 2 receivers. On 64 host cores, 4 connections and 16 MB
+# buckets move an update 1.25-1.4x as fast as one raw broadcast of a flat buffer. One connection
+# reaches 0.6-0.7x (the packing copy then slows the only send), and 2, 6 or 8 connections 1.1x.
+# 16 and 32 cores gave 1.4-2.1x. On 2 cores, where the copies alone fill the CPU, the number of
+# connections changes nothing.
 GLOO_STREAMS = 4
 GLOO_BUCKET_BYTES = 16 * 2**20
-SPIN_SECONDS = 0.1  # a final wait polls without sleeping this long (~40 GB at NVLink speed)
+SPIN_SECONDS = 0.1  # a final wait polls without sleeping for this long (~40 GB at NVLink speed)
 
 
 def _streams(device: torch.device, streams: int | None) -> int:
@@ -72,9 +78,9 @@ def _streams(device: torch.device, streams: int | None) -> int:
 
 
 def gloo_group(store, rank: int, size: int, streams: int, timeout: float):
-    """A gloo group with `streams` TCP connections: one device each, each with its own I/O
-    thread. Collectives take the connections in turn, and as many gloo threads run them side by
-    side."""
+    """A gloo group with `streams` TCP connections: one gloo device per connection, each with
+    its own I/O thread. Successive collectives take the connections in turn, and as many gloo
+    threads run them side by side."""
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timedelta(seconds=timeout)
     options._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(streams)]
@@ -103,10 +109,11 @@ class _Group:
                 torch.cuda.set_device(self.device)
                 self.device = torch.device("cuda", torch.cuda.current_device())  # "cuda" -> :N
                 options = dist.ProcessGroupNCCL.Options()
-                # Our buckets' packing kernels (and a receiver's loads) run beside the
+                # The sender's packing kernels (and a receiver's loads) run beside the
                 # broadcasts; a high-priority stream schedules each broadcast ahead of them.
                 options.is_high_priority_stream = True
-                # Later than our own deadline (see _poll): NCCL's watchdog would kill the process.
+                # Set later than our own deadline (see _poll): NCCL's watchdog would kill the
+                # process.
                 options._timeout = timedelta(seconds=2 * timeout + 60)
                 self.pg = dist.ProcessGroupNCCL(store, rank, num_receivers + 1, options)
             else:
@@ -115,8 +122,8 @@ class _Group:
             raise PeerTimeoutError(
                 f"rank {rank}: could not form the broadcast group at {self.control.where}: {err}"
             ) from err
-        # `streams` buckets on the wire while the sender packs (or a receiver's consumer loads)
-        # one more
+        # `streams` buffers hold buckets on the wire while one more is packed by the sender (or
+        # loaded by a receiver's consumer)
         self.buffers: list[torch.Tensor | None] = [None] * (streams + 1)
         self.views = BucketViews()
         self.broken = ""
@@ -133,20 +140,21 @@ class _Group:
         return self.pg.broadcast(buffer, 0)
 
     def count_failures(self, failed: bool) -> int:
-        """All ranks: how many receivers failed this update (each says so with a 1). Ordered
-        after this rank's broadcasts and, on a receiver, after its consumer's loads."""
+        """All ranks: how many receivers failed this update (each failed receiver adds a 1).
+        The all-reduce is ordered after this rank's broadcasts and, on a receiver, after its
+        consumer's loads."""
         self.check_usable()
         flag = torch.full((1,), int(failed), dtype=torch.int32, device=self.device)  # no copy
         self.wait(self.pg.allreduce([flag]), "the end-of-update all-reduce", final=True)
         return int(flag.item())
 
     def wait(self, work: dist.Work, what: str, final: bool = False) -> None:
-        """Wait for `work`, with a deadline: a dead peer must not hang us.
+        """Wait for `work` with a deadline, so that a dead peer cannot hang us.
 
-        gloo: block with gloo's own timeout (it also raises when a peer's connection closes).
-        NCCL: inside an update, only order the current stream after the broadcast (no CPU
-        stall between buckets); at the end (`final`), block on the CPU with a deadline, which
-        bounds the whole update.
+        gloo: block with gloo's own timeout (gloo also raises when a peer's connection closes).
+        NCCL: inside an update, only order the current stream after the broadcast, so the CPU
+        does not stall between buckets. At the end (`final`), block on the CPU with a deadline,
+        which bounds the whole update.
         """
         try:
             if self.device.type != "cuda":
@@ -164,10 +172,10 @@ class _Group:
             raise kind(f"{self.control.where}: {self.broken}") from err
 
     def _poll(self, work: dist.Work) -> None:
-        """NCCL: its own timeout would tear the whole process down, so poll with a deadline
-        and abort the group ourselves. The first SPIN_SECONDS only yield the GIL between polls:
-        a sleeping poll wakes up late (by a measurable share of an update on NVLink;
-        benchmarks/RESULTS.md)."""
+        """NCCL's own timeout would tear the whole process down, so poll with a deadline and
+        abort the group ourselves. For the first SPIN_SECONDS the loop only yields the GIL
+        between polls, because a sleeping poll wakes up late: on NVLink, by a measurable share
+        of an update (benchmarks/RESULTS.md)."""
         started = time.monotonic()
         deadline = started + self.timeout
         while not work.is_completed():
@@ -204,10 +212,11 @@ class BroadcastSender:
     `timeout` bounds every step of an update (a dead or stuck peer raises `PeerTimeoutError`);
     `connect_timeout` bounds the wait for all receivers to join, which may include an inference
     engine's start-up. `checksums=True` verifies every bucket on every receiver. `bucket_bytes`
-    defaults to 512 MB on CUDA and 16 MB on CPU; `streams` (CPU only, default 4) is how many
-    TCP connections, and buckets in flight, the gloo group uses. Receivers learn it on joining.
-    `secret` (16+ bytes, the same on every rank): receivers must prove they know it to join,
-    and every control message is signed with it (see messages.py).
+    defaults to 512 MB on CUDA and 16 MB on CPU. `streams` (CPU only, default 4) is the number
+    of TCP connections the gloo group uses, and so of buckets in flight; receivers learn it when
+    they join. `secret` (16+ bytes, the same on every rank): receivers must prove they know it
+    to join, and every control message is signed with a session key made from it (see
+    messages.py).
     """
 
     def __init__(
@@ -224,14 +233,15 @@ class BroadcastSender:
         secret: str | bytes | None = None,
     ):
         device = torch.device(device)
-        streams = _streams(device, streams)  # before connecting: a bad value starts nothing
+        streams = _streams(device, streams)  # checked before connecting: a bad value starts nothing
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if device.type == "cuda" else GLOO_BUCKET_BYTES
         self._group = _Group(
             host, port, 0, num_receivers, device, timeout, connect_timeout, streams, secret
         )
         self._updates = UpdateSender(self._group.control, bucket_bytes, checksums)
-        # never closed: closes when collected, at interpreter exit or on SIGTERM (at_exit.py)
+        # A sender that is never closed closes when it is collected, at interpreter exit or on
+        # SIGTERM (at_exit.py).
         self._closer = at_exit.close_at_exit(self, _close_sender, self._updates, self._group)
 
     @property
@@ -253,19 +263,20 @@ class BroadcastSender:
     ) -> int:
         """Send one update and return its version (default: the previous one + 1).
 
-        `named_tensors` may be a lazy stream (e.g. ZeRO-3 parameters gathered bucket by bucket);
-        then pass `specs` in the same order, so receivers can check the update before it starts.
-        Returns when every receiver has consumed it; raises `WeightSyncError` naming the receiver
-        that failed, `MismatchError` when a receiver refused the update before any data moved.
-        `in_place` is `IpcSender.send`'s; a broadcast moves the bytes either way.
+        `named_tensors` may be a lazy stream (e.g. ZeRO-3 parameters gathered bucket by bucket).
+        In that case pass `specs` in the same order, so that receivers can check the update
+        before it starts. Returns when every receiver has consumed the update. Raises
+        `WeightSyncError` naming the receiver that failed, or `MismatchError` when a receiver
+        refused the update before any data moved. `in_place` is accepted to match
+        `IpcSender.send`; a broadcast moves the bytes either way.
         """
         self._group.check_usable()
         return self._updates.send(named_tensors, self._send_buckets, version, specs)
 
     def _send_buckets(self, seq, stream) -> bool:
         slots = len(self._group.buffers)
-        # (work, the bytes it sends): a bucket sent from its tensor's own memory keeps that
-        # tensor alive (a lazy stream may drop it) until its broadcast is done
+        # (work, the bytes it sends). Holding the bytes keeps a tensor whose bucket is sent from
+        # its own memory alive until the broadcast is done, even if a lazy stream drops it.
         in_flight: list[tuple[dist.Work, torch.Tensor] | None] = [None] * slots
         for bucket, tensors in stream:
             slot = bucket.index % slots
@@ -284,26 +295,29 @@ class BroadcastSender:
         return self._group.count_failures(False) > 0
 
     def abort(self, reason: str) -> None:
-        """End a `send` blocked in another thread (a receiver died): it raises `WeightSyncError`
-        with `reason`: at once when it waits for the receivers' reports, within a poll in an
-        NCCL transfer (the group is aborted); a gloo transfer ends when the dead receiver's
-        connection closes. The sender is unusable afterwards: close it and open a new group."""
+        """End a `send` that is blocked in another thread, for example because a receiver died.
+        The `send` raises `WeightSyncError` with `reason`: at once if it waits for the
+        receivers' reports, and within one poll if it is in an NCCL transfer (the group is
+        aborted). A gloo transfer ends when the dead receiver's connection closes. The sender is
+        unusable afterwards: close it and open a new group."""
         self._group.control.abort(reason)
         self._group.abort(f"aborted: {reason}")
 
     def close(self, timeout: float = END_SECONDS) -> None:
-        """End the stream: each receiver's `receive` returns None. Waits up to `timeout`
-        seconds for the receivers to read that (0: not at all; one that calls `receive` after
-        the group went gets `WeightSyncError`), then leaves the group. A sender never closed
-        does this when it is collected, at interpreter exit or on SIGTERM (see at_exit.py)."""
+        """End the stream, so that each receiver's `receive` returns None. Waits up to `timeout`
+        seconds for the receivers to read the end (0: no wait), then leaves the group. A
+        receiver that calls `receive` after the group is gone gets `WeightSyncError`. A sender
+        that is never closed does this when it is collected, at interpreter exit or on SIGTERM
+        (see at_exit.py)."""
         at_exit.close_now(self._closer, timeout=timeout, exiting=False)
 
 
 def _close_sender(
     updates: UpdateSender, group: _Group, timeout: float = END_SECONDS, exiting: bool = True
 ) -> None:
-    """A sender's close. `exiting` (at exit, on SIGTERM): one interrupted inside `send` leaves
-    the group as it is (its receivers see the sender go away; the transfer may be in flight)."""
+    """Close a sender. With `exiting` (at exit or on SIGTERM), a sender interrupted inside
+    `send` leaves the group as it is, because a transfer may be in flight; its receivers see
+    the sender go away."""
     if exiting and updates.sending:
         return
     if not group.broken:
@@ -331,7 +345,7 @@ class BroadcastReceiver(LoadsInto):
             host, port, rank, num_receivers, device, timeout, connect_timeout, None, secret
         )
         self._state = ReceiverState()
-        # closed, or its process exits: a sender closing later need not wait for this rank
+        # On close or process exit, tell a sender that closes later not to wait for this rank.
         self._leave = weakref.finalize(self, leave, self._group.control, self._state)
 
     def receive(
@@ -341,14 +355,15 @@ class BroadcastReceiver(LoadsInto):
         timeout: float | None = None,
         partial: bool = False,
     ) -> Update | None:
-        """Wait for the next update (up to `timeout` seconds; None: as long as the sender lives).
-        Returns None once the sender closed: the stream ended (and every later call returns
-        None), so `while (update := receiver.receive()) is not None:` is a receiver's loop.
+        """Wait for the next update, up to `timeout` seconds (None: as long as the sender lives).
+        Returns None once the sender has closed and the stream has ended; every later call also
+        returns None. So a receiver's loop is `while (update := receiver.receive()) is not None:`.
 
-        `expected` (a state dict or name -> TensorSpec) makes the update refuse, before any data
-        moves, tensors this receiver does not know or whose shape or dtype differ, and (unless
-        `partial`) an update that lacks any of its names. `cast=True` converts to the expected
-        dtypes instead; `cast=torch.bfloat16` converts every floating tensor.
+        With `expected` (a state dict or name -> TensorSpec), the receiver refuses an update
+        before any data moves if the update holds a tensor that `expected` lacks, or one whose
+        shape or dtype differs, or (unless `partial`) if it lacks any expected name. `cast=True`
+        converts to the expected dtypes instead of refusing a dtype difference;
+        `cast=torch.bfloat16` converts every floating-point tensor.
         """
         if self._state.ended:
             return None
@@ -382,7 +397,7 @@ class BroadcastReceiver(LoadsInto):
             # all-reduce (_finish) is the wait with a deadline.
             self._group.wait(work, f"broadcast of bucket {bucket.index}")
             ahead = bucket.index + slots - 1
-            if ahead < len(buckets):  # its slot held bucket k-1, already consumed
+            if ahead < len(buckets):  # its slot held the previous bucket, already consumed
                 post(ahead)
             yield bucket, buffer
 

@@ -1,9 +1,10 @@
 """The control plane: who is in the group, which update comes next, and who is done with it.
 
-It runs over a `torch.distributed.TCPStore` hosted by the sender (rank 0) at `host:port`, apart
-from the data plane (a broadcast group or shared buffers) and from the default process group,
-which a DeepSpeed trainer already owns. Every wait has a deadline, so a dead peer is an error
-that names it, never a hang; a dead sender takes its store with it, which receivers see at once.
+It runs over a `torch.distributed.TCPStore` that the sender (rank 0) hosts at `host:port`. The
+store is separate from the data plane (a broadcast group or shared buffers) and from the default
+process group, which a DeepSpeed trainer already owns. Every wait has a deadline, so a dead peer
+causes an error that names it, never a hang. A dead sender takes its store with it, and the
+receivers see that at once.
 
 One update, as both sides see it:
 
@@ -16,22 +17,25 @@ One update, as both sides see it:
                                             publish  u{seq}/done/r = "" or an error message
     wait for every done; raise if any receiver failed
 
-Once every receiver has accepted a layout, its later updates skip the handshake (two round trips
-before the first byte moves, every step). The broadcast transport also replaces the "done"
-round trip with a one-number all-reduce on its own group; only a failing receiver writes "done".
+Once every receiver has accepted a layout, later updates with that layout skip the handshake,
+which would cost two round trips before the first byte moves, every step. The broadcast
+transport also replaces the "done" round trip with a one-number all-reduce on its own group;
+only a receiver that fails writes "done".
 
-The end of the stream (the sender's `close`) is one more manifest, END, under the next update's
-key: each receiver's `receive` returns None on reading it and reports `end/r`, which the sender
-waits for (briefly) before its store, and the group, go away. A receiver that closes (or whose
-process exits) reports the same, so that a sender closing after it does not wait for it.
+The sender's `close` ends the stream with one more manifest, END, under the next update's key.
+Each receiver's `receive` returns None when it reads END, and the receiver reports `end/r`. The
+sender waits briefly for these reports before its store, and with it the group, goes away. A
+receiver that closes (or whose process exits) reports `end/r` too, so that a sender closing
+later does not wait for it.
 
-Every value is JSON, checked on arrival and signed when the group has a secret (messages.py):
-the store is open to anyone who reaches its port, so nothing read from it can run code.
+Every value is JSON, checked on arrival, and signed when the group has a secret (messages.py).
+The store is open to anyone who reaches its port, so nothing read from it can run code.
 
-Joining, with a secret: the sender publishes a random nonce; each receiver publishes its own
-and a proof (an HMAC of both under the secret); the sender checks every proof, then publishes
-the list of receiver nonces, signed under the session key they and its own nonce make. Every
-later message of the group, either way, is signed under that key.
+Joining with a secret works like this. The sender publishes a random nonce. Each receiver
+publishes its own nonce and a proof (an HMAC of its rank and both nonces under the secret).
+The sender checks every proof, then publishes the list of receiver nonces, signed with the
+session key that those nonces and the sender's nonce make. Every later message of the group,
+in either direction, is signed with that key.
 """
 
 import hmac
@@ -53,7 +57,7 @@ from ferrule_weightsync.errors import (
 from ferrule_weightsync.messages import Seal, fields, integer
 
 FORGET_EVERY = 32  # updates between sweeps of old control keys out of the store
-WAIT_LOG_SECONDS = 30.0  # a sender waiting longer for receivers says whom it waits for, this often
+WAIT_LOG_SECONDS = 30.0  # how often a long wait for receivers logs the ones still missing
 END = {"end": True}  # the manifest that ends the stream (the sender's close)
 logger = logging.getLogger("ferrule_weightsync")
 
@@ -123,13 +127,13 @@ class Control:
     # -- membership ------------------------------------------------------------------------
 
     def join(self, settings: dict[str, int | None] | None = None) -> dict[str, int | None]:
-        """Register this rank; fail clearly on a second join, a different world size (on both
-        sides at once: the receiver tells the sender), or (with a secret) a peer that does not
-        know it.
+        """Register this rank. Fail with a clear error on a second join, on a different world
+        size, or (with a secret) on a peer that does not know the secret. A different world size
+        fails on both sides at once, because the receiver tells the sender.
 
-        The sender passes the group's `settings` (what every rank must agree on, such as the
-        number of connections: names to ints or None); every rank gets them back, so receivers
-        need not be told."""
+        The sender passes the group's `settings`: what every rank must agree on, such as the
+        number of connections, as names mapped to ints or None. Every rank gets the settings
+        back, so receivers need not be told them."""
         if self.rank == 0:
             hello = {"world_size": self.world_size, "signed": self._secret is not None}
             if self._secret is not None:
@@ -152,7 +156,8 @@ class Control:
         return self._take("settings", "the sender", self._settings)
 
     def _check_hello(self) -> None:
-        """The sender's greeting: the group's size and, with a secret, its nonce (kept)."""
+        """Read the sender's greeting: the group's size and, with a secret, the sender's nonce,
+        which is kept in `self._nonce`."""
         raw = self._get("hello", "the sender", self.connect_timeout)
         checks = {"world_size": integer, "signed": messages.flag}
         value = messages.decode(raw, "hello")
@@ -176,9 +181,10 @@ class Control:
             self._nonce = nonce
 
     def _refuse(self, world_size: int) -> None:
-        """Receiver of another group size than the sender's: say so under `refused` and wake
-        the sender's wait for every rank to join (adding 0 makes a key without joining anyone),
-        so that it fails at once rather than after its connect timeout."""
+        """Called on a receiver whose group size differs from the sender's. Say so under
+        `refused`, and wake the sender's wait for every rank to join (adding 0 creates a key
+        without counting a join). The sender then fails at once rather than after its connect
+        timeout."""
         self._put("refused", {"rank": self.rank, "receivers": self.world_size - 1})
         for rank in range(1, world_size):
             self.store.add(f"joined/{rank}", 0)
@@ -203,7 +209,8 @@ class Control:
         self.store.set(f"proof/{self.rank}", messages.encode(value))
 
     def _admit(self) -> None:
-        """Sender: check every receiver's proof; sign from now on under the session key."""
+        """Sender: check every receiver's proof, then sign every later message with the session
+        key."""
         nonces = []
         for rank in range(1, self.world_size):
             key = f"proof/{rank}"
@@ -225,8 +232,8 @@ class Control:
         self._put("session", [messages.to_b64(n) for n in nonces])
 
     def _enter(self) -> None:
-        """Receiver: read the sender's list of nonces, check it is signed under the session key
-        they make and holds ours."""
+        """Receiver: read the sender's list of receiver nonces. Check that the list is signed
+        with the session key these nonces make, and that it holds this rank's nonce."""
         raw = self._get("session", "the sender", self.connect_timeout)
         value = messages.decode(raw[messages.MAC_BYTES :], "session")
         if not isinstance(value, list) or len(value) != self.world_size - 1:
@@ -235,7 +242,7 @@ class Control:
             )
         nonces = [messages.from_b64(n, "session", "nonce", messages.NONCE_BYTES) for n in value]
         self._seal = Seal(messages.session_key(self._secret, self._nonce, nonces))
-        self._seal.open("session", raw)  # the signature, before anything else of it is used
+        self._seal.open("session", raw)  # check the signature before the list is used further
         if nonces[self.rank - 1] != self._my_nonce:
             raise ForgedMessageError(
                 f"rank {self.rank}: the {self.where}'s session does not hold this rank's nonce"
@@ -277,12 +284,12 @@ class Control:
             return
         try:
             self._wait_all("end", "see the end of the stream", timeout)
-        except WeightSyncError as err:  # closing anyway: they find the group gone
+        except WeightSyncError as err:  # close anyway: late receivers find the group gone
             logger.warning("closing without every receiver seeing the end: %s", err)
 
     def report_end(self) -> None:
-        """Receiver: this rank has read END (or closes before it): a sender closing need not
-        wait for it."""
+        """Receiver: report that this rank has read END, or closes before reading it, so that a
+        closing sender need not wait for it."""
         self._put(f"end/{self.rank}", "")
 
     def publish(self, key: str, value: object) -> None:
@@ -312,7 +319,8 @@ class Control:
 
     def reported_errors(self, seq: int, stage: str) -> list[str]:
         """Sender: the messages of the receivers that have reported `stage`, without waiting
-        for the others (who report only on failure in the broadcast transport's finish)."""
+        for the others. (In the broadcast transport's finish, receivers report only on
+        failure.)"""
         ranks = range(1, self.world_size)
         return self._messages(
             seq, stage, [r for r in ranks if self.store.check([f"u{seq}/{stage}/{r}"])]
@@ -340,14 +348,15 @@ class Control:
         self._put(self._bucket_key(seq, bucket, what), value)
 
     def await_signal(self, seq: int, bucket: int, what: str, who: str, check=None):
-        """The value of a signal, as `check(value, store key)` makes it (None: must be null)."""
+        """Wait for a signal and return its value, as `check(value, store key)` makes it. With
+        no `check`, the value must be null."""
         return self._take(self._bucket_key(seq, bucket, what), who, check or _null)
 
     def await_all_signals(self, seq: int, bucket: int, what: str) -> None:
         """Sender: wait until every receiver has signalled `what` for this bucket."""
         prefix = f"u{seq}/b{bucket}/{what}"
         self._wait_all(prefix, f"signal '{what}' for bucket {bucket}")
-        if self._seal.key is not None:  # a key anyone could have set: check who did
+        if self._seal.key is not None:  # anyone could have set these keys: check signatures
             keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
             for key, raw in self._multi_get(keys):
                 self._open(key, raw, _null)
@@ -363,9 +372,10 @@ class Control:
     # -- helpers ---------------------------------------------------------------------------
 
     def abort(self, reason: str) -> None:
-        """Make this side's current and later waits raise `WeightSyncError` with `reason`: at
-        once for a wait on every receiver, within a second for a wait on one key. For another
-        thread to call while this one waits (it sets a flag, and the keys being waited on)."""
+        """Make this side's current and later waits raise `WeightSyncError` with `reason`. A
+        wait on every receiver ends at once; a wait on one key ends within a second. Meant to be
+        called from another thread while this side waits: it sets a flag, and it sets the keys
+        being waited on."""
         self._aborted = reason or "no reason given"
         if self._waiting:  # a _wait_all in progress: wake it through a connection of our own
             host, port = self._address
@@ -387,9 +397,10 @@ class Control:
         return check(messages.decode(self._seal.open(key, raw), key), key)
 
     def _lost(self, doing: str, err: Exception) -> str:
-        """The error of a lost connection to the store. A receiver's store is the sender's: it
-        went away (a sender that exits, closed or not, ends the stream first: receivers see
-        this where it was killed outright)."""
+        """The error message for a lost connection to the store. A receiver's store is hosted
+        by the sender, so a lost connection means the sender went away. A sender that exits,
+        closed or not, ends the stream first, so receivers see this error only when the sender
+        was killed outright."""
         if self.rank == 0:
             return f"rank 0: lost the {self.where} while {doing}: {err}"
         return (
@@ -424,11 +435,12 @@ class Control:
     def _wait_all(
         self, prefix: str, what: str, timeout: float | None = None
     ) -> list[tuple[str, bytes]]:
-        """Block (in the store, not by polling: CPU is scarce while data moves) until every
-        receiver has set `prefix/<rank>`, and return (key, value) for each in rank order: one
-        round trip, the store's get waiting for the keys. A wait longer than WAIT_LOG_SECONDS
-        logs, that often, the ranks still missing; on timeout the error names them. An abort
-        from another thread wakes the wait by setting the keys itself."""
+        """Block until every receiver has set `prefix/<rank>`, and return (key, value) for each,
+        in rank order. The wait happens in the store, not by polling, because CPU is scarce
+        while data moves: it is one round trip, in which the store's get waits for the keys. A
+        wait longer than WAIT_LOG_SECONDS logs the ranks still missing every WAIT_LOG_SECONDS,
+        and the timeout error names them. An abort from another thread wakes the wait by
+        setting the keys itself."""
         keys = [f"{prefix}/{rank}" for rank in range(1, self.world_size)]
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -456,7 +468,7 @@ class Control:
         finally:
             self._waiting = []
             self.store.set_timeout(timedelta(seconds=self.timeout))  # for the other calls
-        self.check_aborted()  # woken by abort(), not by the receivers
+        self.check_aborted()  # raises if abort() woke the wait, not the receivers
         return found
 
     def _missing(self, keys: list[str]) -> list[int]:
@@ -488,20 +500,23 @@ class Control:
 
 CONNECT_ATTEMPT = 2.0  # seconds a connection to the store may take before a fresh one is tried
 TORCH_RETRIES_AFTER = 5.0  # seconds after which torch's client tries a lost handshake again
-OWN_STORE_CONNECT = 2 * TORCH_RETRIES_AFTER + CONNECT_ATTEMPT  # the sender's, to its own store
+OWN_STORE_CONNECT = 2 * TORCH_RETRIES_AFTER + CONNECT_ATTEMPT  # sender to its own store, seconds
 
 
 def open_store(host: str, port: int, is_master: bool, timeout: float) -> dist.TCPStore:
-    """A connection to the group's store (and, for the sender, the store itself) within
-    `timeout` seconds. torch's store now and then leaves a new connection's handshake
-    unanswered (6 in 150 connections on loopback here) and tries again only after 5 s, so a
-    connection given 5 s or less (`abort`'s waker, a short connect timeout) failed outright.
-    A receiver's connection given less than 15 s is made in attempts of CONNECT_ATTEMPT
-    seconds; a longer one in one attempt, as torch's own retry leaves time enough (and a
-    receiver waiting for its sender logs no failed attempts). The sender's store is made once:
-    made again, it closed early receivers' connections and could meet its own old listener.
-    So the sender's connection to its own store is given room for torch's retry whatever
-    `timeout` says: it waits for nobody, and a short connect timeout failed it (CI, 2026-12-01)."""
+    """Open a connection to the group's store within `timeout` seconds; the sender also
+    creates the store itself.
+
+    torch's store now and then leaves a new connection's handshake unanswered (6 in 150
+    connections on loopback here) and tries again only after 5 s. So a connection given 5 s or
+    less (`abort`'s waker, a short connect timeout) would fail outright. A receiver's
+    connection given less than 15 s is therefore made in attempts of CONNECT_ATTEMPT seconds.
+    A longer one is made in one attempt, because torch's own retry leaves enough time (and a
+    receiver waiting for its sender then logs no failed attempts). The sender's store is
+    created only once: creating it again closed the connections of early receivers and could
+    meet the sender's own old listener. So the sender's connection to its own store gets room
+    for torch's retry, whatever `timeout` says. That connection waits for nobody, and a short
+    connect timeout made it fail (CI, 2026-12-01)."""
     connect = max(timeout, OWN_STORE_CONNECT) if is_master else timeout
     deadline = time.monotonic() + connect
     one_attempt = is_master or connect >= 3 * TORCH_RETRIES_AFTER

@@ -2,11 +2,11 @@
 
 
 class WeightSyncError(RuntimeError):
-    """An update could not be completed; the message says which peer, tensor or bucket."""
+    """An update could not be completed. The error message names the peer, tensor or bucket."""
 
 
 class PeerTimeoutError(WeightSyncError, TimeoutError):
-    """A peer did not answer within the group's timeout: it died, hangs or never joined."""
+    """A peer did not answer within the group's timeout: it died, it hangs, or it never joined."""
 
 
 class MismatchError(WeightSyncError, ValueError):
@@ -14,8 +14,9 @@ class MismatchError(WeightSyncError, ValueError):
 
 
 class MalformedMessageError(WeightSyncError, ValueError):
-    """A control message is not what it must be: not JSON, the wrong shape, out of range."""
+    """A control message is malformed: it is not JSON, has the wrong shape, or is out of range."""
 
 
 class ForgedMessageError(WeightSyncError):
-    """A control message's signature does not check out: forged, replayed, or another secret."""
+    """A control message's signature is wrong: the message was forged or replayed, or it was
+    signed with another secret."""

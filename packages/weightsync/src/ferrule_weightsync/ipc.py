@@ -6,26 +6,27 @@
     receiver = IpcReceiver("127.0.0.1", 29700, rank=1, num_receivers=1)
     for name, tensor in receiver.receive(): ...
 
-The sender owns two flat buffers (double buffering) and publishes one handle per buffer; the
-receivers map each handle once and keep it, so later updates of the same model exchange no
-handles at all (opening a handle is costly, benchmarks/RESULTS.md: a per-tensor handle scheme
-is what makes naive IPC slow). Per bucket, the sender packs and signals "ready"; each receiver
-hands out views of the mapped buffer and signals "free" once its consumer has moved on, which
-lets the sender reuse the buffer for bucket k+2.
+The sender owns two flat buffers (double buffering) and publishes one handle per buffer. The
+receivers map each handle once and keep the mapping, so later updates of the same model exchange
+no handles at all. Opening a handle is costly (benchmarks/RESULTS.md): a handle per tensor is
+what makes naive IPC slow. For each bucket, the sender packs the bucket and signals "ready".
+Each receiver hands out views of the mapped buffer and signals "free" once its consumer has
+moved on, which lets the sender reuse the buffer for bucket k+2.
 
     sender.send(actor.export_weights(), in_place=True)    # a trainer's own memory, on a GPU
 
-In place, nothing is packed: the sender shares the allocations its tensors lie in (a trainer's
-flat parameter buffers: a handful) the same way, once, and each update is a manifest after which
-the receivers read the tensors where they lie. The only copy left is the receivers' own load.
-A receiver reports done as soon as that load is queued, behind an interprocess CUDA event whose
-handle it publishes once; the sender waits on those events before `send` returns, so the report
-travels while the copies run.
+In place, nothing is packed. The sender shares the allocations its tensors lie in (for a
+trainer, a handful of flat parameter buffers) the same way, once. Each update is then only a
+manifest, after which the receivers read the tensors where they lie. The only copy left is each
+receiver's own load. A receiver reports done as soon as that load is queued, behind an
+interprocess CUDA event whose handle the receiver publishes once. The sender waits on those
+events before `send` returns, so the report travels while the copies run.
 
 On CPU the buffers are POSIX shared-memory segments, /dev/shm/ferrule-ws-*. A sender that is
-killed outright (SIGKILL, the OOM killer, a container stopped) cannot remove its segments, so
-every sender, before it creates its own, removes those whose creator is gone: each creator holds
-a shared `flock` on its segment for as long as it lives, which the kernel drops when it dies.
+killed outright (SIGKILL, the OOM killer, a container stopped) cannot remove its segments. So
+before it creates its own segments, every sender removes those whose creator is gone. Each
+creator holds a shared `flock` on its segment for as long as it lives, and the kernel drops the
+lock when the creator dies.
 """
 
 import contextlib
@@ -68,13 +69,14 @@ except ImportError:  # not POSIX: no /dev/shm either, and the CPU path cannot ru
 DEFAULT_BUCKET_BYTES = 1024 * 2**20  # measured on one H200: 1 GB buckets copy at ~940 GB/s
 SEGMENTS = Path("/dev/shm")
 CUDA_IPC_HANDLE_BYTES = 64  # cudaIpcEventHandle_t
-SPIN_SECONDS = 0.01  # how long a wait for receivers' reads yields the CPU, before it sleeps
+SPIN_SECONDS = 0.01  # how long a wait for receivers' reads only yields the CPU before sleeping
 
 
 @contextlib.contextmanager
 def _segments_locked() -> Iterator[None]:
-    """This user's senders one at a time: a segment is created and locked, or swept, as one
-    step, so a sweep never finds a live sender's segment before its lock is taken."""
+    """Let this user's senders in one at a time. Creating and locking a segment, or sweeping
+    orphaned ones, is then one step, so a sweep never finds a live sender's segment before its
+    lock is taken."""
     fd = os.open(SEGMENTS / f"ferrule-ws.{os.getuid()}.lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -84,8 +86,9 @@ def _segments_locked() -> Iterator[None]:
 
 
 def orphaned_segments(paths: Iterable[Path]) -> Iterator[Path]:
-    """The segments of `paths` that are this user's and that no living process holds a lock on
-    (each creator locks its segments while it lives), each yielded while this holds its lock."""
+    """Yield the segments in `paths` that belong to this user and that no living process holds
+    a lock on (each creator locks its segments while it lives). Each segment is yielded while
+    this generator holds its lock."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -133,17 +136,17 @@ class _SharedBuffer:
                 # held until this process closes the segment or dies
                 self._lock = os.open(SEGMENTS / self.shm.name, os.O_RDONLY)
                 fcntl.flock(self._lock, fcntl.LOCK_SH)
-            # A sender never closed (dropped, or alive at exit): the segment is removed when
-            # this buffer is collected, the interpreter exits or SIGTERM comes (at_exit.py),
-            # not left to the resource tracker's "leaked shared_memory objects" warning and a
-            # GiB of /dev/shm meanwhile.
+            # If the sender is never closed (dropped, or alive at exit), the segment is removed
+            # when this buffer is collected, at interpreter exit or on SIGTERM (at_exit.py). It
+            # is not left to the resource tracker's "leaked shared_memory objects" warning, with
+            # a GiB of /dev/shm used meanwhile.
             self._removed = at_exit.close_at_exit(self, _remove_segment, self.shm, self._lock)
             self.tensor = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
 
     @classmethod
     def over(cls, storage: torch.UntypedStorage) -> "_SharedBuffer":
-        """Memory this process already has (the storage of a trainer's parameters), shared as
-        it is; closing it leaves the storage to its owner."""
+        """Share memory this process already has (the storage of a trainer's parameters) as it
+        is. Closing the shared buffer leaves the storage to its owner."""
         shared = cls.__new__(cls)
         shared.shm = None
         shared.tensor = torch.empty(0, dtype=torch.uint8, device=storage.device)
@@ -179,9 +182,9 @@ class _SharedBuffer:
 
 
 def _remove_segment(shm: shared_memory.SharedMemory, lock: int) -> None:
-    """Unlink a segment and drop its creator's lock. Its mapping may still be in use (at exit,
-    views of it can outlive this): unlinking removes the name, the memory goes with the last
-    mapping."""
+    """Unlink a segment and drop its creator's lock. The mapping may still be in use, since at
+    exit views of it can outlive this call. Unlinking removes only the name; the memory is
+    freed with the last mapping."""
     with contextlib.suppress(FileNotFoundError):  # removed meanwhile (another sender's sweep)
         shm.unlink()
     os.close(lock)
@@ -234,7 +237,7 @@ class IpcSender:
         secret: str | bytes | None = None,
     ):
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # compared with tensors'
+        if self.device.type == "cuda" and self.device.index is None:  # to match tensor.device
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._control = Control(host, port, 0, num_receivers + 1, timeout, connect_timeout, secret)
         self._control.join()
@@ -242,12 +245,12 @@ class IpcSender:
         self._buffers: list[_SharedBuffer] = []  # the two packing buffers, once needed
         self._shared: list[_SharedBuffer] = []  # in place: the caller's allocations
         self._published: object = None  # what receivers map now: "packed" or the shared key
-        self._generation = 0  # bumps at every publication of handles
+        self._generation = 0  # incremented at every publication of handles
         self._handles_published = 0
         self._views = BucketViews()
-        self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its event, opened
-        # never closed: ends the stream when collected, at interpreter exit or on SIGTERM
-        # (at_exit.py; the shared-memory segments go with their own finalizers)
+        self._reads_end: dict[int, torch.cuda.Event] = {}  # receiver rank -> its opened event
+        # A sender that is never closed ends the stream when collected, at interpreter exit or
+        # on SIGTERM (at_exit.py). The shared-memory segments have their own finalizers.
         self._closer = at_exit.close_at_exit(self, _close_sender, self._updates, self._control)
 
     @property
@@ -268,13 +271,14 @@ class IpcSender:
     ) -> int:
         """Send one update; same contract as `BroadcastSender.send`.
 
-        `in_place=True` says the tensors are memory the caller keeps (a trainer's parameters)
-        and leaves alone until `send` returns. On a GPU, where they lie contiguous on this
-        sender's device in at most MAX_PLACED_BUFFERS allocations, the receivers then read them
-        there: no packing copy. The allocations are shared on first use and again whenever one
-        changes (a handle to open for each receiver); otherwise the update is packed as usual.
-        Receivers of an in-place update that is aborted may have read weights that changed
-        under them afterwards: send them a whole update again."""
+        `in_place=True` says that the tensors are memory the caller keeps (a trainer's
+        parameters) and does not change until `send` returns. On a GPU, if the tensors are
+        contiguous on this sender's device and lie in at most MAX_PLACED_BUFFERS allocations,
+        the receivers read them where they lie, with no packing copy. The allocations are
+        shared on first use, and again whenever one of them changes (each receiver then opens
+        new handles). Otherwise the update is packed as usual. If an in-place update is
+        aborted, its receivers may have read weights that changed under them afterwards: send
+        them a whole update again."""
         if specs is None and not hasattr(named_tensors, "__len__"):
             named_tensors = list(named_tensors)
         made_here = specs is None  # specs made from these very tensors need no second check
@@ -302,9 +306,10 @@ class IpcSender:
         return self._updates.send(named_tensors, self._send_buckets, version, specs, generation)
 
     def _place(self, named_tensors: list) -> tuple | None:
-        """(placement, buffer sizes) of tensors that can be read where they lie, their
-        allocations shared with the receivers (again only when they changed: a trainer's
-        weights stay put from step to step); None if they cannot."""
+        """(placement, buffer sizes) if the tensors can be read where they lie, after sharing
+        their allocations with the receivers. The allocations are shared again only when they
+        change; a trainer's weights stay put from step to step. None if the tensors cannot be
+        read in place."""
         found = _allocations([tensor for _, tensor in named_tensors], self.device)
         if found is None:
             return None
@@ -316,17 +321,18 @@ class IpcSender:
         return placement, tuple(nbytes for _, nbytes in key)
 
     def _await_reads(self) -> None:
-        """In place: receivers report done once their reads of our memory are queued, each
-        behind an event of its own (published once). Wait for those events here, on the host,
-        so that the caller may change its tensors when `send` returns: the report then travels
-        while the copies run. Polled, not waited on in CUDA: a receiver that dies mid-read must
-        end the wait with an error within the group's timeout, not hang the trainer."""
+        """In place: each receiver reports done once its reads of our memory are queued,
+        behind an event of its own (whose handle it publishes once). Wait for those events
+        here, on the host, so that the caller may change its tensors once `send` returns.
+        Because the receivers reported before their copies ended, the report travels while the
+        copies run. The events are polled, not waited on in CUDA: a receiver that dies mid-read
+        must end the wait with an error within the group's timeout, not hang the trainer."""
         deadline = time.monotonic() + self._control.timeout
         for rank in range(1, self._control.world_size):
             event = self._reads_end.get(rank)
             if event is None:
                 key = _reads_end_key(rank)
-                if not self._control.has(key):  # failed before it read anything
+                if not self._control.has(key):  # the receiver failed before reading anything
                     continue
                 handle = self._control.read(key, _event_handle, f"receiver {rank}")
                 try:
@@ -342,7 +348,7 @@ class IpcSender:
             try:
                 if event.query():
                     return
-            except RuntimeError as err:  # its process, and its context, gone mid-read
+            except RuntimeError as err:  # the receiver's process and context died mid-read
                 raise WeightSyncError(
                     f"receiver {rank}'s reads of the update failed: {err} ({self._control.where})"
                 ) from err
@@ -356,12 +362,13 @@ class IpcSender:
             time.sleep(0 if now - started < SPIN_SECONDS else 1e-3)  # a copy is ~1 ms
 
     def _hand_over(self, seq, stream) -> None:
-        """In place: the bytes are there already (synchronised before the manifest)."""
+        """In place: the bytes are already where the receivers read them (synchronised before
+        the manifest), so each bucket is only reported as packed."""
         for bucket, _ in stream:
             self._updates.packed(seq, bucket, self._shared[bucket.index].tensor)
 
     def _ensure_buffers(self, nbytes: int) -> None:
-        needed = nbytes + 64  # plan_buckets pads a bucket to 64 bytes
+        needed = nbytes + 64  # plan_buckets rounds a bucket up to a multiple of 64 bytes
         if not self._buffers or self._buffers[0].tensor.numel() < needed:
             for buffer in self._buffers:
                 buffer.close()
@@ -396,11 +403,11 @@ class IpcSender:
         self._control.abort(reason)
 
     def close(self, timeout: float = END_SECONDS) -> None:
-        """Remove the shared buffers (receivers keep what they mapped) and end the stream:
-        each receiver's `receive` returns None. Waits up to `timeout` seconds for the
-        receivers to read that (0: not at all; one that calls `receive` after the group went
-        gets `WeightSyncError`). A sender never closed ends the stream when it is collected,
-        at interpreter exit or on SIGTERM (see at_exit.py)."""
+        """Remove the shared buffers (receivers keep what they mapped) and end the stream, so
+        that each receiver's `receive` returns None. Waits up to `timeout` seconds for the
+        receivers to read the end (0: no wait). A receiver that calls `receive` after the
+        group is gone gets `WeightSyncError`. A sender that is never closed ends the stream
+        when it is collected, at interpreter exit or on SIGTERM (see at_exit.py)."""
         for buffer in self._buffers + self._shared:
             buffer.close()
         self._buffers, self._shared = [], []
@@ -410,8 +417,9 @@ class IpcSender:
 def _close_sender(
     updates: UpdateSender, control: Control, timeout: float = END_SECONDS, exiting: bool = True
 ) -> None:
-    """A sender's close, less its buffers. `exiting` (at exit, on SIGTERM): one interrupted
-    inside `send` leaves the group as it is (its receivers see the sender go away)."""
+    """Close a sender, except for its buffers (`IpcSender.close` removes those). With
+    `exiting` (at exit or on SIGTERM), a sender interrupted inside `send` leaves the group as
+    it is, and its receivers see the sender go away."""
     if exiting and updates.sending:
         return
     updates.end(min(control.timeout, timeout))
@@ -440,10 +448,10 @@ class IpcReceiver(LoadsInto):
         self._mapped: list[_MappedBuffer] = []
         self._generation = 0
         self._state = ReceiverState()
-        # closed, or its process exits: a sender closing later need not wait for this rank
+        # On close or process exit, tell a sender that closes later not to wait for this rank.
         self._leave = weakref.finalize(self, leave, self._control, self._state)
         self.handles_opened = 0  # for tests and benchmarks: reuse means this stays at 2
-        self._reads_end: torch.cuda.Event | None = None  # in place: marks our reads' end
+        self._reads_end: torch.cuda.Event | None = None  # in place: recorded after our reads
 
     def receive(
         self,
@@ -489,9 +497,9 @@ class IpcReceiver(LoadsInto):
             self._control.signal_mine(seq, bucket.index, "free")
 
     def _read_in_place(self, layout):
-        """The sender's own allocations: each bucket is one, read where it lies (the sender
-        made the bytes ready before it published the manifest, and changes nothing until every
-        receiver reported done)."""
+        """Read an in-place update from the sender's own allocations, one per bucket, where the
+        tensors lie. The sender made the bytes ready before it published the manifest, and it
+        changes nothing until every receiver has reported done."""
         sizes = [mapped.tensor.numel() for mapped in self._mapped]
         if sizes != list(layout.buffers):
             raise MalformedMessageError(
@@ -501,12 +509,12 @@ class IpcReceiver(LoadsInto):
         for bucket in layout.buckets:
             yield bucket, self._mapped[bucket.index].tensor
         device = self._mapped[0].tensor.device
-        if device.type == "cuda":  # the sender waits for this event before it changes them
+        if device.type == "cuda":  # the sender waits for this event before `send` returns
             first = self._reads_end is None
             if first:
                 self._reads_end = torch.cuda.Event(interprocess=True)
             self._reads_end.record(torch.cuda.current_stream(device))
-            if first:  # before our first report, so the sender finds it
+            if first:  # publish before our first report, so that the sender finds the handle
                 handle = messages.to_b64(self._reads_end.ipc_handle())
                 self._control.publish(_reads_end_key(self._control.rank), handle)
 
@@ -529,9 +537,9 @@ _CUDA_HANDLE = {
 
 
 def _allocations(tensors: list[torch.Tensor], device: torch.device) -> tuple | None:
-    """(the allocations `tensors` lie in, in order of first use; (allocation, byte offset)
-    of each tensor), or None unless each is contiguous on `device` and they lie in 1 to
-    MAX_PLACED_BUFFERS allocations."""
+    """(the allocations `tensors` lie in, in order of first use; the (allocation, byte offset)
+    of each tensor). None unless every tensor is contiguous on `device` and the tensors lie in
+    1 to MAX_PLACED_BUFFERS allocations."""
     storages: list[torch.UntypedStorage] = []
     index: dict[int, int] = {}  # a storage's address -> its place in `storages`
     placement = []
@@ -542,7 +550,7 @@ def _allocations(tensors: list[torch.Tensor], device: torch.device) -> tuple | N
             placement.append((0, 0))  # no bytes: anywhere will do
             continue
         where = tensor.data_ptr()
-        # the storage's address without making its Python object (~1 us a tensor)
+        # the storage's address, without creating its Python object (~1 us per tensor)
         base = where - tensor.storage_offset() * tensor.element_size()
         if base not in index:
             index[base] = len(storages)
@@ -563,9 +571,9 @@ def _event_handle(value: object, key: str) -> bytes:
 
 
 def _handles(value: object, key: str) -> list[dict]:
-    """The buffers' handles (two to pack into, or the allocations of an in-place sender),
-    checked: a shared-memory name must be one of ours (never a path), CUDA handles are bytes
-    and numbers given to torch's rebuild with fixed classes."""
+    """Check the buffers' handles: two buffers to pack into, or the allocations of an in-place
+    sender. A shared-memory name must be one of ours (never a path). A CUDA handle holds only
+    bytes and numbers, which go to torch's rebuild with fixed classes."""
     if not isinstance(value, list) or not 0 < len(value) <= MAX_PLACED_BUFFERS:
         raise MalformedMessageError(
             f"control message {key}: expected 1 to {MAX_PLACED_BUFFERS} buffer handles"

@@ -1,16 +1,18 @@
-"""What the control plane carries: data, never code. Every value in the store is JSON, checked
-on arrival against what it must be, and signed when the group has a shared secret.
+"""The control plane's messages, which carry data and never code. Every value in the store is
+JSON. It is checked on arrival against the form it must have, and it is signed when the group
+has a shared secret.
 
-The store is a plain TCP key-value server that anyone who reaches its port can read and write.
-So nothing read from it is unpickled or imported; a dtype is looked up in a fixed table, a
-shared-memory name must look like ours, a number must be an int in range. A message that is
-not what it must be raises `MalformedMessageError` naming the key, and nothing of it is used.
+The store is a plain TCP key-value server: anyone who reaches its port can read and write it.
+So nothing read from the store is unpickled or imported. A dtype is looked up in a fixed table,
+a shared-memory name must have the form our senders give it, and a number must be an int in
+range. A message that fails these checks raises `MalformedMessageError` naming the key, and no
+part of it is used.
 
 With a secret, each value is `HMAC-SHA256(session key, store key, payload) || payload`. The
 session key mixes the secret with a random nonce from the sender and one from every receiver,
-all fresh for this group, so a message is accepted only under the key it was written for and
-only in this group: a forged one, or one replayed from another key or an earlier group, raises
-`ForgedMessageError`. A receiver proves that it knows the secret when it joins.
+all fresh for this group. So a message is accepted only under the store key it was written
+for, and only in this group. A forged message, or one replayed from another key or an earlier
+group, raises `ForgedMessageError`. A receiver proves that it knows the secret when it joins.
 """
 
 import base64
@@ -32,8 +34,8 @@ MAX_INT = (1 << 63) - 1
 NONCE_BYTES = 16
 MAC_BYTES = 32
 
-# Every dtype a tensor may have on the wire, by name: a received name not in this table is
-# refused (getattr(torch, name) on a name from the network would reach anything in torch).
+# The dtypes a tensor may have on the wire, by name. A received name that is not in this table is
+# refused, because getattr(torch, name) on a name from the network could reach anything in torch.
 DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -68,7 +70,7 @@ def _no_constant(name: str):
 
 
 class Seal:
-    """Signs and checks values under a session key; without one, passes them through."""
+    """Signs and checks values with a session key. Without a key, it passes values through."""
 
     def __init__(self, key: bytes | None = None):
         self.key = key
@@ -99,7 +101,8 @@ def session_key(secret: bytes, sender_nonce: bytes, receiver_nonces: list[bytes]
 
 
 def join_proof(secret: bytes, rank: int, sender_nonce: bytes, receiver_nonce: bytes) -> bytes:
-    """What receiver `rank` sends to show it knows the secret (fresh: the sender's nonce is)."""
+    """The proof that receiver `rank` sends to show it knows the secret. The proof is fresh for
+    each group because it includes the sender's nonce."""
     material = f"ferrule-weightsync join {rank}\0".encode() + sender_nonce + receiver_nonce
     return hmac.new(secret, material, hashlib.sha256).digest()
 
@@ -155,8 +158,8 @@ def integer(value: object, key: str, what: str, low: int = 0, high: int = MAX_IN
 
 
 def fields(value: object, key: str, required: dict[str, Callable]) -> dict:
-    """A JSON object with exactly the `required` fields, each checked by its function
-    (called as check(value, key, field name))."""
+    """Check that `value` is a JSON object with exactly the `required` fields, and check each
+    field with its function, called as check(value, key, field name). Returns the checked fields."""
     _typed(value, dict, key, "the message")
     if set(value) != set(required):
         raise MalformedMessageError(
@@ -178,7 +181,8 @@ def flag(value, key, what) -> bool:
 
 
 def shm_name(value, key, what) -> str:
-    """A shared-memory segment's name as our senders make them: never a path."""
+    """Check that `value` is a shared-memory segment name of the form our senders create, so
+    that it is never a path."""
     if not isinstance(value, str) or not _SHM_NAME.fullmatch(value):
         raise MalformedMessageError(f"control message {key}: {what} {value!r:.80} is not ours")
     return value

@@ -1,11 +1,11 @@
-"""Flat byte buckets: the layout both sides compute from the same specs, packing and unpacking.
+"""Flat byte buckets: packing, unpacking, and the layout both sides compute from the same specs.
 
 Moving one large flat buffer is what makes weight sync fast (one collective or one IPC handle per
 bucket, not per tensor). Any dtype is packed as its raw bytes, `tensor.view(torch.uint8)`, and
 viewed back on arrival, so bf16, bool and 0-dim tensors need no special cases.
 
 The sender and every receiver call `plan_buckets` on the same specs and bucket size, so the layout
-itself never travels: only the specs do.
+itself never travels; only the specs do.
 """
 
 import ctypes
@@ -16,20 +16,22 @@ from typing import NamedTuple
 
 import torch
 
-# Offsets are aligned so that every tensor's bytes can be viewed as its dtype (the widest, complex128,
-# needs 16) and so that copies start on cache-line-friendly boundaries.
+# Offsets are aligned so that every tensor's bytes can be viewed as its dtype (the widest dtype,
+# complex128, needs 16 bytes) and so that copies start on cache-line-friendly boundaries.
 ALIGNMENT = 64
-# Tensors from this size up are packed by their own copy (a memcpy) rather than the fused one.
+# Contiguous tensors of this size or larger are packed with a copy of their own (a memcpy)
+# instead of going into the fused multi-tensor copy.
 MEMCPY_BYTES = 1 << 20
-# The same for an engine's load (`Update.load_into`), where nothing runs beside it: the fused
-# copy moved 1.43 GB in ~1.03 ms on an H200, a memcpy in ~0.69, but a memcpy costs ~5 us of
-# launch, which a tensor under a few MB does not win back.
+# The same threshold for an engine's load (`Update.load_into`), where nothing else runs beside
+# the copy. On an H200 the fused copy moved 1.43 GB in ~1.03 ms and a memcpy in ~0.69 ms, but
+# each memcpy costs ~5 us to launch, which a tensor under a few MB does not win back.
 LOAD_MEMCPY_BYTES = 64 << 20
 
 
 class TensorSpec(NamedTuple):
-    """What a receiver needs to know about one tensor before its bytes arrive. (A NamedTuple:
-    ~300 of them are hashed and compared on every update, which must cost microseconds.)"""
+    """What a receiver needs to know about one tensor before its bytes arrive. It is a
+    NamedTuple because ~300 specs are hashed and compared on every update, and that must cost
+    only microseconds."""
 
     name: str
     shape: tuple[int, ...]
@@ -62,9 +64,10 @@ def _align(n: int) -> int:
 
 
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
-    """Greedy layout in the given order; no tensor is ever split across buckets. A tensor of at
-    least half a bucket gets a bucket of its own: packing it would buy nothing (its transfer is
-    large already), and a sender can send it from its own memory instead (`own_bytes`)."""
+    """Lay the specs out greedily, in the given order; no tensor is ever split across buckets.
+    A tensor of at least half a bucket gets a bucket of its own. Packing it would gain nothing,
+    since its transfer is already large, and the sender can send it from its own memory
+    instead (`own_bytes`)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     alone_from = (bucket_bytes + 1) // 2
@@ -95,18 +98,18 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
 
 
 class BucketViews:
-    """Each tensor's slot in a reused buffer, as typed views made once per (buffer, bucket).
+    """Typed views of each tensor's slot in a reused buffer, made once per (buffer, bucket).
 
-    Making ~300 views costs milliseconds of Python per update; a model sends the same layout
-    every step, so the views are made on the first update and reused after. Call `clear()` when
-    a buffer is reallocated.
+    Making ~300 views costs milliseconds of Python per update. A model sends the same layout
+    every step, so the views are made on the first update and reused afterwards. Call `clear()`
+    when a buffer is reallocated.
     """
 
     def __init__(self):
         self._views: dict[tuple[int, int], tuple[Bucket, list[torch.Tensor]]] = {}
 
     def __call__(self, buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
-        # by the bucket's identity: hashing its ~300 specs would cost ~0.1 ms per update
+        # Key by the bucket's identity: hashing its ~300 specs would cost ~0.1 ms per update.
         key = (buffer.data_ptr(), id(bucket))
         cached = self._views.get(key)
         if cached is None or cached[0] is not bucket:  # an id may be reused once freed
@@ -120,17 +123,18 @@ class BucketViews:
 
 def pack(views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """Copy `tensors` into their slots (`BucketViews`). Large contiguous tensors are copied one
-    by one (a plain memcpy, which on a GPU leaves the SMs to a concurrent NCCL broadcast: it
-    measured faster than fusing every copy, benchmarks/RESULTS.md); the rest go in one fused
-    call. Non-contiguous tensors are copied through the strided view: no temporary contiguous
-    copy."""
+    by one with a plain memcpy. On a GPU a memcpy leaves the SMs to a concurrent NCCL
+    broadcast, which measured faster than fusing every copy (benchmarks/RESULTS.md). The other
+    tensors go in one fused call. Non-contiguous tensors are copied through the strided view,
+    without a temporary contiguous copy."""
     copy_all(views, tensors, MEMCPY_BYTES)
 
 
 @torch.no_grad()  # trainer parameters require grad; the copy must not join their graph
 def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor], memcpy_bytes: int) -> None:
-    """`targets[i].copy_(sources[i])` for every i: contiguous sources of `memcpy_bytes` and up
-    by their own copy (a memcpy), the rest in one fused multi-tensor copy."""
+    """Run `targets[i].copy_(sources[i])` for every i. A pair gets a copy of its own (a memcpy)
+    when the target holds `memcpy_bytes` or more and the source is contiguous, or when the two
+    are on different devices. The other pairs go in one fused multi-tensor copy."""
     fused_dst, fused_src = [], []
     for dst, src in zip(targets, sources, strict=True):
         if dst.numel() == 0:
@@ -149,11 +153,11 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor], memcpy_by
 def coalesce(
     targets: list[torch.Tensor], sources: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The copies `targets[i].copy_(sources[i])` as fewer, longer ones: consecutive pairs
-    merge where both sides continue the previous pair's memory in the same allocation, with
-    the same dtypes. An engine whose weights lie in one buffer in the update's order then
-    loads a bucket with one copy (by memcpy for a long span: see LOAD_MEMCPY_BYTES). Empty
-    pairs are dropped."""
+    """Turn the copies `targets[i].copy_(sources[i])` into fewer, longer ones. A pair merges
+    into the previous one when, on both sides, it starts where the previous pair ended in the
+    same allocation and has the same dtype. So an engine whose weights lie in one buffer, in
+    the update's order, loads a bucket with one copy (a memcpy if the span is long: see
+    LOAD_MEMCPY_BYTES). Empty pairs are dropped."""
     merged_targets: list[torch.Tensor] = []
     merged_sources: list[torch.Tensor] = []
     lengths: list[int] = []
@@ -182,7 +186,7 @@ def coalesce(
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(its allocation's address, its own) for a contiguous tensor; None for a strided one."""
+    """(allocation address, tensor address) for a contiguous tensor; None for any other."""
     if not tensor.is_contiguous():
         return None
     where = tensor.data_ptr()
@@ -190,20 +194,21 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _past(extent: tuple[int, int], tensor: torch.Tensor) -> tuple[int, int]:
-    """(the same allocation, the address just past `tensor`)."""
+    """(the same allocation address, the address just past the end of `tensor`)."""
     return extent[0], extent[1] + tensor.numel() * tensor.element_size()
 
 
 def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
-    """`numel` elements of `first`'s allocation from where `first` starts, flat."""
+    """A flat view of `numel` elements of `first`'s allocation, starting where `first` starts."""
     return torch.as_strided(first.detach(), (numel,), (1,), first.storage_offset())
 
 
 def own_bytes(tensors: list[torch.Tensor], bucket: Bucket, device: torch.device):
-    """The bucket's bytes straight from its tensors' memory, when they already lie in one buffer
-    on `device` at the bucket's offsets: a large embedding alone in its bucket, say, or a
-    ZeRO-3 export gathered into a buffer laid out by `plan_buckets` with the same bucket size.
-    Sending those needs no copy. None when the bucket must be packed."""
+    """The bucket's bytes, straight from its tensors' memory, if the tensors already lie in one
+    buffer on `device` at the bucket's offsets. Examples are a large embedding alone in its
+    bucket, or a ZeRO-3 export gathered into a buffer laid out by `plan_buckets` with the same
+    bucket size. Sending such a bucket needs no copy. Returns None if the bucket must be
+    packed."""
     return lying_in_one_buffer(tensors, bucket.offsets, bucket.nbytes, device)
 
 
@@ -214,7 +219,8 @@ def lying_in_one_buffer(
     device: torch.device | None = None,
 ) -> torch.Tensor | None:
     """`nbytes` bytes of memory (a uint8 tensor, no copy) in which every tensor already lies,
-    contiguous, at its byte offset (on `device`, if given); None if they do not."""
+    contiguous, at its byte offset (and on `device`, if given). None if the tensors do not lie
+    that way."""
     # empty tensors own no bytes (and may have no address): nothing to check
     placed = [(t, offset) for t, offset in zip(tensors, offsets, strict=True) if t.numel()]
     if not placed:
@@ -247,21 +253,23 @@ def _view(buffer: torch.Tensor, spec: TensorSpec, offset: int) -> torch.Tensor:
 
 
 def checksum(buffer: torch.Tensor) -> tuple[int, int]:
-    """Two sums over the bucket's 32-bit words, computed where the buffer lives (no host copy):
-    the plain sum catches corrupted bytes, the sum over even words also catches most swaps."""
+    """Two sums over the bucket's 32-bit words, computed on the buffer's device (no host copy).
+    The plain sum catches corrupted bytes; the sum over the even-indexed words also catches
+    most swaps."""
     words = buffer.view(torch.int32)
     return int(words.sum(dtype=torch.int64)), int(words[::2].sum(dtype=torch.int64))
 
 
 def digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A fingerprint of named tensors, in any order: sha256 over each name, dtype, shape and
-    bytes. A trainer's export and what an engine loaded hold the same weights, bit for bit,
-    exactly when their digests match. Streams: one tensor at a time goes to the host."""
+    """A fingerprint of named tensors that does not depend on their order: sha256 over each
+    tensor's name, dtype, shape and bytes. A trainer's export and the weights an engine loaded
+    are the same, bit for bit, exactly when their digests match. The tensors are streamed:
+    only one tensor at a time is copied to the host."""
     per_tensor = {}
     for name, tensor in named_tensors:
         flat = tensor.detach().contiguous().reshape(-1)
         h = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        host = flat.view(torch.uint8).cpu()  # a new tensor for a GPU one: held while hashed
+        host = flat.view(torch.uint8).cpu()  # a copy if on a GPU; kept alive while hashed
         h.update(_host_bytes(host))
         per_tensor[name] = h.hexdigest()
     total = hashlib.sha256()

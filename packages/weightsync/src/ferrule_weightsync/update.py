@@ -1,10 +1,11 @@
-"""What every transport does the same way around its data plane: announce, check, stream, finish.
+"""The steps of an update that every transport does the same way: announce, check, stream, finish.
 
-A transport (broadcast.py, ipc.py) supplies, on the sender, a function that moves each packed
-bucket; on the receiver, a generator that yields each arrived bucket and frees it when the
-consumer moves on, and optionally its own way of telling the sender that the update is done.
-Everything else (versions, checks against the receiver's expectations, casting, checksums,
-telling the sender who failed) lives here, once.
+A transport (broadcast.py, ipc.py) supplies only its data plane. On the sender, it supplies a
+function that moves each packed bucket. On the receiver, it supplies a generator that yields
+each bucket as it arrives and frees the bucket when the consumer moves on, and optionally its
+own way to tell the sender that the update is done. Everything else lives here, once:
+versions, checks against the receiver's expectations, casting, checksums, and telling the
+sender who failed.
 """
 
 import contextlib
@@ -31,18 +32,19 @@ from ferrule_weightsync.packing import (
     plan_buckets,
 )
 
-# A transport's sender side: move (bucket, tensors) pairs for update `seq`. Returns whether any
-# receiver failed when the transport learns that itself, None to wait for every "done" report.
+# A transport's sender side: moves the (bucket, tensors) pairs of update `seq`. It returns whether
+# any receiver failed if the transport learns that itself, or None to wait for every "done" report.
 SendBuckets = Callable[[int, Iterator[tuple[Bucket, list[torch.Tensor]]]], bool | None]
-# A transport's receiver side: yield (bucket, buffer) for update `seq`, freeing each on resume.
+# A transport's receiver side: yields (bucket, buffer) for update `seq`, and frees each buffer
+# when the generator is resumed.
 ReceiveBuckets = Callable[[int, "Layout", Manifest], Iterator[tuple[Bucket, torch.Tensor]]]
-# A receiver's last word on update `seq`: "" when it consumed everything, else what went wrong.
+# A receiver's final report on update `seq`: "" if it consumed everything, else what went wrong.
 Finish = Callable[[int, str], None]
 MAX_LISTED = 5  # problems listed in one error message
-MAX_KEPT_LOADS = 1024  # (buffer, bucket) pairs whose merged loads a receiver keeps
-# How long a closing sender waits for receivers to read the end of the stream: time enough for
-# one that has just loaded the last update to call `receive` again, short enough that closing
-# next to receivers busy elsewhere (an engine generating) costs little.
+MAX_KEPT_LOADS = 1024  # (buffer, bucket) pairs for which a receiver keeps merged loads
+# How long a closing sender waits for receivers to read the end of the stream. It is long enough
+# for a receiver that has just loaded the last update to call `receive` again, and short enough
+# that closing costs little when the receivers are busy elsewhere (an engine generating).
 END_SECONDS = 2.0
 LEAVE_SECONDS = 2.0  # how long a receiver that leaves tries to tell the sender
 
@@ -50,18 +52,19 @@ LEAVE_SECONDS = 2.0  # how long a receiver that leaves tries to tell the sender
 @dataclass(frozen=True)
 class Layout:
     """The specs of one update and their buckets. A model sends the same layout every step, so
-    it travels once (its specs and the bucket size; a receiver plans the same buckets from
-    them) and is named by its key in each manifest.
+    the layout is published once (its specs and the bucket size, from which a receiver plans
+    the same buckets). Each manifest then names the layout by its key.
 
-    A placed layout (`Layout.placed`) describes tensors that stay where the sender keeps them:
-    `buffers` are the sizes of the sender's own buffers (the trainer's memory, shared once),
-    bucket i is everything lying in buffer i, and its offsets are where each tensor lies."""
+    A placed layout (`Layout.placed`) describes tensors that stay where the sender keeps them.
+    `buffers` holds the sizes of the sender's own buffers (the trainer's memory, shared once).
+    Bucket i holds every tensor that lies in buffer i, and its offsets are where each of those
+    tensors lies in the buffer."""
 
     key: str
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
-    buffers: tuple[int, ...] = ()  # placed: each buffer's bytes; else empty
+    buffers: tuple[int, ...] = ()  # placed: the size of each buffer in bytes; else empty
     placement: tuple[tuple[int, int], ...] = ()  # placed: (buffer, byte offset) of each spec
 
     @classmethod
@@ -100,7 +103,7 @@ class Layout:
 
     @classmethod
     def from_wire(cls, layout_key: str):
-        """The check that makes a received layout (Control.read_layout)."""
+        """The check function that builds a received layout (for Control.read_layout)."""
 
         def check(value: object, key: str) -> "Layout":
             placed = isinstance(value, dict) and "placement" in value
@@ -117,7 +120,7 @@ class Layout:
         return check
 
 
-MAX_PLACED_BUFFERS = 4096  # a sender's buffers in one placed layout (a parameter each, at most)
+MAX_PLACED_BUFFERS = 4096  # most buffers in one placed layout (at worst, one per parameter)
 
 
 def _buffer_sizes(value, key, what) -> tuple[int, ...]:
@@ -148,8 +151,9 @@ def _placement(value, key, what) -> tuple[tuple[int, int], ...]:
 
 
 def _check_placement(specs, placement, buffers, key: str) -> None:
-    """Every tensor lies whole inside an existing buffer, aligned for its dtype, and every
-    buffer holds one: a receiver only ever views memory it mapped, as the sender's types."""
+    """Check that every tensor lies whole inside an existing buffer, aligned for its dtype, and
+    that every buffer holds a tensor. So a receiver only ever views memory that it mapped, with
+    the sender's dtypes."""
     if len(placement) != len(specs):
         raise MalformedMessageError(
             f"control message {key}: {len(placement)} placements for {len(specs)} tensors"
@@ -207,13 +211,13 @@ class ReceiverState:
 
     def loads(self, views: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[list, list]:
         """`coalesce(targets, views)`, kept from one update to the next while the views (cached
-        per buffer and bucket) and the targets (the same tensors at the same addresses) stay:
-        checking that they stayed costs less than working it out again."""
+        per buffer and bucket) and the targets (the same tensors at the same addresses) do not
+        change. Checking that they did not change costs less than coalescing again."""
         ids = tuple(map(id, targets))
         addresses = tuple(target.data_ptr() for target in targets)
         kept = self._loads.get(id(views))
         if kept is None or kept[0] is not views or kept[2] != ids or kept[3] != addresses:
-            # the targets are held too: an id is only an identity while its object lives
+            # Hold the targets too: an id identifies an object only while the object lives.
             kept = (views, targets, ids, addresses, coalesce(targets, views))
             if len(self._loads) >= MAX_KEPT_LOADS:
                 self._loads.clear()
@@ -229,9 +233,9 @@ class UpdateSender:
         self.seq = 0
         self.version = 0
         self.layouts: dict[tuple, Layout] = {}
-        self.accepted: set[str] = set()  # layout keys every receiver took: no handshake
+        self.accepted: set[str] = set()  # layout keys every receiver accepted: no handshake
         self.broken = ""  # set when an update fails after data started to move
-        self.sending = False  # inside `send`: a close at exit leaves the group as it is
+        self.sending = False  # True inside `send`; a close at exit then leaves the group as is
 
     def layout(self, specs: list[TensorSpec], placed: tuple | None = None) -> Layout:
         """The layout of these specs, published to the store the first time it is used.
@@ -263,11 +267,11 @@ class UpdateSender:
         placed: tuple | None = None,
         reads_end: Callable[[], None] | None = None,
     ) -> int:
-        """`placed`: (placement, buffer sizes) when the tensors stay where the sender keeps them
-        (checked against the specs by the transport); `send_buckets` then gets (bucket, None)
-        pairs: nothing to move, only the buffers to hand over. `reads_end`: called once every
-        receiver has reported, failed or not, to wait until their reads of the sender's memory
-        have ended."""
+        """`placed` is (placement, buffer sizes) when the tensors stay where the sender keeps
+        them; the transport has checked it against the specs. `send_buckets` then gets (bucket,
+        None) pairs: there is nothing to move, only the buffers to hand over. `reads_end`, if
+        given, is called once every receiver has reported (failed or not); it waits until the
+        receivers' reads of the sender's memory have ended."""
         with at_exit.deferring_sigterm():  # the stream ends between updates, not inside one
             self.sending = True
             try:
@@ -317,12 +321,12 @@ class UpdateSender:
             failed = self.control.collect(seq, "done")
             if reads_end is not None:
                 reads_end()
-        elif any_failed:  # those that failed said why before they told the transport
+        elif any_failed:  # failed receivers wrote why before they told the transport
             failed = self.control.reported_errors(seq, "done") or ["failed without saying why"]
         else:
             failed = []
         if failed:
-            self.accepted.discard(layout.key)  # it may have been refused: ask again next time
+            self.accepted.discard(layout.key)  # maybe refused: handshake again next time
             refused = all(": MismatchError: " in message for message in failed)
             kind = MismatchError if refused else WeightSyncError
             raise kind(f"update to version {version} failed:\n  " + "\n  ".join(failed))
@@ -331,9 +335,10 @@ class UpdateSender:
         return version
 
     def end(self, timeout: float) -> None:
-        """Tell the receivers the stream ended (each one's `receive` returns None), waiting up
-        to `timeout` seconds for them to read it: the group goes when the sender closes. Not
-        after a failure in mid-transfer, where receivers are out of step (they time out)."""
+        """Tell the receivers that the stream has ended, so that each one's `receive` returns
+        None. Wait up to `timeout` seconds for them to read it, because the group goes away when
+        the sender closes. Does nothing after a failure in mid-transfer or an abort: the
+        receivers are then out of step (they time out)."""
         if not self.broken and not self.control._aborted:
             self.control.end(self.seq, timeout)
 
@@ -344,8 +349,8 @@ class UpdateSender:
 
 
 def _bucketed(named_tensors: Iterator, buckets: list[Bucket], check: bool):
-    """Group the stream into buckets, checking each tensor against the spec announced for it
-    when the caller announced the specs separately."""
+    """Group the stream of tensors into buckets. With `check` (the caller announced the specs
+    separately), check each tensor against the spec announced for it."""
     for bucket in buckets:
         chunk = list(islice(named_tensors, len(bucket.specs)))
         if len(chunk) < len(bucket.specs):
@@ -380,8 +385,8 @@ def check_specs(
     cast: bool | torch.dtype,
     partial: bool = False,
 ) -> list[str]:
-    """Every way the announced tensors differ from what this receiver can load; unless
-    `partial`, expected names the update lacks too."""
+    """List every way the announced tensors differ from what this receiver can load. Unless
+    `partial`, also list the expected names that the update lacks."""
     if expected is None:
         return []
     problems = []
@@ -413,14 +418,14 @@ def check_specs(
 
 
 class Update:
-    """One incoming update: `version` and `specs` are known before any data arrives; iterating
-    yields `(name, tensor)` as each bucket lands.
+    """One incoming update. `version` and `specs` are known before any data arrives; iterating
+    yields `(name, tensor)` pairs as each bucket lands.
 
-    Tensors are views into a transport buffer that is refilled once the loop moves past their
-    bucket: load or copy each one before advancing (`dict(update)` would keep stale views; use
-    `update.to_state_dict()`).
-    Leaving the loop early, or raising inside it, still drains the update so the group stays in
-    step, and tells the sender that this receiver failed.
+    The tensors are views into a transport buffer, which is refilled once the loop moves past
+    their bucket. Load or copy each tensor before advancing: `dict(update)` would keep stale
+    views, so use `update.to_state_dict()` instead. Leaving the loop early, or raising inside
+    it, still drains the update so that the group stays in step, and tells the sender that
+    this receiver failed.
     """
 
     def __init__(
@@ -451,14 +456,17 @@ class Update:
     def load_into(
         self, targets: Mapping[str, torch.Tensor], loaded: list[str] | None = None
     ) -> list[str]:
-        """Copy every tensor of the update into `targets[name]` in place (cast to its dtype):
-        the load of an engine whose weights match the sender's names and shapes. Per bucket,
-        copies that continue each other on both sides merge (`coalesce`); spans of
-        LOAD_MEMCPY_BYTES and up go by memcpy, the rest in one multi-tensor copy. (Receive
-        with `expected=targets` to have names and shapes checked before any data moves.)
-        Returns the names loaded; each bucket's names are appended to `loaded`
-        as it lands, so a caller that catches an error knows what was replaced. The copies are
-        queued on the current stream: synchronise before reading the targets from elsewhere."""
+        """Copy every tensor of the update in place into `targets[name]`, cast to the target's
+        dtype. This is how an engine loads weights whose names and shapes match the sender's.
+        Within a bucket, copies that continue each other on both sides are merged (`coalesce`).
+        Spans of LOAD_MEMCPY_BYTES or more are copied by memcpy, the rest in one multi-tensor
+        copy. Receive with `expected=targets` to have names and shapes checked before any data
+        moves.
+
+        Returns the names loaded. Each bucket's names are appended to `loaded` as the bucket
+        lands, so a caller that catches an error knows which targets were replaced. The copies
+        are queued on the current stream: synchronise before reading the targets from
+        elsewhere."""
         loaded = [] if loaded is None else loaded
         buckets = self._buckets()
         for bucket, views in buckets:
@@ -475,8 +483,8 @@ class Update:
         return loaded
 
     def _buckets(self) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
-        """Each landed bucket with its tensors' views; ends the update (drained, reported)
-        whatever the consumer does."""
+        """Yield each landed bucket with views of its tensors. Whatever the consumer does, the
+        generator then ends the update: it drains the rest and reports to the sender."""
         arrivals = self._arrivals()
         error = ""
         try:
@@ -529,7 +537,8 @@ class Update:
 
 
 class LoadsInto:
-    """`receive_into`, the same for every receiver (its `receive` does the transport's part)."""
+    """Provides `receive_into`, the same for every receiver; the receiver's own `receive` does
+    the transport's part."""
 
     def receive_into(
         self,
@@ -537,9 +546,9 @@ class LoadsInto:
         loaded: list[str] | None = None,
         timeout: float | None = None,
     ) -> int | None:
-        """`receive(expected=targets, cast=True, partial=True)`, then `load_into(targets,
-        loaded)`: the version loaded, None once the stream ended. An update may fill some of
-        the targets only (`loaded` names those it did)."""
+        """Call `receive(expected=targets, cast=True, partial=True)`, then `load_into(targets,
+        loaded)`. Returns the version loaded, or None once the stream has ended. An update may
+        fill only some of the targets; `loaded` names the ones it filled."""
         update = self.receive(expected=targets, cast=True, timeout=timeout, partial=True)
         if update is None:
             return None
@@ -557,11 +566,11 @@ def open_update(
     finish: Finish | None = None,
     partial: bool = False,
 ) -> Update | None:
-    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed;
-    None once the sender ended the stream (its `close`).
+    """Receiver: wait for the next manifest, check it, and agree with the sender to proceed.
+    Returns None once the sender has ended the stream (with its `close`).
 
-    `finish` is the transport's way of saying "done" (default: a report through the store).
-    `partial`: an update may lack some expected names."""
+    `finish` is the transport's way to report "done" (default: a report through the store).
+    With `partial`, an update may lack some expected names."""
     if cast is True and expected is None:
         raise ValueError("cast=True converts to the expected dtypes: pass expected= as well")
     if state.ended:  # the sender, and its store, may be gone
@@ -586,8 +595,9 @@ def open_update(
         control.report(seq, "ack", "\n  ".join(problems))
         refusals = control.await_decision(seq)
     elif problems:
-        # This receiver took the layout before, so the sender did not wait for it: take the
-        # data off the wire (the group stays in step) and refuse it in the "done" report.
+        # This receiver accepted the layout before, so the sender did not wait for its ack.
+        # Take the data off the wire so that the group stays in step, and refuse the update in
+        # the "done" report.
         update.discard("MismatchError: refused:\n  " + "\n  ".join(problems))
     if problems:
         raise MismatchError(
@@ -601,9 +611,9 @@ def open_update(
 
 
 def leave(control: Control, state: ReceiverState) -> None:
-    """Receiver closing, or its process exiting without a close (a `weakref.finalize`): tell
-    a sender that closes later not to wait for this rank (where the sender is still there to
-    be told, within a second or two)."""
+    """Called when a receiver closes, or when its process exits without a close (through a
+    `weakref.finalize`). Tells a sender that closes later not to wait for this rank, if the
+    sender can still be reached within a second or two (LEAVE_SECONDS)."""
     if not state.ended:
         with contextlib.suppress(RuntimeError):  # the sender and its store are gone
             control.store.set_timeout(timedelta(seconds=LEAVE_SECONDS))
