@@ -31,7 +31,8 @@ from pydantic import (
 T = TypeVar("T", bound=BaseModel)
 
 RENAMED_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-"""The names tables took before the one vocabulary (0.1.0 of 2026-11-23)."""
+"""Old dtype names, mapped to their new names. Tables took the old names before all of them
+used one vocabulary (0.1.0 of 2026-11-23)."""
 
 
 def renamed_dtype(value):
@@ -58,8 +59,9 @@ class Table(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     renamed: ClassVar[dict[str, str]] = {}
-    """Keys this table no longer reads: {old key: what to write instead}. The error for such a
-    key says so instead of "unknown key"; "{value}" in the text is the file's value."""
+    """Keys that this table no longer reads, as {old key: what to write instead}. The error for
+    such a key gives that text instead of "unknown key", with "{value}" replaced by the value in
+    the file."""
 
     @model_validator(mode="before")
     @classmethod
@@ -75,7 +77,7 @@ class Table(BaseModel):
 
 
 NONE = "none"
-"""How a TOML file (and `describe`) spells None."""
+"""The string that stands for None in a TOML file (and in what `describe` writes)."""
 
 
 def _may_be_none(table: type[BaseModel], key: str) -> bool:
@@ -89,7 +91,7 @@ def _near_the_file(path: Path, info: ValidationInfo) -> Path:
 
 
 InputPath = Annotated[Path, AfterValidator(_near_the_file)]
-"""A path the run reads: relative paths are taken from the TOML file's folder."""
+"""A path that the run reads. A relative path is taken from the folder of the TOML file."""
 
 
 # -- loading ----------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ class TLS:
     cert: str
     key: str
     client_ca: str | None = None
-    """With a client CA, clients must present a certificate it signed (mutual TLS)."""
+    """A CA certificate file. When it is set, clients must present a certificate signed by
+    this CA (mutual TLS)."""
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return server_credentials(self.cert, self.key, self.client_ca)

@@ -34,11 +34,11 @@ class SourceConfig(Table):
     """Training prompts: a .jsonl file (one JSON object per line), a .parquet file, or a
     `datasets.save_to_disk` folder (relative to the TOML file)."""
     eval_path: InputPath | None = None
-    """Held-out prompts of this source for the evaluations, in any of those formats (the first
-    [task] eval_prompts rows are used); at least one source needs it."""
+    """Held-out prompts of this source for the evaluations, in any format that `path` accepts.
+    The first [task] eval_prompts rows are used. At least one source needs it."""
     name: str = ""
-    """The name this source's metrics go under (eval/<name>/..., reward/<name>); empty: the
-    file's stem. A row's own `source_key` column, where present, takes precedence."""
+    """The name that this source's metrics go under (eval/<name>/..., reward/<name>). Empty
+    means the file's stem. A row's own `source_key` column, where present, takes precedence."""
     weight: float = Field(1.0, gt=0)
     """Mixing weight: a training prompt comes from this source with probability weight / the
     sum of the weights."""
@@ -52,7 +52,8 @@ class SourceConfig(Table):
     """A column of JSON objects passed to the reward function as `metadata` (values as
     strings), beside the run's own `source`, `step` and `sample_id`, which take precedence."""
     source_key: str = "source"
-    """The column naming a row's source for grouped figures, where a row has it."""
+    """The column that names a row's own source for the per-source metrics. A row without
+    it belongs to `name`."""
     split: str = "train"
     """The split of path when it is a DatasetDict folder."""
     eval_split: str = "test"
@@ -73,10 +74,11 @@ class TaskConfig(Table):
     """"reversal" (reverse a short word), "arithmetic" (add two numbers), or "data": your
     prompts and labels from [[task.sources]]."""
     sources: list[SourceConfig] = Field(default_factory=list)
-    """data: the datasets, mixed by weight, in epochs (one [[task.sources]] table each)."""
+    """data: the datasets, one [[task.sources]] table each. They are mixed by weight and
+    read in epochs."""
     max_prompt_tokens: int | None = Field(None, ge=1)
-    """data: prompts longer than this many tokens are dropped when loaded, and counted (none:
-    [rollout] max_model_len - max_tokens, which leaves room for a full response)."""
+    """data: prompts longer than this many tokens are dropped when loaded, and counted. None
+    means [rollout] max_model_len - max_tokens, which leaves room for a full response."""
     length: int = Field(3, ge=1, le=12)
     """Letters per word (reversal) or largest number of digits of the first operand (arithmetic)."""
     eval_prompts: int = Field(100, ge=1, le=10_000)
@@ -158,27 +160,28 @@ class RewardsConfig(Table):
     cpus: float | None = Field(None, gt=0)
     """model: CPUs of the reward model's role (default [ray] cpus_per_role)."""
     normalize: bool = False
-    """model: score (score - mean) / std with the held-out moments saved beside the model
-    (reward_stats.json, written by `rlhf-train rm`)."""
+    """model: return (score - mean) / std instead of the score. The mean and std are those
+    of held-out scores, saved beside the model (reward_stats.json, written by `rlhf-train rm`)."""
     model_batch_tokens: int = Field(32768, ge=1)
     """model: tokens per forward pass of the reward model, counted as samples x the longest
-    sample's tokens (at most 32 samples; a longer sample goes alone)."""
+    sample's tokens (at most 32 samples). A sample longer than this goes alone."""
     address: list[str] = Field(default_factory=list)
     """host:port of running ferrule-rewards servers to use instead of starting one."""
     timeout: float = Field(60.0, gt=0)
     """Deadline per scoring call, seconds."""
     retry_for: float = Field(20.0, ge=0)
-    """Seconds a call keeps being retried while no server takes it; then the run stops with an
-    error naming the addresses."""
+    """Seconds a call keeps being retried while no server takes it. After that, the run stops
+    with an error naming the addresses."""
     start_timeout: float = Field(60.0, gt=0)
     """Seconds the started server may take to accept calls."""
     max_failed_fraction: float = Field(0.1, ge=0, le=1)
     """A sample whose reward function raised, timed out or returned no number scores 0.0 and is
-    counted (metric reward/failed); a step where more than this fraction of the samples failed
-    stops the run with an error naming the function. 1.0: never stop."""
+    counted (metric reward/failed). A step where more than this fraction of the samples failed
+    stops the run with an error naming the function. 1.0 means never stop."""
     max_restarts: int = Field(3, ge=0)
-    """A reward server this run started that dies is started again, at most this many times
-    within restart_window seconds; one more death stops the run (0: the first death does)."""
+    """When a reward server that this run started dies, it is started again, at most this many
+    times within restart_window seconds. One more death stops the run (0: the first death
+    does)."""
     restart_window: float = Field(600.0, gt=0)
     """Seconds over which max_restarts counts."""
 
@@ -225,49 +228,49 @@ class LoopConfig(Table):
     steps: int = Field(40, ge=1)
     """RL steps (each is one rollout batch, training on it, and a weight sync)."""
     algorithm: Literal["rl", "rejection_sampling", "iterative_dpo"] = "rl"
-    """What a step trains on its samples: "rl" ([trainer] estimator's RL step),
+    """What a step trains on its samples: "rl" (the RL step of [trainer] estimator),
     "rejection_sampling" (SFT on each prompt's best sample by reward, best-of-n), or
     "iterative_dpo" (DPO on each prompt's best and worst sample as a pair, against the
-    starting model as the reference). Each recipe's settings are its own table:
+    starting model as the reference). Each recipe has its settings in a table of its own:
     [rejection_sampling], [iterative_dpo]."""
     mode: Literal["sync", "async"] = "sync"
     """"sync": generate, then train, then sync. "async": generation of step k+1 overlaps
     training of step k."""
     max_staleness: int = Field(1, ge=0)
-    """Async, or sync with partial_rollout: the most policy versions a sample may lag the
-    trainer; older samples are dropped (sync with partial_rollout: a sample is continued at
-    most this many times, then it runs to its end)."""
+    """Async, or sync with partial_rollout: the most policy versions that a sample may lag
+    behind the trainer. Older samples are dropped. In sync mode with partial_rollout, a sample is
+    also continued at most this many times; the last continuation runs to its end."""
     queue_size: int = Field(1, ge=1)
     """Async: rollout batches generated ahead and waiting for the trainer."""
     eval_every: int = Field(10, ge=0)
-    """The held-out evaluation ([eval]) every this many steps (0: only at the start and the
+    """Run the held-out evaluation ([eval]) every this many steps (0: only at the start and the
     end)."""
     seed: int = 0
     """Seed of the training prompt order and of the models' initialisation."""
     partial_rollout: bool = False
-    """Samples continue across weight syncs. Each sample records the version of every stretch
-    of its tokens; its version is the oldest, and the metric rollout/mixed_version_samples
-    counts samples with more than one. Async (backend "vllm"): a weight sync freezes the
-    engines' running samples, which continue on the new weights (pause mode "keep") instead of
-    finishing on the old ones first. Sync (backend "transformers"): a step's generation ends
-    once no prompt waits and fewer than partial_cut of the engine's rows still decode. Those
-    samples continue in the next step's generation under the new weights, and a prompt group
-    is scored and trained once all its samples end (complete groups beyond prompts_per_step
-    wait for the next step). A long-tailed batch then does not decode its last rows almost
-    alone: at 1.5B and a 4096-token cap, a step took 23.9 s with max_staleness = 2 against
-    30.4 s without partial rollouts. max_staleness = 1 is no faster, as each continued sample
-    must then end in its second call (benchmarks/RESULTS.md). A checkpoint keeps the groups in
-    flight and the complete groups waiting, and a resumed run continues them."""
+    """Samples continue across weight syncs. Each sample records the version of every stretch of its
+    tokens. The sample's version is the oldest of these, and the metric
+    rollout/mixed_version_samples counts samples with more than one. Async (backend "vllm"): a
+    weight sync freezes the engines' running samples, which continue on the new weights (pause mode
+    "keep") instead of finishing on the old ones first. Sync (backend "transformers"): a step's
+    generation ends once no prompt waits and fewer than partial_cut of the engine's rows still
+    decode. Those samples continue in the next step's generation under the new weights, and a prompt
+    group is scored and trained once all its samples end (complete groups beyond prompts_per_step
+    wait for the next step). A long-tailed batch then does not decode its last rows almost alone: at
+    1.5B and a 4096-token cap, a step took 23.9 s with max_staleness = 2 against 30.4 s without
+    partial rollouts. max_staleness = 1 is no faster, as each continued sample must then end in its
+    second call (benchmarks/RESULTS.md). A checkpoint keeps the groups in flight and the complete
+    groups waiting, and a resumed run continues them."""
     partial_cut: float = Field(0.125, gt=0, le=1)
     """Sync with partial_rollout: a step's generation is cut once fewer than this fraction of
     [rollout] max_batch_size rows still decode (at least one row)."""
     keep_group_mean: tuple[float, float] | None = None
-    """DAPO's dynamic sampling: [low, high]; prompt groups whose mean score is not strictly
-    between them are dropped (with 0/1 rewards, [0, 1] drops the all-wrong and all-right ones)
-    and new prompts are drawn until the batch is full (None: keep every group)."""
+    """DAPO's dynamic sampling: [low, high]. Prompt groups whose mean score is not strictly
+    between low and high are dropped, and new prompts are drawn until the batch is full. With
+    0/1 rewards, [0, 1] drops the all-wrong and all-right groups. None keeps every group."""
     max_draws: int = Field(4, ge=1)
-    """With keep_group_mean: the most generate-and-score rounds per step; a batch still short
-    after them is trained as it is (metrics filter/draws, filter/kept_groups)."""
+    """With keep_group_mean: the most generate-and-score rounds per step. A batch that is still
+    short after them is trained as it is (metrics filter/draws, filter/kept_groups)."""
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -298,7 +301,7 @@ class EnvironmentConfig(Table):
     """The most tokens per episode after the first observation (the model's and the
     environment's); each turn also stops at [rollout] max_tokens."""
     step_timeout: float = Field(60.0, gt=0)
-    """Seconds each reset / step may take; a slower one fails its episode (env_timeout)."""
+    """Seconds each reset / step call may take. A slower call fails its episode (env_timeout)."""
     reward: Literal["environment", "reward_server", "sum"] = "environment"
     """An episode's score: the sum of the environment's rewards, the reward server's score of
     the transcript ([rewards] as for single-turn runs), or both added."""
@@ -340,8 +343,8 @@ class RayConfig(Table):
     """[ray]: the cluster and how the roles are placed on it."""
 
     address: str = ""
-    """Ray cluster to join ("auto" or "host:port"); empty starts a local cluster of the run's
-    own, even where RAY_ADDRESS is set or `ray start` ran on this machine."""
+    """Ray cluster to join ("auto" or "host:port"). Empty starts a local cluster for this run
+    alone, even where RAY_ADDRESS is set or `ray start` ran on this machine."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local cluster (default: all)."""
     placement: Literal["colocate_all", "colocate", "separate"] = "colocate_all"
@@ -360,24 +363,24 @@ class RayConfig(Table):
     gpus_per_role: float = Field(0.0, ge=0)
     """GPUs each role asks for (0 on CPU machines; fractions share a GPU when colocated)."""
     gpu_memory_gb: float | None = Field(None, gt=0)
-    """GiB of memory of each GPU, for the memory plan (None: nvidia-smi's figure on the machine
-    that launches; set it where that machine has no GPU, e.g. a Ray head node)."""
+    """GiB of memory of each GPU, for the memory plan. None means nvidia-smi's figure on the
+    machine that launches; set it where that machine has no GPU, e.g. a Ray head node."""
     host_memory_gb: float | None = Field(None, gt=0)
-    """GiB of host memory of each GPU node, for the memory plan's offloaded states (None: this
-    machine's, where it runs the GPUs itself; unknown, and not checked, where gpu_memory_gb or
-    address say the GPUs are elsewhere)."""
+    """GiB of host memory of each GPU node, for the offloaded states of the memory plan. None
+    means this machine's memory when this machine runs the GPUs itself. When gpu_memory_gb or
+    address say the GPUs are elsewhere, None leaves it unknown and not checked."""
     gpus_per_node: int | None = Field(None, ge=1)
-    """GPUs of each node, for the host memory a node's ranks share (None: this machine's where
-    it runs the GPUs itself, else 8)."""
+    """GPUs of each node, for the host memory that the ranks on a node share. None means this
+    machine's count when this machine runs the GPUs itself, else 8."""
     check_memory: bool = True
-    """GPU runs: refuse a plan whose estimated peak does not fit the GPUs (`--plan` prints it).
-    false: start anyway (the estimate assumes every token is a response token)."""
+    """GPU runs: refuse a plan whose estimated peak does not fit the GPUs (`--plan` prints the
+    plan). false starts anyway (the estimate assumes every token is a response token)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy for the groups that hold several bundles."""
     roles_on_nodes: dict[str, str] = Field(default_factory=dict)
-    """Pin a role ("policy", "rollout", "critic", "rewards": a [rewards] model) to a node by a
-    custom resource name the node was started with (e.g. {rollout = "node:worker"} needs
-    `--resources '{"worker": 1}'`)."""
+    """Pin a role ("policy", "rollout", "critic", or "rewards" for a [rewards] model) to a node,
+    by a custom resource name that the node was started with (e.g. {rollout = "node:worker"}
+    needs `--resources '{"worker": 1}'`)."""
 
     @model_validator(mode="after")
     def _pinnable(self):
@@ -431,35 +434,36 @@ class OutputConfig(Table):
     checkpoint holds the policy's (and critic's) weights, fp32 master weights and Adam moments.
     At 1.5B it is 18 GB, written in 26-32 s on an H200 machine's local disk (the bf16 weights
     3.5-4.3 s, the optimizer 22-28 s), the time of some 4 steps of 256-token GRPO, and loaded in
-    ~15 s on --resume (benchmarks/RESULTS.md). Its seconds are time/checkpoint in metrics; the
-    writes of each role's weights and optimizer are time/checkpoint/policy_weights and
-    .../policy_optimizer (likewise for the critic)."""
+    ~15 s on --resume (benchmarks/RESULTS.md). The metric time/checkpoint records each save's
+    seconds. The writes of each role's weights and optimizer are time/checkpoint/policy_weights
+    and .../policy_optimizer (likewise for the critic)."""
     keep_last: int = Field(3, ge=1)
-    """How many of the newest complete checkpoints to keep; an older one is deleted once a
-    newer one is complete (the one keep_best picks is kept too)."""
+    """How many of the newest complete checkpoints to keep. An older one is deleted once a
+    newer one is complete. The checkpoint that keep_best picks is kept too."""
     keep_best: str | None = None
     """Also keep the checkpoint with the best value of this metric (a metrics.jsonl key, such
-    as "eval/pass@1" or "reward"); an "eval/" metric needs checkpoint_every to be a multiple of
-    [loop] eval_every, so that every checkpoint has one."""
+    as "eval/pass@1" or "reward"). An "eval/" metric needs checkpoint_every to be a multiple of
+    [loop] eval_every, so that every checkpoint has a value."""
     keep_best_mode: Literal["max", "min"] = "max"
     """Whether the best value of keep_best is the largest or the smallest."""
     export_every: int = Field(0, ge=0)
-    """Write the policy in Hugging Face format to dir/exports/stepN every this many steps (0:
-    only the final one, dir/policy). At 1.5B an export is 3 GB of bf16 safetensors and takes
-    1-8 s on an H200 machine (median 2.6 s); its seconds are time/export in metrics."""
+    """Write the policy in Hugging Face format to dir/exports/stepN every this many steps (0: only
+    the final one, dir/policy). At 1.5B an export is 3 GB of bf16 safetensors and takes 1-8 s on an
+    H200 machine (median 2.6 s). The metric time/export records each export's seconds."""
     tensorboard: bool = True
     """Also write TensorBoard event files under dir/tensorboard."""
     wandb: bool = False
-    """Also log to Weights & Biases (the `wandb` extra: pip install 'ferrule-launcher[wandb]'),
-    files under dir/wandb; each launch is a run of its own, grouped by the dir's name."""
+    """Also log to Weights & Biases (the `wandb` extra: pip install 'ferrule-launcher[wandb]'), with
+    files under dir/wandb. Each launch is a W&B run of its own, grouped by the name of dir."""
     wandb_project: str = "ferrule"
     """The W&B project."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """"offline" needs no account or network (`wandb sync dir/wandb/offline-run-*` uploads
-    later); "online" logs as the run goes (WANDB_API_KEY or `wandb login`)."""
+    later). "online" logs as the run goes (WANDB_API_KEY or `wandb login`)."""
     sample_rows: int = Field(8, ge=0)
     """How many held-out prompts have their first sample (prompt, response, reward) logged at
-    each evaluation: to dir/eval_samples.jsonl, TensorBoard text "eval/samples", a W&B table."""
+    each evaluation: to dir/eval_samples.jsonl, to TensorBoard text "eval/samples", and to a W&B
+    table."""
     progress: bool = True
     """Show a progress bar (a log line per step when off or when not on a terminal)."""
 

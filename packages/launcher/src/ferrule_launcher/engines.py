@@ -153,7 +153,7 @@ class Engines:
                 self._recover(dead, failed, version)
 
     def _load(self, version: int) -> None:
-        loop = self.config.loop  # sync partial rollouts cut their calls, so nothing runs now
+        loop = self.config.loop  # sync partial rollouts cut their calls: no sample runs now
         mode = "keep" if loop.partial_rollout and loop.mode == "async" else "wait"
         receiving = [
             (e.update_weights.remote(mode), f"rollout engine {i} (weight sync receiver)")

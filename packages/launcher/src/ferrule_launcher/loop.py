@@ -88,8 +88,8 @@ class Loop:
         t = self.config.trainer
         if t.offload_between_phases:
             return []
-        # As large as a micro-batch (its token budget, else 8192 tokens), but at most a row of
-        # max_model_len for each of the made-up batch's 2 rows.
+        # The made-up warm-up batch has 2 rows. It holds a micro-batch's token budget (8192 when
+        # that is not a number), but at most max_model_len tokens per row.
         budget = t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else 8192
         tokens = min(budget, 2 * self.config.rollout.max_model_len)
         warm = dict(tokens=tokens, packed=t.pack_sequences, entropy=t.entropy_coef > 0)

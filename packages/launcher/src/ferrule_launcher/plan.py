@@ -271,7 +271,8 @@ def holdings(
         tokens=train_tokens,
         response_share=1.0,  # the worst micro-batch: every token through the LM head
     )
-    # the policy's scoring pass (old log-probs) holds its states and a forward batch's activations
+    # In the scoring pass (old log-probs), the policy holds its states and the activations of
+    # one forward batch.
     state = memory.training_state(shape, lora=lora, **state_keys)
     forward = memory.forward_activations(
         shape, forward_tokens, 1.0, whole_logits=trainer.zero_stage == 3
@@ -373,8 +374,8 @@ def _engine(config: "Config", shape: ModelShape, gpu_bytes: int | None) -> tuple
     if r.backend == "vllm":
         share = int(r.gpu_memory_utilization * (gpu_bytes or 0))
         how = f"vLLM: gpu_memory_utilization {r.gpu_memory_utilization:g}"
-        # vLLM's share must hold its slice of the weights and the KV cache of one whole sequence,
-        # or vLLM refuses to start; a share too small is counted at that minimum
+        # vLLM's share must hold the engine's slice of the weights and the KV cache of one whole
+        # sequence, or vLLM refuses to start. A smaller share is counted at that minimum.
         tp = r.tensor_parallel_size
         one_sequence = r.max_model_len * shape.layers * 2 * shape.kv_width * 2 // tp
         least = int(memory.FRAGMENTATION * (shape.weights(config.model.dtype) // tp + one_sequence))
@@ -457,7 +458,7 @@ def make_plan(config: "Config", machine: Machine | None = None) -> Plan | None:
     if not config.ray.gpus_per_role:
         return None
     ray = config.ray
-    # a run whose GPUs [ray] gpu_memory_gb describes, or that joins a cluster, runs elsewhere
+    # The GPUs are elsewhere when [ray] gpu_memory_gb describes them or the run joins a cluster.
     elsewhere = bool(ray.gpu_memory_gb or ray.address)
     if machine is None:
         machine = Machine(None) if elsewhere else Machine.this_one()

@@ -214,10 +214,10 @@ class WeightSync:
     """ "broadcast" (NCCL / gloo from rank 0), "ipc" (CUDA IPC / shared memory, colocated) or
     "host" (shared memory wherever the weights are)."""
     receivers_per_engine: int = 1
-    """An engine with tensor parallelism is one receiver per worker."""
+    """Weight-sync receivers in each engine: one per worker, so [rollout] tensor_parallel_size."""
     in_place: bool = True
-    """Whether CUDA IPC may let the engines read the weights where they lie (not with an offload
-    between phases: the engines' mappings would keep that memory)."""
+    """Whether CUDA IPC may let the engines read the weights where they lie. It is off with an
+    offload between phases, because the engines' mappings would keep that memory."""
 
 
 @dataclass(frozen=True)
@@ -339,7 +339,7 @@ class _Launcher:
         remote = (
             ray.remote(concurrency_groups=concurrency_groups) if concurrency_groups else ray.remote
         )
-        # a role's own environment from placement (placement.with_threads) replaces the shared one
+        # a runtime_env in the role's placement (placement.with_threads) replaces the shared one
         options = {"runtime_env": {"env_vars": self.env}, **self.places[role], **extra}
         return remote(cls).options(**options)
 

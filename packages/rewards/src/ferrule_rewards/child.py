@@ -56,8 +56,9 @@ from ferrule_rewards.records import Progress, Scores
 
 DECODING, IDLE = -2, -3
 RECYCLE_GROWTH = 512 << 20
-"""A process whose memory grew this much since it was ready exits after its answer and is
-replaced: a large request's objects leave the heap fragmented, and only an exit returns it."""
+"""Bytes of memory growth since the scoring process was ready. A process that has grown this
+much exits after its answer, and the server replaces it. The objects of a large request leave
+the heap fragmented, and only an exit gives that memory back to the system."""
 _HEAD = struct.Struct("!cI")
 
 

@@ -22,8 +22,9 @@ from collections import Counter
 
 log = logging.getLogger(__name__)
 HIGH_WATER = 256 << 10
-"""Bytes one side may have waiting to be written before the other side stops being read: a
-peer that does not read its answers holds at most this much in the front."""
+"""Bytes that may wait to be written to one end of a relayed connection before the front stops
+reading the other end. So a peer that does not read its answers holds at most this much memory
+in the front."""
 WARN_EVERY = 10.0  # seconds between log lines about one refused peer
 
 

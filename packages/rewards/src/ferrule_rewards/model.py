@@ -45,7 +45,8 @@ def _pick_dtype(dtype: str, device: str):
 
 
 STATS_FILE = "reward_stats.json"
-"""Beside a reward model: {"mean": ..., "std": ...} of its scores on held-out data."""
+"""The file beside a reward model that holds the mean and std of the model's scores on held-out
+data, as {"mean": ..., "std": ...}."""
 
 
 def _saved_moments(path: Path) -> tuple[float, float]:

@@ -71,9 +71,9 @@ class Progress:
     This base class does nothing. It serves scoring in the current process (tests, embedding)."""
 
     takes_outputs = False
-    """True when `done` turns every output into its result itself (child.py's): a scorer whose
-    samples all go through `done` then leaves its Scores' rewards at 0 rather than convert each
-    output a second time."""
+    """True when `done` itself turns each output into its result, as child.py's _Reporter does.
+    A scorer that passes every sample through `done` then leaves the rewards in its Scores at 0,
+    instead of converting each output a second time."""
 
     def start(self, index: int) -> None:
         pass

@@ -2,7 +2,9 @@
 package)."""
 
 TOKEN_ENV = "FERRULE_REWARDS_TOKEN"
-"""Where the server and its clients read the bearer token when no --token-file is given."""
+"""The environment variable from which the server and its clients read the bearer token when
+no --token-file is given."""
 NO_TOKEN_METHODS = ("/grpc.health.v1.Health/",)
-"""Calls that need no token: load balancers and Kubernetes probes cannot send one, and the
-answer reveals only SERVING or NOT_SERVING."""
+"""Prefixes of the methods whose calls need no token (the health service). Load balancers and
+Kubernetes probes cannot send a token, and a health answer reveals only SERVING or
+NOT_SERVING."""

@@ -48,46 +48,53 @@ SERVICE = pb.DESCRIPTOR.services_by_name["RewardService"].full_name
 MAX_MESSAGE_MB = 1024  # gRPC's limits are 32-bit signed byte counts
 MAX_LOG_MB = 1024
 MAX_SUB_SCORES = 1_000_000
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # all drain (SIGHUP once exited 129)
+# Each of these signals drains the server (SIGHUP once made it exit with status 129).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MAX_CONNECTIONS = 4096
-"""Connections open at once; past it gRPC closes new ones. Each costs a descriptor, and the
-server needs some of its own to replace a scoring process (1020 idle connections under a
-systemd service's soft limit of 1024 made a kill fail and lost the process for good)."""
+"""The most connections open at once; gRPC closes new connections past this number. Each
+connection costs a file descriptor, and the server needs some descriptors of its own to replace
+a scoring process. (1020 idle connections under a systemd service's soft limit of 1024 made a
+kill fail, and the process was lost for good.)"""
 WRITE_GRACE = 1.0  # seconds past the call's deadline that its answer may take to be sent
 HANDSHAKE_SECONDS = 5.0
-"""A connection that has not finished its handshake (TLS, HTTP/2's preface) by then is closed:
-one that sends nothing holds a descriptor and no call."""
+"""Seconds a new connection has to finish its handshake (TLS, HTTP/2's preface) before it is
+closed. A connection that sends nothing would otherwise hold a descriptor without a call."""
 IDLE_SECONDS = 300.0
 """A connection with no call for this long is closed (GOAWAY; gRPC clients reconnect)."""
 ANSWER_AHEAD = 0.25
-"""Seconds before a client's deadline (at most a quarter of it) that a call answers with what
-is done: 0.1 s was too little for the answer to reach the client on a loaded 2-core machine
-(CI, test_client.py's deadline test at a 1 s timeout)."""
+"""Seconds before the client's deadline at which a call answers with the results it has, or a
+quarter of the remaining time if that is less. 0.1 s was too little for the answer to reach the
+client on a loaded 2-core machine (CI, in test_client.py's deadline test at a 1 s timeout)."""
 
 
 @dataclass(frozen=True)
 class Limits:
     max_batch: int = 4096
-    """Most samples in one Score call; more is INVALID_ARGUMENT (the client splits batches)."""
+    """The most samples in one Score call. A larger call fails with INVALID_ARGUMENT (the
+    client splits batches)."""
     max_message_bytes: int = 64 << 20
-    """Largest request or response; more is RESOURCE_EXHAUSTED, answered by gRPC itself."""
+    """The largest request or response in bytes. gRPC itself answers a larger one with
+    RESOURCE_EXHAUSTED."""
     max_concurrency: int = 32
-    """Score calls admitted at once (being read, waiting for a scoring process, or scored); one
-    more is RESOURCE_EXHAUSTED (retry elsewhere), before any of its body is read. So requests
-    buffered in memory are at most this many."""
+    """The most Score calls admitted at once (being read, waiting for a scoring process, scored
+    or answered). One more call fails with RESOURCE_EXHAUSTED (retry elsewhere) before any of
+    its body is read, so at most this many requests are buffered in memory."""
     call_timeout: float = 60.0
-    """Seconds a Score call may take, whatever its samples do (a shorter client deadline wins):
-    samples without a result by then get TIMEOUT."""
+    """Seconds a Score call may take, whatever its samples do; a shorter client deadline wins.
+    Samples that have no result by then get TIMEOUT."""
     max_health_watches: int = 64
-    """Health Watch streams open at once (they need no token); more are RESOURCE_EXHAUSTED."""
+    """The most Health Watch streams open at once (they need no token). A further Watch fails
+    with RESOURCE_EXHAUSTED."""
     max_log_bytes: int = 1 << 20
-    """Bytes of each scoring process's stdout and stderr (a function's prints) that reach the
-    server's log; the rest is dropped until the process is replaced. 0 drops all of it."""
+    """How many bytes of each scoring process's stdout and stderr (a function's prints) reach
+    the server's log. The rest is dropped until the process is replaced; 0 drops all of it."""
     max_sub_scores: int = 1024
-    """Sub-scores one sample may return; more is that sample's INVALID_REWARD."""
+    """The most sub-scores one sample may return. A sample that returns more gets
+    INVALID_REWARD."""
     max_connections_per_peer: int = 128
-    """Connections one peer (an IP address; an IPv6 /64) may hold open; more are reset on
-    arrival (front.py). 0 leaves only the bound in all, MAX_CONNECTIONS."""
+    """The most connections one peer (an IP address, or an IPv6 /64) may hold open. Further
+    connections are reset on arrival (front.py). 0 leaves only the total bound,
+    MAX_CONNECTIONS."""
 
     def __post_init__(self):
         for name in ("max_batch", "max_message_bytes", "max_concurrency", "max_health_watches"):
@@ -222,8 +229,10 @@ class RewardServer:
         except TimeoutError:
             log.warning("a client took no answer within its call's deadline; cancelled the call")
             raise asyncio.CancelledError from None
-        except Exception:  # the call ended first (its deadline, its client gone): grpc raises
-            raise asyncio.CancelledError from None  # its private ExecuteBatchError, logged loud
+        except Exception:
+            # The call ended first (its deadline passed, or its client left). grpc then raises
+            # its private ExecuteBatchError, which gets logged loudly.
+            raise asyncio.CancelledError from None
 
     async def _read(self, context: grpc.aio.ServicerContext, deadline: float):
         """Read the request's body before a scoring process is taken, within the call's

@@ -90,8 +90,9 @@ def failure(status: Status, message: str) -> dict:
 
 
 SMALL = 256
-"""Bytes a failed result takes at most (its message is short): what a Budget keeps for each
-result still to come, so that every sample gets a result within the limit."""
+"""Bytes that a Budget reserves for each result still to come. A failed result with a short
+message, such as the ERROR that Budget itself writes, takes less than this. So every sample
+gets a result within the limit."""
 _FLOAT_CHUNK = b"\x0a\x09\x09"  # results (field 1), 9 bytes: reward (field 1), a double
 _DOUBLE = struct.Struct("<d")
 
@@ -113,9 +114,9 @@ def failure_chunk(status: Status, message: str) -> bytes:
 
 MISSING_CHUNK = chunk(MISSING_RESPONSE)
 OVER_LIMIT_CHUNK = failure_chunk(Status.ERROR, "response past --max-message-mb")
-"""What a result gets when the response has no room left for it: the least any result takes
-beyond a bare reward, so a server refuses to start with a --max-batch of these over its
-message limit (server.Limits)."""
+"""The result a sample gets when the response has no room left for its own result. `within`
+can shrink every result to at most this size, so a server refuses to start when --max-batch
+results of this size exceed its message limit (server.Limits)."""
 
 
 def within(chunks: list[bytes], max_bytes: int) -> list[bytes]:

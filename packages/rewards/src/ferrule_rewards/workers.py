@@ -152,7 +152,8 @@ class _Pool:
             pipes = {slot.pipe: slot for slot in self.slots if slot.pipe is not None}
             ends = {slot.process.sentinel: slot for slot in self.slots}
             ready_ones = wait([woken, *pipes, *ends])
-            if woken in ready_ones:  # first: a worker exiting now was stopped with the supervisor
+            # Signals first: a worker that exits now was stopped along with the supervisor.
+            if woken in ready_ones:
                 signum = woken.recv(1)[0]
                 log.info("%s: stopping %d workers", signal.Signals(signum).name, len(ends))
                 return

@@ -67,7 +67,7 @@ def slab_attention(module, query, key, value, attention_mask, scaling=None, drop
 
     rows, heads, length, dim = query.shape
     slots, table = kw.pop("slab_slots", None), kw.pop("slab_table", None)
-    if kw.pop("causal_prefill", False):  # right-padded prompts from slot 0: causal is their mask
+    if kw.pop("causal_prefill", False):  # right-padded prompts at slot 0 need only the causal mask
         group = heads // key.shape[1]
         key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
         with sdpa_kernel(PREFILL_BACKENDS):
@@ -98,7 +98,7 @@ def plain_attention(config) -> bool:
     """Whether every attention layer of the model is full causal attention (what
     decode_attention computes): no sliding window, no logit softcap."""
     kinds = getattr(config, "layer_types", None)
-    if kinds is None:  # configs older than layer_types: a window, if set, applies
+    if kinds is None:  # configs older than layer_types: a sliding_window, if set, applies
         windowed = bool(getattr(config, "sliding_window", None))
     else:
         windowed = any(kind != "full_attention" for kind in kinds)
@@ -135,7 +135,7 @@ class SlabCache:
         """Make room for `rows` rows of `length` slots (whole pages). Return True when the pool
         or the table had to be reallocated, which loses what the pages held."""
         width = length // PAGE
-        pages = self.fixed or rows * width + 1  # unless fixed: every row can reach the end
+        pages = self.fixed or rows * width + 1  # unless fixed, all rows can reach the view's end
         if self.fixed is not None and self.fixed < width + 1:
             raise ValueError(
                 f"a KV cache of {(self.fixed - 1) * PAGE} tokens cannot hold one sequence of "
@@ -148,7 +148,7 @@ class SlabCache:
         rows, width, pages = max(rows, have_rows), max(width, have_width), max(pages, have)
         self.keys = self.values = []  # free the old ones first
         shape = (pages, self.kv_heads, PAGE, self.head_dim)
-        # zeros: a slot sdpa masks out is multiplied by 0, and 0 * NaN is NaN
+        # zeros, not empty: sdpa multiplies a masked-out slot by 0, and 0 * NaN is NaN
         self.keys, self.values = (
             [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
             for _ in "kv"
@@ -242,7 +242,7 @@ class SlabCache:
         else:
             keys[self.pages, :, self.at] = key.transpose(1, 2)
             values[self.pages, :, self.at] = value.transpose(1, 2)
-            if self.seen is None:  # causal prefill from slot 0: its own tokens are all it sees
+            if self.seen is None:  # causal prefill from slot 0: the prompt sees only its own tokens
                 return key, value
             rows = self.rows
         return self.gathered(keys, rows, self.seen), self.gathered(values, rows, self.seen)
@@ -265,7 +265,7 @@ class Step:
         # decode attention reads one slot of it, not the whole slab. (At 1.5B, with 256 rows and
         # 4160 slots, idle rows at the end read 30 GB a step: most of a long-tailed batch's time.)
         self.moving = torch.zeros(rows, dtype=torch.long, device=device)
-        self.last = length - 1  # a row past its end stays here until the host's next read
+        self.last = length - 1  # a row past its end stays at this slot until the host's next read
         self.last_position = min(length, decoder.max_positions or length) - 1
         self.graph = self.logits = None
 
@@ -374,8 +374,8 @@ class Decoder:
             and plain_attention(config)
             and supports(config.num_attention_heads, cache.kv_heads, cache.head_dim)
         )
-        # tail compaction moves the running rows into 1 / `compact` of the rows (0: never; never
-        # in exact mode either)
+        # Tail compaction moves the running rows into 1 / `compact` of the rows. 0 turns it off,
+        # and exact mode never compacts.
         self.compacts = compact if compact > 1 and exact is None else 0
         # partial rollouts: a cut row's keys and values stay in the slab, and the next call
         # resumes the row there if it continues that sequence (see `_claim`; not in exact mode)
@@ -405,7 +405,7 @@ class Decoder:
         With `last` (right-padded prompts), return each row's logits at its own last column
         instead. With `causal`, the tokens are the rows' first tokens (slots 0..), so attention
         needs no mask."""
-        if causal:  # no [rows, tokens, slots] mask to build: HF passes a 4D one through unread
+        if causal:  # no [rows, tokens, slots] mask: HF passes a 4D mask through, unread
             mask = pad_ok[:, None, None, :]
         else:
             where = torch.arange(pad_ok.shape[1], device=self.device)
@@ -416,15 +416,15 @@ class Decoder:
                 low = torch.finfo(self.mask_dtype).min
                 mask = torch.zeros(mask.shape, dtype=self.mask_dtype, device=self.device)
                 mask.masked_fill_(~keep[:, None], low)
-        # Attention reads pad_ok's width (the view's width, or exact mode's key slots), or only
-        # causal prefill's own tokens.
+        # Attention reads the first pad_ok.shape[1] slots of each row (the view's width, or exact
+        # mode's key slots). Causal prefill reads only its own tokens.
         self.cache.aim(rows, slots, None if causal else pad_ok.shape[1])
         extra, pick = self.extra, None
         if rows is None and self.cache.paged_reads:  # each row's pages up to its slot
             extra = dict(extra, slab_slots=slots, slab_table=self.cache.table[: len(slots)])
         if causal:
             extra = dict(extra, causal_prefill=True)
-        if last is not None:  # the distinct last columns go through the LM head, then each row's
+        if last is not None:  # only distinct last columns go through the LM head
             columns, pick = torch.unique(last, return_inverse=True)
             extra = dict(extra, logits_to_keep=columns) if self.extra else extra
             pick = pick if self.extra else last
@@ -451,7 +451,7 @@ class Decoder:
             step = Step(self, rows, length)
             if self.use_graphs:
                 step.capture(self.pool)
-        self.steps[(rows, length)] = step  # the most recent last
+        self.steps[(rows, length)] = step  # the most recently used goes last
         return step
 
     def generate(
@@ -577,11 +577,11 @@ class _Rows:
         self.partial()
         self.queue = list(range(len(prompts)))[::-1]  # pop() takes them in order
         self.holder = [-1] * batch  # the prompt each row holds (-1: none)
-        self.start = [0] * batch  # the step of its first token
+        self.start = [0] * batch  # the step of the row's first token
         self.base = [0] * batch  # step t writes at slot base + t
         self.walked = [0] * batch  # stop strings: the row's next step to walk on the host
-        self.seen: list[list[int]] = [[] for _ in range(batch)]  # its tokens, for stop_hit
-        self.stops: dict[int, int] = {}  # row -> its length at a stop string
+        self.seen: list[list[int]] = [[] for _ in range(batch)]  # row's tokens so far, for stop_hit
+        self.stops: dict[int, int] = {}  # row -> the sample's length at its stop string
         self.horizon = 0  # no row runs past this step
         self.results: list = [None] * len(prompts)
         self.ends = torch.zeros(batch, dtype=torch.long, device=dev)  # the step a row ends at
@@ -655,14 +655,14 @@ class _Rows:
             return
         taken = [self.queue.pop() for _ in range(taking)]
         if not self.fits(taken):
-            taken.sort(key=lambda i: len(self.prompts[i]))  # else one group, in queue order
+            taken.sort(key=lambda i: len(self.prompts[i]))  # by length; one group keeps queue order
         first = 0
         while first < taking:
             last = first + 1
             while last < taking and self.fits(taken[first : last + 1]):
                 last += 1
             if not self.admit(free[first:last], taken[first:last]):
-                last = first + 1  # short prompts padded to a long one's width take more pages
+                last = first + 1  # retry alone: padding to a long prompt's width takes more pages
                 if not self.admit(free[first:last], taken[first:last]):
                     self.queue.extend(reversed(taken[first:]))  # they wait for pages
                     return
@@ -753,7 +753,7 @@ class _Rows:
         prompt. The n samples of a prompt share its prefill: the prompt's other rows get copies
         of its keys and values. Return the logits of each row's last prompt token (column
         lengths - 1, since the prompts are right-padded)."""
-        index: dict[tuple, int] = {}  # a distinct prompt -> its place among the prefilled
+        index: dict[tuple, int] = {}  # a distinct prompt -> its index in `firsts`
         firsts, where = [], []
         for k, prompt in enumerate(group):
             if tuple(prompt) not in index:
@@ -767,7 +767,7 @@ class _Rows:
         if decoder.exact is not None or not decoder.float_mask:  # one forward over the columns
             slots = torch.arange(width, device=dev)
             causal = decoder.exact is None  # exact mode: the trainer's masked sum over the slab
-            seen = pad_ok[:, :width] if causal else pad_ok  # the keys it attends to
+            seen = pad_ok[:, :width] if causal else pad_ok  # the keys that the prefill attends to
             logits = decoder.forward(
                 ids, positions, seen, slots, rows=at[once], last=last, causal=causal
             )
@@ -788,7 +788,7 @@ class _Rows:
         if len(firsts) == len(group):
             return logits
         where = torch.tensor(where, device=dev)
-        self.decoder.cache.copy(at, at[once][where], width)  # from the row that prefilled it
+        self.decoder.cache.copy(at, at[once][where], width)  # from the row that ran the prefill
         return logits[where]
 
     def read(self, t: int, sampling) -> bool:
@@ -838,7 +838,7 @@ class _Rows:
             self.results[i] = (row, values, n, finish)
             self.holder[r] = -1
         self.idle(at)
-        kept = cut if self.decoder.reuse_cut else ()  # park keeps their pages
+        kept = cut if self.decoder.reuse_cut else ()  # cut rows keep their pages for `park`
         self.decoder.cache.release([r for r in rows if r not in kept])
 
     def park(self, cut: dict[int, int]) -> None:
@@ -867,7 +867,7 @@ class _Rows:
         order = held + [r for r, i in enumerate(self.holder) if i < 0][: fewer - len(held)]
         at, decoder, old = torch.tensor(order, device=self.device), self.decoder, self.step
         decoder.cache.move(order)  # their pages go with them: nothing copied
-        self.step = decoder._step(fewer, self.length)  # the narrower view: the same first rows
+        self.step = decoder._step(fewer, self.length)  # a narrower view of the same first rows
         for name in ("positions", "pad_ok", "slot", "moving"):
             getattr(self.step, name).copy_(getattr(old, name)[at])
         self.ends, self.chosen, self.tokens, self.logprobs, self.u = (

@@ -48,7 +48,7 @@ class Episode:
     """One finished episode. `mask`, `logprobs` and `versions` are aligned with `response_ids`."""
 
     index: int
-    """Position of its prompt in the call's `prompts`."""
+    """Position of the episode's prompt in the call's `prompts`."""
     prompt_ids: list[int]
     """The first observation's tokens."""
     response_ids: list[int] = field(default_factory=list)
@@ -111,7 +111,7 @@ class _State:
     episode: Episode
     ids: list[int] = field(default_factory=list)  # the whole history, prompt included
     env: Environment | None = None
-    call: int = 0  # number of the environment call whose answer counts
+    call: int = 0  # the number of the environment call whose answer the episode waits for
     deadline: float | None = None  # when that call times out
     last_eos: bool = False  # the last model turn ended on an end-of-sequence token
     done: bool = False

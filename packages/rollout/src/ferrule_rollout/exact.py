@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROWS = 256  # rows per fixed-shape call: one chunk holds a decode step of up to 256 sequences
-ATTENTION = "ferrule_exact"  # the trainer's side: any padding; keys are moved to slots 0..
+ATTENTION = "ferrule_exact"  # the trainer's side: any padding, keys moved to slots 0..
 SLAB_ATTENTION = "ferrule_exact_slab"  # the engine's side: keys are already at slots 0..
 SLOT_ALIGN = 64
 
@@ -191,7 +191,7 @@ class _ExactAttention(torch.autograd.Function):
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
             keep = keep.clone()
             keep[..., 0] |= ~keep.any(dim=-1)
-            # sdpa's math kernel: its matmuls add in a fixed order. cuDNN's and the memory-
+            # Use sdpa's math kernel, whose matmuls add in a fixed order. cuDNN's and the memory-
             # efficient kernels accumulate dQ with atomics, so on an H200 the same step gave
             # different gradients run to run, and an exact run could not repeat itself.
             with sdpa_kernel(SDPBackend.MATH):

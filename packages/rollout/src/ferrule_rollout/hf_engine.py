@@ -138,8 +138,8 @@ class TransformersEngine(EngineBase):
     """A transformers model with policy versions, pause / resume and weightsync weight updates."""
 
     continuous_batching = False
-    """Calls run one at a time (episodes.py batches waiting turns into the next call); within a
-    call, finished rows leave and queued ones enter."""
+    """Calls run one at a time (episodes.py batches waiting turns into the next call). Within a
+    call, finished rows leave and queued prompts take their rows."""
 
     def __init__(
         self,
@@ -344,7 +344,7 @@ class TransformersEngine(EngineBase):
             keys = [settings.seed + i for _, i in rows]
         else:
             keys = torch.randint(2**62, (len(rows),), generator=self._rng).tolist()
-        earlier = [continued[p] for p, _ in rows]  # the cut samples continued, else None
+        earlier = [continued[p] for p, _ in rows]  # each row's Continuation, else None
         carried = [0 if c is None else len(c.sample.token_ids) for c in earlier]
         keys = [
             key if c is None or c.sample.draw_key is None else c.sample.draw_key

@@ -108,14 +108,14 @@ def _build():
             )
             acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
-        if SPLITS == 1:  # one split holds all the row's slots: store the output (0 if it sees none)
+        if SPLITS == 1:  # one split covers the row: store the output (0 if the row sees no slot)
             tl.store(
                 OUT + r * o_row + heads[:, None] * o_head + d[None, :],
                 (acc / tl.where(total > 0, total, 1.0)[:, None]).to(OUT.dtype.element_ty),
                 mask=(g < GROUP)[:, None],
             )
-        else:  # store this split's partial sums (unnormalised) for `combine`; a split past
-            # the row's slot stores nothing, and nothing reads it
+        else:  # store this split's unnormalised partial sums for `combine`. A split that
+            # begins past the row's slot stores nothing, and `combine` does not read it.
             live = (g < GROUP) & (begin <= last)
             at = (r * GROUP * tl.num_programs(1) + heads) * SPLITS + split
             tl.store(BEST + at, best, mask=live)
@@ -253,7 +253,7 @@ def _build_draw():
             total = total * tl.exp(best - new_best) + tl.exp(x - new_best)
             best = new_best
         top = tl.max(best, axis=0)
-        mass = tl.sum(total * tl.exp(best - top), axis=0)  # of exp(x / T - top)
+        mass = tl.sum(total * tl.exp(best - top), axis=0)  # the sum of exp(x / T - top)
         # sampling.sample's point: u * (1 - 2**-20) of the total mass, never the total itself
         point = (tl.load(U + r * u_row) * (1 - 2.0**-20)).to(tl.float32) * mass
         chosen = vocab - 1  # like sample's clamp, in case rounding leaves the point past the end

@@ -35,7 +35,7 @@ class SamplingSettings:
     max_tokens: int = 16
     """Most new tokens per sample (>= 1); generation also stops at the model's length."""
     stop: tuple[str, ...] = ()
-    """Strings that end a sample (not included in its tokens' text)."""
+    """Strings that end a sample. The stop string is left out of the sample's text."""
     seed: int | None = None
     """Per-request seed: sample i of a prompt uses seed + i, so the n samples differ."""
     ignore_eos: bool = False
@@ -150,8 +150,8 @@ class Sample:
     """"stop" (EOS or a stop string), "length" (max_tokens or the model's length) or "abort"."""
     version: int
     """Policy version of the weights that produced the sample. When an update landed mid-sample
-    (pause mode "keep"), this is the oldest contributing version, and `versions` has the
-    details."""
+    (pause mode "keep"), this is the oldest version that contributed tokens, and `versions` has
+    the details."""
     text: str = ""
     versions: list[VersionSpan] = field(default_factory=list)
     """The version of every stretch of tokens; one span unless an update landed mid-sample."""
@@ -162,8 +162,9 @@ class Sample:
     """Multi-turn episodes only: the rewards the environment gave before the episode's last
     turn, each as (index of that turn's last token in `token_ids`, reward)."""
     draw_key: int | None = None
-    """Set on a cut sample (finish_reason "abort", transformers engine only): the key of its
-    random draws. Its continuation then draws what one uninterrupted call would have drawn."""
+    """Set on a cut sample (finish_reason "abort", transformers engine only): the key of the
+    sample's random draws. With it, the continuation draws what one uninterrupted call would
+    have drawn."""
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ def tiny_model(
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         del model
-        if on == "cuda":  # the caller measures the GPU next; 15 GB of a 7B stayed cached here
+        if on == "cuda":  # the caller measures the GPU next, and a 7B build left 15 GB cached
             torch.cuda.empty_cache()
 
     if vocab_size is not None:

@@ -46,16 +46,17 @@ class Batch:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     old_logprobs: torch.Tensor | None = None
-    """The policy's log-probabilities before the step (None: on-policy, the training forward's)."""
+    """The policy's log-probabilities from before the step. None: the step is on-policy and
+    takes them from its own training forward."""
     ref_logprobs: torch.Tensor | None = None
-    """The reference's, for a KL term in the loss or DPO."""
+    """The reference model's log-probabilities, for a KL term in the loss or for DPO."""
     rollout_logprobs: torch.Tensor | None = None
-    """The engine's, for the on-policy step's "vllm_kl"."""
+    """The rollout engine's log-probabilities, from which an on-policy step reports "vllm_kl"."""
     advantages: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
-    """The rollout correction's per-token weights of the policy loss."""
+    """Per-token weights of the policy loss, from the rollout correction."""
     old_values: torch.Tensor | None = None
-    """The critic's values before the step."""
+    """The critic's values from before the step."""
     returns: torch.Tensor | None = None
     """The critic's targets."""
 
@@ -148,21 +149,21 @@ class Batch:
 
 @dataclass(frozen=True)
 class SequenceBatch:
-    """Whole right-padded sequences, as the offline trainers read them (SFT; reward models and
-    DPO on pairs: the B / 2 chosen sequences first, then the rejected ones in the same order).
-    The forward passes on these batches take no attention mask: under causal attention no real
-    token sees the padding behind it, and without a mask sdpa runs its causal kernel
-    (`sequences.model_inputs`). A reward model's score is still read at the last token that is
-    not `pad_token_id`."""
+    """Whole right-padded sequences, as the offline trainers read them. SFT reads single
+    sequences. Reward models and DPO read pairs: the B / 2 chosen sequences come first, then the
+    rejected ones in the same order. The forward passes on these batches take no attention
+    mask: under causal attention no real token sees the padding behind it, and without a mask
+    sdpa runs its causal kernel (`sequences.model_inputs`). A reward model's score is still read
+    at the last token that is not `pad_token_id`."""
 
     input_ids: torch.Tensor
     """(B, T) token ids of prompt + response."""
     attention_mask: torch.Tensor
     """(B, T) 1 for real tokens, 0 for the padding on the right."""
     loss_mask: torch.Tensor
-    """(B, T) 1 on the tokens the loss counts: the response (SFT: and its end token)."""
+    """(B, T) 1 on the tokens that the loss counts: the response (in SFT, also its end token)."""
     margin: torch.Tensor | None = None
-    """Preference pairs: (B / 2,) each pair's reward-model margin (0: none)."""
+    """(B / 2,) for preference pairs: each pair's reward-model margin (0: no margin)."""
 
     def __post_init__(self):
         ids = self.input_ids

@@ -15,7 +15,7 @@ from ferrule_config import InputPath, Problems, Table, renamed_dtype
 from ferrule_trainer.settings import Correction, EpochPlan, ForwardPlan, PolicyLoss
 
 TrainDType = Annotated[Literal["float32", "bfloat16"], BeforeValidator(renamed_dtype)]
-"""The dtype vocabulary of every Ferrule table (torch's names); training takes these two."""
+"""Every Ferrule table names dtypes as torch does; training accepts these two."""
 
 ESTIMATORS = (
     "grpo",
@@ -57,12 +57,12 @@ class ModelConfig(Table):
     dtype: TrainDType = "float32"
     """"float32" or "bfloat16" (use float32 on CPUs without bf16 instructions)."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
-    """transformers' attention kernel for the trained and frozen models (None: its default)."""
+    """The transformers attention kernel of the trained and frozen models (None: the default)."""
     compile_layers: bool = True
-    """torch.compile each decoder layer of the policy, the reference and the critic: ~18% faster
-    training at 1.5B on an H100, after a first step that compiles. On CUDA below ZeRO-3 only
-    (elsewhere, with [rollout] exact and with [trainer] sequence_parallel above 1, the layers run
-    eagerly)."""
+    """Run each decoder layer of the policy, the reference and the critic through torch.compile.
+    Training at 1.5B on an H100 is ~18% faster, after a first step that compiles. Applies only
+    on CUDA below ZeRO-3. Elsewhere, with [rollout] exact and with [trainer] sequence_parallel
+    above 1, the layers run eagerly."""
 
 
 GSPO_AGG_MODE = "seq-mean-token-mean"
@@ -88,13 +88,13 @@ class TrainerConfig(Table):
     learning_rate: float = Field(1e-4, gt=0)
     """Actor learning rate (AdamW)."""
     ranks: int = Field(1, ge=1, le=1024)
-    """Data-parallel ranks of the policy (DeepSpeed), one Ray actor and one bundle each."""
+    """Data-parallel ranks of the policy (DeepSpeed). Each rank is one Ray actor in one bundle."""
     reference_ranks: Annotated[int, Field(ge=1, le=1024)] | Literal["auto"] = "auto"
-    """Data-parallel ranks of the reference (kl_coef > 0); with zero_stage = 3 its weights are
-    sharded over them, so a large reference needs no single device's memory. "auto": on GPUs
-    where the reference shares the policy's bundles (placement "colocate_all" or "colocate"),
-    one beside each policy rank, so that each GPU scores its own samples; otherwise one
-    sequence group (sequence_parallel ranks)."""
+    """Data-parallel ranks of the reference (used when kl_coef > 0). With zero_stage = 3 the
+    reference's weights are sharded over these ranks, so a large reference need not fit on one
+    device. "auto": on GPUs where the reference shares the policy's bundles (placement
+    "colocate_all" or "colocate"), one reference rank beside each policy rank, so that each GPU
+    scores its own samples. Otherwise one sequence group (sequence_parallel ranks)."""
     sequence_parallel: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
     """Ranks that share each sequence (DeepSpeed-Ulysses style: ferrule_trainer's
     sequence_parallel.py). The ranks of the policy, the reference and the critic form groups of
@@ -102,8 +102,8 @@ class TrainerConfig(Table):
     1/N of every row's positions, so a sequence's activations are split N ways. ranks,
     reference_ranks, [critic] ranks and the model's attention heads must be multiples of it.
     Above 1, the layers run uncompiled ([model] compile_layers is not applied). "auto": 1 on
-    CPU; on GPUs the memory plan's choice, above 1 only where no plan with one rank per
-    sequence fits."""
+    CPU. On GPUs the memory plan chooses, and it goes above 1 only when no plan with one rank
+    per sequence fits."""
     epochs: int = Field(1, ge=1)
     """PPO epochs: optimizer passes over each rollout batch."""
     mini_batches: int = Field(1, ge=1)
@@ -115,8 +115,9 @@ class TrainerConfig(Table):
     micro_batch_size). The logits of a pass grow with it: rows x response length x vocabulary."""
     micro_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
     """The most tokens per forward/backward of the policy and the critic. Each mini-batch's
-    sequences are sorted by length into micro-batches of up to micro_batch_size rows, whose
-    rows x padded length (or, packed, whose tokens) stay within this budget. Activations grow
+    sequences are sorted by length into micro-batches of up to micro_batch_size rows. A
+    micro-batch's rows x padded length (or, when packed, its token count) stays within this
+    budget. Activations grow
     with tokens, not rows: 64 rows of ~270 tokens (17k) ran a 1.5B policy out of memory on an
     H100 beside its engine, while 16 rows (4.3k) fit. A sequence longer than this goes alone.
     The loss is the same however the step is split. "auto": on GPUs the largest that fits the
@@ -124,16 +125,16 @@ class TrainerConfig(Table):
     order."""
     forward_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
     """The most tokens per forward of the old-policy, reference and value passes, counted as for
-    micro_batch_tokens (None: micro_batch_tokens), in at most forward_batch_size rows. "auto":
-    on GPUs what the memory plan fits (a smaller reference pass can spare offloading the policy
-    between phases), elsewhere None."""
+    micro_batch_tokens, in at most forward_batch_size rows (None: micro_batch_tokens). "auto":
+    on GPUs, what the memory plan fits (a smaller reference pass can make offloading the policy
+    between phases unnecessary); elsewhere None."""
     pack_sequences: bool = False
     """Pack each micro-batch's sequences into one row without padding, within
-    micro_batch_tokens / forward_batch_tokens real tokens: positions restart at 0 with each
-    sequence, from which transformers' sdpa and eager attention build a document mask (no
-    token attends across sequences) and flash attention runs variable-length kernels. For
-    models whose attention masks come from transformers' masking utilities (Llama, Qwen2,
-    Mistral, ...); the log-probabilities equal the padded ones to rounding."""
+    micro_batch_tokens / forward_batch_tokens real tokens. Positions restart at 0 with each
+    sequence. From these positions, transformers' sdpa and eager attention build a document
+    mask (no token attends across sequences), and flash attention runs variable-length kernels.
+    Works for models whose attention masks come from transformers' masking utilities (Llama,
+    Qwen2, Mistral, ...). The log-probabilities equal the padded ones up to rounding."""
     clip_low: float = Field(0.2, ge=0)
     """PPO ratio clip below 1."""
     clip_high: float = Field(0.28, ge=0)
@@ -150,22 +151,24 @@ class TrainerConfig(Table):
     kl_in: Literal["loss", "reward"] = "loss"
     """Where the KL goes: a loss term (GRPO) or a per-token reward penalty (PPO, REINFORCE++)."""
     kl_max: float | None = Field(10.0, gt=0)
-    """Cap on each token's KL estimate, in the loss and in the reward: one token the policy all
-    but forbids cannot decide a batch (a capped token adds kl_max and no gradient). None: off."""
+    """Cap on each token's KL estimate, in the loss and in the reward. With it, one token that
+    the policy gives almost no probability cannot decide a batch; a capped token adds kl_max and
+    no gradient. None: off."""
     kl_target: float | None = Field(None, gt=0)
-    """Adaptive KL (Ziegler et al. 2019): the per-token KL to the reference to steer towards;
-    kl_coef is the starting coefficient, moved by at most 20% per kl_horizon samples (None:
-    a fixed kl_coef)."""
+    """Adaptive KL (Ziegler et al. 2019): the per-token KL to the reference to steer towards.
+    kl_coef is the starting coefficient, and it moves by at most 20% per kl_horizon samples
+    (None: kl_coef stays fixed)."""
     kl_horizon: int = Field(10000, ge=1)
     """Adaptive KL: samples over which the coefficient may move by 20%."""
     reward_norm: Literal["none", "batch", "running"] = "none"
-    """Normalise the scores before the estimator: by this batch's mean and std, or by those of
-    every score so far (checkpointed)."""
+    """Normalise the scores before the estimator: "batch" by this batch's mean and std,
+    "running" by those of every score so far (checkpointed)."""
     reward_clip: float | None = Field(None, gt=0)
     """Clip the (normalised) scores to [-reward_clip, reward_clip] (None: off)."""
     overlong_buffer: int | None = Field(None, ge=1)
-    """DAPO's soft overlong penalty: responses longer than [rollout] max_tokens - this many
-    tokens lose up to overlong_penalty, linearly, reaching it at max_tokens (None: off)."""
+    """DAPO's soft overlong penalty. A response longer than [rollout] max_tokens minus this many
+    tokens loses up to overlong_penalty from its score. The penalty grows linearly and reaches
+    overlong_penalty at max_tokens (None: off)."""
     overlong_penalty: float = Field(1.0, ge=0)
     """The largest overlong penalty."""
     truncated_score: float | None = None
@@ -190,7 +193,7 @@ class TrainerConfig(Table):
     """IcePop: tokens with a ratio above this are dropped from the gradient."""
     sequence_mask: tuple[float, float] | None = None
     """[low, high]: drop whole responses whose geometric-mean ratio pi_trainer / pi_engine is
-    outside, with or without a token-level correction (None: off)."""
+    outside this range. Works with or without a token-level correction (None: off)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     gamma: float = Field(1.0, gt=0, le=1)
@@ -198,22 +201,23 @@ class TrainerConfig(Table):
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda."""
     lora_rank: int = Field(0, ge=0)
-    """LoRA adapters of this rank on lora_targets train instead of the whole policy (0: full
-    fine-tuning). The engines receive the merged weights; the final policy is saved merged,
-    with the adapter under policy/adapter."""
+    """Train LoRA adapters of this rank on lora_targets instead of the whole policy (0: full
+    fine-tuning). The engines receive the merged weights. The final policy is saved merged,
+    and the adapter is saved under policy/adapter."""
     lora_alpha: int = Field(16, ge=1)
     """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A."""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """Module names (suffixes) that get adapters."""
     zero_stage: Annotated[int, Field(ge=0, le=3)] | Literal["auto"] = "auto"
-    """DeepSpeed ZeRO stage (3 shards the parameters too, over the policy's ranks). "auto": on
-    GPUs the fastest stage the memory plan fits (2 before 3), elsewhere 0 (2 with an offload)."""
+    """DeepSpeed ZeRO stage (3 also shards the parameters over the policy's ranks). "auto": on
+    GPUs, the fastest stage that fits the memory plan (2 before 3). Elsewhere 0, or 2 with an
+    offload (3 with offload_params)."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping by global norm."""
     max_skipped_steps: int = Field(3, ge=1)
-    """A step whose gradients hold a NaN or an inf is skipped: no weight, optimizer state or
-    learning-rate change (train/skipped counts it, the log says where the values arose). The
-    run stops at this many skipped steps in a row (policy or critic)."""
+    """A step whose gradients hold a NaN or an inf is skipped: the weights, the optimizer state
+    and the learning rate do not change. train/skipped counts such steps, and the log says where
+    the values arose. The run stops at this many skipped steps in a row (policy or critic)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay (policy and critic)."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -227,23 +231,23 @@ class TrainerConfig(Table):
     """Recompute activations in backward (policy and critic): less memory, ~1/3 more compute.
     "auto": on only where the memory plan needs it (off on CPU)."""
     offload_optimizer: bool | Literal["auto"] = "auto"
-    """DeepSpeed keeps optimizer states in host memory and steps on the CPU (GPU, ZeRO >= 1).
+    """DeepSpeed keeps optimizer states in host memory and steps on the CPU (on GPUs, ZeRO >= 1).
     "auto": only where the memory plan needs it (off on CPU)."""
     offload_params: bool | Literal["auto"] = "auto"
-    """DeepSpeed keeps parameters in host memory (GPU, ZeRO-3). "auto": only where the memory
-    plan needs it (off on CPU)."""
+    """DeepSpeed keeps parameters in host memory (on GPUs, ZeRO-3). "auto": only where the
+    memory plan needs it (off on CPU)."""
     offload_between_phases: bool | Literal["auto"] = "auto"
-    """Hybrid engine: move the policy's (and critic's) optimizer states, gradients and weights
-    to host memory while the rollout engines generate on the same GPUs, and back to train
-    (placement "colocate_all", loop mode "sync", ZeRO >= 1; nothing to move on CPU). "auto":
-    only where the memory plan needs it (off on CPU)."""
+    """Hybrid engine: move the policy's (and the critic's) optimizer states, gradients and
+    weights to host memory while the rollout engines generate on the same GPUs, and back for
+    training. Needs placement "colocate_all", loop mode "sync" and ZeRO >= 1 (on CPU there is
+    nothing to move). "auto": only where the memory plan needs it (off on CPU)."""
 
     _auto: frozenset[str] = PrivateAttr(frozenset())
     _reference_ranks_auto: bool = PrivateAttr(False)
 
     @property
     def auto(self) -> frozenset[str]:
-        """The keys left to the memory plan ("auto"), now holding the CPU defaults, which
+        """The keys left to the memory plan ("auto"). They now hold the CPU defaults, which
         ferrule-launcher's plan replaces on GPUs."""
         return self._auto
 
@@ -459,8 +463,9 @@ class CriticConfig(Table):
     value_clip: float | None = Field(0.2, gt=0)
     """Clip of the value update around the old values (None: off)."""
     init: Literal["policy", "reward_model"] = "policy"
-    """Start the critic from the policy's weights (a new value head), or from the reward model
-    the run scores with (its body and its scalar head: classic RLHF's critic)."""
+    """"policy" starts the critic from the policy's weights with a new value head.
+    "reward_model" starts it from the body and scalar head of the reward model that the run
+    scores with (classic RLHF's critic)."""
 
 
 class RejectionSamplingConfig(Table):
@@ -468,9 +473,9 @@ class RejectionSamplingConfig(Table):
     sample by reward, best-of-n)."""
 
     chosen_min_reward: float | None = None
-    """A prompt's best sample is trained on only when its reward reaches this; none: always.
-    With a partial-credit reward, best-of-n is often still wrong: training on it teaches the
-    error."""
+    """A prompt's best sample is trained on only when its reward reaches this (none: always).
+    With a partial-credit reward, the best of n samples is often still wrong, and training on it
+    teaches the error."""
 
 
 class IterativeDPOConfig(Table):

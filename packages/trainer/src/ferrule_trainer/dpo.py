@@ -54,7 +54,7 @@ class DPOLossConfig(Table):
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """"sigmoid" (DPO) or "ipo" (squared loss on length-averaged log-ratios)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """Conservative DPO: the chance a pair's label is wrong (sigmoid only)."""
+    """Conservative DPO: the assumed probability that a pair's label is wrong (sigmoid only)."""
     nll_coef: float = Field(0.0, ge=0)
     """Weight of the chosen responses' per-token NLL added to the loss (0: none)."""
 

@@ -16,8 +16,8 @@ class Group:
     samples: tuple
     scores: tuple[float, ...]  # the shaped scores that the step trains on
     prompt: object = None
-    """Whatever the caller keeps with the group (the launcher's Problem); the trainer does not
-    look at it."""
+    """Any object that the caller keeps with the group, such as the launcher's Problem. The
+    trainer does not look at it."""
 
     def __post_init__(self):
         if not self.samples or len(self.samples) != len(self.scores):

@@ -40,7 +40,8 @@ class PreferenceDataConfig(Table):
     rejected_key: str = "rejected"
     """Key of the other response (a string)."""
     margin_key: str | None = None
-    """Reward models only: key of a per-pair margin (a number, Llama 2's m(r)); none: no margin."""
+    """Key of a per-pair margin (a number, Llama 2's m(r)), used by reward models only. None:
+    no margin."""
     max_length: int = Field(512, ge=2)
     """Prompt + response is cut to this many tokens."""
 

@@ -11,7 +11,8 @@ from ferrule_trainer.batch import Batch
 from ferrule_trainer.settings import EpochPlan, ForwardPlan, PolicyLoss, PreferenceLoss, ValueLoss
 
 Pending = Callable[[], object]
-"""A call in flight: calling it waits for the result (and raises the callee's error)."""
+"""A call in flight. Calling it waits for the result, and raises the error of the call if it
+failed."""
 
 
 class Ranks(Protocol):

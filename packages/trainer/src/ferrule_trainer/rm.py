@@ -51,7 +51,7 @@ class RMLossConfig(Table):
     """[rm]: the loss."""
 
     loss: Literal["sigmoid", "log_exp"] = "sigmoid"
-    """"sigmoid" (-log sigmoid(chosen - rejected - margin)) or "log_exp" (the same function)."""
+    """"sigmoid" is -log sigmoid(chosen - rejected - margin); "log_exp" is the same function."""
 
 
 class RMConfig(Table):

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from ferrule_trainer.batch import Batch
 
 ATTENTION = "ferrule_sequence_parallel"
-"""The attention implementation name registered with transformers for a model that `install`
-shares sequences of."""
+"""The attention implementation name that `install` registers with transformers and sets on
+the model whose sequences it splits over a group."""
 _GROUPS: dict[int, "SequenceGroup"] = {}  # id(model config) -> the group `install` set
 
 

@@ -45,7 +45,8 @@ class SFTModelConfig(ModelConfig):
     gradient_checkpointing: bool = False
     """Recompute activations in backward: less memory, about a third more compute."""
     lora_rank: int = Field(0, ge=0)
-    """> 0 trains LoRA adapters of this rank instead of all weights (merged into the saved model)."""
+    """Above 0, train LoRA adapters of this rank instead of all weights. The adapters are merged
+    into the saved model."""
     lora_alpha: int = Field(16, ge=1)
     """LoRA scale numerator: the update is B A * lora_alpha / lora_rank."""
 
@@ -72,12 +73,13 @@ class SFTTrainConfig(Table):
     batch_size: int = Field(32, ge=1)
     """Sequences per optimizer step over all ranks."""
     micro_batch_size: int = Field(8, ge=1)
-    """Sequences (rm, dpo: pairs) per forward/backward on one rank, at most."""
+    """The most sequences (for rm and dpo: pairs) per forward/backward on one rank."""
     micro_batch_tokens: int | None = Field(8192, ge=1)
-    """Tokens per forward/backward on one rank, at most (rows x padded length): each rank's
-    share of a step is sorted by length into micro-batches within it, up to micro_batch_size;
-    a sequence (pair) longer than this goes alone. The loss is the same however the step is
-    split. "none": micro_batch_size in data order."""
+    """The most tokens (rows x padded length) per forward/backward on one rank. Each rank sorts
+    its share of a step by length into micro-batches within this budget, each of up to
+    micro_batch_size sequences (or pairs). A sequence (or pair) longer than this goes alone. The
+    loss is the same however the step is split. "none": micro_batch_size per micro-batch, in
+    data order."""
     learning_rate: float = Field(1e-5, gt=0)
     """Peak learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
