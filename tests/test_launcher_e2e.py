@@ -114,10 +114,20 @@ def test_sync_run_learns_and_writes_every_output(tmp_path):
         spent = ", ".join(f"{phase} {t:.1f}" for phase, t in seconds.items())
         assert f"  {role}: {spent} s" in lines
     # the held-out evaluation: 4 samples per prompt scored by the run's reward (char_match),
-    # pass@k over exact answers (reward 1.0), and the task's own greedy exact-match accuracy
+    # pass@k over exact answers (reward 1.0), the task's own greedy exact-match accuracy, and
+    # what its generation cost: 100 prompts x 4 samples + 100 greedy, at most 6 tokens each
+    generation = {"tokens", "seconds", "tokens_per_s", "response_length", "truncated"}
+    generation = {f"generation/{key}" for key in generation} | {"generation/response_length/max"}
     for report in (summary["eval_before"], summary["eval_after"]):
-        assert set(report) == {"reward", "pass@1", "pass@4", "reward_failed", "accuracy"}
+        assert (
+            set(report) == {"reward", "pass@1", "pass@4", "reward_failed", "accuracy"} | generation
+        )
         assert 0 < report["pass@1"] <= report["pass@4"] <= 1 and report["reward_failed"] == 0
+        assert 0 < report["generation/tokens"] <= 500 * 6
+        assert report["generation/response_length"] == report["generation/tokens"] / 500
+        assert 0 < report["generation/response_length/max"] <= 6
+        assert 0 <= report["generation/truncated"] <= 1 and report["generation/seconds"] > 0
+    assert re.search(r"before RL: .*; \d+ tokens in [\d.]+ s, longest \d, \d+% cut", result.stdout)
     assert summary["eval_after"]["reward"] > summary["eval_before"]["reward"]
     assert records[-1]["eval/reward"] == summary["eval_after"]["reward"]
     assert records[-1]["time/eval"] > 0 and "time/eval" not in records[0]  # only where it ran

@@ -2,10 +2,12 @@
 
 import math
 from itertools import combinations
+from types import SimpleNamespace
 
 import pytest
 
-from ferrule_launcher.evaluation import pass_at_k, succeeded, summarize
+from ferrule_launcher.evaluation import generation, pass_at_k, succeeded, summarize
+from ferrule_launcher.outputs import describe_generation
 
 
 @pytest.mark.parametrize(
@@ -77,3 +79,25 @@ def test_summary_refuses_mismatched_or_empty_input():
         summarize([[1.0], [0.0]], ["a"], k=1, threshold=1.0)
     with pytest.raises(ValueError, match="no held-out prompts"):
         summarize([], [], k=1, threshold=1.0)
+
+
+def _sample(tokens: int, finish: str) -> SimpleNamespace:
+    return SimpleNamespace(token_ids=list(range(tokens)), finish_reason=finish)
+
+
+def test_an_evaluations_generation_cost_is_counted_over_its_calls():
+    # the sampled call's short responses and the greedy call's run to the cap: the longest
+    # response, not the mean, explains a slow evaluation
+    sampled = [_sample(3, "stop"), _sample(5, "stop"), _sample(1, "stop"), _sample(7, "stop")]
+    greedy = [_sample(16, "length"), _sample(16, "length")]
+    report = generation([(sampled, 0.5), (greedy, 1.5)])
+    assert report == {
+        "generation/tokens": 48,
+        "generation/seconds": 2.0,
+        "generation/tokens_per_s": 24.0,
+        "generation/response_length": 8.0,
+        "generation/response_length/max": 16,
+        "generation/truncated": pytest.approx(1 / 3),
+    }
+    assert describe_generation(report) == "48 tokens in 2.0 s, longest 16, 33% cut at max_tokens"
+    assert generation([([], 0.0)])["generation/tokens"] == 0  # no held-out sample: no error

@@ -1,4 +1,5 @@
-"""What a held-out evaluation reports: mean reward, pass@1 and pass@k, per source and overall.
+"""What a held-out evaluation reports: mean reward, pass@1 and pass@k, per source and overall;
+and what its generation cost.
 
     groups = [[0.0, 1.0, 1.0, 0.5], ...]        # the n rewards of each held-out prompt
     report = summarize(groups, ["gsm8k", ...], k=4, threshold=1.0)
@@ -58,3 +59,23 @@ def _figures(groups: list[list[float]], k: int, threshold: float) -> dict:
         ]
         figures[f"pass@{kk}"] = sum(per_prompt) / len(per_prompt)
     return figures
+
+
+def generation(calls: list[tuple[list, float]]) -> dict:
+    """What an evaluation's generation cost, over its calls' (samples, seconds): the tokens,
+    their rate, the mean and the longest response and the share cut at max_tokens. The longest
+    response sets how many decode steps a call takes, so it explains a slow evaluation (a
+    random model's greedy responses run to the cap). An episode counts its whole transcript,
+    the environment's tokens included."""
+    samples = [sample for each, _ in calls for sample in each]
+    tokens = [len(s.token_ids) for s in samples]
+    seconds = sum(seconds for _, seconds in calls)
+    return {
+        "generation/tokens": sum(tokens),
+        "generation/seconds": seconds,
+        "generation/tokens_per_s": sum(tokens) / max(seconds, 1e-9),
+        "generation/response_length": sum(tokens) / max(len(tokens), 1),
+        "generation/response_length/max": max(tokens, default=0),
+        "generation/truncated": sum(s.finish_reason == "length" for s in samples)
+        / max(len(samples), 1),
+    }

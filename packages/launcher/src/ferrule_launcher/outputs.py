@@ -290,6 +290,15 @@ def describe_eval(report: dict) -> str:
     return ", ".join(f"{key} {report[key]:.3f}" for key in shown)
 
 
+def describe_generation(report: dict) -> str:
+    """ "51200 tokens in 2.1 s, longest 256, 12% cut at max_tokens": an evaluation's cost."""
+    return (
+        f"{report['generation/tokens']} tokens in {report['generation/seconds']:.1f} s, "
+        f"longest {report['generation/response_length/max']}, "
+        f"{report['generation/truncated']:.0%} cut at max_tokens"
+    )
+
+
 def clear_previous(out: Path) -> None:
     """Remove an old run's outputs, so that a fresh run (no --resume) in the same directory
     does not mix with them."""

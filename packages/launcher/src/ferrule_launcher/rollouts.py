@@ -216,12 +216,14 @@ class Rollouts:
         """The held-out evaluation at `step`: [eval] samples per prompt at the [eval]
         temperature, scored by the run's reward function. The report has mean reward, pass@1
         and pass@k (evaluation.py), and a greedy "accuracy" for the synthetic tasks (exact
-        match) and for multi-turn episodes (a score reaching [eval] threshold). Also returns the
-        first sample of each of the first [output] sample_rows prompts, for the logs' sample
+        match) and for multi-turn episodes (a score reaching [eval] threshold), and what the
+        generation cost ("generation/...": evaluation.generation). Also returns the first sample of each of the first [output] sample_rows prompts, for the logs' sample
         tables."""
         e, held_out = self.config.eval, self.held_out
         n, prompts = e.samples, [p.text for p in held_out]
+        began = time.perf_counter()
         samples, episodes = self.play(held_out, e.temperature, n)
+        generated = [(samples, time.perf_counter() - began)]
         rewards, failed, _ = self.episode_scores(
             held_out, samples, episodes, n, step, f"eval{step}"
         )
@@ -241,6 +243,8 @@ class Rollouts:
             }
             for g in groups[: self.config.output.sample_rows]
         ]
+        greedy = None
+        began = time.perf_counter()
         if episodes is not None:  # the greedy episodes' success: a score reaching the threshold
             greedy, greedy_episodes = self.play(held_out, 0.0, 1)
             scores, _, _ = self.episode_scores(
@@ -252,6 +256,9 @@ class Rollouts:
         elif self.config.task.name != "data":
             greedy = self.generate(prompts, 0.0, 1)
             report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
+        if greedy is not None:
+            generated.append((greedy, time.perf_counter() - began))
+        report.update(evaluation.generation(generated))
         return report, shown
 
 

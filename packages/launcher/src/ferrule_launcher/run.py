@@ -210,7 +210,7 @@ def _evaluate_before(config: Config, loop: Loop, prompts) -> tuple[dict, list[di
     before, shown = loop.rollouts.evaluate(0)
     print(
         f"before RL: {outputs.describe_eval(before)} ({len(prompts.held_out)} held-out prompts, "
-        f"{config.eval.samples} samples each)",
+        f"{config.eval.samples} samples each; {outputs.describe_generation(before)})",
         flush=True,
     )
     return before, shown
