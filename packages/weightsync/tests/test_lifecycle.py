@@ -67,6 +67,27 @@ def test_the_senders_close_ends_every_receivers_loop_without_an_error(transport)
     assert out == {1: ([1, 2, 3], None, None), 2: ([1, 2, 3], None, None)}
 
 
+@pytest.mark.parametrize("transport", ["broadcast", "ipc"])
+def test_a_closed_sender_refuses_to_send_and_a_second_close_is_quiet(transport):
+    # A closed sender's send failed with an AttributeError from deep inside (its store
+    # connection was gone). The broadcast sender's gloo group is also destroyed at close now,
+    # not left for the interpreter's teardown (which once aborted a process at exit in CI).
+    port, out = free_port(), {}
+    thread = threading.Thread(
+        target=lambda: out.setdefault(
+            "receiver", create_receiver(transport, "127.0.0.1", port, 1, 1, timeout=20)
+        )
+    )
+    thread.start()
+    sender = create_sender(transport, "127.0.0.1", port, 1, timeout=20)
+    thread.join()
+    sender.close(timeout=0)
+    with pytest.raises(WeightSyncError, match="this sender is closed; create a new sender"):
+        sender.send(STATE.items())
+    sender.close()
+    out["receiver"].close()
+
+
 @pytest.mark.parametrize("leaves", [True, False], ids=["receiver-closed", "timeout-0"])
 def test_a_sender_closing_does_not_wait_for_receivers_that_left_or_with_timeout_0(leaves):
     port, out = free_port(), {}

@@ -196,13 +196,21 @@ class _Group:
     def abort(self, reason: str) -> None:
         self.broken = reason
         with contextlib.suppress(RuntimeError):  # aborting a group that already failed
-            self.pg.abort()
+            if self.pg is not None:  # None: closed
+                self.pg.abort()
 
     def close(self) -> None:
+        if self.pg is None:  # closed already
+            return
         self.buffers = [None] * len(self.buffers)
         self.views.clear()
         if not self.broken:
             self.pg.shutdown()
+        # Destroy the group now, while the interpreter is whole. A gloo group left for the
+        # interpreter's teardown can abort the process as its worker threads are destroyed
+        # (SIGABRT, "terminate called without an active exception": once in CI, 2026-12-01,
+        # after a sender closed at exit; the failure pytorch/pytorch#179291 describes).
+        self.pg = None
         self.control.close()
 
 
@@ -270,6 +278,7 @@ class BroadcastSender:
         refused the update before any data moved. `in_place` is accepted to match
         `IpcSender.send`; a broadcast moves the bytes either way.
         """
+        self._group.control.check_open()
         self._group.check_usable()
         return self._updates.send(named_tensors, self._send_buckets, version, specs)
 

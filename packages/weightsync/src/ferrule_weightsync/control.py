@@ -116,6 +116,7 @@ class Control:
         self._seal = Seal()  # signs from the end of join() on, when there is a secret
         self._buckets: dict[int, int] = {}  # sender: bucket count of each update, for cleanup
         self._aborted = ""  # set by abort(), from any thread; every wait checks it
+        self.closed = False  # by close(): the store connection is gone
         self._waiting: list[str] = []  # the keys a _wait_all blocks on, for abort() to set
         self._address = (host, port)
         self.where = f"weight-sync group at {host}:{port}"
@@ -494,7 +495,15 @@ class Control:
         for key in keys:
             self.store.delete_key(key)
 
+    def check_open(self) -> None:
+        """For a sender's `send`: a closed sender says so (its store connection is gone)."""
+        if self.closed:
+            raise WeightSyncError(
+                f"{self.where}: this sender is closed; create a new sender and receivers"
+            )
+
     def close(self) -> None:
+        self.closed = True
         del self.store
 
 

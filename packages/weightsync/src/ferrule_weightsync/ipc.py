@@ -279,6 +279,7 @@ class IpcSender:
         new handles). Otherwise the update is packed as usual. If an in-place update is
         aborted, its receivers may have read weights that changed under them afterwards: send
         them a whole update again."""
+        self._control.check_open()
         if specs is None and not hasattr(named_tensors, "__len__"):
             named_tensors = list(named_tensors)
         made_here = specs is None  # specs made from these very tensors need no second check
