@@ -503,8 +503,9 @@ class Control:
             )
 
     def close(self) -> None:
-        self.closed = True
-        del self.store
+        if not self.closed:  # a receiver closed twice
+            self.closed = True
+            del self.store
 
 
 CONNECT_ATTEMPT = 2.0  # seconds a connection to the store may take before a fresh one is tried
