@@ -217,10 +217,10 @@ class Rollouts:
         temperature, scored by the run's reward function. The report has mean reward, pass@1
         and pass@k (evaluation.py), and a greedy "accuracy" for the synthetic tasks (exact
         match) and for multi-turn episodes (a score reaching [eval] threshold), and what the
-        generation cost ("generation/...": evaluation.generation). Also returns the first sample of each of the first [output] sample_rows prompts, for the logs' sample
-        tables."""
+        generation cost ("generation/...": evaluation.generation). Also returns the first sample
+        of each of the first [output] sample_rows prompts, for the logs' sample tables."""
         e, held_out = self.config.eval, self.held_out
-        n, prompts = e.samples, [p.text for p in held_out]
+        n = e.samples
         began = time.perf_counter()
         samples, episodes = self.play(held_out, e.temperature, n)
         generated = [(samples, time.perf_counter() - began)]
@@ -243,21 +243,18 @@ class Rollouts:
             }
             for g in groups[: self.config.output.sample_rows]
         ]
-        greedy = None
-        began = time.perf_counter()
-        if episodes is not None:  # the greedy episodes' success: a score reaching the threshold
+        if episodes is not None or self.config.task.name != "data":
+            began = time.perf_counter()  # the greedy call alone: its scoring is not generation
             greedy, greedy_episodes = self.play(held_out, 0.0, 1)
-            scores, _, _ = self.episode_scores(
-                held_out, greedy, greedy_episodes, 1, step, f"eval{step}/greedy"
-            )
-            report["accuracy"] = sum(evaluation.succeeded(s, e.threshold) for s in scores) / len(
-                scores
-            )
-        elif self.config.task.name != "data":
-            greedy = self.generate(prompts, 0.0, 1)
-            report["accuracy"] = accuracy([s.text for s in greedy], self.held_out)
-        if greedy is not None:
             generated.append((greedy, time.perf_counter() - began))
+            if greedy_episodes is not None:  # success: a score reaching the threshold
+                scores, _, _ = self.episode_scores(
+                    held_out, greedy, greedy_episodes, 1, step, f"eval{step}/greedy"
+                )
+                succeeded = [evaluation.succeeded(s, e.threshold) for s in scores]
+                report["accuracy"] = sum(succeeded) / len(scores)
+            else:  # the synthetic tasks: exact match
+                report["accuracy"] = accuracy([s.text for s in greedy], held_out)
         report.update(evaluation.generation(generated))
         return report, shown
 
